@@ -1,0 +1,96 @@
+"""Byte layout of one KV page and one state slot, computed from layer specs.
+
+A **KV page** holds ``block_size`` tokens of K and V for *every* attention layer, so one block
+table per sequence serves all attention layers. A **state slot** holds one sequence's recurrent
+state for *every* state layer. Inside a page or slot each tensor starts at a multiple of
+``ALIGN`` bytes, so every typed view is aligned whatever the mix of dtypes (fp8 KV beside
+float32 SSM state and bf16 conv state, say).
+
+Worked example (a Bamba-like model in bf16 with float32 SSM state; 2 attention layers with 8 KV
+heads of 128, 2 Mamba2 layers with conv_dim 6144, kernel 4, 64 heads x 64 x 128 state):
+
+* KV page, block_size 16: per layer K = 16*8*128*2 B = 32,768 B, V the same, so a page is
+  2 layers * 65,536 B = 131,072 B (64 KiB per layer, 8,192 B per token across layers).
+* State slot: conv 6144*3*2 B = 36,864 B, ssm 64*64*128*4 B = 2,097,152 B per layer, so a slot is
+  2 * 2,134,016 B = 4,268,032 B. Both are already multiples of 64, so padding is 0 B.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.cache.spec import LayerCacheSpec, dtype_size
+
+ALIGN = 64
+
+
+def align_up(n: int, alignment: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one typed tensor lives inside a page or a slot."""
+
+    layer: int
+    name: str
+    offset: int  # bytes from the start of the page / slot
+    shape: tuple[int, ...]  # per page (KV) or per slot (state)
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Placement of every cached tensor inside a KV page and inside a state slot."""
+
+    block_size: int
+    page_bytes: int
+    slot_bytes: int
+    kv_placements: tuple[TensorPlacement, ...]
+    state_placements: tuple[TensorPlacement, ...]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Exact K+V bytes of one token over all attention layers (no padding)."""
+        return sum(p.nbytes for p in self.kv_placements) // max(self.block_size, 1)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Exact recurrent-state bytes of one sequence over all state layers (no padding)."""
+        return sum(p.nbytes for p in self.state_placements)
+
+    @property
+    def has_kv(self) -> bool:
+        return self.page_bytes > 0
+
+    @property
+    def has_state(self) -> bool:
+        return self.slot_bytes > 0
+
+
+def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
+    """Place every layer's tensors into one page layout and one slot layout."""
+    kv: list[TensorPlacement] = []
+    state: list[TensorPlacement] = []
+    page_off = 0
+    slot_off = 0
+    for spec in specs:
+        if spec.attention is not None:
+            a = spec.attention
+            for name in ("k", "v"):
+                p = TensorPlacement(spec.index, name, page_off, (block_size, a.num_kv_heads, a.head_size), a.dtype)
+                kv.append(p)
+                page_off = align_up(page_off + p.nbytes)
+        for t in spec.state:
+            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype)
+            state.append(p)
+            slot_off = align_up(slot_off + p.nbytes)
+    return PoolLayout(block_size, page_off, slot_off, tuple(kv), tuple(state))

@@ -1,0 +1,96 @@
+"""Cache specs: what each layer needs cached, in which dtype.
+
+Every layer that caches anything declares one :class:`LayerCacheSpec`. The pool, block manager,
+planner and runner only ever see specs; no model builds a cache of its own.
+
+* Attention KV is per token: ``AttentionSpec(num_kv_heads, head_size, dtype)`` stores K and V,
+  each ``(num_kv_heads, head_size)`` per token, in pages of ``block_size`` tokens.
+* Recurrent state is per sequence: a tuple of named ``StateTensorSpec(name, shape, dtype)``.
+  A state tensor has a role, ``conv`` (follows ``mamba_cache_dtype``) or ``temporal``
+  (follows ``mamba_ssm_cache_dtype``), resolved by the layer through :class:`CacheDtypes`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.config import ResolvedDtypes, dtype_name
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    """Bytes per element of a dtype."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Per-token K and V of one attention layer."""
+
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K plus V bytes for one token."""
+        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateTensorSpec:
+    """One named recurrent-state tensor, shape per sequence."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """Everything one layer caches: optional attention KV and any number of state tensors."""
+
+    index: int
+    kind: str
+    attention: AttentionSpec | None = None
+    state: tuple[StateTensorSpec, ...] = ()
+
+    def describe(self) -> dict:
+        """The ``cache_layout()`` entry for this layer."""
+        tensors = []
+        if self.attention is not None:
+            a = self.attention
+            for name in ("k", "v"):
+                tensors.append({"name": name, "shape": [a.num_kv_heads, a.head_size], "dtype": dtype_name(a.dtype)})
+        for t in self.state:
+            tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)})
+        return {"index": self.index, "kind": self.kind, "tensors": tensors}
+
+
+@dataclass(frozen=True)
+class CacheDtypes:
+    """The dtypes a layer uses to build its spec: by role, never by model."""
+
+    kv: torch.dtype
+    conv: torch.dtype
+    temporal: torch.dtype
+
+    @classmethod
+    def from_resolved(cls, resolved: ResolvedDtypes) -> "CacheDtypes":
+        return cls(kv=resolved.kv_cache, conv=resolved.conv_state, temporal=resolved.ssm_state)
+
+    def conv_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
+        return StateTensorSpec(name, tuple(shape), self.conv)
+
+    def temporal_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
+        return StateTensorSpec(name, tuple(shape), self.temporal)
+
+    def attention(self, num_kv_heads: int, head_size: int, sliding_window: int | None = None) -> AttentionSpec:
+        return AttentionSpec(num_kv_heads, head_size, self.kv, sliding_window)

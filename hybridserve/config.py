@@ -1,0 +1,205 @@
+"""Engine options: one validated dataclass, dtype resolution and the config fingerprint.
+
+The four dtype knobs follow DESIGN.md exactly:
+
+* ``dtype``: weights and activations; ``auto`` is the checkpoint's ``dtype``/``torch_dtype``
+  (float32 when absent).
+* ``kv_cache_dtype``: attention K and V; ``auto`` is the model dtype.
+* ``mamba_cache_dtype``: conv states; ``auto`` is the model dtype.
+* ``mamba_ssm_cache_dtype``: recurrent ("temporal") states; ``auto`` is a dtype the checkpoint
+  declares (``mamba_ssm_cache_dtype`` or ``mamba_ssm_dtype``), else the resolved conv-state dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MODEL_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    **MODEL_DTYPES,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
+DEVICES = ("auto", "cpu", "cuda")
+
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+                  "fp16": "float16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The option-style name of a torch dtype ("bfloat16", "fp8_e4m3", ...)."""
+    for table in (KV_CACHE_DTYPES,):
+        for name, value in table.items():
+            if value == dtype:
+                return name
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        if isinstance(value, torch.dtype):
+            value = dtype_name(value)
+        else:
+            raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
+    canonical = _DTYPE_ALIASES.get(value.lower(), value.lower())
+    if canonical not in allowed:
+        raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
+    return canonical
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte count given as an int or a string such as "2GiB", "512MB", "1e9"."""
+    if isinstance(value, bool):
+        raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None:
+            raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
+        number, unit = match.group(1), (match.group(2) or "").lower()
+        size = int(float(number) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"cache_memory={value!r} must be a positive size")
+    return size
+
+
+@dataclass(frozen=True)
+class ResolvedDtypes:
+    """The concrete dtypes an engine runs with."""
+
+    model: torch.dtype
+    kv_cache: torch.dtype
+    conv_state: torch.dtype
+    ssm_state: torch.dtype
+
+    def as_names(self) -> dict[str, str]:
+        return {
+            "dtype": dtype_name(self.model),
+            "kv_cache_dtype": dtype_name(self.kv_cache),
+            "mamba_cache_dtype": dtype_name(self.conv_state),
+            "mamba_ssm_cache_dtype": dtype_name(self.ssm_state),
+        }
+
+
+@dataclass
+class EngineConfig:
+    """Every option of the engine, validated on construction.
+
+    ``model`` is a checkpoint directory. ``cache_memory`` is the byte budget of the one cache pool
+    that holds attention KV and recurrent state together.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    cache_memory: int | str = "1GiB"
+    block_size: int = 16
+    device: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+    enable_progress_bar: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.dtype = _check_choice("dtype", self.dtype, ("auto", *MODEL_DTYPES))
+        self.kv_cache_dtype = _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
+        self.mamba_cache_dtype = _check_choice("mamba_cache_dtype", self.mamba_cache_dtype, ("auto", *STATE_DTYPES))
+        self.mamba_ssm_cache_dtype = _check_choice(
+            "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *STATE_DTYPES))
+        self.device = _check_choice("device", self.device, DEVICES)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _check_positive_int("max_model_len", self.max_model_len)
+        if not 1 <= self.block_size <= 64:
+            raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed={self.seed!r} must be an integer")
+        self.cache_memory = parse_size(self.cache_memory)
+
+    def resolve_device(self) -> torch.device:
+        """The torch device: ``auto`` picks CUDA when available."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available; allowed here: auto, cpu")
+        return torch.device(self.device)
+
+    def resolve_dtypes(self, hf_config: Any) -> ResolvedDtypes:
+        """Resolve every ``auto`` against the checkpoint's config (DESIGN.md's table)."""
+        model = MODEL_DTYPES[self.dtype] if self.dtype != "auto" else checkpoint_dtype(hf_config)
+        kv = model if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
+        conv = model if self.mamba_cache_dtype == "auto" else STATE_DTYPES[self.mamba_cache_dtype]
+        if self.mamba_ssm_cache_dtype != "auto":
+            ssm = STATE_DTYPES[self.mamba_ssm_cache_dtype]
+        else:
+            ssm = checkpoint_ssm_dtype(hf_config) or conv
+        return ResolvedDtypes(model=model, kv_cache=kv, conv_state=conv, ssm_state=ssm)
+
+    def fingerprint(self, resolved: ResolvedDtypes | None = None) -> str:
+        """A short hash over every field that changes results (and the resolved dtypes)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("enable_progress_bar",)}
+        if resolved is not None:
+            fields["resolved"] = resolved.as_names()
+        blob = json.dumps(fields, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _dtype_from_config_value(value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        return value if value in MODEL_DTYPES.values() else None
+    name = _DTYPE_ALIASES.get(str(value).lower().removeprefix("torch."), str(value).lower().removeprefix("torch."))
+    return MODEL_DTYPES.get(name)
+
+
+def checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    """The checkpoint's declared weight dtype, float32 when it declares none."""
+    for key in ("dtype", "torch_dtype"):
+        found = _dtype_from_config_value(getattr(hf_config, key, None))
+        if found is not None:
+            return found
+    return torch.float32
+
+
+def checkpoint_ssm_dtype(hf_config: Any) -> torch.dtype | None:
+    """A recurrent-state dtype declared by the checkpoint (``mamba_ssm_cache_dtype``/``mamba_ssm_dtype``)."""
+    for key in ("mamba_ssm_cache_dtype", "mamba_ssm_dtype"):
+        value = getattr(hf_config, key, None)
+        if value in (None, "auto"):
+            continue
+        found = _dtype_from_config_value(value)
+        if found is not None:
+            return found
+    return None

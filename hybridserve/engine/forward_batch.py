@@ -1,0 +1,52 @@
+"""Metadata of one batched forward step, built once per step as tensors.
+
+The scheduled sequences are ordered decodes first (one new token each), then prefills (one chunk
+each). Layers read two :class:`SeqGroup` views: ``decode`` and ``prefill``; each carries token
+offsets into the packed ``(T, ...)`` activations and per-sequence tensors for the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridserve.cache.pool import LayerCache
+
+
+@dataclass
+class SeqGroup:
+    """A contiguous run of sequences in the packed batch."""
+
+    token_start: int
+    token_end: int
+    cu_seqlens_q: torch.Tensor  # (S+1,) int64, local to the group
+    seq_lens: torch.Tensor  # (S,) int64 context length after this step
+    block_tables: torch.Tensor | None  # (S, max_blocks) int64, or None without attention
+    state_indices: torch.Tensor | None  # (S,) int64 slot ids, or None without state
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+    @property
+    def tokens(self) -> slice:
+        return slice(self.token_start, self.token_end)
+
+
+@dataclass
+class ForwardBatch:
+    """Everything a model forward needs beyond token ids and positions."""
+
+    slot_mapping: torch.Tensor | None  # (T,) int64 KV write positions: page * block_size + offset
+    decode: SeqGroup | None
+    prefill: SeqGroup | None
+    caches: dict[int, LayerCache] = field(default_factory=dict)
+
+    @property
+    def groups(self) -> list[SeqGroup]:
+        return [g for g in (self.decode, self.prefill) if g is not None]

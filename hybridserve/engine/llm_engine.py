@@ -1,0 +1,237 @@
+"""The engine: requests in, one batched step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+
+from hybridserve.cache.layout import compute_layout
+from hybridserve.cache.manager import CacheManager
+from hybridserve.cache.pool import CachePool
+from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.config import EngineConfig, ResolvedDtypes, dtype_name
+from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.engine.sampler import sample
+from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.sequence import Sequence, SequenceStatus
+from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.models.loader import build_model, load_hf_config
+from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLMEngine:
+    """Loads a checkpoint, owns the pool, schedules and runs steps.
+
+    ``add_request`` validates and queues; ``step`` runs one batched forward and returns the
+    outputs of the requests it advanced; ``abort_request`` frees a request's cache at once.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.model is None:
+            raise ValueError("model is required: a checkpoint directory")
+        self.config = config
+        self.device = config.resolve_device()
+        self.hf_config = load_hf_config(config.model)
+        self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
+        torch.manual_seed(config.seed)
+        self.model = build_model(config.model, self.hf_config, self.dtypes.model,
+                                 CacheDtypes.from_resolved(self.dtypes), self.device)
+        self.specs: list[LayerCacheSpec] = self.model.cache_specs()
+        self.layout = compute_layout(self.specs, config.block_size)
+        self.pool = CachePool(self.layout, config.cache_memory, self.device)
+        self.cache = CacheManager(self.pool)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.max_model_len = config.max_model_len or _default_max_model_len(self.hf_config)
+        self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
+        self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.fingerprint = config.fingerprint(self.dtypes)
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        """Validate and queue a request; raises ValueError on bad input (nothing is queued then)."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n} is not supported by the offline engine step; use n=1")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if not self.cache.fits_at_all(len(ids) + max_tokens):
+            raise ValueError(f"a request of {len(ids) + max_tokens} tokens does not fit in cache_memory="
+                             f"{self.config.cache_memory} bytes; raise cache_memory or lower max_tokens")
+        if params.max_tokens is None:
+            params = _with_max_tokens(params, max_tokens)
+        seq = Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its cache now (unknown or finished ids are ignored)."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward; return outputs of the requests that advanced or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the cache pool cannot hold the next waiting request")
+            return []
+        logits = self.runner.run(plan.scheduled)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+        if logits.prompt_logits is not None:
+            self._record_prompt_logprobs(logits)
+        touched: list[Sequence] = []
+        if logits.sample_seqs:
+            seqs = [it.seq for it in logits.sample_seqs]
+            result = sample(logits.sample_logits, [s.params for s in seqs], [s.generator for s in seqs],
+                            self.generator)
+            for row, seq in enumerate(seqs):
+                self._append_token(seq, row, result)
+                touched.append(seq)
+        return [self._output(seq) for seq in touched]
+
+    def _record_prompt_logprobs(self, logits) -> None:
+        all_lp = torch.log_softmax(logits.prompt_logits, dim=-1)  # (R, V)
+        row = 0
+        for item, start, count in logits.prompt_seqs:
+            seq = item.seq
+            k = seq.params.prompt_logprobs or 0
+            block = all_lp[row:row + count]
+            row += count
+            targets = torch.tensor(seq.prompt_token_ids[start + 1:start + 1 + count])
+            target_lp = block.gather(1, targets[:, None].to(block.device))[:, 0]
+            ranks = (block > target_lp[:, None]).sum(-1) + 1
+            top_v, top_i = block.topk(k, dim=-1) if k > 0 else (None, None)
+            for j in range(count):
+                if len(seq.prompt_logprobs) != start + 1 + j:
+                    continue  # already recorded before a preemption
+                entry = {}
+                if k > 0:
+                    for tid, lp in zip(top_i[j].tolist(), top_v[j].tolist()):
+                        entry[tid] = Logprob(lp, None)
+                    for rank, tid in enumerate(top_i[j].tolist(), start=1):
+                        entry[tid].rank = rank
+                tid = int(targets[j])
+                entry[tid] = Logprob(float(target_lp[j]), int(ranks[j]))
+                seq.prompt_logprobs.append(self.detokenizer.annotate(entry))
+
+    def _append_token(self, seq: Sequence, row: int, result) -> None:
+        token = result.token_ids[row]
+        seq.output_token_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        seq.cumulative_logprob += result.sampled_logprobs[row]
+        if seq.params.logprobs is not None:
+            entry = {tid: Logprob(lp, rank) for rank, (tid, lp) in
+                     enumerate(zip(result.top_ids[row], result.top_logprobs[row]), start=1)}
+            if token not in entry:
+                entry[token] = Logprob(result.sampled_logprobs[row], result.sampled_ranks[row])
+            seq.output_logprobs.append(self.detokenizer.annotate(entry))
+        self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        num_out = len(seq.output_token_ids)
+        text_before = seq.output_text
+        seq.output_text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token == seq.eos_token_id:
+                self.scheduler.finish(seq, "stop", None)
+                return
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.scheduler.finish(seq, "stop", token)
+                return
+            for stop in params.stop_strings:
+                start = max(0, len(text_before) - len(stop))
+                pos = seq.output_text.find(stop, start)
+                if pos >= 0:
+                    end = pos + len(stop) if params.include_stop_str_in_output else pos
+                    seq.output_text = seq.output_text[:end]
+                    self.scheduler.finish(seq, "stop", stop)
+                    return
+        if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        if seq.is_finished:
+            self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
+                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+                             [completion], seq.is_finished)
+
+    # ----------------------------------------------------------------- inspect
+    def cache_layout(self) -> dict[str, Any]:
+        """Resolved dtypes, every layer's cached tensors, and pool totals (what the engine really uses)."""
+        layout = self.layout
+        return {
+            **self.dtypes.as_names(),
+            "layers": [spec.describe() for spec in self.specs],
+            "block_size": layout.block_size,
+            "kv_bytes_per_token": layout.kv_bytes_per_token,
+            "state_bytes_per_sequence": layout.state_bytes_per_sequence,
+            "page_bytes": layout.page_bytes,
+            "slot_bytes": layout.slot_bytes,
+            "pool_bytes": self.pool.num_bytes,
+            "num_pages": self.pool.num_pages,
+            "num_slots": self.pool.num_slots,
+        }
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    import copy
+
+    params = copy.copy(params)
+    params.max_tokens = max_tokens
+    return params
+
+
+def _default_max_model_len(hf_config: Any) -> int:
+    value = getattr(hf_config, "max_position_embeddings", None)
+    return int(min(value, DEFAULT_MAX_MODEL_LEN)) if value else DEFAULT_MAX_MODEL_LEN
+
+
+def _eos_token_id(hf_config: Any, detok: "Detokenizer") -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    if eos is None and detok.tokenizer is not None:
+        eos = detok.tokenizer.eos_token_id
+    return eos
+
+
+__all__ = ["LLMEngine", "SequenceStatus", "dtype_name"]

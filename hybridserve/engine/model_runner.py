@@ -1,0 +1,98 @@
+"""Builds each step's batch metadata and runs one batched forward for all scheduled sequences."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.cache.pool import CachePool
+from hybridserve.engine.forward_batch import ForwardBatch, SeqGroup
+from hybridserve.engine.scheduler import ScheduledSeq
+from hybridserve.models.base import CausalLM
+
+
+@dataclass
+class StepLogits:
+    """Logits of one step, split by use."""
+
+    order: list[ScheduledSeq]  # the scheduled sequences in batch order (decodes first)
+    sample_seqs: list[ScheduledSeq]  # sequences that reached their last token and sample now
+    sample_logits: torch.Tensor  # (len(sample_seqs), V) float32
+    prompt_seqs: list[tuple[ScheduledSeq, int, int]]  # (seq, first prompt position, count)
+    prompt_logits: torch.Tensor | None  # (sum of counts, V) float32
+
+
+def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+class ModelRunner:
+    """Owns the model and the cache pool's views; turns a schedule into logits."""
+
+    def __init__(self, model: CausalLM, pool: CachePool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.block_size = pool.layout.block_size
+        self.has_kv = pool.layout.has_kv
+        self.has_state = pool.layout.has_state
+
+    def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
+        if not items:
+            return None
+        cu = [0]
+        for it in items:
+            cu.append(cu[-1] + it.num_tokens)
+        seq_lens = [it.seq.num_computed_tokens + it.num_tokens for it in items]
+        block_tables = None
+        if self.has_kv:
+            width = max(len(it.seq.block_table) for it in items)
+            block_tables = _int_tensor([it.seq.block_table + [0] * (width - len(it.seq.block_table))
+                                        for it in items], self.device)  # (S, width)
+        state_indices = _int_tensor([it.seq.state_slot for it in items], self.device) if self.has_state else None
+        return SeqGroup(token_start, token_start + cu[-1], _int_tensor(cu, self.device),
+                        _int_tensor(seq_lens, self.device), block_tables, state_indices)
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
+        """One forward over every scheduled sequence (decodes first, then prefill chunks)."""
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        order = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[ScheduledSeq] = []
+        prompt_rows: list[int] = []
+        prompt_seqs: list[tuple[ScheduledSeq, int, int]] = []
+        bs = self.block_size
+        for item in order:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
+            offset = len(input_ids)
+            input_ids.extend(seq.all_token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            if self.has_kv:
+                table = seq.block_table
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if start + n == seq.num_tokens:
+                sample_rows.append(offset + n - 1)
+                sample_seqs.append(item)
+            if seq.wants_prompt_logprobs:
+                last = min(start + n, len(seq.prompt_token_ids) - 1)  # positions predicting a prompt token
+                if last > start:
+                    prompt_rows.extend(range(offset, offset + last - start))
+                    prompt_seqs.append((item, start, last - start))
+        batch = ForwardBatch(
+            slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
+            decode=self._group(decodes, 0),
+            prefill=self._group(prefills, len(decodes)),
+            caches=self.pool.layer_caches,
+        )
+        hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
+        sample_logits = self.model.compute_logits(hidden[_int_tensor(sample_rows, self.device)])
+        prompt_logits = None
+        if prompt_rows:
+            prompt_logits = self.model.compute_logits(hidden[_int_tensor(prompt_rows, self.device)])
+        return StepLogits(order, sample_seqs, sample_logits, prompt_seqs, prompt_logits)

@@ -1,0 +1,75 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    sampled_logprobs: list[float]  # log-probability of each sampled token (raw model distribution)
+    sampled_ranks: list[int]  # 1-based rank of each sampled token
+    top_ids: list[list[int]]  # per row, the top-k token ids (k = that request's logprobs), best first
+    top_logprobs: list[list[float]]
+
+
+def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p row by row params, batched. logits: (N, V) float32."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype,
+                         device=logits.device)
+    logits = logits / temps[:, None]
+    top_ks = [p.top_k for p in params]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[-1]
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        sorted_desc = logits.sort(dim=-1, descending=True).values  # (N, V)
+        kth = sorted_desc.gather(1, (ks - 1)[:, None])  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+        sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending
+        cum = sorted_logits.softmax(-1).cumsum(-1)  # (N, V)
+        drop_sorted = cum <= (1 - top_ps[:, None])
+        drop_sorted[:, -1] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if any(p.min_p > 0 for p in params):
+        min_ps = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+        probs = logits.softmax(-1)
+        threshold = probs.max(-1, keepdim=True).values * min_ps[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           default_generator: torch.Generator) -> SampleResult:
+    """Pick one token per row of ``logits`` (N, V) float32 under each row's params."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # (N, V) raw distribution, reported to users
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    chosen = logits.argmax(dim=-1)  # (N,)
+    if not bool(greedy.all()):
+        probs = _processed_logits(logits, params).softmax(-1).cpu()  # (N, V)
+        picks = chosen.cpu().clone()
+        for row, p in enumerate(params):
+            if p.greedy:
+                continue
+            gen = generators[row] or default_generator
+            picks[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
+        chosen = picks.to(logits.device)
+    sampled_lp = logprobs.gather(1, chosen[:, None])[:, 0]  # (N,)
+    ranks = (logprobs > sampled_lp[:, None]).sum(-1) + 1  # (N,)
+    max_k = max((p.logprobs or 0) for p in params)
+    top_ids: list[list[int]] = [[] for _ in params]
+    top_lps: list[list[float]] = [[] for _ in params]
+    if max_k > 0:
+        values, ids = logprobs.topk(max_k, dim=-1)  # (N, k)
+        values, ids = values.tolist(), ids.tolist()
+        for row, p in enumerate(params):
+            k = p.logprobs or 0
+            top_ids[row], top_lps[row] = ids[row][:k], values[row][:k]
+    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks.tolist(), top_ids, top_lps)

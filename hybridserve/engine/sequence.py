@@ -1,0 +1,65 @@
+"""One request's tokens, cache holdings and progress."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from hybridserve.outputs import PositionLogprobs
+from hybridserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request being generated: prompt, output so far, and what it holds in the cache pool."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival: int, prompt: str | None = None, eos_token_id: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival
+        self.eos_token_id = eos_token_id
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
+        self.block_table: list[int] = []
+        self.state_slot: int | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.output_logprobs: list[PositionLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[PositionLogprobs | None] = [None] if params.prompt_logprobs is not None else []
+        self.output_text = ""
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet run through the model."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

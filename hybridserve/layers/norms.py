@@ -1,0 +1,43 @@
+"""RMS norms (computed in float32, as HF does)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``; the normalization runs in float32, the result is cast back first."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.zero_centered = zero_centered  # weight stored as (gamma - 1), as in Qwen3-Next
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * xf.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba2's gated group RMS norm: ``norm(x * silu(gate))`` over groups of ``group_size``."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()  # (T, D)
+        if gate is not None:
+            xf = xf * nn.functional.silu(gate.float())
+        grouped = xf.view(*xf.shape[:-1], -1, self.group_size)  # (T, G, D/G)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view_as(xf).to(dtype)

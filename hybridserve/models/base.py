@@ -1,0 +1,75 @@
+"""Shared pieces of every causal LM: cache-spec collection, logits, tied embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.cache.spec import LayerCacheSpec
+from hybridserve.engine.forward_batch import ForwardBatch
+
+
+def merge_specs(specs: list[LayerCacheSpec]) -> list[LayerCacheSpec]:
+    """One spec per cache index: a layer with attention and state (Falcon-H1) gets both, kinds joined."""
+    by_index: dict[int, LayerCacheSpec] = {}
+    for spec in specs:
+        old = by_index.get(spec.index)
+        if old is None:
+            by_index[spec.index] = spec
+            continue
+        if old.attention is not None and spec.attention is not None:
+            raise ValueError(f"layer {spec.index} declares two attention caches")
+        by_index[spec.index] = LayerCacheSpec(spec.index, f"{old.kind}+{spec.kind}",
+                                              old.attention or spec.attention, old.state + spec.state)
+    return [by_index[i] for i in sorted(by_index)]
+
+
+class CausalLM(nn.Module):
+    """Base class: subclasses set ``self.lm_head`` and implement ``forward``.
+
+    ``forward(input_ids (T,), positions (T,), batch) -> hidden (T, hidden)``; ``compute_logits``
+    maps selected hidden rows to float32 logits.
+    """
+
+    #: HF weight names that may be absent from a checkpoint (e.g. a tied ``lm_head.weight``).
+    tied_weights: dict[str, str] = {}
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.logits_scale = 1.0
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        """Every cache spec declared by a submodule (attribute ``spec``), merged per index."""
+        specs = [m.spec for m in self.modules() if isinstance(getattr(m, "spec", None), LayerCacheSpec)]
+        return merge_specs(specs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden) -> logits (N, vocab) in float32."""
+        logits = self.lm_head(hidden).float()
+        return logits * self.logits_scale if self.logits_scale != 1.0 else logits
+
+    def tie_weights_if_needed(self) -> None:
+        """Share the LM head with the embeddings when the config ties them."""
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            for dst, src in self.tied_weights.items():
+                owner, name = _resolve(self, dst)
+                setattr(owner, name, _resolve_param(self, src))
+
+
+def _resolve(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, name = dotted.split(".")
+    mod = root
+    for p in path:
+        mod = getattr(mod, p)
+    return mod, name
+
+
+def _resolve_param(root: nn.Module, dotted: str) -> nn.Parameter:
+    owner, name = _resolve(root, dotted)
+    return getattr(owner, name)

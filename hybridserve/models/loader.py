@@ -1,0 +1,112 @@
+"""Load a checkpoint directory in the HF layout: config.json, safetensors weights, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from hybridserve.cache.spec import CacheDtypes
+from hybridserve.models.base import CausalLM
+from hybridserve.models.registry import model_class
+
+
+def load_hf_config(path: str) -> Any:
+    """config.json through transformers' AutoConfig (older key names are converted there)."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise ValueError(f"model={path!r} is not a directory holding a checkpoint")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model={path!r} has no config.json")
+    return AutoConfig.from_pretrained(path)
+
+
+def architecture_of(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError("config.json names no architecture ('architectures' is empty)")
+    return archs[0]
+
+
+def weight_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files (sharded through its index when there is one)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path!r}")
+    return [os.path.join(path, f) for f in files]
+
+
+def _rename(name: str, renames: list[tuple[str, str]]) -> str:
+    for pattern, repl in renames:
+        name = re.sub(pattern, repl, name)
+    return name
+
+
+def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Load every parameter strictly: missing, unexpected and mis-shaped weights are errors naming them."""
+    renames = getattr(model, "checkpoint_renames", [])
+    expected = dict(model.named_parameters())
+    tied = set(model.tied_weights) if getattr(model.hf_config, "tie_word_embeddings", False) else set()
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected: list[str] = []
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for raw in f.keys():
+                name = _rename(raw, renames)
+                if name not in expected:
+                    unexpected.append(raw)
+                    continue
+                loaded[name] = f.get_tensor(raw)
+    missing = [n for n in expected if n not in loaded and n not in tied]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path!r} does not match {type(model).__name__}: "
+                         f"missing weights {missing[:20]}{'...' if len(missing) > 20 else ''}; "
+                         f"unexpected weights {unexpected[:20]}{'...' if len(unexpected) > 20 else ''}")
+    bad = [f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(expected[n].shape)}"
+           for n, t in loaded.items() if tuple(t.shape) != tuple(expected[n].shape)]
+    if bad:
+        raise ValueError(f"checkpoint {path!r} has weights of the wrong shape: " + "; ".join(bad[:20]))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, tensor in loaded.items():
+            target = expected[name]
+            target_dtype = dtype if target.is_floating_point() else target.dtype
+            owner, attr = _owner(model, name)
+            getattr(owner, attr).data = tensor.to(device=device, dtype=target_dtype)
+    model.to(dtype=dtype)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    model.tie_weights_if_needed()
+
+
+def _owner(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, attr = dotted.split(".")
+    mod = model
+    for p in path:
+        mod = getattr(mod, p)
+    return mod, attr
+
+
+def build_model(path: str, hf_config: Any, dtype: torch.dtype, dtypes: CacheDtypes,
+                device: torch.device) -> CausalLM:
+    """Construct the model on the meta device, then load its weights in ``dtype`` on ``device``."""
+    cls = model_class(architecture_of(hf_config))
+    with torch.device("meta"):
+        model = cls(hf_config, dtypes)
+    load_weights(model, path, dtype, device)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,31 @@
+"""Architecture name -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("hybridserve.models.llama", "LlamaForCausalLM"),
+    "Mamba2ForCausalLM": ("hybridserve.models.mamba2", "Mamba2ForCausalLM"),
+    "BambaForCausalLM": ("hybridserve.models.bamba", "BambaForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("hybridserve.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "NemotronHForCausalLM": ("hybridserve.models.nemotron_h", "NemotronHForCausalLM"),
+}
+
+
+def register(architecture: str, module: str, class_name: str) -> None:
+    """Register a model class under its HF architecture name."""
+    _MODELS[architecture] = (module, class_name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(architecture: str) -> type:
+    """The model class for an HF architecture name, or a ValueError listing the supported ones."""
+    if architecture not in _MODELS:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: "
+                         + ", ".join(supported_architectures()))
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

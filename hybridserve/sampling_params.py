@@ -1,0 +1,86 @@
+"""Per-request sampling options (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature=0`` is greedy. ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
+    for each generated token; ``prompt_logprobs=k`` the same for each prompt token after the first.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name}={getattr(self, name)!r} is not valid: {rule}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0 or value > 20):
+                raise bad(name, "must be an integer between 0 and 20, or None")
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif self.stop is None:
+            self._stop_list = []
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s for s in self.stop):
+            self._stop_list = list(self.stop)
+        else:
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if self.stop_token_ids is not None and not (
+                isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0
+                                                                      for t in self.stop_token_ids)):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
