@@ -1,0 +1,45 @@
+"""CLI flags for every engine option (one place, shared by `generate`, `serve` and `plan`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hybridserve.config import DEVICES, KV_CACHE_DTYPES, MODEL_DTYPES, STATE_DTYPES
+
+
+def add_dtype_args(parser: argparse.ArgumentParser) -> None:
+    """The four dtype flags (DESIGN.md's table)."""
+    parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
+                        help="weights and activations (auto: the checkpoint's dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+                        help="attention K/V cache (auto: the model dtype)")
+    parser.add_argument("--mamba-cache-dtype", default="auto", choices=["auto", *STATE_DTYPES],
+                        help="conv states (auto: the model dtype)")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *STATE_DTYPES],
+                        help="recurrent (SSM / linear-attention / delta-net) states "
+                             "(auto: the checkpoint's declared state dtype, else the conv-state dtype)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every engine option of the offline API as a flag."""
+    add_dtype_args(parser)
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one step (prefill chunks plus decodes)")
+    parser.add_argument("--cache-memory", default="1GiB", help="bytes of the shared KV + state pool, e.g. 2GiB")
+    parser.add_argument("--block-size", type=int, default=16, help="attention KV block size in tokens (1-64)")
+    parser.add_argument("--device", default="auto", choices=list(DEVICES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+
+
+ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
+                 "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
+                 "tokenizer")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keyword arguments of parsed flags."""
+    return {name: getattr(args, name) for name in ENGINE_FIELDS if hasattr(args, name)}

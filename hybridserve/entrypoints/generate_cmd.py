@@ -1,0 +1,71 @@
+"""``hybridserve generate``: stream generated text for one or more prompts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from prompts (streams to stdout)",
+                       description="Generate text. With no --model, the small model shipped with hybridserve.")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    add_engine_args(p)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="print top-k logprobs of each generated token")
+    p.set_defaults(handler=run, cache_memory="512MiB")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridserve.config import EngineConfig
+    from hybridserve.default_model import default_model_path
+    from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
+                            stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                            logprobs=args.logprobs)
+    engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), enable_progress_bar=False,
+                                    **engine_kwargs(args)))
+    ids = [engine.detokenizer.encode(p) for p in args.prompts]
+    for i, (prompt, prompt_ids) in enumerate(zip(args.prompts, ids)):
+        engine.add_request(f"cli-{i}", prompt_ids, params, prompt=prompt)
+    single = len(args.prompts) == 1
+    printed: dict[str, int] = {}
+    if single:
+        sys.stdout.write(args.prompts[0])
+        sys.stdout.flush()
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            if single:
+                sys.stdout.write(text[printed.get(out.request_id, 0):])
+                sys.stdout.flush()
+                printed[out.request_id] = len(text)
+            if out.finished:
+                finals[out.request_id] = out
+    if single:
+        sys.stdout.write("\n")
+    else:
+        for i, prompt in enumerate(args.prompts):
+            print(f"[{i}] {prompt}{finals[f'cli-{i}'].outputs[0].text}")
+    if args.logprobs is not None:
+        for rid, out in sorted(finals.items()):
+            for pos, entry in enumerate(out.outputs[0].logprobs or []):
+                ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+                print(f"{rid} #{pos}: " + ", ".join(f"{lp.decoded_token!r}={lp.logprob:.3f}" for _, lp in ranked),
+                      file=sys.stderr)
+    return 0
