@@ -28,8 +28,9 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int,
     model = hf_model(path, dtype)
     results = []
     for ids in prompts:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
+        model.generation_config.eos_token_id = None  # pure argmax of raw logits: never stop, never mask eos
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
                              pad_token_id=model.config.pad_token_id or 0)
         tokens = out.sequences[0, len(ids):].tolist()
         lps = [torch.log_softmax(step[0].float(), -1) for step in out.logits]

@@ -1,0 +1,88 @@
+"""The stored state dtype is real and it matters.
+
+* float32 model: the state dtype is the only source of error. Over a long greedy decode (a 520-token
+  prompt, 520 generated), float32 SSM state stays with HF float32 while bfloat16 state is at least
+  10x further off.
+* bf16 model with float32 SSM state: the layout and the pool's real tensors say float32 SSM state
+  and bf16 conv state and KV; both state dtypes' errors against HF float32 are reported.
+"""
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from tests.checkpoints import make
+from tests.hf_reference import compare, hf_greedy
+
+# family -> (temporal state tensor names, conv state tensor names)
+FAMILIES = {
+    "mamba2": (("ssm",), ("conv",)),
+    "bamba": (("ssm",), ("conv",)),
+}
+PROMPT_LEN = 520
+NEW_TOKENS = 520
+
+
+def _long_prompt(vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist()
+
+
+def _run(path: str, prompt: list[int], **options) -> tuple[list[int], list[dict]]:
+    llm = LLM(path, max_num_batched_tokens=256, cache_memory="64MiB", max_model_len=2048, **options)
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True))[0]
+    assert llm.engine.pool.used_bytes() == 0
+    return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_state_dtype_isolated_in_float32_model(ckpt_dir, family):
+    path = make(ckpt_dir, family)
+    from transformers import AutoConfig
+
+    prompt = _long_prompt(AutoConfig.from_pretrained(path).vocab_size)
+    ref = hf_greedy(path, [prompt], NEW_TOKENS)
+    errors = {}
+    for state_dtype in ("float32", "bfloat16"):
+        toks, lps = _run(path, prompt, mamba_ssm_cache_dtype=state_dtype)
+        cmp = compare([toks], [lps], ref)
+        assert cmp.compared_tokens >= 50, (state_dtype, cmp.diverged_at)
+        errors[state_dtype] = cmp.mean_abs_error
+    assert errors["float32"] <= 1e-4, errors
+    assert errors["bfloat16"] >= 10 * errors["float32"], errors
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_bf16_model_with_float32_state(ckpt_dir, family, record_property):
+    temporal, conv = FAMILIES[family]
+    path32 = make(ckpt_dir, family)
+    path16 = make(ckpt_dir, family, dtype=torch.bfloat16)
+    from transformers import AutoConfig
+
+    prompt = _long_prompt(AutoConfig.from_pretrained(path32).vocab_size)[:200]
+    ref = hf_greedy(path32, [prompt], 100)
+    llm = LLM(path16, mamba_ssm_cache_dtype="float32", cache_memory="32MiB")
+    layout = llm.cache_layout()
+    assert layout["dtype"] == "bfloat16" and layout["mamba_ssm_cache_dtype"] == "float32"
+    assert layout["mamba_cache_dtype"] == "bfloat16" and layout["kv_cache_dtype"] == "bfloat16"
+    for entry in layout["layers"]:
+        real = llm.engine.pool.layer_caches[entry["index"]]
+        for t in entry["tensors"]:
+            tensor = getattr(real, t["name"]) if t["name"] in ("k", "v") else real.state[t["name"]]
+            assert str(tensor.dtype).removeprefix("torch.") == t["dtype"]
+            assert list(tensor.shape[1:]) == (t["shape"] if t["name"] not in ("k", "v")
+                                              else [layout["block_size"], *t["shape"]])
+            want = "float32" if t["name"] in temporal else "bfloat16"
+            assert t["dtype"] == want, (entry, t)
+    report = {}
+    for state_dtype in ("float32", "bfloat16"):
+        llm = LLM(path16, mamba_ssm_cache_dtype=state_dtype, cache_memory="32MiB")
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=100, logprobs=1, ignore_eos=True))[0]
+        toks, lps = out.outputs[0].token_ids, out.outputs[0].logprobs
+        agree = next((i for i, (a, b) in enumerate(zip(toks, ref[0].tokens)) if a != b), len(toks))
+        err = sum(abs(lps[i][toks[i]].logprob - float(ref[0].logprobs[i][toks[i]])) for i in range(agree))
+        report[state_dtype] = {"agreeing_tokens": agree, "mean_abs_logprob_error": err / max(agree, 1)}
+    record_property("bf16_model_state_errors", report)
+    print(f"\n{family} bf16 model vs HF float32: {report}")
