@@ -32,6 +32,8 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
+#: KV-cache dtypes stored scaled (value / scale), with the checkpoint's k/v scales where it has them
+FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEVICES = ("auto", "cpu", "cuda")
 
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",

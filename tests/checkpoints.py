@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any, Callable
 
@@ -22,6 +23,9 @@ def _peaky(model: Any, scale: float, std: float) -> None:
                     p.mul_(scale)
         else:
             model.lm_head.weight.mul_(scale)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zero at init; give routing a real correction
+                b.normal_(0.0, 0.1)
 
 
 def save_checkpoint(model: Any, path: str, dtype: torch.dtype = torch.float32) -> str:
@@ -73,7 +77,180 @@ def mamba2_config(**overrides: Any) -> Any:
     return Mamba2Config(**kw)
 
 
+def granitemoehybrid_config(**overrides: Any) -> Any:
+    """Granite-4.0-H, MoE variant: Mamba2 + attention (RoPE), routed experts plus the shared MLP,
+    every multiplier away from 1."""
+    from transformers import GraniteMoeHybridConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+              num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"],
+              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+              mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+              mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope",
+              embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.7, logits_scaling=1.25,
+              max_position_embeddings=2048, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return GraniteMoeHybridConfig(**kw)
+
+
+def granitemoehybrid_dense_config(**overrides: Any) -> Any:
+    """Granite-4.0-H, dense variant (``num_local_experts=0``: the shared MLP only) without RoPE (NoPE)."""
+    kw = dict(num_local_experts=0, position_embedding_type=None, shared_intermediate_size=96,
+              layer_types=["mamba", "mamba", "attention", "mamba"])
+    kw.update(overrides)
+    return granitemoehybrid_config(**kw)
+
+
+def nemotron_h_config(**overrides: Any) -> Any:
+    """Nemotron-H: Mamba2, attention (no RoPE), relu^2 MLP and MoE layers ("M*E-ME"); grouped
+    sigmoid routing with a correction bias (randomized in ``_peaky``) and a shared expert."""
+    from transformers import NemotronHConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, hybrid_override_pattern="M*E-ME",
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+              mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+              n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, norm_topk_prob=True,
+              routed_scaling_factor=1.5, max_position_embeddings=2048, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return NemotronHConfig(**kw)
+
+
+def zamba2_config(**overrides: Any) -> Any:
+    """Zamba2: Mamba2 layers and three hybrid layers running two shared attention+MLP blocks (block 0
+    used twice), per-use LoRA adapters, RoPE in the shared attention, tied embeddings (which also
+    ties the shared blocks' weights in HF)."""
+    from transformers import Zamba2Config
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+              layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid", "linear_attention",
+                                 "hybrid"],
+              num_mem_blocks=2, num_attention_heads=4, use_shared_attention_adapter=True, adapter_rank=8,
+              use_mem_rope=True, n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=2, mamba_d_conv=4,
+              mamba_expand=2, chunk_size=16, max_position_embeddings=2048, tie_word_embeddings=True,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return Zamba2Config(**kw)
+
+
+def falcon_h1_config(**overrides: Any) -> Any:
+    """Falcon-H1: attention and Mamba2 in parallel in every layer, every muP multiplier away from 1,
+    the gated RMS norm on (applied after the gate), projector biases."""
+    from transformers import FalconH1Config
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
+              mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
+              mamba_rms_norm=True, mamba_norm_before_gate=False, projectors_bias=True,
+              embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=0.7, attention_in_multiplier=1.2,
+              attention_out_multiplier=0.9, ssm_in_multiplier=1.1, ssm_out_multiplier=0.8,
+              ssm_multipliers=[0.9, 1.2, 0.8, 1.1, 0.7], mlp_multipliers=[1.3, 0.75],
+              max_position_embeddings=2048, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return FalconH1Config(**kw)
+
+
+def minimax_config(**overrides: Any) -> Any:
+    """MiniMax: lightning (linear) attention and softmax attention layers, each with a sparse MoE;
+    blocks of 16 tokens, every residual alpha/beta factor away from 1."""
+    from transformers import MiniMaxConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=6,
+              layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention",
+                           "linear_attention", "linear_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+              block_size=16, full_attn_alpha_factor=1.3, full_attn_beta_factor=0.9, linear_attn_alpha_factor=1.5,
+              linear_attn_beta_factor=0.8, mlp_alpha_factor=1.2, mlp_beta_factor=1.1,
+              max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return MiniMaxConfig(**kw)
+
+
+def lfm2_config(**overrides: Any) -> Any:
+    """LFM2: gated short-conv layers and attention layers with q/k norms (untied, so the LM head is scaled)."""
+    from transformers import Lfm2Config
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, block_multiple_of=32, num_hidden_layers=6,
+              layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+              num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, max_position_embeddings=2048,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return Lfm2Config(**kw)
+
+
+def qwen3_next_config(**overrides: Any) -> Any:
+    """Qwen3-Next: gated delta net (2 key heads shared by 4 value heads) and gated attention (partial
+    RoPE); MoE with a shared expert on every layer but the dense ``mlp_only_layers`` one."""
+    from transformers import Qwen3NextConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, mlp_only_layers=[2], decoder_sparse_step=1,
+              max_position_embeddings=2048, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return Qwen3NextConfig(**kw)
+
+
+def mamba_config(**overrides: Any) -> Any:
+    """Mamba1, untied: tied, these tiny random models greedily repeat one token (logit gaps ~10)."""
+    from transformers import MambaConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, state_size=16, conv_kernel=4, expand=2,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return MambaConfig(**kw)
+
+
+def falcon_mamba_config(**overrides: Any) -> Any:
+    """FalconMamba: Mamba1 with weightless RMS norms on dt, B, C; 4 layers (3 give a greedy near-tie
+    within the first 50 tokens of the long decode)."""
+    from transformers import FalconMambaConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, state_size=16, conv_kernel=4, expand=2,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return FalconMambaConfig(**kw)
+
+
+def jamba_config(**overrides: Any) -> Any:
+    """Jamba: 6 layers covering Mamba1+MLP (0, 2), attention+MoE (1), Mamba1+MoE (3, 5), attention+MLP (4)
+    (with 5 layers the long greedy decode meets a near-tie, logprob gap 0.007, within 25 tokens)."""
+    from transformers import JambaConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+              expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+              mamba_expand=2, max_position_embeddings=2048, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return JambaConfig(**kw)
+
+
+def nemotron_h_latent_config(**overrides: Any) -> Any:
+    """Nemotron-H whose routed experts work in a latent space (``moe_latent_size``), as in Nemotron-3 Super."""
+    return nemotron_h_config(**{"moe_latent_size": 32, **overrides})
+
+
 BUILDERS: dict[str, Callable[..., Any]] = {
+    "mamba": mamba_config,
+    "falcon_mamba": falcon_mamba_config,
+    "jamba": jamba_config,
+    "qwen3_next": qwen3_next_config,
+    "minimax": minimax_config,
+    "lfm2": lfm2_config,
+    "zamba2": zamba2_config,
+    "falcon_h1": falcon_h1_config,
+    "granitemoehybrid": granitemoehybrid_config,
+    "granitemoehybrid_dense": granitemoehybrid_dense_config,
+    "nemotron_h": nemotron_h_config,
+    "nemotron_h_latent": nemotron_h_latent_config,
     "bamba": bamba_config,
     "llama": llama_config,
     "mamba2": mamba2_config,
@@ -81,7 +258,8 @@ BUILDERS: dict[str, Callable[..., Any]] = {
 
 
 def make(tmp_dir: str, family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> str:
-    path = os.path.join(tmp_dir, f"{family}-{str(dtype).removeprefix('torch.')}-{seed}")
+    tag = hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8] if overrides else "base"
+    path = os.path.join(tmp_dir, f"{family}-{str(dtype).removeprefix('torch.')}-{seed}-{tag}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         build(BUILDERS[family](**overrides), path, seed=seed, dtype=dtype)
     return path

@@ -11,7 +11,7 @@ from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
 from tests.hf_reference import compare, hf_greedy
 
-FAMILIES = ["llama", "mamba2", "bamba"]
+FAMILIES = ["llama", "mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "minimax", "lfm2", "qwen3_next", "zamba2", "falcon_h1"]
 PROMPT_LENGTHS = [1, 7, 19, 33, 50, 70]
 NEW_TOKENS = 12
 
@@ -33,3 +33,13 @@ def test_float32_matches_hf(ckpt_dir, family):
     assert cmp.compared_tokens >= len(ps) * NEW_TOKENS // 2, cmp.diverged_at
     assert cmp.max_topk_error <= 1e-3, cmp.max_topk_error
     assert llm.engine.pool.used_bytes() == 0
+
+
+def test_granitemoehybrid_dense_matches_hf(ckpt_dir):
+    """Granite-4.0-H's dense variant (no routed experts: the shared MLP only), without RoPE."""
+    test_float32_matches_hf(ckpt_dir, "granitemoehybrid_dense")
+
+
+def test_nemotron_h_latent_moe_matches_hf(ckpt_dir):
+    """Nemotron-H with ``moe_latent_size``: routed experts between fc1/fc2 latent projections."""
+    test_float32_matches_hf(ckpt_dir, "nemotron_h_latent")

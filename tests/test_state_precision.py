@@ -2,7 +2,8 @@
 
 * float32 model: the state dtype is the only source of error. Over a long greedy decode (a 520-token
   prompt, 520 generated), float32 SSM state stays with HF float32 while bfloat16 state is at least
-  10x further off.
+  10x further off. A family without a temporal state (LFM2: short conv only) gets the same test
+  on its conv state, through ``mamba_cache_dtype``.
 * bf16 model with float32 SSM state: the layout and the pool's real tensors say float32 SSM state
   and bf16 conv state and KV; both state dtypes' errors against HF float32 are reported.
 """
@@ -16,8 +17,18 @@ from tests.hf_reference import compare, hf_greedy
 
 # family -> (temporal state tensor names, conv state tensor names)
 FAMILIES = {
+    "zamba2": (("ssm",), ("conv",)),
+    "falcon_h1": (("ssm",), ("conv",)),
     "mamba2": (("ssm",), ("conv",)),
     "bamba": (("ssm",), ("conv",)),
+    "mamba": (("ssm",), ("conv",)),
+    "falcon_mamba": (("ssm",), ("conv",)),
+    "jamba": (("ssm",), ("conv",)),
+    "qwen3_next": (("recurrent",), ("conv",)),
+    "granitemoehybrid": (("ssm",), ("conv",)),
+    "nemotron_h": (("ssm",), ("conv",)),
+    "minimax": (("kv_state",), ()),
+    "lfm2": ((), ("conv",)),  # no temporal state: its conv state is the one tested (see below)
 }
 PROMPT_LEN = 520
 NEW_TOKENS = 520
@@ -38,6 +49,8 @@ def _run(path: str, prompt: list[int], **options) -> tuple[list[int], list[dict]
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_state_dtype_isolated_in_float32_model(ckpt_dir, family):
+    temporal, _ = FAMILIES[family]
+    option = "mamba_ssm_cache_dtype" if temporal else "mamba_cache_dtype"  # conv state when no temporal one
     path = make(ckpt_dir, family)
     from transformers import AutoConfig
 
@@ -45,7 +58,7 @@ def test_state_dtype_isolated_in_float32_model(ckpt_dir, family):
     ref = hf_greedy(path, [prompt], NEW_TOKENS)
     errors = {}
     for state_dtype in ("float32", "bfloat16"):
-        toks, lps = _run(path, prompt, mamba_ssm_cache_dtype=state_dtype)
+        toks, lps = _run(path, prompt, **{option: state_dtype})
         cmp = compare([toks], [lps], ref)
         assert cmp.compared_tokens >= 50, (state_dtype, cmp.diverged_at)
         errors[state_dtype] = cmp.mean_abs_error

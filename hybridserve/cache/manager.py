@@ -1,8 +1,13 @@
-"""Per-sequence cache holdings: a KV block table and one state slot, drawn from the pool."""
+"""Per-sequence cache holdings: a KV block table and one state slot, drawn from the pool.
+
+The manager is the owner the pool reports compaction moves to: it knows every sequence that holds
+pages or a slot and rewrites their block tables and slot ids when the pool moves them.
+"""
 
 from __future__ import annotations
 
-from hybridserve.cache.pool import CachePool
+from hybridserve.cache.capacity import fits, pages_for
+from hybridserve.cache.pool import Allocation, CachePool, Relocation
 from hybridserve.engine.sequence import Sequence
 
 
@@ -12,12 +17,11 @@ class CacheManager:
     def __init__(self, pool: CachePool) -> None:
         self.pool = pool
         self.block_size = pool.layout.block_size
+        self._holders: dict[int, Sequence] = {}  # id(seq) -> seq, for every sequence holding anything
 
     def pages_for(self, num_tokens: int) -> int:
         """KV pages needed to hold ``num_tokens`` tokens (0 for a model without attention)."""
-        if not self.pool.layout.has_kv:
-            return 0
-        return -(-num_tokens // self.block_size)
+        return pages_for(self.pool.layout, num_tokens)
 
     def needs(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
         """(pages, slots) still to be granted for ``seq`` to run ``num_new_tokens`` more tokens."""
@@ -29,15 +33,41 @@ class CacheManager:
         return self.pool.can_allocate(*self.needs(seq, num_new_tokens))
 
     def grant(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit."""
+        """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
+
+        The pool may compact to make room; the moved holdings of other sequences are rewritten here.
+        """
         pages, slots = self.needs(seq, num_new_tokens)
+        if not pages and not slots:
+            return True
         if not self.pool.can_allocate(pages, slots):
             return False
-        if slots:
-            seq.state_slot = self.pool.allocate_slot()
-        if pages:
-            seq.block_table.extend(self.pool.allocate_pages(pages))
+        self.allocate_for(seq, pages, slots)
         return True
+
+    def allocate_for(self, seq: Sequence, pages: int, slots: int) -> Allocation:
+        """Give ``seq`` ``pages`` more KV pages and, with ``slots=1``, its state slot.
+
+        Every allocation for a sequence goes through here (never ``pool.allocate*`` directly): the pool
+        may compact to make room, and the holdings of the sequences it moved are rewritten here.
+        Raises :class:`~hybridserve.cache.pool.OutOfCacheError` (nothing changed) when they do not fit.
+        """
+        got = self.pool.allocate(pages, slots)
+        if got.relocation:
+            self._apply(got.relocation)
+        if got.slots:
+            seq.state_slot = got.slots[0]
+        seq.block_table.extend(got.pages)
+        self._holders[id(seq)] = seq
+        return got
+
+    def _apply(self, moves: Relocation) -> None:
+        """Point every holder at its items' new ids."""
+        for seq in self._holders.values():
+            if moves.pages and seq.block_table:
+                seq.block_table[:] = [moves.pages.get(b, b) for b in seq.block_table]
+            if seq.state_slot is not None and seq.state_slot in moves.slots:
+                seq.state_slot = moves.slots[seq.state_slot]
 
     def release(self, seq: Sequence) -> None:
         """Return everything ``seq`` holds to the pool."""
@@ -47,11 +77,9 @@ class CacheManager:
         if seq.state_slot is not None:
             self.pool.free_slot(seq.state_slot)
             seq.state_slot = None
+        self._holders.pop(id(seq), None)
 
     def fits_at_all(self, num_tokens: int) -> bool:
         """Whether one sequence of ``num_tokens`` tokens fits in an empty pool."""
-        layout = self.pool.layout
-        if not layout.has_kv:
-            return self.pool.num_slots >= 1
-        below = -(-layout.slot_bytes // layout.page_bytes) if layout.has_state else 0  # pages under slot 0
-        return self.pages_for(num_tokens) <= self.pool.num_pages - below
+        pool = self.pool
+        return fits(pool.layout, pool.geometry, self.pages_for(num_tokens), 1 if pool.layout.has_state else 0)

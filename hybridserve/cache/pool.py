@@ -1,31 +1,63 @@
-"""One byte pool for attention KV and recurrent state, carved from both ends.
+"""One byte pool for attention KV and recurrent state, carved from both ends, compacted on demand.
 
-The pool is a single ``uint8`` buffer. It is viewed two ways at once:
+The pool is a single ``uint8`` buffer viewed two ways at once:
 
 * as an array of **KV pages** of ``page_bytes`` (page ``b`` at byte ``b * page_bytes``), each
-  holding ``block_size`` tokens of K/V for all attention layers;
+  holding ``block_size`` tokens (16 by default, at most 64) of K/V for every attention layer;
 * as an array of **state slots** of ``slot_bytes`` (slot ``s`` at byte ``s * slot_bytes``), each
-  holding one sequence's state for all state layers.
+  holding one sequence's recurrent state for every state layer, at its exact size.
 
 State slots are handed out from the bottom (lowest free id first) and KV pages from the top
-(highest free id first). The two regions grow toward each other, so KV and state share one budget
-with no static split: many short requests use many slots, a few long ones use many pages. A page
-or slot is handed out only if its bytes overlap nothing live of the other kind. Each typed
+(highest free id first); a page or slot is handed out only where its bytes overlap nothing live of
+the other kind. The two regions grow toward each other, so KV and state draw on one budget with no
+static split: many short requests take many slots, a few long ones take many pages. Each typed
 tensor is a zero-copy ``as_strided`` view of its own dtype into the buffer, aligned to 64 bytes
-(see :mod:`hybridserve.cache.layout`). A slot's bytes are zeroed when it is handed out.
+(:mod:`hybridserve.cache.layout`). A slot's bytes are zeroed when it is handed out.
 
-The only waste is the alignment padding inside a page or slot and the sliver between the two
-regions that fits neither a page nor a slot.
+Why both ends rather than one page size. Attention blocks stay small whatever the state size (a
+page is sized by ``block_size`` alone, never padded to a state's size), and a slot is exactly one
+sequence's state (never rounded up to a multiple of pages). The only padding is 64-byte alignment
+inside a page or slot (0 B for every real-size model we plan for) and a sliver of less than one
+page at the top of the pool.
+
+Fragmentation, and why we compact. Regions recede only as far as their outermost live item. A
+state slot still live high up pins the state region's top, and the freed slots below it are
+unusable for KV; a KV page live low down pins the KV region's bottom the same way. Instead of
+failing (which makes the scheduler preempt and recompute a whole sequence), an allocation that
+fits the *total* free bytes compacts: :meth:`CachePool.make_room` moves just the live slots or pages
+in the way (a ``copy_`` inside the buffer) and returns a :class:`Relocation`; the owner of the
+moved items (:class:`~hybridserve.cache.manager.CacheManager`) rewrites their block tables and
+slot ids. Views never change, so moving costs nothing beyond the copy. Hence the rule the
+allocator and the planner share (:func:`hybridserve.cache.capacity.fits`): slots and pages fit
+together exactly when ``slots * slot_bytes <= (num_pages - pages) * page_bytes``.
+
+Worked example in bytes: Bamba-9B (3 attention layers, 8 KV heads of 128; 29 Mamba2 layers with
+conv (8448, 3) and SSM (128, 64, 128)), bf16 weights, bf16 KV and conv state, float32 SSM state,
+a 16 GiB pool (17,179,869,184 B):
+
+* page = 16 tokens x 3 layers x (K + V) x 8 x 128 x 2 B = 196,608 B (12,288 B per token);
+  87,381 pages, the top 65,536 B (less than a page) unused.
+* slot = 29 x (conv 8448 x 3 x 2 B = 50,688 B + SSM 128 x 64 x 128 x 4 B = 4,194,304 B)
+  = 123,104,768 B; 139 slots if there were no KV at all.
+* a 4,096-token sequence holds 123,104,768 + 256 x 196,608 = 173,436,416 B, exactly its ideal
+  bytes; 87,381 x 196,608 // 173,436,416 = 99 such sequences fit (ideal 99.06): 0% padding.
+* fragmentation without compaction: 120 chat requests fill slots 0-119; all finish but the one in
+  slot 119. Its slot pins the state top at 14,772,572,160 B, so KV could use only the top
+  2,407,231,488 B (14% of the pool) and 14,649,467,392 B (85%) would sit stranded until that
+  request ends. Compaction moves that one slot to slot 0: a 123 MB copy (about 50 us at H200
+  bandwidth) instead of preempting requests. Moves go only as far as needed, cheaper kind first,
+  and happen only when an allocation would otherwise fail.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.cache.layout import ALIGN, PoolLayout, TensorPlacement, align_up
+from hybridserve.cache.capacity import fits, pool_geometry
+from hybridserve.cache.layout import PoolLayout, TensorPlacement
 from hybridserve.cache.spec import dtype_size
 
 
@@ -47,6 +79,9 @@ class _IdHeap:
 
     def __contains__(self, i: int) -> bool:
         return i in self._members
+
+    def __iter__(self):
+        return iter(self._members)
 
     def push(self, i: int) -> None:
         if i not in self._members:
@@ -71,7 +106,11 @@ class _IdHeap:
 
 @dataclass
 class LayerCache:
-    """The typed views of one layer: ``k``/``v`` pages and named state tensors."""
+    """The typed views of one layer: ``k``/``v`` pages and named state tensors.
+
+    ``k_scale``/``v_scale``: stored K = K / k_scale in the cache dtype, read back as stored * k_scale
+    (the checkpoint's scales for an fp8 KV cache, 1.0 otherwise).
+    """
 
     k: torch.Tensor | None = None  # (num_pages, block_size, num_kv_heads, head_size)
     v: torch.Tensor | None = None
@@ -80,21 +119,47 @@ class LayerCache:
     v_scale: float = 1.0
 
 
+@dataclass
+class Relocation:
+    """Live items moved by compaction: old id -> new id. The owners must rewrite their ids."""
+
+    pages: dict[int, int] = field(default_factory=dict)
+    slots: dict[int, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.pages or self.slots)
+
+    @property
+    def num_moves(self) -> int:
+        return len(self.pages) + len(self.slots)
+
+
+@dataclass
+class Allocation:
+    """What :meth:`CachePool.allocate` handed out, and what it moved to make room."""
+
+    pages: list[int]
+    slots: list[int]
+    relocation: Relocation
+
+
 class CachePool:
     """The shared pool plus its page and slot allocators."""
 
     def __init__(self, layout: PoolLayout, num_bytes: int, device: torch.device) -> None:
         self.layout = layout
         self.device = device
-        self.num_bytes = num_bytes // ALIGN * ALIGN
+        self.geometry = pool_geometry(layout, num_bytes)
+        self.num_bytes = self.geometry.num_bytes
         self.buffer = torch.zeros(self.num_bytes, dtype=torch.uint8, device=device)
-        self.num_pages = self.num_bytes // layout.page_bytes if layout.has_kv else 0
-        self.num_slots = self.num_bytes // layout.slot_bytes if layout.has_state else 0
+        self.num_pages = self.geometry.num_pages
+        self.num_slots = self.geometry.num_slots
         self._free_pages = _IdHeap(range(self.num_pages), largest_first=True)
         self._free_slots = _IdHeap(range(self.num_slots), largest_first=False)
         self._live_pages = _IdHeap([], largest_first=False)  # min live page id = KV region bottom
         self._live_slots = _IdHeap([], largest_first=True)  # max live slot id = state region top
         self.layer_caches: dict[int, LayerCache] = {}
+        self.stats = {"compactions": 0, "moved_bytes": 0}
         self._build_views()
 
     # ----------------------------------------------------------------- views
@@ -122,43 +187,62 @@ class CachePool:
             cache.state[p.name] = self._view(p, self.layout.slot_bytes, self.num_slots)
 
     # ------------------------------------------------------------ boundaries
-    def _state_top(self) -> int:
-        """First byte above the live state region."""
+    def _state_top_slots(self, num_slots: int) -> int:
+        """Slot count below the state region's top once ``num_slots`` more slots are handed out in place."""
         top = self._live_slots.peek()
-        return 0 if top is None else (top + 1) * self.layout.slot_bytes
+        return max(len(self._live_slots) + num_slots, 0 if top is None else top + 1)
 
-    def _kv_bottom(self) -> int:
-        """First byte of the live KV region."""
+    def _kv_bottom_page(self, num_pages: int) -> int:
+        """Lowest live page id once ``num_pages`` more pages are handed out in place (may be < 0)."""
         bottom = self._live_pages.peek()
-        return self.num_bytes if bottom is None else bottom * self.layout.page_bytes
+        dense = self.num_pages - len(self._live_pages) - num_pages
+        return dense if bottom is None else min(bottom, dense)
+
+    def fits_in_place(self, num_pages: int, num_slots: int) -> bool:
+        """Whether the request fits without moving anything."""
+        if not self.can_allocate(num_pages, num_slots):
+            return False
+        if not (self.layout.has_kv and self.layout.has_state):
+            return True  # one kind only: every free id is usable
+        top = self._state_top_slots(num_slots) * self.layout.slot_bytes
+        return top <= self._kv_bottom_page(num_pages) * self.layout.page_bytes
 
     # ------------------------------------------------------------ allocation
     def can_allocate(self, num_pages: int, num_slots: int) -> bool:
-        """Whether ``num_pages`` pages and ``num_slots`` slots can be handed out together."""
-        if num_pages > 0 and not self.layout.has_kv or num_slots > 0 and not self.layout.has_state:
-            return False
-        state_top, kv_bottom = self._state_top(), self._kv_bottom()
-        if self.layout.has_state:
-            slot_holes = state_top // self.layout.slot_bytes - len(self._live_slots)
-            extra_slots = max(0, num_slots - slot_holes)
-            new_top = state_top + extra_slots * self.layout.slot_bytes
-        else:
-            new_top = 0
-        if self.layout.has_kv:
-            page_holes = (self.num_pages - kv_bottom // self.layout.page_bytes) - len(self._live_pages)
-            extra_pages = max(0, num_pages - page_holes)
-            first_page = kv_bottom // self.layout.page_bytes - extra_pages  # lowest page id then live
-            return first_page >= 0 and first_page * self.layout.page_bytes >= new_top
-        return new_top <= self.num_bytes
+        """Whether ``num_pages`` more pages and ``num_slots`` more slots fit (compacting if needed)."""
+        return fits(self.layout, self.geometry, len(self._live_pages) + num_pages,
+                    len(self._live_slots) + num_slots)
 
-    def allocate_pages(self, n: int) -> list[int]:
-        """Hand out ``n`` KV pages (highest free ids first) or raise :class:`OutOfCacheError`."""
-        if not self.can_allocate(n, 0):
-            raise OutOfCacheError(f"cannot allocate {n} KV pages")
-        pages = [self._free_pages.pop() for _ in range(n)]
+    def allocate(self, num_pages: int, num_slots: int) -> Allocation:
+        """Hand out pages (highest free ids first) and zeroed slots (lowest first), compacting if needed.
+
+        Raises :class:`OutOfCacheError` (nothing changed) when they do not fit even after compaction.
+        """
+        relocation = self.make_room(num_pages, num_slots)
+        slots = [self._take_slot() for _ in range(num_slots)]
+        pages = [self._free_pages.pop() for _ in range(num_pages)]
         for b in pages:
             self._live_pages.push(b)
-        return pages
+        return Allocation(pages, slots, relocation)
+
+    def allocate_pages(self, n: int) -> list[int]:
+        """Hand out ``n`` KV pages in place (no compaction) or raise :class:`OutOfCacheError`."""
+        if not self.fits_in_place(n, 0):
+            raise OutOfCacheError(f"cannot allocate {n} KV pages in place")
+        return self.allocate(n, 0).pages
+
+    def allocate_slot(self) -> int:
+        """Hand out one zeroed state slot in place (no compaction) or raise :class:`OutOfCacheError`."""
+        if not self.fits_in_place(0, 1):
+            raise OutOfCacheError("cannot allocate a state slot in place")
+        return self.allocate(0, 1).slots[0]
+
+    def _take_slot(self) -> int:
+        s = self._free_slots.pop()
+        self._live_slots.push(s)
+        size = self.layout.slot_bytes
+        self.buffer[s * size:(s + 1) * size].zero_()
+        return s
 
     def free_pages(self, pages: list[int]) -> None:
         """Return KV pages to the pool."""
@@ -168,22 +252,78 @@ class CachePool:
             self._live_pages.remove(b)
             self._free_pages.push(b)
 
-    def allocate_slot(self) -> int:
-        """Hand out one zeroed state slot (lowest free id) or raise :class:`OutOfCacheError`."""
-        if not self.can_allocate(0, 1):
-            raise OutOfCacheError("cannot allocate a state slot")
-        s = self._free_slots.pop()
-        self._live_slots.push(s)
-        size = self.layout.slot_bytes
-        self.buffer[s * size:(s + 1) * size].zero_()
-        return s
-
     def free_slot(self, s: int) -> None:
         """Return a state slot to the pool."""
         if s not in self._live_slots:
             raise ValueError(f"state slot {s} is not allocated")
         self._live_slots.remove(s)
         self._free_slots.push(s)
+
+    # ------------------------------------------------------------ compaction
+    def make_room(self, num_pages: int, num_slots: int) -> Relocation:
+        """Move as few live bytes as needed for the request to fit in place; return the moves.
+
+        With ``S``/``P`` live slots/pages, the request fits in place when the state top after it,
+        ``T = max(S + num_slots, top live slot + 1) * slot_bytes``, is at most the KV bottom after
+        it, ``B = min(lowest live page, num_pages_total - P - num_pages) * page_bytes``. Moving
+        the highest live slot into the lowest free slot lowers ``T``; moving the lowest live page
+        into the highest free page raises ``B``. First the slot moves without which nothing fits
+        (``T`` above the densest possible ``B``), then whichever kind costs fewer bytes. Every
+        item moves at most once: a slot lands below ``S`` and a page at or above ``T``, out of reach
+        of later moves.
+        """
+        relocation = Relocation()
+        if self.fits_in_place(num_pages, num_slots):
+            return relocation
+        if not self.can_allocate(num_pages, num_slots):
+            raise OutOfCacheError(f"cannot allocate {num_pages} KV pages and {num_slots} state slots: "
+                                  f"{self.used_bytes()} of {self.num_bytes} bytes are live")
+        sb, pb = self.layout.slot_bytes, self.layout.page_bytes
+        dense_bottom = (self.num_pages - len(self._live_pages) - num_pages) * pb
+        # 1. slots above the densest KV bottom must move: no page move can help them
+        while self._live_slots and (self._live_slots.peek() + 1) * sb > dense_bottom:
+            self._move_slot(relocation)
+        if not self.fits_in_place(num_pages, num_slots):
+            # 2. the state top is in the KV region: lower it, or lift the pages below it
+            top = self._state_top_slots(num_slots) * sb
+            bottom = self._live_pages.peek() * pb
+            page_cost = pb * sum(1 for b in self._live_pages if b * pb < top)
+            slots_ok = (len(self._live_slots) + num_slots) * sb <= bottom
+            slot_cost = sb * sum(1 for s in self._live_slots if (s + 1) * sb > bottom) if slots_ok else None
+            if slot_cost is not None and slot_cost < page_cost:
+                while not self.fits_in_place(num_pages, num_slots):
+                    self._move_slot(relocation)
+            else:
+                while not self.fits_in_place(num_pages, num_slots):
+                    self._move_page(relocation)
+        self.stats["compactions"] += 1
+        return relocation
+
+    def _move_slot(self, relocation: Relocation) -> None:
+        """Move the highest live slot into the lowest free slot (always below it)."""
+        src, dst = self._live_slots.peek(), self._free_slots.peek()
+        assert dst is not None and dst < src
+        self._copy(src, dst, self.layout.slot_bytes)
+        self._live_slots.remove(src)
+        self._free_slots.push(src)
+        self._free_slots.remove(dst)
+        self._live_slots.push(dst)
+        relocation.slots[src] = dst
+
+    def _move_page(self, relocation: Relocation) -> None:
+        """Move the lowest live page into the highest free page (always above it)."""
+        src, dst = self._live_pages.peek(), self._free_pages.peek()
+        assert dst is not None and dst > src
+        self._copy(src, dst, self.layout.page_bytes)
+        self._live_pages.remove(src)
+        self._free_pages.push(src)
+        self._free_pages.remove(dst)
+        self._live_pages.push(dst)
+        relocation.pages[src] = dst
+
+    def _copy(self, src: int, dst: int, size: int) -> None:
+        self.buffer[dst * size:(dst + 1) * size].copy_(self.buffer[src * size:(src + 1) * size])
+        self.stats["moved_bytes"] += size
 
     # ----------------------------------------------------------------- stats
     @property
@@ -205,7 +345,7 @@ class CachePool:
     def live_extents(self) -> list[tuple[int, int, str]]:
         """Byte ranges ``(start, end, kind)`` of everything live (for checks and inspection)."""
         pb, sb = self.layout.page_bytes, self.layout.slot_bytes
-        pages = [(b * pb, (b + 1) * pb, "kv") for b in sorted(self._live_pages._members)]
-        slots = [(s * sb, (s + 1) * sb, "state") for s in sorted(self._live_slots._members)]
+        pages = [(b * pb, (b + 1) * pb, "kv") for b in sorted(self._live_pages)]
+        slots = [(s * sb, (s + 1) * sb, "state") for s in sorted(self._live_slots)]
         return sorted(pages + slots)
 

@@ -62,16 +62,34 @@ class LayerCacheSpec:
     attention: AttentionSpec | None = None
     state: tuple[StateTensorSpec, ...] = ()
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Exact K+V bytes of one token of this layer (0 without attention)."""
+        return self.attention.bytes_per_token if self.attention is not None else 0
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Exact recurrent-state bytes of one sequence of this layer."""
+        return sum(t.nbytes for t in self.state)
+
     def describe(self) -> dict:
-        """The ``cache_layout()`` entry for this layer."""
+        """The ``layers`` entry of ``cache_layout()`` and of ``hybridserve plan --json``.
+
+        K/V tensors are per token (``shape`` without the token axis, ``bytes`` per token); state
+        tensors are per sequence.
+        """
         tensors = []
         if self.attention is not None:
             a = self.attention
             for name in ("k", "v"):
-                tensors.append({"name": name, "shape": [a.num_kv_heads, a.head_size], "dtype": dtype_name(a.dtype)})
+                tensors.append({"name": name, "shape": [a.num_kv_heads, a.head_size], "dtype": dtype_name(a.dtype),
+                                "per": "token", "bytes": a.bytes_per_token // 2})
         for t in self.state:
-            tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype)})
-        return {"index": self.index, "kind": self.kind, "tensors": tensors}
+            tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
+                            "per": "sequence", "bytes": t.nbytes})
+        return {"index": self.index, "kind": self.kind, "tensors": tensors,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_bytes_per_sequence": self.state_bytes_per_sequence}
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ import torch
 
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.manager import CacheManager
+from hybridserve.cache.capacity import max_sequences
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.config import EngineConfig, ResolvedDtypes, dtype_name
+from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
+from hybridserve.engine.fork import fork_children, wants_fork
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import Scheduler
@@ -47,15 +49,16 @@ class LLMEngine:
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         self.layout = compute_layout(self.specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
+        _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
         self.cache = CacheManager(self.pool)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
-        self.max_model_len = config.max_model_len or _default_max_model_len(self.hf_config)
+        self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.fingerprint = config.fingerprint(self.dtypes)
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, list[Sequence]] = {}  # request id -> its sequences, by completion index
         self._arrivals = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
 
@@ -67,8 +70,6 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"n={params.n} is not supported by the offline engine step; use n=1")
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: at least one token is required")
@@ -86,14 +87,15 @@ class LLMEngine:
         if params.max_tokens is None:
             params = _with_max_tokens(params, max_tokens)
         seq = Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
-        self._seqs[request_id] = seq
+        self._seqs[request_id] = [seq]
+        self.stats["prompt_tokens"] += len(ids)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its cache now (unknown or finished ids are ignored)."""
-        seq = self._seqs.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+        for seq in self._seqs.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -111,15 +113,24 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_tokens
         if logits.prompt_logits is not None:
             self._record_prompt_logprobs(logits)
-        touched: list[Sequence] = []
+        touched: dict[str, None] = {}  # request ids, in order
         if logits.sample_seqs:
             seqs = [it.seq for it in logits.sample_seqs]
-            result = sample(logits.sample_logits, [s.params for s in seqs], [s.generator for s in seqs],
-                            self.generator)
+            rows = list(range(len(seqs)))  # logits row of each sampling sequence
+            for row, seq in enumerate(list(seqs)):
+                if wants_fork(seq):  # n > 1: the prompt is prefilled; children copy its cache
+                    children, ready = fork_children(seq, self.cache, self.scheduler)
+                    self._seqs[seq.request_id].extend(children)
+                    seqs.extend(ready)
+                    rows.extend([row] * len(ready))
+            sample_logits = logits.sample_logits
+            if len(rows) > len(logits.sample_seqs):
+                sample_logits = sample_logits[rows]  # (N + children, V): children share their parent's row
+            result = sample(sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
             for row, seq in enumerate(seqs):
                 self._append_token(seq, row, result)
-                touched.append(seq)
-        return [self._output(seq) for seq in touched]
+                touched[seq.request_id] = None
+        return [self._output(rid) for rid in touched]
 
     def _record_prompt_logprobs(self, logits) -> None:
         all_lp = torch.log_softmax(logits.prompt_logits, dim=-1)  # (R, V)
@@ -182,17 +193,21 @@ class LLMEngine:
         if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length")
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0, text=seq.output_text, token_ids=list(seq.output_token_ids),
+    def _output(self, request_id: str) -> RequestOutput:
+        """The request's output so far: one completion per sequence (``n`` once forked)."""
+        group = self._seqs[request_id]
+        completions = [CompletionOutput(
+            index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        if seq.is_finished:
-            self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
-                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-                             [completion], seq.is_finished)
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in group]
+        parent = group[0]
+        finished = len(group) == parent.params.n and all(seq.is_finished for seq in group)
+        if finished:
+            del self._seqs[request_id]
+        return RequestOutput(request_id, parent.prompt, list(parent.prompt_token_ids),
+                             list(parent.prompt_logprobs) if parent.params.prompt_logprobs is not None else None,
+                             completions, finished)
 
     # ----------------------------------------------------------------- inspect
     def cache_layout(self) -> dict[str, Any]:
@@ -202,6 +217,7 @@ class LLMEngine:
             **self.dtypes.as_names(),
             "layers": [spec.describe() for spec in self.specs],
             "block_size": layout.block_size,
+            "attention_block_size": layout.block_size,
             "kv_bytes_per_token": layout.kv_bytes_per_token,
             "state_bytes_per_sequence": layout.state_bytes_per_sequence,
             "page_bytes": layout.page_bytes,
@@ -209,7 +225,22 @@ class LLMEngine:
             "pool_bytes": self.pool.num_bytes,
             "num_pages": self.pool.num_pages,
             "num_slots": self.pool.num_slots,
+            "max_model_len": self.max_model_len,
+            "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len),
         }
+
+
+def _apply_kv_scales(model: torch.nn.Module, pool: CachePool, kv_dtype: torch.dtype) -> None:
+    """Give each layer's fp8 K/V views the checkpoint's scales (attention modules' ``k_scale``/``v_scale``,
+    set by the loader; 1.0 when the checkpoint has none). Other KV dtypes store values unscaled."""
+    if kv_dtype not in FP8_KV_DTYPES:
+        return
+    for module in model.modules():
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, LayerCacheSpec) and spec.attention is not None:
+            cache = pool.layer_caches[spec.index]
+            cache.k_scale = float(getattr(module, "k_scale", 1.0))
+            cache.v_scale = float(getattr(module, "v_scale", 1.0))
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
@@ -220,7 +251,8 @@ def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return params
 
 
-def _default_max_model_len(hf_config: Any) -> int:
+def default_max_model_len(hf_config: Any) -> int:
+    """``max_model_len`` when none is given: the checkpoint's ``max_position_embeddings``, capped at 4096."""
     value = getattr(hf_config, "max_position_embeddings", None)
     return int(min(value, DEFAULT_MAX_MODEL_LEN)) if value else DEFAULT_MAX_MODEL_LEN
 

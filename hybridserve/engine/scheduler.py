@@ -41,6 +41,15 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def has_room(self) -> bool:
+        """Whether another sequence may run (fewer than ``max_num_seqs`` are running)."""
+        return len(self.running) < self.max_num_seqs
+
+    def admit_running(self, seq: Sequence) -> None:
+        """Put ``seq``, which already holds its cache (a forked child), straight into the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

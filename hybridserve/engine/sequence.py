@@ -20,8 +20,10 @@ class Sequence:
     """A request being generated: prompt, output so far, and what it holds in the cache pool."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int, prompt: str | None = None, eos_token_id: int | None = None) -> None:
+                 arrival: int, prompt: str | None = None, eos_token_id: int | None = None,
+                 index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index  # which of the request's n completions this is (0 for n == 1)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -17,13 +17,26 @@ class Mamba2Mixer(nn.Module):
 
     State per sequence: ``conv`` (conv_dim, kernel-1) in the conv-state dtype and ``ssm``
     (heads, head_dim, d_state) in the temporal-state dtype.
+
+    Options for families that deviate from plain Mamba2 (the defaults keep the plain behaviour):
+    ``gated_norm=False`` drops the norm (no ``norm.weight``): ``y * silu(gate)`` (Falcon-H1 without
+    ``mamba_rms_norm``); ``norm_before_gate`` gives ``norm(y) * silu(gate)``; ``norm_in_float32`` feeds
+    the norm the float32 scan output and casts after it (HF Zamba2 and Falcon-H1); ``out_proj_bias``
+    (None: ``proj_bias``); ``proj_multipliers`` scales the in_proj output segments (gate, x, B, C, dt)
+    by five constants (Falcon-H1's muP vector).
     """
 
     def __init__(self, layer_index: int, hidden_size: int, *, num_heads: int, head_dim: int, d_state: int,
                  n_groups: int, conv_kernel: int, chunk_size: int, dtypes: CacheDtypes,
                  intermediate_size: int | None = None, conv_bias: bool = True, proj_bias: bool = False,
                  norm_eps: float = 1e-6, norm_group_size: int | None = None,
-                 time_step_limit: tuple[float, float] = (0.0, float("inf")), activation: str = "silu") -> None:
+                 time_step_limit: tuple[float, float] = (0.0, float("inf")), activation: str = "silu",
+                 decode_time_step_limit: tuple[float, float] | None = None,
+                 gated_norm: bool = True, norm_before_gate: bool = False, norm_in_float32: bool = False,
+                 out_proj_bias: bool | None = None, proj_multipliers: tuple[float, ...] | None = None) -> None:
+        """``decode_time_step_limit``: the dt clamp of the single-token update, when it differs from the
+        scan's ``time_step_limit`` (mamba_ssm's and HF's step/recurrent path never clamp dt, so models
+        mirroring them pass ``(0.0, inf)``); ``None`` uses ``time_step_limit`` for both."""
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
@@ -31,15 +44,26 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = self.intermediate + 2 * n_groups * d_state
         self.chunk_size = chunk_size
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
+        limit = time_step_limit if decode_time_step_limit is None else decode_time_step_limit
+        self.decode_time_step_limit = (float(limit[0]), float(limit[1]))
         self.activation = activation
+        self.norm_before_gate, self.norm_in_float32 = norm_before_gate, norm_in_float32
+        if proj_multipliers is not None and len(proj_multipliers) != 5:
+            raise ValueError(f"proj_multipliers needs 5 values (gate, x, B, C, dt), got {proj_multipliers}")
+        self.proj_multipliers = None if proj_multipliers is None else tuple(float(m) for m in proj_multipliers)
         self.in_proj = nn.Linear(hidden_size, self.intermediate + self.conv_dim + num_heads, bias=proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
                                 padding=conv_kernel - 1, bias=conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.zeros(num_heads))
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.norm = GatedRMSNorm(self.intermediate, norm_group_size or self.intermediate // n_groups, norm_eps)
-        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=proj_bias)
+        self.norm = (GatedRMSNorm(self.intermediate, norm_group_size or self.intermediate // n_groups, norm_eps)
+                     if gated_norm else None)
+        self.out_proj = nn.Linear(self.intermediate, hidden_size,
+                                  bias=proj_bias if out_proj_bias is None else out_proj_bias)
+        if self.proj_multipliers is not None:
+            self.register_buffer("proj_scale", torch.empty(self.in_proj.out_features), persistent=False)
+            self.reset_buffers()
         self.spec = LayerCacheSpec(layer_index, "mamba2", state=(
             dtypes.conv_state("conv", (self.conv_dim, conv_kernel - 1)),
             dtypes.temporal_state("ssm", (num_heads, head_dim, d_state)),
@@ -50,6 +74,8 @@ class Mamba2Mixer(nn.Module):
         cache = batch.caches[self.layer_index]
         conv_states, ssm_states = cache.state["conv"], cache.state["ssm"]
         proj = self.in_proj(x)  # (T, inter + conv_dim + H)
+        if self.proj_multipliers is not None:
+            proj = proj * self.proj_scale.to(proj.dtype)
         gate, xbc, dt = torch.split(proj, [self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         A = -torch.exp(self.A_log.float())  # (H,)
@@ -63,7 +89,7 @@ class Mamba2Mixer(nn.Module):
             n = g.num_tokens
             y[g.tokens] = mamba2_state_update(
                 ssm_states, xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N),
-                self.D, self.dt_bias, True, self.time_step_limit, g.state_indices)
+                self.D, self.dt_bias, True, self.decode_time_step_limit, g.state_indices)
         if batch.prefill is not None:
             g = batch.prefill
             idx = g.state_indices
@@ -77,5 +103,23 @@ class Mamba2Mixer(nn.Module):
                 self.D, self.dt_bias, True, self.time_step_limit, g.cu_seqlens_q, ssm_states[idx].float())
             ssm_states[idx] = ssm_final.to(ssm_states.dtype)
             y[g.tokens] = y_p
-        y = self.norm(y.reshape(x.shape[0], -1).to(x.dtype), gate)  # (T, inter)
-        return self.out_proj(y)
+        return self.out_proj(self._gate_and_norm(y.reshape(x.shape[0], -1), gate, x.dtype))  # (T, hidden)
+
+    def _gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """y: (T, inter) float32 scan output, gate: (T, inter) -> (T, inter) in ``dtype``."""
+        if self.norm is None:
+            return (y * nn.functional.silu(gate)).to(dtype)
+        if self.norm_before_gate:
+            return (self.norm(y, None) * nn.functional.silu(gate.float())).to(dtype)
+        if self.norm_in_float32:
+            return self.norm(y, gate).to(dtype)
+        return self.norm(y.to(dtype), gate)
+
+    def reset_buffers(self) -> None:
+        """Recompute the in_proj segment scales (gate, x, B, C, dt) after meta construction."""
+        if self.proj_multipliers is None:
+            return
+        G, N = self.n_groups, self.d_state
+        sizes = (self.intermediate, self.intermediate, G * N, G * N, self.num_heads)
+        scale = torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip(sizes, self.proj_multipliers)])
+        self.proj_scale = scale.to(self.proj_scale.device)

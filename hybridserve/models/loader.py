@@ -56,18 +56,29 @@ def _rename(name: str, renames: list[tuple[str, str]]) -> str:
 def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.device) -> None:
     """Load every parameter strictly: missing, unexpected and mis-shaped weights are errors naming them."""
     renames = getattr(model, "checkpoint_renames", [])
+    # optional model hook: {renamed name: tensor} -> {model name: tensor} (e.g. stack per-expert weights)
+    transform = getattr(model, "transform_checkpoint", None)
     expected = dict(model.named_parameters())
     tied = set(model.tied_weights) if getattr(model.hf_config, "tie_word_embeddings", False) else set()
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
+    kv_scales: list[tuple[nn.Module, tuple[str, ...], torch.Tensor]] = []
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             for raw in f.keys():
                 name = _rename(raw, renames)
-                if name not in expected:
+                target = kv_scale_target(model, name)
+                if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight
+                    kv_scales.append((*target, f.get_tensor(raw)))
+                    continue
+                if name not in expected and transform is None:
                     unexpected.append(raw)
                     continue
                 loaded[name] = f.get_tensor(raw)
+    if transform is not None:
+        loaded = transform(loaded)
+        unexpected = [n for n in loaded if n not in expected]
+        loaded = {n: t for n, t in loaded.items() if n in expected}
     missing = [n for n in expected if n not in loaded and n not in tied]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match {type(model).__name__}: "
@@ -90,6 +101,43 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         if callable(reset):
             reset()
     model.tie_weights_if_needed()
+    for module, attrs, tensor in kv_scales:
+        for attr in attrs:
+            setattr(module, attr, float(tensor.float().max()))  # per-tensor; the largest of per-head scales
+
+
+#: checkpoint names of fp8 KV-cache scales, relative to the attention module: (pattern, attributes set)
+KV_SCALE_NAMES: tuple[tuple[re.Pattern, tuple[str, ...]], ...] = (
+    (re.compile(r"^(?P<attn>.+)\.k_proj\.(?:k_scale|output_scale)$"), ("k_scale",)),  # ModelOpt; older
+    (re.compile(r"^(?P<attn>.+)\.v_proj\.(?:v_scale|output_scale)$"), ("v_scale",)),  # compressed-tensors
+    (re.compile(r"^(?P<attn>.+)\.k_scale$"), ("k_scale",)),  # compressed-tensors, vLLM
+    (re.compile(r"^(?P<attn>.+)\.v_scale$"), ("v_scale",)),
+    (re.compile(r"^(?P<attn>.+)\.kv_scale$"), ("k_scale", "v_scale")),  # deprecated: one scale for both
+)
+
+
+def kv_scale_target(model: nn.Module, name: str) -> tuple[nn.Module, tuple[str, ...]] | None:
+    """The attention module and scale attributes a checkpoint tensor ``name`` sets, if it is a KV scale.
+
+    Accepted names, for an attention module at ``model.layers.3.self_attn``: ``...self_attn.k_scale``
+    / ``v_scale``, ``...self_attn.k_proj.k_scale`` / ``v_proj.v_scale``, ``...self_attn.k_proj.output_scale``
+    / ``v_proj.output_scale``, ``...self_attn.kv_scale`` (both), and the same under ``...self_attn.attn``.
+    """
+    for pattern, attrs in KV_SCALE_NAMES:
+        match = pattern.match(name)
+        if match is None:
+            continue
+        prefix = match.group("attn")
+        for candidate in (prefix, prefix.removesuffix(".attn")):
+            try:
+                module = model.get_submodule(candidate)
+            except AttributeError:
+                continue
+            spec = getattr(module, "spec", None)
+            if getattr(spec, "attention", None) is not None:
+                return module, attrs
+        return None
+    return None
 
 
 def _owner(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:

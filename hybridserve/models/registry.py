@@ -8,8 +8,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("hybridserve.models.llama", "LlamaForCausalLM"),
     "Mamba2ForCausalLM": ("hybridserve.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("hybridserve.models.bamba", "BambaForCausalLM"),
+    "MambaForCausalLM": ("hybridserve.models.mamba", "MambaForCausalLM"),
+    "FalconMambaForCausalLM": ("hybridserve.models.falcon_mamba", "FalconMambaForCausalLM"),
+    "JambaForCausalLM": ("hybridserve.models.jamba", "JambaForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("hybridserve.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "NemotronHForCausalLM": ("hybridserve.models.nemotron_h", "NemotronHForCausalLM"),
+    "Qwen3NextForCausalLM": ("hybridserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "MiniMaxForCausalLM": ("hybridserve.models.minimax", "MiniMaxForCausalLM"),
+    "Lfm2ForCausalLM": ("hybridserve.models.lfm2", "Lfm2ForCausalLM"),
+    "Zamba2ForCausalLM": ("hybridserve.models.zamba2", "Zamba2ForCausalLM"),
+    "FalconH1ForCausalLM": ("hybridserve.models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 

@@ -115,6 +115,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     V = _gather_kv(v_cache, block_tables, nb, v_scale)  # (S, Lpad, Hkv, Dh)
     Lpad = K.shape[1]
     kpos = torch.arange(Lpad, device=dev)  # (Lpad,)
+    # Positions past a sequence's length hold whatever bytes the shared pool has there (another
+    # sequence's state, say), which may read as NaN/inf in the KV dtype (any 0x7F byte is NaN in
+    # fp8_e4m3): their probabilities are 0, but 0 * NaN is NaN, so clear them.
+    V = V.masked_fill((kpos[None, :] >= seq_lens[:, None])[:, :, None, None], 0.0)  # (S, Lpad, Hkv, Dh)
 
     if T == S:  # every sequence has exactly one query (each has >= 1): decode
         qf = q.float().view(S, Hkv, R, Dh)  # (S, Hkv, R, Dh)

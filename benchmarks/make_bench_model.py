@@ -1,0 +1,68 @@
+"""Build the ~100M-parameter Mamba2/attention hybrid used by the speed benchmarks.
+
+Granite-4.0-H layout (GraniteMoeHybridForCausalLM, dense shared MLP) by default, since vLLM's CPU
+build implements it natively; ``--arch bamba`` gives the same dimensions in Bamba's layout.
+
+Random weights with a scaled LM head (peaky logits, stable greedy decoding), saved in bf16.
+
+    python benchmarks/make_bench_model.py /tmp/bench-bamba-100m
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def granite_config():
+    from transformers import GraniteMoeHybridConfig
+
+    kinds = ["linear_attention"] * 12
+    kinds[3] = kinds[9] = "full_attention"
+    return GraniteMoeHybridConfig(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, shared_intermediate_size=2048,
+        num_local_experts=0, num_experts_per_tok=0, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=4, layer_types=kinds, position_embedding_type="nope",
+        mamba_n_heads=24, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=128, max_position_embeddings=8192, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def bamba_config():
+    from transformers import BambaConfig
+
+    return BambaConfig(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=64, attn_layer_indices=[3, 9],
+        mamba_n_heads=24, mamba_d_head=64, mamba_d_state=64, mamba_n_groups=1, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=128, max_position_embeddings=8192, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", default="granite", choices=["granite", "bamba"])
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = granite_config() if args.arch == "granite" else bamba_config()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+        final_norm = model.model.norm if hasattr(model.model, "norm") else model.model.final_layernorm
+        final_norm.weight.mul_(8.0)  # tied head: sharpen logits through the final norm
+    model = model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(args.path)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"saved {args.path}: {n / 1e6:.1f}M parameters")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Plan the cache of a model from its config.json alone: no weights, no tokenizer.
+
+The model class is built on the ``meta`` device (no memory, no weights) only to ask it for its
+cache specs, exactly as the engine does after loading; the layout comes from
+:func:`~hybridserve.cache.layout.compute_layout` and the capacity from
+:mod:`hybridserve.cache.capacity`, the functions the engine's pool allocates with. So a plan's
+figures are the engine's real ones, for models that have not been downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridserve.cache.capacity import (bytes_per_sequence, ideal_bytes_per_sequence, max_sequences,
+                                        pool_geometry)
+from hybridserve.cache.layout import PoolLayout, compute_layout
+from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.config import EngineConfig, ResolvedDtypes
+
+DTYPE_OPTIONS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
+
+#: the main alternatives every plan is compared with: (label, dtype options; the rest auto)
+ALTERNATIVES: tuple[tuple[str, dict[str, str]], ...] = (
+    ("all auto", {}),
+    ("fp32 state", {"mamba_ssm_cache_dtype": "float32"}),
+    ("fp8 KV, fp32 state", {"kv_cache_dtype": "fp8_e4m3", "mamba_ssm_cache_dtype": "float32"}),
+)
+
+
+def load_config(path: str) -> Any:
+    """The HF config of a checkpoint directory, or of a config.json file (read alone)."""
+    from hybridserve.models.loader import load_hf_config
+
+    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+        path = os.path.dirname(path) or "."
+    return load_hf_config(path)
+
+
+def cache_specs_from_config(hf_config: Any, dtypes: ResolvedDtypes) -> list[LayerCacheSpec]:
+    """Every layer's cache spec, from the model class built on the meta device (no weights)."""
+    from hybridserve.models.loader import architecture_of
+    from hybridserve.models.registry import model_class
+
+    cls = model_class(architecture_of(hf_config))
+    with torch.device("meta"):
+        model = cls(hf_config, CacheDtypes.from_resolved(dtypes))
+    return model.cache_specs()
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """One configuration's cache: its specs, layout and capacity in a byte budget."""
+
+    label: str
+    architecture: str
+    options: dict[str, str]  # the four dtype options as given ("auto" where not)
+    dtypes: ResolvedDtypes
+    specs: tuple[LayerCacheSpec, ...]
+    layout: PoolLayout
+    cache_memory_bytes: int
+    max_model_len: int
+
+    @property
+    def max_concurrent_sequences(self) -> int:
+        """Sequences of ``max_model_len`` tokens that fit in the pool at once (the engine's arithmetic)."""
+        return max_sequences(self.layout, self.cache_memory_bytes, self.max_model_len)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """Pool bytes one ``max_model_len`` sequence holds: its state slot and its KV pages."""
+        return bytes_per_sequence(self.layout, self.max_model_len)
+
+    @property
+    def ideal_bytes_per_sequence(self) -> int:
+        """Exact state bytes plus exact KV bytes of ``max_model_len`` tokens: nothing else."""
+        return ideal_bytes_per_sequence(self.layout, self.max_model_len)
+
+    @property
+    def ideal_max_sequences(self) -> float:
+        """The budget divided by the ideal bytes per sequence (no layout can hold more)."""
+        ideal = self.ideal_bytes_per_sequence
+        return self.cache_memory_bytes / ideal if ideal else float("inf")
+
+    def summary(self) -> dict[str, Any]:
+        """The plan's figures (everything but the per-layer table)."""
+        layout = self.layout
+        geometry = pool_geometry(layout, self.cache_memory_bytes)
+        return {
+            "label": self.label,
+            "options": dict(self.options),
+            **self.dtypes.as_names(),
+            "attention_block_size": layout.block_size,
+            "state_bytes_per_sequence": layout.state_bytes_per_sequence,
+            "kv_bytes_per_token": layout.kv_bytes_per_token,
+            "page_bytes": layout.page_bytes,
+            "slot_bytes": layout.slot_bytes,
+            "cache_memory_bytes": self.cache_memory_bytes,
+            "pool_bytes": geometry.num_bytes,
+            "num_pages": geometry.num_pages,
+            "num_slots": geometry.num_slots,
+            "max_model_len": self.max_model_len,
+            "bytes_per_sequence": self.bytes_per_sequence,
+            "ideal_bytes_per_sequence": self.ideal_bytes_per_sequence,
+            "max_concurrent_sequences": self.max_concurrent_sequences,
+            "ideal_max_sequences": self.ideal_max_sequences,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """``summary()`` plus ``architecture`` and ``layers`` (the same entries as ``LLM.cache_layout()``)."""
+        return {"architecture": self.architecture, **self.summary(),
+                "layers": [spec.describe() for spec in self.specs]}
+
+
+def plan_cache(hf_config: Any, config: EngineConfig, max_model_len: int | None = None,
+               label: str = "requested") -> CachePlan:
+    """Plan the cache of ``hf_config`` under ``config``'s dtype options, block size and cache memory.
+
+    ``max_model_len``: defaults to ``config.max_model_len``, else the engine's default for the model.
+    """
+    from hybridserve.engine.llm_engine import default_max_model_len
+    from hybridserve.models.loader import architecture_of
+
+    dtypes = config.resolve_dtypes(hf_config)
+    specs = cache_specs_from_config(hf_config, dtypes)
+    layout = compute_layout(specs, config.block_size)
+    length = max_model_len or config.max_model_len or default_max_model_len(hf_config)
+    options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
+    return CachePlan(label, architecture_of(hf_config), options, dtypes, tuple(specs), layout,
+                     int(config.cache_memory), int(length))
+
+
+def plan_alternatives(hf_config: Any, config: EngineConfig, max_model_len: int | None = None) -> list[CachePlan]:
+    """The plans of :data:`ALTERNATIVES` (same block size, cache memory and length as ``config``)."""
+    plans = []
+    for label, options in ALTERNATIVES:
+        alt = EngineConfig(**{**{name: "auto" for name in DTYPE_OPTIONS}, **options},
+                           block_size=config.block_size, cache_memory=config.cache_memory,
+                           max_model_len=config.max_model_len)
+        plans.append(plan_cache(hf_config, alt, max_model_len, label))
+    return plans

@@ -1,0 +1,148 @@
+"""The FastAPI app and its uvicorn server.
+
+Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions``. With an API key set, the ``/v1`` routes need
+``Authorization: Bearer KEY`` (``/health`` and ``/metrics`` stay open, for probes and scrapers).
+
+Shutdown (SIGTERM or SIGINT): the listening socket closes at once and new requests get 503; requests
+in flight get ``shutdown_timeout`` seconds to finish, then are aborted (each stream ends with
+``finish_reason="abort"``); the engine thread stops and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+import threading
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from hybridserve.engine.async_engine import AsyncEngine
+from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.entrypoints.openai.errors import APIError, install_error_handlers
+from hybridserve.entrypoints.openai.metrics import render_metrics
+from hybridserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridserve.entrypoints.openai.serving_chat import create_chat_completion
+from hybridserve.entrypoints.openai.serving_common import ServerState
+from hybridserve.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app; its lifespan starts and stops the engine thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="hybridserve", lifespan=lifespan)
+    app.state.hybridserve = state
+    install_error_handlers(app)
+
+    def authorized(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def accepting() -> None:
+        if not state.engine.accepting:
+            raise APIError(503, "the server is shutting down")
+
+    v1 = [Depends(authorized), Depends(accepting)]
+
+    @app.get("/health")
+    async def health() -> Any:
+        if not state.engine.accepting:
+            raise APIError(503, "the server is shutting down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Any:
+        return PlainTextResponse(render_metrics(state.engine, state.model_name),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> Any:
+        card = ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return _respond(await create_completion(state, body, raw))
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        return _respond(await create_chat_completion(state, body, raw))
+
+    return app
+
+
+def _respond(result: Any) -> Any:
+    if hasattr(result, "model_dump"):
+        return JSONResponse(result.model_dump())
+    return result  # a StreamingResponse
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with our shutdown: drain for a grace period, abort the rest, exit 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGTERM and SIGINT start a graceful shutdown, after which the process exits normally.
+
+        (uvicorn's own version re-raises the signal once shut down, which makes the exit status
+        "killed by SIGTERM" instead of 0.)
+        """
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self.engine.stop_accepting()
+        logger.info("shutting down: %.1f s for the requests in flight to finish", self.shutdown_timeout)
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               model_name: str, model_path: str, max_waiting_requests: int | None = None,
+               shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
+    """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start."""
+    state = ServerState(engine=AsyncEngine(engine, max_waiting_requests),
+                        tokenizer=Detokenizer.from_path(engine.config.tokenizer or engine.config.model),
+                        model_name=model_name, model_path=model_path, max_model_len=engine.max_model_len,
+                        api_key=api_key or None)
+    config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout + 5.0)
+    server = _Server(config, state.engine, shutdown_timeout)
+    server.run()
+    return 0 if server.started else 1

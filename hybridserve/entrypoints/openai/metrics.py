@@ -1,0 +1,54 @@
+"""``GET /metrics``: the engine's gauges, counters and latency histograms in Prometheus text format."""
+
+from __future__ import annotations
+
+from hybridserve.engine.async_engine import AsyncEngine
+from hybridserve.engine.metrics import Histogram
+
+PREFIX = "hybridserve:"
+
+
+def _label(model_name: str) -> str:
+    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'model_name="{escaped}"'
+
+
+def _num(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def _scalar(lines: list[str], name: str, kind: str, help_text: str, label: str, value: float) -> None:
+    lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}",
+              f"{PREFIX}{name}{{{label}}} {_num(value)}"]
+
+
+def _histogram(lines: list[str], name: str, help_text: str, label: str, hist: Histogram) -> None:
+    buckets, total, count = hist.collect()
+    lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} histogram"]
+    for bound, cumulative in buckets:
+        lines.append(f'{PREFIX}{name}_bucket{{{label},le="{_num(bound)}"}} {cumulative}')
+    lines += [f"{PREFIX}{name}_sum{{{label}}} {_num(total)}", f"{PREFIX}{name}_count{{{label}}} {count}"]
+
+
+def render_metrics(engine: AsyncEngine, model_name: str) -> str:
+    snap = engine.snapshot
+    label = _label(model_name)
+    lines: list[str] = []
+    _scalar(lines, "num_requests_running", "gauge", "Requests running in the engine (prefilling or decoding).",
+            label, snap.num_requests_running)
+    _scalar(lines, "num_requests_waiting", "gauge", "Requests accepted and waiting to run.",
+            label, engine.num_waiting())
+    _scalar(lines, "cache_usage_perc", "gauge",
+            "Fraction of the KV + state cache pool held by requests (1 means 100 percent).", label, snap.cache_usage)
+    _scalar(lines, "prompt_tokens_total", "counter", "Prompt tokens of the requests accepted.",
+            label, snap.prompt_tokens)
+    _scalar(lines, "generation_tokens_total", "counter", "Tokens generated.", label, snap.generation_tokens)
+    _scalar(lines, "num_preemptions_total", "counter", "Sequences preempted (their cache freed, to be recomputed).",
+            label, snap.num_preemptions)
+    _histogram(lines, "time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
+               label, engine.ttft)
+    _histogram(lines, "inter_token_latency_seconds", "Seconds between successive tokens of a request.",
+               label, engine.itl)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,110 @@
+"""``POST /v1/chat/completions``: the tokenizer's chat template, then a completion."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from hybridserve.entrypoints.openai.errors import APIError
+from hybridserve.entrypoints.openai.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                                    ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+                                                    ChatResponseMessage, DeltaMessage, TokenLogprob, TopLogprob,
+                                                    UsageInfo)
+from hybridserve.entrypoints.openai.serving_common import (SSE_DONE, EngineRequests, ServerState, TextDelta,
+                                                           choices_of, finish_reason, holdback_of, new_id,
+                                                           sampling_params, sse, sse_error, token_str,
+                                                           top_entries, usage_of)
+from hybridserve.outputs import CompletionOutput
+
+
+def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+    if not request.messages:
+        raise APIError(400, "messages is empty: at least one message is required", param="messages")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        return state.tokenizer.apply_chat_template(messages)
+    except ValueError as exc:
+        message = str(exc)
+        if "chat template" in message:
+            message = (f"{message}: the model `{state.model_name}` cannot be used with /v1/chat/completions; "
+                       f"use /v1/completions")
+        raise APIError(400, message, param="messages") from None
+
+
+def _logprobs(c: CompletionOutput, tokens: range, k: int) -> ChatLogprobs:
+    content = []
+    for i in tokens:
+        entry = c.logprobs[i] if c.logprobs is not None else {}
+        tid = c.token_ids[i]
+        text = token_str(entry, tid)
+        top = [TopLogprob(token=token_str(entry, t), logprob=lp.logprob,
+                          bytes=list(token_str(entry, t).encode("utf-8"))) for t, lp in top_entries(entry, k)]
+        content.append(TokenLogprob(token=text, logprob=entry[tid].logprob if tid in entry else float("-inf"),
+                                    bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServerState, request: ChatCompletionRequest, raw: Request):
+    state.check_model(request.model)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    params = sampling_params(request, max_tokens, logprobs)
+    prompt_ids = _prompt_ids(state, request)
+    requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
+    await requests.start()
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return StreamingResponse(_stream(state, request, requests, logprobs, include_usage),
+                                 media_type="text/event-stream")
+    try:
+        while not requests.done:
+            await requests.wait(raw)
+    finally:
+        requests.abort()
+    choices = []
+    for i, c in enumerate(choices_of(requests.latest[0], params.n)):
+        lp = _logprobs(c, range(len(c.token_ids)), logprobs) if logprobs is not None and c is not None else None
+        choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=c.text if c is not None else ""),
+                                  logprobs=lp, finish_reason=finish_reason(c)))
+    return ChatCompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
+                                  usage=UsageInfo(**usage_of(requests.latest, requests.prompts)))
+
+
+async def _stream(state: ServerState, request: ChatCompletionRequest, requests: EngineRequests,
+                  logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+    n = requests.params.n
+    rid, model = requests.base_id, state.model_name
+    deltas = [TextDelta(holdback_of(requests.params)) for _ in range(n)]
+    finished = [False] * n
+    try:
+        yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]))
+        while not requests.done:
+            await requests.wait()
+            out = requests.latest[0]
+            for i, c in enumerate(choices_of(out, n)):
+                if finished[i]:
+                    continue
+                done = out.finished or (c is not None and c.finish_reason is not None)
+                text, tokens = deltas[i].advance(c)
+                if not text and not tokens and not done:
+                    continue
+                lp = _logprobs(c, tokens, logprobs) if logprobs is not None and c is not None else None
+                finished[i] = done
+                choice = ChatChunkChoice(index=i, delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                                         logprobs=lp, finish_reason=finish_reason(c) if done else None)
+                yield sse(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=rid, model=model, choices=[],
+                                          usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))
+    except APIError as exc:
+        yield sse_error(exc.status, exc.message)
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        yield sse_error(500, f"generation failed: {exc}")
+    finally:
+        requests.abort()
+    yield SSE_DONE

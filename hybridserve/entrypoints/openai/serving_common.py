@@ -1,0 +1,216 @@
+"""What completions and chat share: server state, sampling params, engine requests, deltas, logprobs."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from hybridserve.engine.async_engine import AsyncEngine, EngineStoppedError, OutputSink, QueueFullError
+from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.entrypoints.openai.errors import APIError, ClientDisconnected, error_body
+from hybridserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from hybridserve.sampling_params import SamplingParams
+
+#: a non-streaming request checks this often (seconds) whether its client is still there
+DISCONNECT_POLL_S = 0.25
+#: the most completions one request may ask for
+MAX_N = 128
+
+
+@dataclass
+class ServerState:
+    """What every endpoint needs: the engine, a tokenizer of the server's own, names and limits."""
+
+    engine: AsyncEngine
+    tokenizer: Detokenizer  # a separate instance from the engine thread's (tokenizers are not shared across threads)
+    model_name: str
+    model_path: str
+    max_model_len: int
+    api_key: str | None = None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's SamplingParams of an API request; a bad value is a 400 naming the field."""
+    name = request.unsupported()
+    if name is not None:
+        raise APIError(400, f"{name} is not supported by this server", param=name)
+    if not 1 <= request.n <= MAX_N:
+        raise APIError(400, f"n={request.n} is not valid: must be between 1 and {MAX_N}", param="n")
+    fields: dict[str, Any] = dict(
+        n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop or None,
+        stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+        min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        value = getattr(request, name)
+        if value is not None:
+            fields[name] = value
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=str(exc).split("=", 1)[0]) from None
+
+
+class EngineRequests:
+    """The engine requests of one HTTP request (one per prompt), their latest outputs, and cleanup.
+
+    Always call :meth:`abort` when done (in a ``finally``): it aborts whatever has not finished,
+    which frees its cache at once.
+    """
+
+    def __init__(self, engine: AsyncEngine, base_id: str, prompts: list[tuple[list[int], str | None]],
+                 params: SamplingParams) -> None:
+        self.engine = engine
+        self.base_id = base_id
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        self.latest: list[RequestOutput | None] = [None] * len(prompts)
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._pending: set[str] = set()
+        self._sink = OutputSink()
+        self._last_poll = time.monotonic()
+
+    async def start(self) -> None:
+        """Queue every prompt; on a bad one (400) or a full queue (503) nothing stays queued."""
+        try:
+            for rid, (ids, text) in zip(self.request_ids, self.prompts):
+                self._pending.add(rid)
+                await self.engine.add_request(rid, ids, self.params, self._sink, prompt=text)
+        except ValueError as exc:
+            self.abort()
+            raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+        except (QueueFullError, EngineStoppedError) as exc:
+            self.abort()
+            raise APIError(503, str(exc)) from None
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    async def wait(self, raw_request: Request | None = None) -> list[int]:
+        """Wait for new outputs; the indices of the prompts that advanced.
+
+        With ``raw_request``, also watch for the client going away (raises :class:`ClientDisconnected`).
+        """
+        while True:
+            got = await self._sink.get(timeout=DISCONNECT_POLL_S if raw_request is not None else None)
+            if raw_request is not None and (not got or time.monotonic() - self._last_poll > DISCONNECT_POLL_S):
+                self._last_poll = time.monotonic()
+                if await raw_request.is_disconnected():
+                    self.abort()
+                    raise ClientDisconnected()
+            if got:
+                advanced = []
+                for rid, out in got.items():
+                    i = self._index[rid]
+                    self.latest[i] = out
+                    advanced.append(i)
+                    if out.finished:
+                        self._pending.discard(rid)
+                return sorted(advanced)
+
+    def abort(self) -> None:
+        for rid in self._pending:
+            self.engine.abort(rid)
+        self._pending.clear()
+
+
+def choices_of(out: RequestOutput | None, n: int) -> list[CompletionOutput | None]:
+    """The ``n`` completions of a request output by index (None where a completion has not started)."""
+    found: list[CompletionOutput | None] = [None] * n
+    for c in out.outputs if out is not None else []:
+        found[c.index] = c
+    return found
+
+
+def finish_reason(c: CompletionOutput | None) -> str:
+    return c.finish_reason if c is not None and c.finish_reason else "abort"
+
+
+class TextDelta:
+    """What one completion has streamed so far, and what it may stream now.
+
+    Text is held back while it may still change: a trailing replacement character (an incomplete
+    UTF-8 sequence that the next token may complete) and the last ``len(longest stop string) - 1``
+    characters (which may turn out to begin a stop string, cut from the final text). So the
+    concatenated deltas always equal the final text.
+    """
+
+    def __init__(self, holdback: int) -> None:
+        self.holdback = holdback
+        self.text_len = 0
+        self.num_tokens = 0
+
+    def advance(self, c: CompletionOutput | None) -> tuple[str, range]:
+        """The new text and the indices of the new tokens since the last call."""
+        if c is None:
+            return "", range(0)
+        text, end = c.text, len(c.text)
+        if c.finish_reason is None:
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+            end = max(0, end - self.holdback)
+        new_text = text[self.text_len:end] if end > self.text_len else ""
+        self.text_len = max(self.text_len, end)
+        new_tokens = range(self.num_tokens, len(c.token_ids))
+        self.num_tokens = len(c.token_ids)
+        return new_text, new_tokens
+
+
+def holdback_of(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop_strings), default=1) - 1
+
+
+def token_str(entry: PositionLogprobs, token_id: int) -> str:
+    lp = entry.get(token_id)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return f"token_id:{token_id}"
+
+
+def top_entries(entry: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The ``k`` most likely tokens of a position, best first."""
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def usage_of(outputs: list[RequestOutput | None], prompts: list[tuple[list[int], str | None]]) -> dict[str, int]:
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+#: characters valid unescaped in JSON that line-splitting clients (str.splitlines) take for line breaks
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event (its JSON never contains anything a client could read as a line break)."""
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body.translate(_LINE_BREAKS)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(status: int, message: str) -> str:
+    return sse(error_body(status, message))

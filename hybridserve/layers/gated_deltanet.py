@@ -1,0 +1,120 @@
+"""The gated delta net mixer (Qwen3-Next's linear attention) over the pooled conv and recurrent state."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
+
+
+class NormThenGateRMSNorm(nn.Module):
+    """HF's ``Qwen3NextRMSNormGated``: ``weight * rms_norm(x)`` (cast back to x's dtype first),
+    then times ``silu(gate)`` in float32, cast to x's dtype. (Mamba2's ``GatedRMSNorm`` gates first.)"""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """in_proj_qkvz / in_proj_ba -> causal conv over (q, k, v) -> gated delta rule -> gated norm
+    with z -> out_proj (HF weight names).
+
+    Projection layout (HF): ``in_proj_qkvz`` gives, per key head, ``[q (Dk), k (Dk), v (R*Dv), z (R*Dv)]``
+    and ``in_proj_ba`` per key head ``[b (R), a (R)]``, where R = Hv / Hk value heads share a key head
+    (value head h reads key head h // R). The conv runs over ``[all q, all k, all v]``.
+
+    State per sequence: ``conv`` (conv_dim, kernel-1) in the conv-state dtype and ``recurrent``
+    (Hv, Dk, Dv) in the temporal-state dtype, HF's layout (key dim before value dim).
+    """
+
+    def __init__(self, layer_index: int, hidden_size: int, *, num_k_heads: int, num_v_heads: int,
+                 head_k_dim: int, head_v_dim: int, conv_kernel: int, dtypes: CacheDtypes,
+                 norm_eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({num_k_heads})")
+        self.layer_index = layer_index
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.activation, self.chunk_size = activation, chunk_size
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
+                                padding=conv_kernel - 1, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = NormThenGateRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.spec = LayerCacheSpec(layer_index, "gated_delta_net", state=(
+            dtypes.conv_state("conv", (self.conv_dim, conv_kernel - 1)),
+            dtypes.temporal_state("recurrent", (num_v_heads, head_k_dim, head_v_dim)),
+        ))
+
+    def _project(self, x: torch.Tensor):
+        """x: (T, hidden) -> mixed qkv (T, conv_dim), z (T, Hv, Dv), b, a (T, Hv)."""
+        t = x.shape[0]
+        Hk, Dk, Dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        R = self.num_v_heads // Hk
+        qkvz = self.in_proj_qkvz(x).view(t, Hk, 2 * Dk + 2 * R * Dv)  # grouped per key head
+        q, k, v, z = torch.split(qkvz, [Dk, Dk, R * Dv, R * Dv], dim=-1)
+        b, a = torch.split(self.in_proj_ba(x).view(t, Hk, 2 * R), [R, R], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # (T, conv_dim)
+        return (mixed, z.reshape(t, self.num_v_heads, Dv), b.reshape(t, self.num_v_heads),
+                a.reshape(t, self.num_v_heads))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        cache = batch.caches[self.layer_index]
+        conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
+        t = x.shape[0]
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        mixed, z, b, a = self._project(x)
+        beta = b.float().sigmoid()  # (T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv) log decay
+        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
+        out = torch.empty(t, Hv, Dv, dtype=torch.float32, device=x.device)  # (T, Hv, Dv)
+
+        def split(conv_out: torch.Tensor):
+            n = conv_out.shape[0]
+            q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            return q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk), v.reshape(n, Hv, Dv)
+
+        if batch.decode is not None:
+            grp = batch.decode
+            conv_out = causal_conv1d_update(mixed[grp.tokens], conv_states, weight, self.conv1d.bias,
+                                            grp.state_indices, self.activation)  # (B, conv_dim)
+            q, k, v = split(conv_out)
+            out[grp.tokens] = gated_delta_rule_update(rec_states, q, k, v, g[grp.tokens], beta[grp.tokens],
+                                                      grp.state_indices, use_qk_l2norm=True)
+        if batch.prefill is not None:
+            grp = batch.prefill
+            idx = grp.state_indices
+            conv_out, conv_final = causal_conv1d_varlen(mixed[grp.tokens], weight, self.conv1d.bias,
+                                                        grp.cu_seqlens_q, conv_states[idx].float(),
+                                                        self.activation)
+            conv_states[idx] = conv_final.to(conv_states.dtype)
+            q, k, v = split(conv_out)
+            out_p, rec_final = gated_delta_rule_varlen(q, k, v, g[grp.tokens], beta[grp.tokens], grp.cu_seqlens_q,
+                                                       rec_states[idx].float(), use_qk_l2norm=True,
+                                                       chunk_size=self.chunk_size)
+            rec_states[idx] = rec_final.to(rec_states.dtype)
+            out[grp.tokens] = out_p
+        y = self.norm(out.to(x.dtype).reshape(t * Hv, Dv), z.reshape(t * Hv, Dv))  # (T*Hv, Dv)
+        return self.out_proj(y.reshape(t, Hv * Dv))

@@ -1,0 +1,10 @@
+"""FalconMamba: Mamba1 with weightless RMS norms on dt, B and C inside the mixer (``mixer_rms_eps``)."""
+
+from __future__ import annotations
+
+from hybridserve.models.mamba import MambaForCausalLM
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    checkpoint_renames: list[tuple[str, str]] = []
+    bcdt_norm = "weightless"

@@ -1,0 +1,113 @@
+"""Jamba (AI21): Mamba1 layers and attention layers (no positional encoding), each followed by a
+gated MLP or a top-k mixture of experts, placed by the config's layer periods and offsets."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.cache.spec import CacheDtypes
+from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers.attention import Attention
+from hybridserve.layers.mamba1 import Mamba1Mixer
+from hybridserve.layers.mlp import GatedMLP
+from hybridserve.layers.moe import FusedExperts, softmax_topk
+from hybridserve.layers.norms import RMSNorm
+from hybridserve.models.base import CausalLM
+
+
+#: a per-expert weight as published (and as HF's save_pretrained writes it): prefix, expert, projection
+_PER_EXPERT = re.compile(r"^(.+\.feed_forward\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class JambaSparseMoe(nn.Module):
+    """Router (softmax, top-k, weights not renormalized) and fused gated experts (HF names)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # weight (E, H)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size,
+                                    config.hidden_act, gated=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        index, weight = softmax_topk(self.router(x), self.top_k, normalize=False)  # (T, k) each
+        return self.experts(x, index, weight.to(x.dtype))
+
+
+class JambaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.is_attention = config.layers_block_type[index] == "attention"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_attention:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.self_attn = Attention(index, config.hidden_size, config.num_attention_heads,
+                                       config.num_key_value_heads, head_dim, dtypes)
+        else:
+            self.mamba = Mamba1Mixer(
+                index, config.hidden_size, intermediate_size=int(config.mamba_expand * config.hidden_size),
+                d_state=config.mamba_d_state, conv_kernel=config.mamba_d_conv, dt_rank=int(config.mamba_dt_rank),
+                dtypes=dtypes, conv_bias=config.mamba_conv_bias, proj_bias=config.mamba_proj_bias,
+                activation=config.hidden_act, bcdt_norm="weighted", norm_eps=config.rms_norm_eps)
+        if config.layers_num_experts[index] > 1:
+            self.feed_forward = JambaSparseMoe(config)
+        else:
+            self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.self_attn(h, None, batch) if self.is_attention else self.mamba(h, batch)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class JambaModel(nn.Module):
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(JambaDecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class JambaForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__(config)
+        self.model = JambaModel(config, dtypes)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def transform_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stack per-expert ``experts.{e}.gate_proj/up_proj.weight`` (each (I, H)) into
+        ``experts.gate_up_proj (E, 2I, H)``, gate first, and ``down_proj.weight`` into
+        ``experts.down_proj (E, H, I)``; already fused weights pass through unchanged."""
+        out: dict[str, torch.Tensor] = {}
+        per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # prefix -> projection -> expert -> W
+        for name, tensor in weights.items():
+            m = _PER_EXPERT.match(name)
+            if m:
+                per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
+            else:
+                out[name] = tensor
+        for prefix, parts in per_expert.items():
+            experts = list(range(len(parts.get("down_proj", {}))))
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if sorted(parts.get(proj, {})) != experts:
+                    raise ValueError(f"{prefix}: checkpoint experts of {proj} {sorted(parts.get(proj, {}))} "
+                                     f"are not 0..{len(experts) - 1}")
+            stack = {proj: torch.stack([parts[proj][e] for e in experts]) for proj in parts}
+            out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)  # (E, 2I, H)
+            out[f"{prefix}.down_proj"] = stack["down_proj"]  # (E, H, I)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return self.model.final_layernorm(x)

@@ -1,0 +1,134 @@
+"""LFM2 (Liquid AI): gated short-convolution layers and attention layers (per-head q/k RMS norms),
+each followed by a SwiGLU MLP; the final norm is HF's ``embedding_norm``.
+
+Layer kinds come from ``config.layer_types`` (``conv`` / ``full_attention``). A short-conv layer:
+``B, C, x = in_proj(h)``; ``y = C * conv(B * x)`` (depthwise causal conv, no activation);
+``out_proj(y)``. Its state is the conv window ``conv (hidden, L_cache-1)``, a conv state (follows
+``mamba_cache_dtype``); LFM2 has no temporal state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers.attention import Attention
+from hybridserve.layers.norms import RMSNorm
+from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.models.base import CausalLM
+from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def ffn_size(config: Any) -> int:
+    """The MLP width, adjusted as HF's ``Lfm2MLP`` does (2/3, multiplier, rounded up to a multiple)."""
+    size = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:
+        size = int(2 * size / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            size = int(config.block_ffn_dim_multiplier * size)
+            size = config.block_multiple_of * ((size + config.block_multiple_of - 1) // config.block_multiple_of)
+    return size
+
+
+class Lfm2MLP(nn.Module):
+    """``w2(silu(w1(x)) * w3(x))`` (HF names)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        size = ffn_size(config)
+        self.w1 = nn.Linear(config.hidden_size, size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, size, bias=False)
+        self.w2 = nn.Linear(size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class Lfm2ShortConv(nn.Module):
+    """Gated short convolution over the pooled conv state (HF weight names)."""
+
+    def __init__(self, config: Any, layer_index: int, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        hidden, kernel = config.hidden_size, config.conv_L_cache
+        self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=config.conv_bias, padding=kernel - 1)
+        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=config.conv_bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=config.conv_bias)
+        self.spec = LayerCacheSpec(layer_index, "short_conv", state=(dtypes.conv_state("conv", (hidden, kernel - 1)),))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        conv_states = batch.caches[self.layer_index].state["conv"]  # (slots, hidden, K-1)
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)  # (T, hidden) each
+        bx = b * h  # (T, hidden)
+        weight = self.conv.weight.squeeze(1)  # (hidden, K)
+        y = torch.empty_like(bx)  # (T, hidden)
+        if batch.decode is not None:
+            g = batch.decode
+            y[g.tokens] = causal_conv1d_update(bx[g.tokens], conv_states, weight, self.conv.bias,
+                                               g.state_indices, None)
+        if batch.prefill is not None:
+            g = batch.prefill
+            idx = g.state_indices
+            y_p, final = causal_conv1d_varlen(bx[g.tokens], weight, self.conv.bias, g.cu_seqlens_q,
+                                              conv_states[idx].float(), None)
+            conv_states[idx] = final.to(conv_states.dtype)
+            y[g.tokens] = y_p
+        return self.out_proj(c * y)
+
+
+class Lfm2DecoderLayer(nn.Module):
+    def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.is_attention = config.layer_types[index] != "conv"
+        if self.is_attention:
+            self.self_attn = Attention(index, config.hidden_size, config.num_attention_heads,
+                                       config.num_key_value_heads, head_dim_of(config), dtypes,
+                                       qk_norm_eps=config.norm_eps)
+        else:
+            self.conv = Lfm2ShortConv(config, index, dtypes)
+        self.feed_forward = Lfm2MLP(config)
+        self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        h = self.operator_norm(x)
+        x = x + (self.self_attn(h, rope, batch) if self.is_attention else self.conv(h, batch))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Lfm2Model(nn.Module):
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
+
+
+class Lfm2ForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    # HF's attention names -> layers.attention.Attention's
+    checkpoint_renames = [(r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
+                          (r"\.self_attn\.k_layernorm\.", ".self_attn.k_norm."),
+                          (r"\.self_attn\.out_proj\.", ".self_attn.o_proj.")]
+
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__(config)
+        self.model = Lfm2Model(config, dtypes)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, batch)
+        return self.model.embedding_norm(x)

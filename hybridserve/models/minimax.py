@@ -1,0 +1,183 @@
+"""MiniMax (MiniMax-Text-01): lightning (linear) attention and softmax attention layers, each
+followed by a sparse MoE, with alpha/beta-weighted residuals around the *normalized* hidden state.
+
+Layer kinds come from ``config.layer_types`` (``linear_attention`` / ``full_attention``). A lightning
+layer keeps one recurrent KV state per sequence, ``kv_state (heads, head_dim, head_dim)``, a temporal
+state (follows ``mamba_ssm_cache_dtype``). Its per-head decay rate depends on the layer index:
+``s_h = (2^(-8/H))^(h+1) * (1 - i/(L-1+1e-5) + 1e-5)``, so the last layer barely forgets.
+
+Checkpoints (what HF ``save_pretrained`` writes, and the published ones) keep Mixtral-style experts,
+``block_sparse_moe.experts.{e}.w1/w2/w3.weight``; they are stacked into the fused ``mlp.experts``
+weights on load. The decay buffers HF persists (``slope_rate``, ``*_decay``) are recomputed instead.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers.attention import Attention
+from hybridserve.layers.moe import FusedExperts, softmax_topk
+from hybridserve.layers.norms import RMSNorm
+from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.models.base import CausalLM
+from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
+
+LINEAR_KINDS = ("linear_attention",)
+DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+_LEGACY_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def slope_rates(num_heads: int, layer_index: int, num_layers: int) -> torch.Tensor:
+    """Per-head decay rates (H,) float32, computed as HF's ``get_slope_rate``."""
+    base = 1 / (2 ** (8 / num_heads))
+    exponent = torch.arange(num_heads, device="cpu") + 1
+    factor = 1 - layer_index / (num_layers - 1 + 1e-5) + 1e-5
+    return (base ** exponent * factor).float()
+
+
+class LightningAttention(nn.Module):
+    """MiniMax linear attention: ``act(qkv_proj)`` -> decayed linear attention -> RMS norm ->
+    ``sigmoid(output_gate(x))`` gate -> ``out_proj`` (HF weight names)."""
+
+    def __init__(self, config: Any, layer_index: int, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.head_dim = config.num_attention_heads, head_dim_of(config)
+        self.num_layers = config.num_hidden_layers
+        self.block_size = config.block_size
+        inner = self.num_heads * self.head_dim
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.norm = RMSNorm(inner)  # HF uses the default eps (1e-6) here, not rms_norm_eps
+        self.qkv_proj = nn.Linear(config.hidden_size, 3 * inner, bias=False)
+        self.out_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        self.output_gate = nn.Linear(config.hidden_size, inner, bias=False)
+        self.register_buffer("slope_rate", slope_rates(self.num_heads, layer_index, self.num_layers),
+                             persistent=False)
+        self.spec = LayerCacheSpec(layer_index, "linear_attention", state=(
+            dtypes.temporal_state("kv_state", (self.num_heads, self.head_dim, self.head_dim)),
+        ))
+
+    def reset_buffers(self) -> None:
+        """Recompute the float32 decay rates on the module's device (after meta construction)."""
+        rate = slope_rates(self.num_heads, self.layer_index, self.num_layers)
+        self.slope_rate = rate.to(self.slope_rate.device)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        t, H, D = x.shape[0], self.num_heads, self.head_dim
+        states = batch.caches[self.layer_index].state["kv_state"]  # (slots, H, D, D)
+        qkv = self.act_fn(self.qkv_proj(x)).view(t, H, 3 * D)  # per head: [q | k | v]
+        q, k, v = torch.split(qkv, D, dim=-1)  # (T, H, D) each
+        y = torch.empty(t, H, D, dtype=torch.float32, device=x.device)  # (T, H, D)
+        if batch.decode is not None:
+            g = batch.decode
+            y[g.tokens] = linear_attention_update(states, q[g.tokens], k[g.tokens], v[g.tokens],
+                                                  self.slope_rate, g.state_indices)
+        if batch.prefill is not None:
+            g = batch.prefill
+            idx = g.state_indices
+            y_p, final = linear_attention_varlen(q[g.tokens], k[g.tokens], v[g.tokens], self.slope_rate,
+                                                 g.cu_seqlens_q, states[idx].float(), chunk_size=self.block_size)
+            states[idx] = final.to(states.dtype)
+            y[g.tokens] = y_p
+        y = self.norm(y.reshape(t, H * D).to(x.dtype))  # (T, H*D)
+        y = torch.sigmoid(self.output_gate(x)) * y
+        return self.out_proj(y)
+
+
+class MiniMaxSparseMoeBlock(nn.Module):
+    """Softmax top-k router (renormalized weights) over gated experts."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
+                                    config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index, weight = softmax_topk(self.gate(x), self.top_k, normalize=True)  # (T, k) each
+        return self.experts(x, index, weight)
+
+
+class MiniMaxDecoderLayer(nn.Module):
+    def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        kind = config.layer_types[index]
+        self.is_linear = kind in LINEAR_KINDS
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_linear:
+            self.self_attn = LightningAttention(config, index, dtypes)
+            self.attn_alpha, self.attn_beta = config.linear_attn_alpha_factor, config.linear_attn_beta_factor
+        else:
+            self.self_attn = Attention(index, config.hidden_size, config.num_attention_heads,
+                                       config.num_key_value_heads, head_dim_of(config), dtypes,
+                                       sliding_window=getattr(config, "sliding_window", None))
+            self.attn_alpha, self.attn_beta = config.full_attn_alpha_factor, config.full_attn_beta_factor
+        self.mlp_alpha, self.mlp_beta = config.mlp_alpha_factor, config.mlp_beta_factor
+        self.mlp = MiniMaxSparseMoeBlock(config)
+
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)  # the residual branch is the normalized input, as in HF
+        a = self.self_attn(h, batch) if self.is_linear else self.self_attn(h, rope, batch)
+        h = self.post_attention_layernorm(h * self.attn_alpha + a * self.attn_beta)
+        return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
+
+
+class MiniMaxModel(nn.Module):
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MiniMaxDecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+
+class MiniMaxForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    checkpoint_renames = [(r"\.block_sparse_moe\.", ".mlp.")]
+
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__(config)
+        self.model = MiniMaxModel(config, dtypes)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def transform_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stack per-expert ``experts.{e}.w1/w3`` into ``gate_up_proj (E, 2I, H)`` and ``w2`` into
+        ``down_proj (E, H, I)``; drop the derived decay buffers of lightning layers."""
+        out: dict[str, torch.Tensor] = {}
+        legacy: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # prefix -> w1/w2/w3 -> expert -> W
+        for name, tensor in weights.items():
+            m = _LEGACY_EXPERT.match(name)
+            if m:
+                legacy.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
+            elif not (name.endswith(DECAY_BUFFERS) and ".self_attn." in name):
+                out[name] = tensor
+        for prefix, parts in legacy.items():
+            experts = sorted(parts.get("w2", {}))
+            for w in ("w1", "w2", "w3"):
+                if sorted(parts.get(w, {})) != experts or experts != list(range(len(experts))):
+                    raise ValueError(f"{prefix}: experts of w1/w2/w3 incomplete or mismatched")
+            stack = {w: torch.stack([parts[w][e] for e in experts]) for w in ("w1", "w2", "w3")}
+            out[f"{prefix}.gate_up_proj"] = torch.cat([stack["w1"], stack["w3"]], dim=1)  # (E, 2I, H)
+            out[f"{prefix}.down_proj"] = stack["w2"]  # (E, H, I)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, batch)
+        return self.model.norm(x)

@@ -1,0 +1,139 @@
+"""Qwen3-Next: gated delta net layers and gated attention layers, each followed by a sparse MoE
+block (routed experts plus a sigmoid-gated shared expert) or a dense MLP; zero-centered RMS norms."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridserve.cache.spec import CacheDtypes
+from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers.attention import Attention
+from hybridserve.layers.gated_deltanet import GatedDeltaNet
+from hybridserve.layers.mlp import GatedMLP
+from hybridserve.layers.moe import FusedExperts, softmax_topk
+from hybridserve.layers.norms import RMSNorm
+from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.models.base import CausalLM
+
+# HF checkpoints store experts one by one: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_expert_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``gate_proj``/``up_proj``/``down_proj`` weights -> fused ``gate_up_proj (E, 2I, H)``
+    (gate rows first, as HF's conversion concatenates them) and ``down_proj (E, H, I)``.
+    Names that are not per-expert weights pass through unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _EXPERT_RE.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m["prefix"], {})[(m["proj"], int(m["e"]))] = t
+    for prefix, parts in experts.items():
+        n = 1 + max(e for _, e in parts)
+        missing = [f"{prefix}.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up", "down")
+                   if (f"{p}_proj", e) not in parts]
+        if missing:
+            raise ValueError(f"checkpoint lacks expert weights {missing[:10]}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[("gate_proj", e)], parts[("up_proj", e)]], dim=0) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[("down_proj", e)] for e in range(n)])
+    return out
+
+
+class Qwen3NextSparseMoeBlock(nn.Module):
+    """Softmax top-k router (``gate``), fused experts, and ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                    config.hidden_act)
+        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden)."""
+        index, weight = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)  # (T, k)
+        routed = self.experts(x, index, weight)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared
+
+
+def _uses_moe(config: Any, index: int) -> bool:
+    """HF's rule: MoE unless listed in ``mlp_only_layers``, if experts exist and the layer falls on
+    ``decoder_sparse_step``."""
+    return (index not in (config.mlp_only_layers or []) and config.num_experts > 0
+            and (index + 1) % config.decoder_sparse_step == 0)
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.kind = config.layer_types[index]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                index, config.hidden_size, num_k_heads=config.linear_num_key_heads,
+                num_v_heads=config.linear_num_value_heads, head_k_dim=config.linear_key_head_dim,
+                head_v_dim=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim,
+                dtypes=dtypes, norm_eps=config.rms_norm_eps, activation=config.hidden_act)
+        elif self.kind == "full_attention":
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.self_attn = Attention(index, config.hidden_size, config.num_attention_heads,
+                                       config.num_key_value_heads, head_dim, dtypes,
+                                       bias=getattr(config, "attention_bias", False),
+                                       qk_norm_eps=config.rms_norm_eps, qk_norm_zero_centered=True,
+                                       output_gate=True)
+        else:
+            raise ValueError(f"layer {index}: layer type {self.kind!r} is not supported by Qwen3-Next; "
+                             "supported: linear_attention, full_attention")
+        if _uses_moe(config, index):
+            self.mlp = Qwen3NextSparseMoeBlock(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+
+    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, batch) if self.kind == "linear_attention" else self.self_attn(h, rope, batch)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(config, head_dim)  # partial rotary from rope_parameters
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+        super().__init__(config)
+        self.model = Qwen3NextModel(config, dtypes)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def transform_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stack per-expert weights; drop the multi-token-prediction head (``mtp.*``), which HF also
+        ignores on load."""
+        return stack_expert_weights({n: t for n, t in tensors.items() if not n.startswith("mtp.")})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, batch)
+        return self.model.norm(x)

@@ -1,0 +1,116 @@
+"""Helpers of the server tests: tiny checkpoints with a tokenizer, and a live server on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.checkpoints import bamba_config, build
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world! How are you today?",
+          "Once upon a time there was a small model that served many requests at once.",
+          "user: what is the capital of France? assistant: Paris is the capital of France."]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def train_tokenizer(chat_template: bool):
+    """A small byte-level BPE tokenizer (a transformers fast tokenizer), with a chat template or none."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   clean_up_tokenization_spaces=False)
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_checkpoints(root: str) -> tuple[str, str]:
+    """Two tiny Bamba (Mamba2 + attention) checkpoints with the same weights and tokenizer: the first
+    with a chat template, the second without one."""
+    chat, plain = os.path.join(root, "bamba-chat"), os.path.join(root, "bamba-plain")
+    tokenizer = train_tokenizer(chat_template=True)
+    build(bamba_config(vocab_size=len(tokenizer)), chat)
+    shutil.copytree(chat, plain)
+    tokenizer.save_pretrained(chat)
+    train_tokenizer(chat_template=False).save_pretrained(plain)
+    return chat, plain
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``hybridserve serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, model: str, log_path: str, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        cmd = [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--log-level", "warning", "--device", "cpu", *args]
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+
+    def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-5000:]
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {name (labels dropped, but le kept for buckets): value}."""
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        values = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, value = line.rsplit(" ", 1)
+            base = name.split("{", 1)[0]
+            if 'le="' in name:
+                base += "|" + name.split('le="', 1)[1].split('"', 1)[0]
+            values[base] = float(value)
+        return values
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL if it lingers; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
