@@ -54,6 +54,7 @@ def test_small_blocks_and_capacity_within_one_percent(family, dtypes):
     for block_size in (16, 64):
         layout = compute_layout(list(plan.specs), block_size)
         assert layout.block_size == block_size <= 64  # whatever the state size
+        assert layout.slot_bytes == layout.state_bytes_per_sequence  # no alignment padding at real sizes
         if layout.has_kv:  # a page is block_size tokens of KV, never padded to a state's size
             assert layout.page_bytes == block_size * layout.kv_bytes_per_token
         geometry = pool_geometry(layout, CACHE_MEMORY)

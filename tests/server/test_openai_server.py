@@ -336,7 +336,8 @@ def test_concurrent_streams_complete(server):
 
     before = server.metrics()["hybridserve:generation_tokens_total"]
     results = asyncio.run(main())
-    assert all(finish == "length" and tokens == max_tokens and chunks >= 1 for chunks, finish, tokens in results), results
+    assert all(finish == "length" and tokens == max_tokens and chunks >= 1
+               for chunks, finish, tokens in results), results
     m = server.metrics()
     assert m["hybridserve:generation_tokens_total"] - before == num * max_tokens
     assert idle(server)
