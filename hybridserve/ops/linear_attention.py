@@ -78,7 +78,7 @@ def linear_attention_varlen(q, k, v, decay, cu_seqlens, initial_states, chunk_si
     valid = (lens[:, None] - torch.arange(nc, device=dev)[None, :] * l).clamp(0, l)  # (S, c)
     steps = torch.minimum(torch.arange(1, l + 1, device=dev)[None, None, :], valid[:, :, None]).float()  # (S, c, l)
     q_decay = torch.exp(-rate * steps[:, :, None, :])  # (S, c, H, l): chunk start -> position i
-    k_decay = torch.exp(-rate * (valid[:, :, None, None].float() - steps[:, :, None, :]))  # (S, c, H, l): j -> chunk end
+    k_decay = torch.exp(-rate * (valid[:, :, None, None] - steps[:, :, None, :]))  # (S, c, H, l): j -> chunk end
     chunk_decay = torch.exp(-rate[..., 0] * valid[:, :, None].float())  # (S, c, H)
 
     # 1. intra-chunk: (q k^T * exp(-s (i - j)) for j <= i) v
