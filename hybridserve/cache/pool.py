@@ -160,7 +160,9 @@ class CachePool:
         self.device = device
         self.geometry = pool_geometry(layout, num_bytes)
         self.num_bytes = self.geometry.num_bytes
-        self.buffer = torch.zeros(self.num_bytes, dtype=torch.uint8, device=device)
+        # Not zero-filled: a state slot is zeroed when handed out, and attention never reads KV bytes
+        # past a sequence's length. On the CPU the OS then commits memory only as it is touched.
+        self.buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
         self.num_pages = self.geometry.num_pages
         self.num_slots = self.geometry.num_slots
         self._free_pages = _IdHeap(range(self.num_pages), largest_first=True)

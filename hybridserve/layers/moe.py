@@ -3,9 +3,12 @@
 Experts are stored as 3-D parameters (HF names): gated experts ``gate_up_proj (E, 2I, H)`` and
 ``down_proj (E, H, I)``; non-gated experts ``up_proj (E, I, H)`` and ``down_proj (E, H, I)``.
 Routers differ per family and live with their model; they produce ``(topk_index, topk_weight)``.
+Checkpoints often store the experts one by one instead; ``stack_expert_weights`` fuses them.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -19,6 +22,44 @@ def softmax_topk(router_logits: torch.Tensor, k: int, normalize: bool) -> tuple[
     if normalize:
         weight = weight / weight.sum(-1, keepdim=True)
     return index, weight
+
+
+#: the fused parameters of gated experts and the per-expert projections stacked into each, in order
+GATED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def stack_expert_weights(weights: dict[str, torch.Tensor], experts: str,
+                         fused: dict[str, tuple[str, ...]] = GATED_EXPERTS) -> dict[str, torch.Tensor]:
+    r"""Fuse per-expert checkpoint weights into the 3-D parameters of ``FusedExperts``.
+
+    ``experts`` is a regex for the module path of an experts block (e.g. ``r".*\.mlp\.experts"``); a
+    per-expert weight is ``{that path}.{e}.{projection}.weight``, (out, in) each. ``fused`` maps every
+    fused parameter name to the projections it holds: their experts are stacked, (E, out, in), and
+    several projections are concatenated along ``out`` in the order given (``gate_up_proj`` = gate rows,
+    then up rows, as HF's conversion does). All other names, already fused weights included, pass
+    through unchanged. Every projection of a block must have experts 0..E-1 (a ValueError names the
+    missing weights).
+    """
+    projections = [p for parts in fused.values() for p in parts]
+    alternatives = "|".join(map(re.escape, projections))
+    pattern = re.compile(rf"^(?P<prefix>{experts})\.(?P<e>\d+)\.(?P<proj>{alternatives})\.weight$")
+    out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, dict[tuple[str, int], torch.Tensor]] = {}  # prefix -> (projection, expert) -> W
+    for name, tensor in weights.items():
+        m = pattern.match(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            blocks.setdefault(m["prefix"], {})[(m["proj"], int(m["e"]))] = tensor
+    for prefix, parts in blocks.items():
+        n = 1 + max(e for _, e in parts)
+        missing = [f"{prefix}.{e}.{p}.weight" for e in range(n) for p in projections if (p, e) not in parts]
+        if missing:
+            raise ValueError(f"checkpoint lacks expert weights {missing[:10]}")
+        for param, projs in fused.items():
+            stacked = [torch.stack([parts[(p, e)] for e in range(n)]) for p in projs]  # (E, out, in) each
+            out[f"{prefix}.{param}"] = stacked[0] if len(stacked) == 1 else torch.cat(stacked, dim=1)
+    return out
 
 
 class FusedExperts(nn.Module):

@@ -3,7 +3,6 @@ gated MLP or a top-k mixture of experts, placed by the config's layer periods an
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -14,13 +13,9 @@ from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.mlp import GatedMLP
-from hybridserve.layers.moe import FusedExperts, softmax_topk
+from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.base import CausalLM
-
-
-#: a per-expert weight as published (and as HF's save_pretrained writes it): prefix, expert, projection
-_PER_EXPERT = re.compile(r"^(.+\.feed_forward\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class JambaSparseMoe(nn.Module):
@@ -84,27 +79,10 @@ class JambaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def transform_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Stack per-expert ``experts.{e}.gate_proj/up_proj.weight`` (each (I, H)) into
-        ``experts.gate_up_proj (E, 2I, H)``, gate first, and ``down_proj.weight`` into
-        ``experts.down_proj (E, H, I)``; already fused weights pass through unchanged."""
-        out: dict[str, torch.Tensor] = {}
-        per_expert: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # prefix -> projection -> expert -> W
-        for name, tensor in weights.items():
-            m = _PER_EXPERT.match(name)
-            if m:
-                per_expert.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
-            else:
-                out[name] = tensor
-        for prefix, parts in per_expert.items():
-            experts = list(range(len(parts.get("down_proj", {}))))
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                if sorted(parts.get(proj, {})) != experts:
-                    raise ValueError(f"{prefix}: checkpoint experts of {proj} {sorted(parts.get(proj, {}))} "
-                                     f"are not 0..{len(experts) - 1}")
-            stack = {proj: torch.stack([parts[proj][e] for e in experts]) for proj in parts}
-            out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)  # (E, 2I, H)
-            out[f"{prefix}.down_proj"] = stack["down_proj"]  # (E, H, I)
-        return out
+        """Stack per-expert ``experts.{e}.gate_proj/up_proj/down_proj.weight`` into the fused
+        ``experts.gate_up_proj (E, 2I, H)`` and ``experts.down_proj (E, H, I)``; already fused weights
+        pass through unchanged."""
+        return stack_expert_weights(weights, r".+\.feed_forward\.experts")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)

@@ -13,7 +13,6 @@ weights on load. The decay buffers HF persists (``slope_rate``, ``*_decay``) are
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from transformers.activations import ACT2FN
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
-from hybridserve.layers.moe import FusedExperts, softmax_topk
+from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import CausalLM
@@ -31,7 +30,6 @@ from hybridserve.ops.linear_attention import linear_attention_update, linear_att
 
 LINEAR_KINDS = ("linear_attention",)
 DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
-_LEGACY_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
 def head_dim_of(config: Any) -> int:
@@ -157,23 +155,8 @@ class MiniMaxForCausalLM(CausalLM):
     def transform_checkpoint(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Stack per-expert ``experts.{e}.w1/w3`` into ``gate_up_proj (E, 2I, H)`` and ``w2`` into
         ``down_proj (E, H, I)``; drop the derived decay buffers of lightning layers."""
-        out: dict[str, torch.Tensor] = {}
-        legacy: dict[str, dict[str, dict[int, torch.Tensor]]] = {}  # prefix -> w1/w2/w3 -> expert -> W
-        for name, tensor in weights.items():
-            m = _LEGACY_EXPERT.match(name)
-            if m:
-                legacy.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = tensor
-            elif not (name.endswith(DECAY_BUFFERS) and ".self_attn." in name):
-                out[name] = tensor
-        for prefix, parts in legacy.items():
-            experts = sorted(parts.get("w2", {}))
-            for w in ("w1", "w2", "w3"):
-                if sorted(parts.get(w, {})) != experts or experts != list(range(len(experts))):
-                    raise ValueError(f"{prefix}: experts of w1/w2/w3 incomplete or mismatched")
-            stack = {w: torch.stack([parts[w][e] for e in experts]) for w in ("w1", "w2", "w3")}
-            out[f"{prefix}.gate_up_proj"] = torch.cat([stack["w1"], stack["w3"]], dim=1)  # (E, 2I, H)
-            out[f"{prefix}.down_proj"] = stack["w2"]  # (E, H, I)
-        return out
+        kept = {n: t for n, t in weights.items() if not (n.endswith(DECAY_BUFFERS) and ".self_attn." in n)}
+        return stack_expert_weights(kept, r".*\.experts", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)

@@ -8,7 +8,6 @@ groups) over non-gated experts plus a shared expert, optionally through a latent
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -19,13 +18,12 @@ from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import PlainMLP
-from hybridserve.layers.moe import FusedExperts
+from hybridserve.layers.moe import FusedExperts, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.base import CausalLM
 
 KIND_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
 KINDS = ("linear_attention", "full_attention", "mlp", "moe")
-_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 
 
 class NemotronHRMSNorm(RMSNorm):
@@ -156,19 +154,8 @@ class NemotronHForCausalLM(CausalLM):
         """Stack per-expert ``experts.{e}.up_proj/down_proj.weight`` (the published layout, also what HF's
         save_pretrained writes) into ``experts.up_proj (E, I, H)`` / ``experts.down_proj (E, H, I)``; drop the
         multi-token-prediction ``mtp.*`` weights, which HF ignores as well."""
-        out: dict[str, torch.Tensor] = {}
-        per_expert: dict[str, dict[int, torch.Tensor]] = {}  # fused name -> expert -> (out, in)
-        for name, tensor in weights.items():
-            m = _PER_EXPERT.match(name)
-            if m:
-                per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = tensor
-            elif not name.startswith("mtp."):
-                out[name] = tensor
-        for fused, parts in per_expert.items():
-            if sorted(parts) != list(range(len(parts))):
-                raise ValueError(f"{fused}: checkpoint experts {sorted(parts)} are not 0..{len(parts) - 1}")
-            out[fused] = torch.stack([parts[e] for e in range(len(parts))])
-        return out
+        return stack_expert_weights({n: t for n, t in weights.items() if not n.startswith("mtp.")},
+                                    r".*\.mixer\.experts", {"up_proj": ("up_proj",), "down_proj": ("down_proj",)})
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__(config)

@@ -3,7 +3,6 @@ block (routed experts plus a sigmoid-gated shared expert) or a dense MLP; zero-c
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -14,38 +13,10 @@ from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.layers.mlp import GatedMLP
-from hybridserve.layers.moe import FusedExperts, softmax_topk
+from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import CausalLM
-
-# HF checkpoints store experts one by one: model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight
-_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def stack_expert_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert ``gate_proj``/``up_proj``/``down_proj`` weights -> fused ``gate_up_proj (E, 2I, H)``
-    (gate rows first, as HF's conversion concatenates them) and ``down_proj (E, H, I)``.
-    Names that are not per-expert weights pass through unchanged."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
-    for name, t in tensors.items():
-        m = _EXPERT_RE.match(name)
-        if m is None:
-            out[name] = t
-        else:
-            experts.setdefault(m["prefix"], {})[(m["proj"], int(m["e"]))] = t
-    for prefix, parts in experts.items():
-        n = 1 + max(e for _, e in parts)
-        missing = [f"{prefix}.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up", "down")
-                   if (f"{p}_proj", e) not in parts]
-        if missing:
-            raise ValueError(f"checkpoint lacks expert weights {missing[:10]}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts[("gate_proj", e)], parts[("up_proj", e)]], dim=0) for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts[("down_proj", e)] for e in range(n)])
-    return out
-
 
 class Qwen3NextSparseMoeBlock(nn.Module):
     """Softmax top-k router (``gate``), fused experts, and ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
@@ -129,7 +100,8 @@ class Qwen3NextForCausalLM(CausalLM):
     def transform_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Stack per-expert weights; drop the multi-token-prediction head (``mtp.*``), which HF also
         ignores on load."""
-        return stack_expert_weights({n: t for n, t in tensors.items() if not n.startswith("mtp.")})
+        return stack_expert_weights({n: t for n, t in tensors.items() if not n.startswith("mtp.")},
+                                    r".*\.mlp\.experts")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)

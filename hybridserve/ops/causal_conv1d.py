@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridserve.ops._varlen import packed_positions
+
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
@@ -65,16 +67,13 @@ def causal_conv1d_varlen_ref(x, weight, bias, cu_seqlens, initial_states, activa
 def causal_conv1d_varlen(x, weight, bias, cu_seqlens, initial_states, activation):
     """Fast path, vectorized over all tokens: K gathers from one (initial states ++ tokens) buffer.
 
-    x: (T, D) packed tokens of S sequences; weight: (D, K); bias: (D,) or None;
-    cu_seqlens: (S+1,) int64; initial_states: (S, D, K-1) or None (zeros); activation: None|"silu".
-    Returns y: (T, D) in x.dtype and final_states: (S, D, K-1) float32.
+    Arguments and results: as ``causal_conv1d_varlen_ref``.
     """
     T, D = x.shape
     K = weight.shape[1]
     S = cu_seqlens.numel() - 1
     dev = x.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)  # (S+1,)
-    lens = cu[1:] - cu[:-1]  # (S,)
+    cu, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
     if initial_states is None:
         init = torch.zeros(S, K - 1, D, dtype=torch.float32, device=dev)  # (S, K-1, D)
     else:
@@ -89,8 +88,6 @@ def causal_conv1d_varlen(x, weight, bias, cu_seqlens, initial_states, activation
         tok_row = S * (K - 1) + cu[seq] + (p - (K - 1)).clamp(min=0)
         return torch.where(in_init, init_row, tok_row)
 
-    seq_id = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)  # (T,)
-    pos = torch.arange(T, device=dev) - cu[seq_id]  # (T,) position within its sequence
     w = weight.float()  # (D, K)
     acc = torch.zeros(T, D, dtype=torch.float32, device=dev)  # (T, D)
     for k in range(K):  # kernel taps, not tokens
@@ -135,9 +132,7 @@ def causal_conv1d_update_ref(x, conv_states, weight, bias, state_indices, activa
 def causal_conv1d_update(x, conv_states, weight, bias, state_indices, activation):
     """Fast path, vectorized over the batch (slots in state_indices must be distinct).
 
-    x: (B, D) one new token per sequence; conv_states: (num_slots, D, K-1) cache, updated in place;
-    weight: (D, K); bias: (D,) or None; state_indices: (B,) int64; activation: None|"silu".
-    Returns y: (B, D) in x.dtype.
+    Arguments and results: as ``causal_conv1d_update_ref``.
     """
     K = weight.shape[1]
     idx = state_indices.to(device=conv_states.device, dtype=torch.long)  # (B,)

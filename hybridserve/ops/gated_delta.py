@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.ops._varlen import packed_positions
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (the FLA / HF convention)."""
@@ -87,22 +89,17 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_states, *, sca
     """Fast path: chunked form, vectorized over sequences padded to a multiple of chunk_size
     (padded steps have g = 0 and beta = 0, k = v = 0: they leave the state unchanged).
 
-    q, k: (T, Hk, Dk); v: (T, Hv, Dv); g, beta: (T, Hv); cu_seqlens: (S+1,) int64;
-    initial_states: (S, Hv, Dk, Dv) or None (zeros); scale: None means Dk ** -0.5.
-    Returns out: (T, Hv, Dv) float32 and final_states: (S, Hv, Dk, Dv) float32.
+    Arguments and results: as ``gated_delta_rule_varlen_ref``.
     """
     T, Hv, Dv = v.shape
     Dk = k.shape[2]
     S = cu_seqlens.numel() - 1
     dev = v.device
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)  # (S+1,)
-    lens = cu[1:] - cu[:-1]  # (S,)
+    _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
     Lmax = int(lens.max()) if S else 0
     l = max(min(chunk_size, Lmax), 1)  # one short chunk when every sequence fits in it
     nc = -(-Lmax // l)  # chunks per padded sequence
-    seq_id = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)  # (T,)
-    pos = torch.arange(T, device=dev) - cu[seq_id]  # (T,) position within its sequence
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         """(T, Hv, ...) -> (S, Hv, c, l, ...), zeros past each sequence's end."""
@@ -173,9 +170,7 @@ def gated_delta_rule_update_ref(states, q, k, v, g, beta, state_indices, *, scal
 def gated_delta_rule_update(states, q, k, v, g, beta, state_indices, *, scale=None, use_qk_l2norm=False):
     """Fast path, vectorized over the batch (slots in state_indices must be distinct).
 
-    states: (num_slots, Hv, Dk, Dv) cache (any strides), updated in place in its own dtype;
-    q, k: (B, Hk, Dk); v: (B, Hv, Dv); g, beta: (B, Hv); state_indices: (B,) int64.
-    Returns out: (B, Hv, Dv) float32.
+    Arguments and results: as ``gated_delta_rule_update_ref``.
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     idx = state_indices.to(device=states.device, dtype=torch.long)  # (B,)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.ops._varlen import packed_positions
+
 # ----------------------------------------------------------------------------------------------
 # varlen prefill
 # ----------------------------------------------------------------------------------------------
@@ -50,21 +52,15 @@ def linear_attention_varlen(q, k, v, decay, cu_seqlens, initial_states, chunk_si
     Decay exponents are integer step counts times s, so padded steps (after a sequence's end)
     neither decay nor add to the state.
 
-    q, k: (T, H, Dk); v: (T, H, Dv) packed tokens of S sequences; decay: (H,) rate s >= 0;
-    cu_seqlens: (S+1,) int64; initial_states: (S, H, Dk, Dv) or None (zeros).
-    Returns out: (T, H, Dv) float32 and final_states: (S, H, Dk, Dv) float32.
+    Arguments and results: as ``linear_attention_varlen_ref``.
     """
     T, H, Dk = q.shape
     Dv = v.shape[-1]
     S = cu_seqlens.numel() - 1
     dev = q.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)  # (S+1,)
-    lens = cu[1:] - cu[:-1]  # (S,)
+    _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
     l = chunk_size
     nc = max(-(-int(lens.max()) // l), 1) if S > 0 else 1  # chunks per padded sequence
-
-    seq_id = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)  # (T,)
-    pos = torch.arange(T, device=dev) - cu[seq_id]  # (T,) position within its sequence
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(S, nc * l, *t.shape[1:], dtype=torch.float32, device=dev)
@@ -131,10 +127,7 @@ def linear_attention_update_ref(states, q, k, v, decay, state_indices):
 def linear_attention_update(states, q, k, v, decay, state_indices):
     """Fast path, vectorized over the batch (slots in state_indices must be distinct).
 
-    states: (num_slots, H, Dk, Dv) cache, updated in place (may be a strided view);
-    q, k: (B, H, Dk); v: (B, H, Dv) one new token per sequence; decay: (H,) rate s >= 0;
-    state_indices: (B,) int64.
-    Returns out: (B, H, Dv) float32 (computed from the float32 new state, before the cache cast).
+    Arguments and results: as ``linear_attention_update_ref``.
     """
     idx = state_indices.to(device=states.device, dtype=torch.long)  # (B,)
     factor = torch.exp(-decay.float().to(states.device))[None, :, None, None]  # (1, H, 1, 1)

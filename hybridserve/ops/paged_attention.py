@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from hybridserve.ops._varlen import packed_positions
+
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -97,11 +99,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     """Fast path: gather all sequences' blocks into a padded batch, one masked batched
     matmul + softmax, unpad. Decode (one query per sequence) takes a cheaper branch.
 
-    q: (T, Hq, Dh) packed queries of S sequences (the last q_len positions of each context);
-    k_cache, v_cache: (num_blocks, block_size, Hkv, Dh); block_tables: (S, max_blocks) int64;
-    seq_lens: (S,) int64 context lengths incl. new tokens; cu_seqlens_q: (S+1,) int64;
-    scale: softmax scale; k_scale, v_scale: dequant scales; sliding_window: None or int W.
-    Returns out: (T, Hq, Dh) in q.dtype.
+    Arguments and results: as ``paged_attention_ref``.
     """
     T, Hq, Dh = q.shape
     S = block_tables.shape[0]
@@ -132,11 +130,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         out = torch.einsum("skrl,slkd->skrd", probs, V)  # (S, Hkv, R, Dh)
         return out.reshape(S, Hq, Dh).to(q.dtype)
 
-    cu_q = cu_seqlens_q.to(device=dev, dtype=torch.long)  # (S+1,)
-    q_lens = cu_q[1:] - cu_q[:-1]  # (S,)
+    _, q_lens, seq_id, qi = packed_positions(cu_seqlens_q, T, dev)  # qi: index among the seq's queries
     Qmax = int(q_lens.max())
-    seq_id = torch.repeat_interleave(torch.arange(S, device=dev), q_lens, output_size=T)  # (T,)
-    qi = torch.arange(T, device=dev) - cu_q[seq_id]  # (T,) index among the seq's queries
     q_pad = torch.zeros(S, Qmax, Hq, Dh, dtype=torch.float32, device=dev)  # (S, Qmax, Hq, Dh)
     q_pad[seq_id, qi] = q.float()
 

@@ -20,6 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybridserve.ops._varlen import packed_positions
+
 
 def _process_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
     """dt: (..., D) -> float32 (..., D) after the optional bias and softplus."""
@@ -124,23 +126,17 @@ def selective_scan_varlen(x, dt, A, B, C, D, z, dt_bias, dt_softplus, cu_seqlens
     Channels are independent, so the work runs in channel tiles of at most ``TILE_ELEMS`` elements
     per (S, nb*l, d, N) buffer: memory stays bounded for long prompts and wide models.
 
-    x: (T, D); dt: (T, D) raw; A: (D, N); B, C: (T, N); D: (D,) or None; z: (T, D) or None;
-    dt_bias: (D,) or None; dt_softplus: bool; cu_seqlens: (S+1,) int64;
-    initial_states: (S, D, N) or None (zeros).
-    Returns y: (T, D) float32 and final_states: (S, D, N) float32.
+    Arguments and results: as ``selective_scan_varlen_ref``.
     """
     T, Dm = x.shape
     N = A.shape[1]
     S = cu_seqlens.numel() - 1
     dev = x.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)  # (S+1,)
-    lens = cu[1:] - cu[:-1]  # (S,)
+    _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
     max_len = int(lens.max()) if S > 0 else 0
     l = _block_len(max_len)
     nb = -(-max_len // l)
 
-    seq_id = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)  # (T,)
-    pos = torch.arange(T, device=dev) - cu[seq_id]  # (T,) position within its sequence
     dtp = _process_dt(dt, dt_bias, dt_softplus)  # (T, D)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -194,10 +190,7 @@ def selective_state_update_ref(ssm_states, x, dt, A, B, C, D, z, dt_bias, dt_sof
 def selective_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_indices):
     """Fast path, vectorized over the batch (slots in state_indices must be distinct).
 
-    ssm_states: (num_slots, D, N) cache (any float dtype, may be a strided view), updated in place;
-    x: (B, D); dt: (B, D) raw; A: (D, N); B, C: (B, N); D: (D,) or None; z: (B, D) or None;
-    dt_bias: (D,) or None; dt_softplus: bool; state_indices: (B,) int64.
-    Returns y: (B, D) float32 (computed from the float32 new state, before the cache cast).
+    Arguments and results: as ``selective_state_update_ref``.
     """
     idx = state_indices.to(device=ssm_states.device, dtype=torch.long)  # (B,)
     dtp = _process_dt(dt, dt_bias, dt_softplus)  # (B, D)

@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybridserve.ops._varlen import packed_positions
+
 
 def _process_dt(dt, dt_bias, dt_softplus, dt_limit):
     """dt: (..., H) -> float32 (..., H) after bias, optional softplus and clamp."""
@@ -86,24 +88,19 @@ def mamba2_chunk_scan_varlen(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus
     """Fast path: chunked SSD, vectorized over sequences padded to a multiple of chunk_size
     (padded steps have dt = 0, so they leave the state unchanged).
 
-    x: (T, H, P); dt: (T, H); A: (H,); B, C: (T, G, N); D, dt_bias: (H,) or None;
-    cu_seqlens: (S+1,) int64; initial_states: (S, H, P, N) or None.
-    Returns y: (T, H, P) float32 and final_states: (S, H, P, N) float32.
+    Arguments and results: as ``mamba2_chunk_scan_varlen_ref``.
     """
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     R = H // G
     S = cu_seqlens.numel() - 1
     dev = x.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)  # (S+1,)
-    lens = cu[1:] - cu[:-1]  # (S,)
+    _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
     Lmax = int(lens.max())
     nc = -(-Lmax // chunk_size)  # chunks per padded sequence
     l = chunk_size
 
     # pack -> pad
-    seq_id = torch.repeat_interleave(torch.arange(S, device=dev), lens, output_size=T)  # (T,)
-    pos = torch.arange(T, device=dev) - cu[seq_id]  # (T,)
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (T, H)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
@@ -190,9 +187,7 @@ def mamba2_state_update(ssm_states, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_
                         state_indices):
     """Fast path, vectorized over the batch (slots in state_indices must be distinct).
 
-    ssm_states: (num_slots, H, P, N) cache, updated in place; x: (B, H, P); dt: (B, H); A: (H,);
-    B, C: (B, G, N); D, dt_bias: (H,) or None; state_indices: (B,) int64.
-    Returns y: (B, H, P) float32 (computed from the float32 new state, before the cache cast).
+    Arguments and results: as ``mamba2_state_update_ref``.
     """
     Bsz, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
@@ -203,7 +198,7 @@ def mamba2_state_update(ssm_states, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_
     xf = x.float()  # (B, H, P)
     decay = torch.exp(dtp * A.float()).view(Bsz, G, R, 1, 1)  # (B, G, R, 1, 1)
     xdt = (xf * dtp[:, :, None]).view(Bsz, G, R, P, 1)  # (B, G, R, P, 1)
-    h = decay * h + xdt * B.float().view(Bsz, G, 1, 1, N)  # (B, G, R, P, N)
+    h = h.mul_(decay).addcmul_(xdt, B.float().view(Bsz, G, 1, 1, N))  # (B, G, R, P, N), in place
     y = torch.einsum("bgrpn,bgn->bgrp", h, C.float()).reshape(Bsz, H, P)  # (B, H, P)
     if D is not None:
         y = y + D.float()[:, None] * xf

@@ -172,60 +172,31 @@ def test_update_matches_ref_on_strided_cache(state_dtype, Hk, Hv, strided_caches
     torch.manual_seed(8)
     num_slots, Dk, Dv, B = 5, 8, 4, 3
     caches = strided_caches((num_slots, Hv, Dk, Dv), state_dtype, n_views=2)
-    cache, other = caches.views
-    assert not cache.is_contiguous()
-    cache.copy_(torch.randn(num_slots, Hv, Dk, Dv).to(state_dtype))
-    other.copy_(torch.randn(num_slots, Hv, Dk, Dv).to(state_dtype))
-    other_before, cache_ref = other.clone(), cache.clone()
+    cache, cache_ref = caches.random_state()
     q, k, v, g, beta = _tokens(B, Hk, Hv, Dk, Dv)
     idx = torch.tensor([3, 0, 4])
-    untouched = torch.tensor([1, 2])
 
     out = gated_delta_rule_update(cache, q, k, v, g, beta, idx, use_qk_l2norm=True)
     out_ref = gated_delta_rule_update_ref(cache_ref, q, k, v, g, beta, idx, use_qk_l2norm=True)
 
     assert out.shape == (B, Hv, Dv) and out.dtype == torch.float32
     _assert_close_rel(out, out_ref, 1e-5)
-    fresh = caches.fresh_view(0)
-    rtol, atol = tol(state_dtype)
-    torch.testing.assert_close(fresh.float(), cache_ref.float(), rtol=rtol, atol=atol)
-    assert torch.equal(fresh[untouched], cache_ref[untouched])
-    assert torch.equal(caches.fresh_view(1), other_before)
-    assert caches.foreign_bytes_intact()
+    caches.assert_updated_like(cache_ref, idx, tol(state_dtype))
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-def test_prefill_then_decode_equals_full_scan(state_dtype, tol):
-    """Scan the prompts, store final states in a cache of state_dtype, decode the rest token by
-    token with the update op: equals one scan of the whole sequences (float32 state: ~exact)."""
+def test_prefill_then_decode_equals_full_scan(state_dtype, prefill_then_decode):
     torch.manual_seed(9)
     Hk, Hv, Dk, Dv = 2, 4, 8, 4
-    prompt, extra = [1, 7, 33], [5, 3, 6]
-    S = len(prompt)
-    full = [p + e for p, e in zip(prompt, extra)]
-    q, k, v, g, beta = _tokens(sum(full), Hk, Hv, Dk, Dv)
-    cu = _cu(full)
-    kw = dict(use_qk_l2norm=True)
-    out_full, fin_full = gated_delta_rule_varlen(q, k, v, g, beta, cu, None, chunk_size=16, **kw)
-    pre = torch.cat([torch.arange(int(cu[s]), int(cu[s]) + prompt[s]) for s in range(S)])
-    _, fin_pre = gated_delta_rule_varlen(q[pre], k[pre], v[pre], g[pre], beta[pre], _cu(prompt), None,
-                                         chunk_size=16, **kw)
-    slots = torch.tensor([2, 0, 3])
-    cache = torch.zeros(4, Hv, Dk, Dv, dtype=state_dtype)  # (num_slots, Hv, Dk, Dv)
-    cache[slots] = fin_pre.to(state_dtype)
-    out_dec = torch.empty_like(out_full)
-    for step in range(max(extra)):
-        live = [s for s in range(S) if step < extra[s]]
-        t = torch.tensor([int(cu[s]) + prompt[s] + step for s in live])  # (B,) token ids
-        out_dec[t] = gated_delta_rule_update(cache, q[t], k[t], v[t], g[t], beta[t], slots[live], **kw)
-    dec = torch.cat([torch.arange(int(cu[s]) + prompt[s], int(cu[s + 1])) for s in range(S)])
-    if state_dtype == torch.float32:
-        _assert_close_rel(out_dec[dec], out_full[dec], 1e-5)
-        _assert_close_rel(cache[slots].float(), fin_full, 1e-5)
-    else:  # the stored state is rounded once per step: errors relative to the state's scale
-        rtol = tol(state_dtype)[0]
-        _assert_close_rel(out_dec[dec], out_full[dec], 4 * rtol)
-        _assert_close_rel(cache[slots].float(), fin_full, 4 * rtol)
+    q, k, v, g, beta = _tokens(prefill_then_decode.num_tokens, Hk, Hv, Dk, Dv)
+
+    def scan(t, cu):
+        return gated_delta_rule_varlen(q[t], k[t], v[t], g[t], beta[t], cu, None, chunk_size=16, use_qk_l2norm=True)
+
+    def update(cache, t, slots):
+        return gated_delta_rule_update(cache, q[t], k[t], v[t], g[t], beta[t], slots, use_qk_l2norm=True)
+
+    prefill_then_decode(scan, update, (Hv, Dk, Dv), state_dtype)
 
 
 @settings(max_examples=20, deadline=None)

@@ -180,28 +180,17 @@ def test_update_matches_ref_on_strided_cache(state_dtype, with_z, strided_caches
     torch.manual_seed(6)
     num_slots, Dm, N, Bsz = 5, 6, 4, 3
     caches = strided_caches((num_slots, Dm, N), state_dtype, n_views=2)
-    cache, other = caches.views
-    assert not cache.is_contiguous()
-    cache.copy_(torch.randn(num_slots, Dm, N).to(state_dtype))
-    other.copy_(torch.randn(num_slots, Dm, N).to(state_dtype))
-    other_before, cache_ref = other.clone(), cache.clone()
+    cache, cache_ref = caches.random_state()
     A, D, dt_bias = _params(Dm, N)
     x, dt, B, C, z = _tokens(Bsz, Dm, N, with_z)
     idx = torch.tensor([3, 0, 4])
-    untouched = torch.tensor([1, 2])
 
     y = selective_state_update(cache, x, dt, A, B, C, D, z, dt_bias, True, idx)
     y_ref = selective_state_update_ref(cache_ref, x, dt, A, B, C, D, z, dt_bias, True, idx)
 
     assert y.shape == (Bsz, Dm) and y.dtype == torch.float32
     _assert_close_rel(y, y_ref, 1e-5)
-    fresh = caches.fresh_view(0)  # re-read from the byte buffer
-    rtol, atol = tol(state_dtype)
-    torch.testing.assert_close(fresh.float(), cache_ref.float(), rtol=rtol, atol=atol)
-    assert fresh.dtype == state_dtype
-    assert torch.equal(fresh[untouched], cache_ref[untouched])
-    assert torch.equal(caches.fresh_view(1), other_before)
-    assert caches.foreign_bytes_intact()
+    caches.assert_updated_like(cache_ref, idx, tol(state_dtype))
 
 
 def test_update_equals_one_token_scan():
@@ -219,39 +208,19 @@ def test_update_equals_one_token_scan():
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-def test_prefill_then_decode_equals_full_scan(state_dtype, tol):
-    """Scan the prompts, store final states in a cache of state_dtype, decode the rest token by
-    token with the update op: equals one scan of the whole sequences (float32 state: ~exact)."""
+def test_prefill_then_decode_equals_full_scan(state_dtype, prefill_then_decode):
     torch.manual_seed(7)
     Dm, N = 6, 4
-    prompt, extra = [1, 7, 33], [5, 3, 6]
-    S = len(prompt)
-    full = [p + e for p, e in zip(prompt, extra)]
     A, D, dt_bias = _params(Dm, N)
-    x, dt, B, C, z = _tokens(sum(full), Dm, N)
-    cu = _cu(full)
-    y_full, fin_full = selective_scan_varlen(x, dt, A, B, C, D, z, dt_bias, True, cu, None)
-    pre = torch.cat([torch.arange(int(cu[s]), int(cu[s]) + prompt[s]) for s in range(S)])
-    _, fin_pre = selective_scan_varlen(x[pre], dt[pre], A, B[pre], C[pre], D, z[pre], dt_bias, True,
-                                       _cu(prompt), None)
-    slots = torch.tensor([2, 0, 3])
-    cache = torch.zeros(4, Dm, N, dtype=state_dtype)  # (num_slots, D, N)
-    cache[slots] = fin_pre.to(state_dtype)
-    y_dec = torch.empty_like(y_full)
-    for step in range(max(extra)):
-        live = [s for s in range(S) if step < extra[s]]
-        t = torch.tensor([int(cu[s]) + prompt[s] + step for s in live])  # (B,) token ids
-        y_dec[t] = selective_state_update(cache, x[t], dt[t], A, B[t], C[t], D, z[t], dt_bias, True,
-                                          slots[live])
-    dec = torch.cat([torch.arange(int(cu[s]) + prompt[s], int(cu[s + 1])) for s in range(S)])
-    assert cache.dtype == state_dtype
-    if state_dtype == torch.float32:
-        _assert_close_rel(y_dec[dec], y_full[dec], 1e-5)
-        _assert_close_rel(cache[slots].float(), fin_full, 1e-5)
-    else:  # the stored state is rounded once per step: errors relative to the state's scale
-        rtol = tol(state_dtype)[0]
-        _assert_close_rel(y_dec[dec], y_full[dec], 4 * rtol)
-        _assert_close_rel(cache[slots].float(), fin_full, 4 * rtol)
+    x, dt, B, C, z = _tokens(prefill_then_decode.num_tokens, Dm, N)
+
+    def scan(t, cu):
+        return selective_scan_varlen(x[t], dt[t], A, B[t], C[t], D, z[t], dt_bias, True, cu, None)
+
+    def update(cache, t, slots):
+        return selective_state_update(cache, x[t], dt[t], A, B[t], C[t], D, z[t], dt_bias, True, slots)
+
+    prefill_then_decode(scan, update, (Dm, N), state_dtype)
 
 
 @settings(max_examples=20, deadline=None)

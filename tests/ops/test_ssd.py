@@ -159,63 +159,33 @@ def test_update_matches_ref_on_strided_cache(state_dtype, G, strided_caches, tol
     torch.manual_seed(6)
     num_slots, H, P, N, Bsz = 5, 4, 3, 4, 3
     caches = strided_caches((num_slots, H, P, N), state_dtype, n_views=2)
-    cache, other = caches.views
-    assert not cache.is_contiguous()
-    cache.copy_(torch.randn(num_slots, H, P, N).to(state_dtype))
-    other.copy_(torch.randn(num_slots, H, P, N).to(state_dtype))
-    other_before, cache_ref = other.clone(), cache.clone()
+    cache, cache_ref = caches.random_state()
     A, D, dt_bias = _params(H, G)
     x, dt, B, C = _tokens(Bsz, H, P, G, N)
     idx = torch.tensor([3, 0, 4])
-    untouched = torch.tensor([1, 2])
 
     y = mamba2_state_update(cache, x, dt, A, B, C, D, dt_bias, True, NO_LIMIT, idx)
     y_ref = mamba2_state_update_ref(cache_ref, x, dt, A, B, C, D, dt_bias, True, NO_LIMIT, idx)
 
     assert y.shape == (Bsz, H, P) and y.dtype == torch.float32
     _assert_close_rel(y, y_ref, 1e-5)
-    fresh = caches.fresh_view(0)
-    rtol, atol = tol(state_dtype)
-    torch.testing.assert_close(fresh.float(), cache_ref.float(), rtol=rtol, atol=atol)
-    assert torch.equal(fresh[untouched], cache_ref[untouched])
-    assert torch.equal(caches.fresh_view(1), other_before)
-    assert caches.foreign_bytes_intact()
+    caches.assert_updated_like(cache_ref, idx, tol(state_dtype))
 
 
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
-def test_prefill_then_decode_equals_full_scan(state_dtype, tol):
-    """Scan the prompts, store final states in a cache of state_dtype, decode the rest token by
-    token with the update op: equals one scan of the whole sequences (float32 state: ~exact)."""
+def test_prefill_then_decode_equals_full_scan(state_dtype, prefill_then_decode):
     torch.manual_seed(7)
     H, G, P, N = 4, 2, 3, 4
-    prompt, extra = [1, 7, 33], [5, 3, 6]
-    S = len(prompt)
-    full = [p + e for p, e in zip(prompt, extra)]
     A, D, dt_bias = _params(H, G)
-    x, dt, B, C = _tokens(sum(full), H, P, G, N)
-    cu = _cu(full)
-    y_full, fin_full = mamba2_chunk_scan_varlen(x, dt, A, B, C, 16, D, dt_bias, True, NO_LIMIT, cu,
-                                                None)
-    pre = torch.cat([torch.arange(int(cu[s]), int(cu[s]) + prompt[s]) for s in range(S)])
-    _, fin_pre = mamba2_chunk_scan_varlen(x[pre], dt[pre], A, B[pre], C[pre], 16, D, dt_bias,
-                                          True, NO_LIMIT, _cu(prompt), None)
-    slots = torch.tensor([2, 0, 3])
-    cache = torch.zeros(4, H, P, N, dtype=state_dtype)  # (num_slots, H, P, N)
-    cache[slots] = fin_pre.to(state_dtype)
-    y_dec = torch.empty_like(y_full)
-    for step in range(max(extra)):
-        live = [s for s in range(S) if step < extra[s]]
-        t = torch.tensor([int(cu[s]) + prompt[s] + step for s in live])  # (B,) token ids
-        y_dec[t] = mamba2_state_update(cache, x[t], dt[t], A, B[t], C[t], D, dt_bias, True,
-                                       NO_LIMIT, slots[live])
-    dec = torch.cat([torch.arange(int(cu[s]) + prompt[s], int(cu[s + 1])) for s in range(S)])
-    if state_dtype == torch.float32:
-        _assert_close_rel(y_dec[dec], y_full[dec], 1e-5)
-        _assert_close_rel(cache[slots].float(), fin_full, 1e-5)
-    else:  # the stored state is rounded once per step: errors relative to the state's scale
-        rtol = tol(state_dtype)[0]
-        _assert_close_rel(y_dec[dec], y_full[dec], 4 * rtol)
-        _assert_close_rel(cache[slots].float(), fin_full, 4 * rtol)
+    x, dt, B, C = _tokens(prefill_then_decode.num_tokens, H, P, G, N)
+
+    def scan(t, cu):
+        return mamba2_chunk_scan_varlen(x[t], dt[t], A, B[t], C[t], 16, D, dt_bias, True, NO_LIMIT, cu, None)
+
+    def update(cache, t, slots):
+        return mamba2_state_update(cache, x[t], dt[t], A, B[t], C[t], D, dt_bias, True, NO_LIMIT, slots)
+
+    prefill_then_decode(scan, update, (H, P, N), state_dtype)
 
 
 @settings(max_examples=20, deadline=None)
