@@ -80,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eval-batch", type=int, default=16)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="dtype the checkpoint is saved in (training is float32)")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="only redraw --plot from --log-csv and the summary.json beside it")
     return ap.parse_args()
 
 
@@ -213,8 +215,18 @@ def plot(csv_path: str, png_path: str, title: str) -> None:
     fig.savefig(png_path)
 
 
+def plot_title(n_params: int, tokens_seen: int, val_loss: float) -> str:
+    return (f"hybridserve default model: Bamba {n_params / 1e6:.1f}M params, {tokens_seen / 1e6:.1f}M tokens "
+            f"(held-out ppl {math.exp(val_loss):.1f})")
+
+
 def main() -> None:
     args = parse_args()
+    if args.plot_only:
+        with open(os.path.join(os.path.dirname(args.log_csv), "summary.json")) as f:
+            s = json.load(f)
+        plot(args.log_csv, args.plot, plot_title(s["params"], s["tokens_seen"], s["final_val_loss"]))
+        return
     t_start = time.time()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -321,9 +333,7 @@ def main() -> None:
     }
     with open(os.path.join(os.path.dirname(args.log_csv), "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    plot(args.log_csv, args.plot,
-         f"hybridserve default model: Bamba {n_params / 1e6:.1f}M params, {tokens_seen / 1e6:.1f}M tokens "
-         f"(held-out ppl {math.exp(final_val):.1f})")
+    plot(args.log_csv, args.plot, plot_title(n_params, tokens_seen, final_val))
 
     # ---- a sample, for the log ------------------------------------------------------------
     model = model.float()
