@@ -8,7 +8,6 @@ running sequence and a waiting queue of one (for the 503 path), and a 2 s shutdo
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import httpx
