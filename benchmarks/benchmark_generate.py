@@ -40,6 +40,7 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
                                     mamba_ssm_cache_dtype=args["mamba_ssm_cache_dtype"],
                                     cache_memory=args["cache_memory"], max_num_seqs=max(len(prompts), 1),
                                     max_num_batched_tokens=args["max_num_batched_tokens"],
+                                    max_model_len=max(len(p) for p in prompts) + args["output_len"],
                                     enable_progress_bar=False))
     params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True)
     # warm-up
@@ -92,7 +93,13 @@ def _in_subprocess(fn, args: dict, prompts: list[list[int]]) -> dict:
     queue = ctx.Queue()
     proc = ctx.Process(target=fn, args=(args, prompts, queue))
     proc.start()
-    result = queue.get()
+    while True:
+        try:
+            result = queue.get(timeout=5)
+            break
+        except Exception:  # queue.Empty: keep waiting while the worker lives
+            if not proc.is_alive():
+                raise RuntimeError(f"{fn.__name__} failed (exit code {proc.exitcode})") from None
     proc.join()
     return result
 

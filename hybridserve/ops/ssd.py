@@ -97,8 +97,10 @@ def mamba2_chunk_scan_varlen(x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus
     dev = x.device
     _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
     Lmax = int(lens.max())
-    nc = -(-Lmax // chunk_size)  # chunks per padded sequence
-    l = chunk_size
+    # The result does not depend on the chunk size (only rounding does), so batches of short
+    # sequences use a shorter chunk instead of padding each one to a full chunk.
+    l = min(chunk_size, -(-Lmax // 16) * 16)
+    nc = -(-Lmax // l)  # chunks per padded sequence
 
     # pack -> pad
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (T, H)
