@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -107,14 +108,14 @@ class GatedDeltaNet(nn.Module):
             grp = batch.prefill
             idx = grp.state_indices
             conv_out, conv_final = causal_conv1d_varlen(mixed[grp.tokens], weight, self.conv1d.bias,
-                                                        grp.cu_seqlens_q, conv_states[idx].float(),
+                                                        grp.cu_seqlens_q, read_slots(conv_states, idx),
                                                         self.activation)
-            conv_states[idx] = conv_final.to(conv_states.dtype)
+            write_slots(conv_states, idx, conv_final)
             q, k, v = split(conv_out)
             out_p, rec_final = gated_delta_rule_varlen(q, k, v, g[grp.tokens], beta[grp.tokens], grp.cu_seqlens_q,
-                                                       rec_states[idx].float(), use_qk_l2norm=True,
+                                                       read_slots(rec_states, idx), use_qk_l2norm=True,
                                                        chunk_size=self.chunk_size)
-            rec_states[idx] = rec_final.to(rec_states.dtype)
+            write_slots(rec_states, idx, rec_final)
             out[grp.tokens] = out_p
         y = self.norm(out.to(x.dtype).reshape(t * Hv, Dv), z.reshape(t * Hv, Dv))  # (T*Hv, Dv)
         return self.out_proj(y.reshape(t, Hv * Dv))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.norms import RMSNorm
@@ -86,8 +87,8 @@ class Mamba1Mixer(nn.Module):
             g = batch.prefill
             idx = g.state_indices
             conv_out[g.tokens], conv_final = causal_conv1d_varlen(
-                xs[g.tokens], weight, self.conv1d.bias, g.cu_seqlens_q, conv_states[idx].float(), self.activation)
-            conv_states[idx] = conv_final.to(conv_states.dtype)
+                xs[g.tokens], weight, self.conv1d.bias, g.cu_seqlens_q, read_slots(conv_states, idx), self.activation)
+            write_slots(conv_states, idx, conv_final)
         dt, B, C = self._scan_inputs(conv_out)
         A = -torch.exp(self.A_log.float())  # (inter, N)
         y = torch.empty(x.shape[0], self.intermediate, dtype=torch.float32, device=x.device)  # (T, inter)
@@ -101,6 +102,6 @@ class Mamba1Mixer(nn.Module):
             t, idx = g.tokens, g.state_indices
             y[t], ssm_final = selective_scan_varlen(conv_out[t], dt[t], A, B[t], C[t], self.D, gate[t],
                                                     self.dt_proj.bias, True, g.cu_seqlens_q,
-                                                    ssm_states[idx].float())
-            ssm_states[idx] = ssm_final.to(ssm_states.dtype)
+                                                    read_slots(ssm_states, idx))
+            write_slots(ssm_states, idx, ssm_final)
         return self.out_proj(y.to(x.dtype))

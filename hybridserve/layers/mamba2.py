@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.norms import GatedRMSNorm
@@ -94,14 +95,14 @@ class Mamba2Mixer(nn.Module):
             g = batch.prefill
             idx = g.state_indices
             conv_out, conv_final = causal_conv1d_varlen(xbc[g.tokens], weight, self.conv1d.bias, g.cu_seqlens_q,
-                                                        conv_states[idx].float(), self.activation)
-            conv_states[idx] = conv_final.to(conv_states.dtype)
+                                                        read_slots(conv_states, idx), self.activation)
+            write_slots(conv_states, idx, conv_final)
             xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
             n = g.num_tokens
             y_p, ssm_final = mamba2_chunk_scan_varlen(
                 xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N), self.chunk_size,
-                self.D, self.dt_bias, True, self.time_step_limit, g.cu_seqlens_q, ssm_states[idx].float())
-            ssm_states[idx] = ssm_final.to(ssm_states.dtype)
+                self.D, self.dt_bias, True, self.time_step_limit, g.cu_seqlens_q, read_slots(ssm_states, idx))
+            write_slots(ssm_states, idx, ssm_final)
             y[g.tokens] = y_p
         return self.out_proj(self._gate_and_norm(y.reshape(x.shape[0], -1), gate, x.dtype))  # (T, hidden)
 

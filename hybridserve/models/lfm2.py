@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
@@ -79,8 +80,8 @@ class Lfm2ShortConv(nn.Module):
             g = batch.prefill
             idx = g.state_indices
             y_p, final = causal_conv1d_varlen(bx[g.tokens], weight, self.conv.bias, g.cu_seqlens_q,
-                                              conv_states[idx].float(), None)
-            conv_states[idx] = final.to(conv_states.dtype)
+                                              read_slots(conv_states, idx), None)
+            write_slots(conv_states, idx, final)
             y[g.tokens] = y_p
         return self.out_proj(c * y)
 

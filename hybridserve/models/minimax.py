@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
@@ -86,8 +87,8 @@ class LightningAttention(nn.Module):
             g = batch.prefill
             idx = g.state_indices
             y_p, final = linear_attention_varlen(q[g.tokens], k[g.tokens], v[g.tokens], self.slope_rate,
-                                                 g.cu_seqlens_q, states[idx].float(), chunk_size=self.block_size)
-            states[idx] = final.to(states.dtype)
+                                                 g.cu_seqlens_q, read_slots(states, idx), chunk_size=self.block_size)
+            write_slots(states, idx, final)
             y[g.tokens] = y_p
         y = self.norm(y.reshape(t, H * D).to(x.dtype))  # (T, H*D)
         y = torch.sigmoid(self.output_gate(x)) * y

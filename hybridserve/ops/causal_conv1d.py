@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -136,11 +137,11 @@ def causal_conv1d_update(x, conv_states, weight, bias, state_indices, activation
     """
     K = weight.shape[1]
     idx = state_indices.to(device=conv_states.device, dtype=torch.long)  # (B,)
-    state = conv_states[idx].float()  # (B, D, K-1)
+    state = read_slots(conv_states, idx)  # (B, D, K-1)
     window = torch.cat([state, x.float()[:, :, None]], dim=2)  # (B, D, K)
     out = (window * weight.float()).sum(dim=2)  # (B, D)
     if bias is not None:
         out = out + bias.float()
     if K > 1:
-        conv_states[idx] = window[:, :, 1:].to(conv_states.dtype)  # in place into the cache
+        write_slots(conv_states, idx, window[:, :, 1:])  # in place into the cache
     return _activate(out, activation).to(x.dtype)

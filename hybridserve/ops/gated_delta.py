@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -174,10 +175,10 @@ def gated_delta_rule_update(states, q, k, v, g, beta, state_indices, *, scale=No
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     idx = state_indices.to(device=states.device, dtype=torch.long)  # (B,)
-    state = states[idx].float() * g.exp()[:, :, None, None]  # (B, Hv, Dk, Dv)
+    state = read_slots(states, idx) * g.exp()[:, :, None, None]  # (B, Hv, Dk, Dv)
     kv_mem = (state * k[..., None]).sum(2)  # (B, Hv, Dv)
     u = beta[..., None] * (v - kv_mem)  # (B, Hv, Dv)
     state = state + k[..., None] * u[:, :, None, :]
     out = (state * q[..., None]).sum(2)  # (B, Hv, Dv)
-    states[idx] = state.to(states.dtype)  # in place into the cache
+    write_slots(states, idx, state)  # in place into the cache
     return out

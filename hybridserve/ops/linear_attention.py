@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ def linear_attention_update(states, q, k, v, decay, state_indices):
     """
     idx = state_indices.to(device=states.device, dtype=torch.long)  # (B,)
     factor = torch.exp(-decay.float().to(states.device))[None, :, None, None]  # (1, H, 1, 1)
-    state = factor * states[idx].float() + k.float()[..., :, None] * v.float()[..., None, :]  # (B, H, Dk, Dv)
+    state = factor * read_slots(states, idx) + k.float()[..., :, None] * v.float()[..., None, :]  # (B, H, Dk, Dv)
     out = torch.einsum("bhk,bhkv->bhv", q.float(), state)  # (B, H, Dv)
-    states[idx] = state.to(states.dtype)  # in place into the cache
+    write_slots(states, idx, state)  # in place into the cache
     return out

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -194,8 +195,8 @@ def selective_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, dt_softplu
     """
     idx = state_indices.to(device=ssm_states.device, dtype=torch.long)  # (B,)
     dtp = _process_dt(dt, dt_bias, dt_softplus)  # (B, D)
-    h = ssm_states[idx].float()  # (B, D, N)
+    h = read_slots(ssm_states, idx)  # (B, D, N)
     h = torch.exp(dtp[:, :, None] * A.float()) * h + (dtp * x.float())[:, :, None] * B.float()[:, None, :]
     y = torch.einsum("bdn,bn->bd", h, C.float())  # (B, D)
-    ssm_states[idx] = h.to(ssm_states.dtype)  # in place into the cache
+    write_slots(ssm_states, idx, h)  # in place into the cache
     return _output(y, x, D, z)

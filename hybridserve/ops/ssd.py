@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -196,7 +197,7 @@ def mamba2_state_update(ssm_states, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_
     R = H // G
     idx = state_indices.to(device=ssm_states.device, dtype=torch.long)  # (B,)
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit)  # (B, H)
-    h = ssm_states[idx].float().view(Bsz, G, R, P, N)  # (B, G, R, P, N)
+    h = read_slots(ssm_states, idx).view(Bsz, G, R, P, N)  # (B, G, R, P, N)
     xf = x.float()  # (B, H, P)
     decay = torch.exp(dtp * A.float()).view(Bsz, G, R, 1, 1)  # (B, G, R, 1, 1)
     xdt = (xf * dtp[:, :, None]).view(Bsz, G, R, P, 1)  # (B, G, R, P, 1)
@@ -204,5 +205,5 @@ def mamba2_state_update(ssm_states, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_
     y = torch.einsum("bgrpn,bgn->bgrp", h, C.float()).reshape(Bsz, H, P)  # (B, H, P)
     if D is not None:
         y = y + D.float()[:, None] * xf
-    ssm_states[idx] = h.reshape(Bsz, H, P, N).to(ssm_states.dtype)  # in place into the cache
+    write_slots(ssm_states, idx, h.reshape(Bsz, H, P, N))  # in place into the cache
     return y
