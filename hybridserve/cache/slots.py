@@ -1,8 +1,9 @@
 """Reading and writing the state slots of a batch of sequences.
 
-``index_select`` / ``index_copy_`` on the pool's strided views are several times faster on the CPU
-than advanced indexing (``cache[idx]``, ``cache[idx] = ...``), which takes the general gather/scatter
-path.
+Slots are handed out lowest id first, so the sequences of a batch often hold a run of consecutive
+slots: then the slots are one slice of the pool's view and a read or write is a single pass that also
+converts the dtype. Otherwise ``index_select`` / ``index_copy_`` are used, which on the pool's strided
+views are several times faster on the CPU than advanced indexing (``cache[idx]``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,29 @@ from __future__ import annotations
 import torch
 
 
+def _consecutive(idx: torch.Tensor) -> slice | None:
+    """``slice(a, a + n)`` when idx (n,) on the CPU is a, a+1, ..., a+n-1; else None."""
+    n = idx.numel()
+    if n == 0 or idx.device.type != "cpu":
+        return None
+    first = int(idx[0])
+    if int(idx[-1]) - first != n - 1 or (n > 2 and not bool((idx[1:] - idx[:-1] == 1).all())):
+        return None
+    return slice(first, first + n)
+
+
 def read_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """cache: (num_slots, *shape) in the cache dtype; idx: (B,) int64 -> a new float32 (B, *shape)."""
+    run = _consecutive(idx)
+    if run is not None:
+        return cache[run].to(torch.float32, copy=True)
     return cache.index_select(0, idx).float()
 
 
 def write_slots(cache: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
     """Store values (B, *shape) into cache[idx], cast to the cache dtype, in place (distinct idx)."""
-    cache.index_copy_(0, idx, values.to(cache.dtype))
+    run = _consecutive(idx)
+    if run is not None:
+        cache[run].copy_(values)
+    else:
+        cache.index_copy_(0, idx, values.to(cache.dtype))
