@@ -124,6 +124,7 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     enable_progress_bar: bool = True
+    cpu_weight_prepack: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -139,6 +140,8 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         if not 1 <= self.block_size <= 64:
             raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
+        if not isinstance(self.cpu_weight_prepack, bool):
+            raise ValueError(f"cpu_weight_prepack={self.cpu_weight_prepack!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)
@@ -165,7 +168,7 @@ class EngineConfig:
     def fingerprint(self, resolved: ResolvedDtypes | None = None) -> str:
         """A short hash over every field that changes results (and the resolved dtypes)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("enable_progress_bar",)}
+                  if f.name not in ("enable_progress_bar", "cpu_weight_prepack")}  # no effect on results
         if resolved is not None:
             fields["resolved"] = resolved.as_names()
         blob = json.dumps(fields, sort_keys=True, default=str)

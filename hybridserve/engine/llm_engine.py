@@ -20,6 +20,7 @@ from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.layers.packed_linear import pack_linear_layers
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -47,6 +48,8 @@ class LLMEngine:
         self.model = build_model(config.model, self.hf_config, self.dtypes.model,
                                  CacheDtypes.from_resolved(self.dtypes), self.device)
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
+        if config.cpu_weight_prepack and self.device.type == "cpu":
+            pack_linear_layers(self.model)
         self.layout = compute_layout(self.specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)

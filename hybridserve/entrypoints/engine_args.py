@@ -33,11 +33,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=list(DEVICES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
+                        help="on the CPU, keep plain bf16 linear weights instead of oneDNN-prepacked ones "
+                             "(same results, slower)")
 
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
-                 "tokenizer")
+                 "tokenizer", "cpu_weight_prepack")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

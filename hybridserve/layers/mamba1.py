@@ -50,6 +50,7 @@ class Mamba1Mixer(nn.Module):
                                 padding=conv_kernel - 1, bias=conv_bias)
         self.x_proj = nn.Linear(intermediate_size, dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(dt_rank, intermediate_size, bias=True)
+        self.dt_proj.prepack = False  # its weight is used without the bias below
         self.A_log = nn.Parameter(torch.zeros(intermediate_size, d_state))
         self.D = nn.Parameter(torch.ones(intermediate_size))
         self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=proj_bias)

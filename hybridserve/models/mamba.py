@@ -59,4 +59,4 @@ class MambaForCausalLM(CausalLM):
         x = self.backbone.embeddings(input_ids)  # (T, hidden)
         for layer in self.backbone.layers:
             x = layer(x, batch)
-        return self.backbone.norm_f(x).to(self.lm_head.weight.dtype)
+        return self.backbone.norm_f(x).to(self.backbone.norm_f.weight.dtype)

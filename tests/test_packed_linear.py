@@ -1,0 +1,31 @@
+"""oneDNN-prepacked bf16 linears: the engine's results are bit-identical with and without them."""
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.layers.packed_linear import PackedLinear, prepack_available
+from tests.checkpoints import make
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN prepack")
+
+
+@pytest.mark.parametrize("family", ["bamba", "zamba2", "mamba2", "jamba"])
+def test_prepacked_bf16_linears_are_bit_identical(ckpt_dir, family):
+    path = make(ckpt_dir, family, dtype=torch.bfloat16)
+    prompts = [{"prompt_token_ids": [5, 9, 17, 3, 40, 41]}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    packed = LLM(path, cache_memory="8MiB")
+    plain = LLM(path, cache_memory="8MiB", cpu_weight_prepack=False)
+    assert any(isinstance(m, PackedLinear) for m in packed.engine.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
+    a, b = packed.generate(prompts, params), plain.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for ex, ey in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert {t: lp.logprob for t, lp in ex.items()} == {t: lp.logprob for t, lp in ey.items()}
+
+
+def test_float32_models_are_not_packed(ckpt_dir):
+    llm = LLM(make(ckpt_dir, "bamba"), cache_memory="8MiB")
+    assert not any(isinstance(m, PackedLinear) for m in llm.engine.model.modules())
