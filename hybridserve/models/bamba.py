@@ -14,7 +14,7 @@ from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import RopeDecoderLM
 
 ATTENTION_KINDS = ("full_attention", "attention")
 
@@ -65,17 +65,11 @@ class BambaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim)
 
 
-class BambaForCausalLM(CausalLM):
+class BambaForCausalLM(RopeDecoderLM):
+    final_norm = "final_layernorm"
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__(config)
         self.model = BambaModel(config, dtypes)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.final_layernorm(x)

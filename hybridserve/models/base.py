@@ -62,6 +62,20 @@ class CausalLM(nn.Module):
                 setattr(owner, name, _resolve_param(self, src))
 
 
+
+class RopeDecoderLM(CausalLM):
+    """A decoder whose ``self.model`` has ``embed_tokens``, ``rotary_emb``, ``layers`` (each called as
+    ``layer(x, rope, batch)``) and a final norm named by ``final_norm``."""
+
+    final_norm = "norm"
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        rope = self.model.rotary_emb(positions, x.dtype)  # (cos, sin), each (T, rotary_dim)
+        for layer in self.model.layers:
+            x = layer(x, rope, batch)
+        return getattr(self.model, self.final_norm)(x)
+
 def _resolve(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     *path, name = dotted.split(".")
     mod = root

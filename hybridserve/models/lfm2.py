@@ -20,7 +20,7 @@ from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import RopeDecoderLM
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 
 
@@ -115,7 +115,8 @@ class Lfm2Model(nn.Module):
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-class Lfm2ForCausalLM(CausalLM):
+class Lfm2ForCausalLM(RopeDecoderLM):
+    final_norm = "embedding_norm"
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     # HF's attention names -> layers.attention.Attention's
     checkpoint_renames = [(r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),
@@ -126,10 +127,3 @@ class Lfm2ForCausalLM(CausalLM):
         super().__init__(config)
         self.model = Lfm2Model(config, dtypes)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.embedding_norm(x)

@@ -13,7 +13,7 @@ from hybridserve.layers.attention import Attention
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import RopeDecoderLM
 
 
 def head_dim_of(config: Any) -> int:
@@ -45,17 +45,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(RopeDecoderLM):
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__(config)
         self.model = LlamaModel(config, dtypes)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.norm(x)

@@ -26,7 +26,7 @@ from hybridserve.layers.attention import Attention
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import RopeDecoderLM
 from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
 
 LINEAR_KINDS = ("linear_attention",)
@@ -144,7 +144,7 @@ class MiniMaxModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
 
-class MiniMaxForCausalLM(CausalLM):
+class MiniMaxForCausalLM(RopeDecoderLM):
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     checkpoint_renames = [(r"\.block_sparse_moe\.", ".mlp.")]
 
@@ -158,10 +158,3 @@ class MiniMaxForCausalLM(CausalLM):
         ``down_proj (E, H, I)``; drop the derived decay buffers of lightning layers."""
         kept = {n: t for n, t in weights.items() if not (n.endswith(DECAY_BUFFERS) and ".self_attn." in n)}
         return stack_expert_weights(kept, r".*\.experts", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)})
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.norm(x)

@@ -16,7 +16,7 @@ from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import RopeDecoderLM
 
 class Qwen3NextSparseMoeBlock(nn.Module):
     """Softmax top-k router (``gate``), fused experts, and ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
@@ -89,7 +89,7 @@ class Qwen3NextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim)  # partial rotary from rope_parameters
 
 
-class Qwen3NextForCausalLM(CausalLM):
+class Qwen3NextForCausalLM(RopeDecoderLM):
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
@@ -102,10 +102,3 @@ class Qwen3NextForCausalLM(CausalLM):
         ignores on load."""
         return stack_expert_weights({n: t for n, t in tensors.items() if not n.startswith("mtp.")},
                                     r".*\.mlp\.experts")
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.norm(x)
