@@ -125,6 +125,7 @@ class EngineConfig:
     tokenizer: str | None = None
     enable_progress_bar: bool = True
     cpu_weight_prepack: bool = True
+    cpu_kernels: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,8 +141,9 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         if not 1 <= self.block_size <= 64:
             raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
-        if not isinstance(self.cpu_weight_prepack, bool):
-            raise ValueError(f"cpu_weight_prepack={self.cpu_weight_prepack!r} must be True or False")
+        for name in ("cpu_weight_prepack", "cpu_kernels", "enable_progress_bar"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)

@@ -20,6 +20,7 @@ from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.kernels import enable_cpu_kernels
 from hybridserve.layers.packed_linear import pack_linear_layers
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -50,6 +51,7 @@ class LLMEngine:
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         if config.cpu_weight_prepack and self.device.type == "cpu":
             pack_linear_layers(self.model)
+        self.cpu_kernels = config.cpu_kernels and self.device.type == "cpu" and enable_cpu_kernels(self.model)
         self.layout = compute_layout(self.specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)

@@ -36,11 +36,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
                         help="on the CPU, keep plain bf16 linear weights instead of oneDNN-prepacked ones "
                              "(same results, slower)")
+    parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                        help="on the CPU, use the plain-PyTorch recurrent-layer paths instead of the compiled "
+                             "C++ kernels (built on first use with the system compiler)")
 
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
-                 "tokenizer", "cpu_weight_prepack")
+                 "tokenizer", "cpu_weight_prepack", "cpu_kernels")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -8,20 +8,28 @@ from torch import nn
 from hybridserve.cache.pool import LayerCache
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.kernels import attention as attention_kernels
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import apply_rotary
 from hybridserve.ops.paged_attention import paged_attention, write_kv_cache
 
 
 def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
-                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                 scale: float, sliding_window: int | None = None, use_cpu_kernels: bool = False) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend each group (decode, prefill) to its context.
 
-    q: (T, Hq, Dh); k, v: (T, Hkv, Dh). Returns (T, Hq, Dh) in q's dtype.
+    q: (T, Hq, Dh); k, v: (T, Hkv, Dh). Returns (T, Hq, Dh) in q's dtype. ``use_cpu_kernels``: use the
+    compiled CPU kernels where they cover the call.
     """
-    write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
-    out = torch.empty_like(q)
+    if not (use_cpu_kernels and attention_kernels.kv_write(k, v, cache.k, cache.v, batch.slot_mapping,
+                                                            cache.k_scale, cache.v_scale)):
+        write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, Dh)
     for group in batch.groups:
+        if use_cpu_kernels and attention_kernels.paged_attention(
+                q[group.tokens], cache.k, cache.v, group.block_tables, group.seq_lens, group.cu_seqlens_q, scale,
+                cache.k_scale, cache.v_scale, sliding_window, out[group.tokens]):
+            continue
         out[group.tokens] = paged_attention(
             q[group.tokens], cache.k, cache.v, group.block_tables, group.seq_lens, group.cu_seqlens_q,
             scale, cache.k_scale, cache.v_scale, sliding_window)
@@ -37,6 +45,8 @@ class Attention(nn.Module):
     (Qwen3-Next), ``q_proj`` yields per head ``[query, gate]`` (2 * head_dim) and the attention
     output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
     """
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, layer_index: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtypes: CacheDtypes, *, bias: bool = False, o_bias: bool | None = None,
@@ -75,7 +85,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window)
+        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window,
+                           self.use_cpu_kernels)
         out = out.reshape(t, self.num_heads * self.head_dim)
         if self.output_gate:
             out = out * torch.sigmoid(gate.reshape(t, -1))

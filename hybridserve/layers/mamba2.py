@@ -8,6 +8,8 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.norms import GatedRMSNorm
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
@@ -26,6 +28,8 @@ class Mamba2Mixer(nn.Module):
     (None: ``proj_bias``); ``proj_multipliers`` scales the in_proj output segments (gate, x, B, C, dt)
     by five constants (Falcon-H1's muP vector).
     """
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, layer_index: int, hidden_size: int, *, num_heads: int, head_dim: int, d_state: int,
                  n_groups: int, conv_kernel: int, chunk_size: int, dtypes: CacheDtypes,
@@ -78,36 +82,75 @@ class Mamba2Mixer(nn.Module):
         if self.proj_multipliers is not None:
             proj = proj * self.proj_scale.to(proj.dtype)
         gate, xbc, dt = torch.split(proj, [self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         A = -torch.exp(self.A_log.float())  # (H,)
-        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
+        H, P = self.num_heads, self.head_dim
         y = torch.empty(x.shape[0], H, P, dtype=torch.float32, device=x.device)  # (T, H, P)
         if batch.decode is not None:
-            g = batch.decode
-            conv_out = causal_conv1d_update(xbc[g.tokens], conv_states, weight, self.conv1d.bias,
-                                            g.state_indices, self.activation)  # (B, conv_dim)
+            self._scan_group(batch.decode, xbc, dt, A, y, conv_states, ssm_states, decode=True)
+        if batch.prefill is not None:
+            self._scan_group(batch.prefill, xbc, dt, A, y, conv_states, ssm_states, decode=False)
+        return self.out_proj(self._gate_and_norm(y.reshape(x.shape[0], -1), gate, x.dtype))  # (T, hidden)
+
+    def _scan_group(self, g, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
+                    conv_states: torch.Tensor, ssm_states: torch.Tensor, decode: bool) -> None:
+        """Conv + SSM scan of one sequence group; writes y[g.tokens] (float32) and the group's state slots.
+
+        xbc: (T, conv_dim), dt: (T, H), A: (H,) float32, y: (T, H, P) float32.
+        """
+        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
+        n, idx = g.num_tokens, g.state_indices
+        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
+        dt_limit = self.decode_time_step_limit if decode else self.time_step_limit
+        if self.use_cpu_kernels:
+            conv_w, conv_b, A32, D32, dt_bias32 = self._kernel_params()
+            conv_out = recurrent_kernels.causal_conv1d(xbc[g.tokens], conv_states, conv_w, conv_b, g.cu_seqlens_q, idx,
+                                                       self.activation)  # (n, conv_dim)
+            if conv_out is not None:
+                xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
+                if recurrent_kernels.mamba2_scan(ssm_states, xs, dt[g.tokens], A32, B, C, D32, dt_bias32, True,
+                                                 dt_limit, g.cu_seqlens_q, idx, y[g.tokens].view(n, H * P)):
+                    return
+                raise RuntimeError("the CPU conv kernel ran but the scan kernel declined the same group")
+        if decode:
+            conv_out = causal_conv1d_update(xbc[g.tokens], conv_states, weight, self.conv1d.bias, idx,
+                                            self.activation)  # (n, conv_dim)
             xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
-            n = g.num_tokens
             y[g.tokens] = mamba2_state_update(
                 ssm_states, xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N),
-                self.D, self.dt_bias, True, self.decode_time_step_limit, g.state_indices)
-        if batch.prefill is not None:
-            g = batch.prefill
-            idx = g.state_indices
-            conv_out, conv_final = causal_conv1d_varlen(xbc[g.tokens], weight, self.conv1d.bias, g.cu_seqlens_q,
-                                                        read_slots(conv_states, idx), self.activation)
-            write_slots(conv_states, idx, conv_final)
-            xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
-            n = g.num_tokens
-            y_p, ssm_final = mamba2_chunk_scan_varlen(
-                xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N), self.chunk_size,
-                self.D, self.dt_bias, True, self.time_step_limit, g.cu_seqlens_q, read_slots(ssm_states, idx))
-            write_slots(ssm_states, idx, ssm_final)
-            y[g.tokens] = y_p
-        return self.out_proj(self._gate_and_norm(y.reshape(x.shape[0], -1), gate, x.dtype))  # (T, hidden)
+                self.D, self.dt_bias, True, dt_limit, idx)
+            return
+        conv_out, conv_final = causal_conv1d_varlen(xbc[g.tokens], weight, self.conv1d.bias, g.cu_seqlens_q,
+                                                    read_slots(conv_states, idx), self.activation)
+        write_slots(conv_states, idx, conv_final)
+        xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
+        y_p, ssm_final = mamba2_chunk_scan_varlen(
+            xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N), self.chunk_size,
+            self.D, self.dt_bias, True, dt_limit, g.cu_seqlens_q, read_slots(ssm_states, idx))
+        write_slots(ssm_states, idx, ssm_final)
+        y[g.tokens] = y_p
+
+    def _kernel_params(self) -> tuple[torch.Tensor, ...]:
+        """The float32 parameters the CPU kernels take: conv weight (K, conv_dim) tap-major, conv bias or
+        None, A = -exp(A_log), D, dt_bias (each (H,)); cached, rebuilt when a parameter's storage changes."""
+        params = (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias)
+        key = tuple(None if p is None else p.data_ptr() for p in params)
+        if getattr(self, "_kernel_params_key", None) != key:
+            bias = self.conv1d.bias
+            self._kernel_params_cache = (
+                self.conv1d.weight.detach().squeeze(1).t().float().contiguous(),  # (K, conv_dim)
+                None if bias is None else bias.detach().float().contiguous(),
+                -torch.exp(self.A_log.detach().float()), self.D.detach().float().contiguous(),
+                self.dt_bias.detach().float().contiguous())
+            self._kernel_params_key = key
+        return self._kernel_params_cache
 
     def _gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """y: (T, inter) float32 scan output, gate: (T, inter) -> (T, inter) in ``dtype``."""
+        if (self.use_cpu_kernels and self.norm is not None and not self.norm_before_gate and gate.dtype == dtype):
+            out = pointwise_kernels.gated_rms_norm(y, gate, self.norm.weight, self.norm.group_size, self.norm.eps,
+                                                   self.norm_in_float32)
+            if out is not None:
+                return out
         if self.norm is None:
             return (y * nn.functional.silu(gate)).to(dtype)
         if self.norm_before_gate:

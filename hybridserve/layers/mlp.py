@@ -6,6 +6,27 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from hybridserve.kernels import pointwise as pointwise_kernels
+
+
+class ActAndMul(nn.Module):
+    """``act(gate) * up``, each op rounded to the activation dtype as in PyTorch (silu has a CPU kernel)."""
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.act = act
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up: (T, I) -> (T, I)."""
+        if self.use_cpu_kernels and self.act == "silu":
+            out = pointwise_kernels.silu_mul(gate, up)
+            if out is not None:
+                return out
+        return self.act_fn(gate) * up
+
 
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))`` with separate gate/up projections (HF naming)."""
@@ -15,10 +36,10 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = ACT2FN[act]
+        self.act_and_mul = ActAndMul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class PlainMLP(nn.Module):

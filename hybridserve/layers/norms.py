@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.kernels import pointwise as pointwise_kernels
+
 
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``; the normalization runs in float32, the result is cast back first."""
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
@@ -16,6 +20,23 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered  # weight stored as (gamma - 1), as in Qwen3-Next
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_cpu_kernels:
+            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered)
+            if out is not None:
+                return out
+        return self._forward_torch(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, scale: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x = x + residual * scale`` (in x's dtype), then the norm; returns (new x, normed)."""
+        if self.use_cpu_kernels:
+            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered, residual, scale)
+            if out is not None:
+                return out
+        x = x + residual * scale if scale != 1.0 else x + residual
+        return x, self._forward_torch(x)
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -30,6 +30,8 @@ def head_dim_of(config: Any) -> int:
 class FalconH1Attention(nn.Module):
     """GQA attention with RoPE whose keys are scaled by ``key_multiplier`` (HF weight names)."""
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
         super().__init__()
         self.layer_index = index
@@ -51,7 +53,8 @@ class FalconH1Attention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim) * self.key_multiplier  # (T, Hkv, Dh)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale)
+        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale,
+                           use_cpu_kernels=self.use_cpu_kernels)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -63,7 +66,7 @@ class FalconH1MLP(GatedMLP):
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)
+        y = self.act_and_mul(self.gate_proj(x) * self.gate_multiplier, self.up_proj(x))  # product commutes
         return self.down_proj(y) * self.down_multiplier
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.mamba2 import Mamba2Mixer
+from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.moe import FusedExperts
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
@@ -40,11 +40,11 @@ class GraniteMoeHybridMLP(nn.Module):
         super().__init__()
         self.input_linear = nn.Linear(config.hidden_size, 2 * config.shared_intermediate_size, bias=False)
         self.output_linear = nn.Linear(config.shared_intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_and_mul = ActAndMul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)  # (T, I) each
-        return self.output_linear(self.act_fn(gate) * up)
+        return self.output_linear(self.act_and_mul(gate, up))
 
 
 class GraniteMoeHybridRouter(nn.Module):
@@ -100,15 +100,21 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             self.block_sparse_moe = GraniteMoeHybridMoE(config)
         self.shared_mlp = GraniteMoeHybridMLP(config)
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) residual stream; pending: the previous layer's MLP output, not yet added (or
+        None). Returns (x, this layer's MLP output): adding it is fused into the next norm."""
+        rm = self.residual_multiplier
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending, rm)
         h = self.mamba(h, batch) if self.is_mamba else self.self_attn(h, rope, batch)
-        x = x + h * self.residual_multiplier
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add_and_norm(x, h, rm)
         mlp = self.shared_mlp(h)
         if self.has_experts:
             mlp = self.block_sparse_moe(h) + mlp
-        return x + mlp * self.residual_multiplier
+        return x, mlp
 
 
 class GraniteMoeHybridModel(nn.Module):
@@ -142,9 +148,12 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) * self.model.embedding_multiplier  # (T, hidden)
         rope = self.model.rotary_emb(positions, x.dtype) if self.model.rotary_emb is not None else None
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.norm(x)
+            x, pending = layer(x, pending, rope, batch)
+        if pending is None:
+            return self.model.norm(x)
+        return self.model.norm.add_and_norm(x, pending, self.model.layers[-1].residual_multiplier)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) float32, divided by ``logits_scaling`` as HF does."""

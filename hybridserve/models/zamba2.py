@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import paged_attend
 from hybridserve.layers.mamba2 import Mamba2Mixer
+from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding, apply_rotary
 from hybridserve.models.base import CausalLM
@@ -47,6 +47,8 @@ def _adapter_list(uses: int, block_id: int, num_blocks: int, d_in: int, rank: in
 class Zamba2Attention(nn.Module):
     """Attention over ``concat(hidden, embeddings)`` (2 * hidden wide), scale ``(head_dim / 2) ** -0.5``,
     optional per-use q/k/v adapters and RoPE. Its KV cache is the one of hybrid layer ``cache_index``."""
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any, cache_index: int, use: int, block_id: int, dtypes: CacheDtypes) -> None:
         super().__init__()
@@ -82,7 +84,8 @@ class Zamba2Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = paged_attend(q, k, v, batch, batch.caches[self.cache_index], self.scale)
+        out = paged_attend(q, k, v, batch, batch.caches[self.cache_index], self.scale,
+                           use_cpu_kernels=self.use_cpu_kernels)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -95,14 +98,14 @@ class Zamba2MLP(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=config.add_bias_linear)
         self.down_proj = nn.Linear(inter, hidden, bias=config.add_bias_linear)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_and_mul = ActAndMul(config.hidden_act)
         self.gate_up_proj_adapter_list = _adapter_list(len(config.hybrid_layer_ids), block_id,
                                                        config.num_mem_blocks, hidden, config.adapter_rank, 2 * inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[self.use](x)  # (T, 2 * inter)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(self.act_and_mul(gate, up))
 
 
 class Zamba2AttentionDecoderLayer(nn.Module):

@@ -1,0 +1,92 @@
+"""Compile the C++ CPU kernels on first use and cache the shared library.
+
+The library is built with the system C++ compiler (``$CXX``, else ``g++``, else ``c++``) for this
+machine's CPU (``-march=native``) and cached under ``$HYBRIDSERVE_KERNEL_CACHE`` (default
+``~/.cache/hybridserve/kernels``), keyed by a hash of the sources, the flags and the compiler. No
+compiler, or a failed build, means no library: callers then use the plain-PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c++17"]
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept."""
+    root = os.environ.get("HYBRIDSERVE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "hybridserve" / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler to use, or None when there is none."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _library_path(name: str, inputs: list[Path], compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for src in inputs:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(compiler.encode())
+    digest.update(os.uname().machine.encode())
+    return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, sources: list[Path], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, *map(str, sources), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_library(name: str) -> ctypes.CDLL | None:
+    """Build (once) and load ``csrc/<name>.cpp``; None when that is not possible here (logged once)."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        compiler = find_compiler()
+        if compiler is None:
+            logger.warning("no C++ compiler found; CPU kernels are off (plain PyTorch paths are used)")
+        else:
+            sources = [SOURCE_DIR / f"{name}.cpp"]
+            target = _library_path(name, sources + sorted(SOURCE_DIR.glob("*.h")), compiler)
+            try:
+                if not target.exists():
+                    logger.info("building CPU kernels %s -> %s", name, target)
+                    _compile(compiler, sources, target)
+                torch.get_num_threads()  # torch (and its OpenMP runtime) are loaded first, so they are shared
+                lib = ctypes.CDLL(str(target))
+            except (OSError, RuntimeError) as exc:
+                logger.warning("CPU kernels %s unavailable, using plain PyTorch paths: %s", name, exc)
+        _loaded[name] = lib
+        return lib

@@ -1,0 +1,194 @@
+// CPU kernels for attention over the paged KV cache: the KV write and causal GQA attention for
+// packed sequences (decode and prefill chunks alike), with an optional sliding window.
+//
+// Cache layout: (num_blocks, block_size, Hkv, Dh) with Dh contiguous, given by its strides; token
+// slot = block * block_size + offset. Stored value = value / scale in the cache dtype (float32,
+// bfloat16 or float16). Math is float32; the output is rounded to the query dtype.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtypes.h"
+
+namespace {
+
+struct CacheGeom {
+  int64_t block_size, block_stride, token_stride, head_stride;  // strides in elements
+};
+
+struct AttnParams {
+  int64_t Hq, Hkv, Dh;
+  float scale, k_scale, v_scale;
+  int64_t window;  // 0: none
+};
+
+template <typename AT, typename CT>
+void kv_write_impl(int64_t T, const int64_t* slot_mapping, const AT* k, int64_t k_stride, const AT* v,
+                   int64_t v_stride, CT* k_cache, CT* v_cache, const CacheGeom& g, int64_t Hkv, int64_t Dh,
+                   float k_scale, float v_scale) {
+  const bool kdiv = k_scale != 1.0f, vdiv = v_scale != 1.0f;
+#pragma omp parallel for schedule(static) if (T * Hkv * Dh > 65536)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slot_mapping[t];
+    const int64_t base = (slot / g.block_size) * g.block_stride + (slot % g.block_size) * g.token_stride;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      CT* kd = k_cache + base + h * g.head_stride;
+      CT* vd = v_cache + base + h * g.head_stride;
+      const AT* ks = k + t * k_stride + h * Dh;
+      const AT* vs = v + t * v_stride + h * Dh;
+      for (int64_t d = 0; d < Dh; ++d) {
+        const float kv = to_f32(ks[d]), vv = to_f32(vs[d]);
+        kd[d] = from_f32<CT>(kdiv ? kv / k_scale : kv);
+        vd[d] = from_f32<CT>(vdiv ? vv / v_scale : vv);
+      }
+    }
+  }
+}
+
+template <typename AT, typename CT>
+void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_lens, const int64_t* block_tables,
+                    int64_t bt_stride, const AT* q, int64_t q_stride, const CT* k_cache, const CT* v_cache,
+                    const CacheGeom& g, AT* out, int64_t out_stride, const AttnParams& p) {
+  const int64_t Dh = p.Dh, R = p.Hq / p.Hkv;
+#pragma omp parallel
+  {
+    std::vector<float> kf, vf, scores, qf(Dh), acc(Dh);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
+        const int64_t L = seq_lens[s], q0 = cu_q[s], qlen = cu_q[s + 1] - cu_q[s];
+        if (qlen <= 0) continue;
+        const int64_t first_q = L - qlen;  // position of the first query
+        const int64_t lo_min = p.window > 0 ? (first_q - p.window + 1 > 0 ? first_q - p.window + 1 : 0) : 0;
+        const int64_t nk = L - lo_min;
+        if (static_cast<int64_t>(kf.size()) < nk * Dh) {
+          kf.resize(nk * Dh);
+          vf.resize(nk * Dh);
+          scores.resize(nk);
+        }
+        const int64_t* table = block_tables + s * bt_stride;
+        for (int64_t j = 0; j < nk; ++j) {  // gather this head's keys and values, dequantized, once
+          const int64_t pos = lo_min + j;
+          const int64_t off = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
+                              kvh * g.head_stride;
+          float* kd = kf.data() + j * Dh;
+          float* vd = vf.data() + j * Dh;
+#pragma omp simd
+          for (int64_t d = 0; d < Dh; ++d) {
+            kd[d] = to_f32(k_cache[off + d]) * p.k_scale;
+            vd[d] = to_f32(v_cache[off + d]) * p.v_scale;
+          }
+        }
+        for (int64_t i = 0; i < qlen; ++i) {
+          const int64_t qpos = first_q + i;
+          const int64_t lo = p.window > 0 ? (qpos - p.window + 1 > lo_min ? qpos - p.window + 1 : lo_min) : 0;
+          const int64_t n = qpos - lo + 1;
+          const float* kbase = kf.data() + (lo - lo_min) * Dh;
+          const float* vbase = vf.data() + (lo - lo_min) * Dh;
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t hq = kvh * R + r;
+            const AT* qs = q + (q0 + i) * q_stride + hq * Dh;
+#pragma omp simd
+            for (int64_t d = 0; d < Dh; ++d) qf[d] = to_f32(qs[d]);
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < n; ++j) {
+              const float* kj = kbase + j * Dh;
+              float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < Dh; ++d) dot += qf[d] * kj[d];
+              dot *= p.scale;
+              scores[j] = dot;
+              mx = dot > mx ? dot : mx;
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+              scores[j] = std::exp(scores[j] - mx);
+              sum += scores[j];
+            }
+            const float inv = 1.0f / sum;
+#pragma omp simd
+            for (int64_t d = 0; d < Dh; ++d) acc[d] = 0.0f;
+            for (int64_t j = 0; j < n; ++j) {
+              const float pj = scores[j] * inv;
+              const float* vj = vbase + j * Dh;
+#pragma omp simd
+              for (int64_t d = 0; d < Dh; ++d) acc[d] += pj * vj[d];
+            }
+            AT* os = out + (q0 + i) * out_stride + hq * Dh;
+#pragma omp simd
+            for (int64_t d = 0; d < Dh; ++d) os[d] = from_f32<AT>(acc[d]);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename AT>
+int kv_write_dispatch(int cache_dtype, int64_t T, const int64_t* sm, const void* k, int64_t ks, const void* v,
+                      int64_t vs, void* kc, void* vc, const CacheGeom& g, int64_t Hkv, int64_t Dh, float kscale,
+                      float vscale) {
+  const AT* ka = static_cast<const AT*>(k);
+  const AT* va = static_cast<const AT*>(v);
+  switch (cache_dtype) {
+    case kF32: kv_write_impl<AT, float>(T, sm, ka, ks, va, vs, static_cast<float*>(kc), static_cast<float*>(vc), g, Hkv, Dh, kscale, vscale); return 0;
+    case kBF16: kv_write_impl<AT, BF16>(T, sm, ka, ks, va, vs, static_cast<BF16*>(kc), static_cast<BF16*>(vc), g, Hkv, Dh, kscale, vscale); return 0;
+    case kF16: kv_write_impl<AT, _Float16>(T, sm, ka, ks, va, vs, static_cast<_Float16*>(kc), static_cast<_Float16*>(vc), g, Hkv, Dh, kscale, vscale); return 0;
+    default: return 2;
+  }
+}
+
+template <typename AT>
+int attention_dispatch(int cache_dtype, int64_t S, const int64_t* cu_q, const int64_t* seq_lens, const int64_t* bt,
+                       int64_t bts, const void* q, int64_t qs, const void* kc, const void* vc, const CacheGeom& g,
+                       void* out, int64_t os, const AttnParams& p) {
+  const AT* qa = static_cast<const AT*>(q);
+  AT* oa = static_cast<AT*>(out);
+  switch (cache_dtype) {
+    case kF32: attention_impl<AT, float>(S, cu_q, seq_lens, bt, bts, qa, qs, static_cast<const float*>(kc), static_cast<const float*>(vc), g, oa, os, p); return 0;
+    case kBF16: attention_impl<AT, BF16>(S, cu_q, seq_lens, bt, bts, qa, qs, static_cast<const BF16*>(kc), static_cast<const BF16*>(vc), g, oa, os, p); return 0;
+    case kF16: attention_impl<AT, _Float16>(S, cu_q, seq_lens, bt, bts, qa, qs, static_cast<const _Float16*>(kc), static_cast<const _Float16*>(vc), g, oa, os, p); return 0;
+    default: return 2;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Write T tokens' K and V ((T, Hkv*Dh) rows with their strides, act dtype) into their cache slots.
+int hs_kv_write(int act_dtype, int cache_dtype, int64_t T, const int64_t* slot_mapping, const void* k,
+                int64_t k_stride, const void* v, int64_t v_stride, void* k_cache, void* v_cache, int64_t block_size,
+                int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t Hkv, int64_t Dh,
+                float k_scale, float v_scale) {
+  const CacheGeom g{block_size, block_stride, token_stride, head_stride};
+  switch (act_dtype) {
+    case kF32: return kv_write_dispatch<float>(cache_dtype, T, slot_mapping, k, k_stride, v, v_stride, k_cache, v_cache, g, Hkv, Dh, k_scale, v_scale);
+    case kBF16: return kv_write_dispatch<BF16>(cache_dtype, T, slot_mapping, k, k_stride, v, v_stride, k_cache, v_cache, g, Hkv, Dh, k_scale, v_scale);
+    case kF16: return kv_write_dispatch<_Float16>(cache_dtype, T, slot_mapping, k, k_stride, v, v_stride, k_cache, v_cache, g, Hkv, Dh, k_scale, v_scale);
+    default: return 2;
+  }
+}
+
+// Causal attention of packed queries q ((T, Hq*Dh) rows, act dtype) over each sequence's first
+// seq_lens[s] cached tokens (the queries are the last ones); out: (T, Hq*Dh) rows, act dtype.
+int hs_paged_attention(int act_dtype, int cache_dtype, int64_t num_seqs, const int64_t* cu_q,
+                       const int64_t* seq_lens, const int64_t* block_tables, int64_t bt_stride, const void* q,
+                       int64_t q_stride, const void* k_cache, const void* v_cache, int64_t block_size,
+                       int64_t block_stride, int64_t token_stride, int64_t head_stride, void* out, int64_t out_stride,
+                       int64_t Hq, int64_t Hkv, int64_t Dh, float scale, float k_scale, float v_scale,
+                       int64_t window) {
+  if (Hkv < 1 || Hq % Hkv != 0) return 1;
+  const CacheGeom g{block_size, block_stride, token_stride, head_stride};
+  const AttnParams p{Hq, Hkv, Dh, scale, k_scale, v_scale, window};
+  switch (act_dtype) {
+    case kF32: return attention_dispatch<float>(cache_dtype, num_seqs, cu_q, seq_lens, block_tables, bt_stride, q, q_stride, k_cache, v_cache, g, out, out_stride, p);
+    case kBF16: return attention_dispatch<BF16>(cache_dtype, num_seqs, cu_q, seq_lens, block_tables, bt_stride, q, q_stride, k_cache, v_cache, g, out, out_stride, p);
+    case kF16: return attention_dispatch<_Float16>(cache_dtype, num_seqs, cu_q, seq_lens, block_tables, bt_stride, q, q_stride, k_cache, v_cache, g, out, out_stride, p);
+    default: return 2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,36 @@
+// Storage dtypes shared by the CPU kernels: codes passed from Python, and float32 conversions.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct BF16 {
+  uint16_t bits;
+};
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(_Float16 v) { return static_cast<float>(v); }
+inline float to_f32(BF16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T> inline T from_f32(float v);
+template <> inline float from_f32<float>(float v) { return v; }
+template <> inline _Float16 from_f32<_Float16>(float v) { return static_cast<_Float16>(v); }
+template <> inline BF16 from_f32<BF16>(float v) {
+  // Round to nearest even, NaN -> canonical quiet NaN (as torch's c10::BFloat16).
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{0x7fc0};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return BF16{static_cast<uint16_t>(u >> 16)};
+}
+
+}  // namespace

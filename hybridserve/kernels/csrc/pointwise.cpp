@@ -1,0 +1,165 @@
+// CPU kernels for the row-wise ops between the matmuls: RMS norm (optionally fused with the residual
+// add before it), Mamba2's gated group RMS norm, and the gated-MLP activation silu(a) * b.
+//
+// Each reproduces the rounding of the PyTorch code it replaces (hybridserve/layers/norms.py, the
+// MLPs): math in float32, and a value is rounded to the activation dtype wherever PyTorch would hold
+// it in that dtype. Rows are (T, width) with a row stride in elements; parallel over rows.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "dtypes.h"
+#include "vecmath.h"
+
+namespace {
+
+constexpr int64_t kParallelMin = 32768;  // elements below which a call runs on one thread
+
+template <typename T> inline float round_to(float v) { return to_f32(from_f32<T>(v)); }
+
+
+// out = norm(x) * w, where norm(x) = x * rsqrt(mean(x^2) + eps).
+//   zero_centered = 0: round(w * round(norm(x)))          (RMSNorm: weight * xf.to(dtype))
+//   zero_centered = 1: round(norm(x) * (1 + w))           (RMSNorm with gamma - 1 weights)
+// With add: first x = round(x + round(h * scale)) (round(x + h) when scale == 1), written to x_out.
+template <typename AT>
+void rms_norm_impl(int64_t T, int64_t D, const AT* x, int64_t xs, const AT* h, int64_t hs, float scale, AT* x_out,
+                   int64_t xos, const AT* w, float eps, int zero_centered, AT* out, int64_t os) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const AT* xr = x + t * xs;
+    AT* outr = out + t * os;
+    float buf[8192];
+    const bool fused = h != nullptr;
+    float* v = buf;
+    float ss = 0.0f;
+    if (fused) {
+      const AT* hr = h + t * hs;
+      AT* xo = x_out + t * xos;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) {
+        const float add = scale == 1.0f ? to_f32(hr[d]) : round_to<AT>(to_f32(hr[d]) * scale);
+        const float sum = round_to<AT>(to_f32(xr[d]) + add);
+        xo[d] = from_f32<AT>(sum);
+        v[d] = sum;
+        ss += sum * sum;
+      }
+    } else {
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) {
+        v[d] = to_f32(xr[d]);
+        ss += v[d] * v[d];
+      }
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    if (zero_centered) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(v[d] * inv * (1.0f + to_f32(w[d])));
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(to_f32(w[d]) * round_to<AT>(v[d] * inv));
+    }
+  }
+}
+
+// Mamba2's gated group norm of y (float32) with gate (act dtype), groups of G along the row:
+//   norm_in_f32 = 0: v = round(y) * silu(gate); out = round(w * round(groupnorm(v)))
+//   norm_in_f32 = 1: v = y * silu(gate);        out = round(w * groupnorm(v))
+template <typename AT>
+void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const AT* gate, int64_t gs, const AT* w,
+                         int64_t G, float eps, int norm_in_f32, AT* out, int64_t os) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* yr = y + t * ys;
+    const AT* gr = gate + t * gs;
+    AT* outr = out + t * os;
+    for (int64_t g0 = 0; g0 < D; g0 += G) {
+      float v[8192];
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < G; ++d) {
+        const float yv = norm_in_f32 ? yr[g0 + d] : round_to<AT>(yr[g0 + d]);
+        v[d] = yv * silu(to_f32(gr[g0 + d]));
+        ss += v[d] * v[d];
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(G) + eps);
+      if (norm_in_f32) {
+#pragma omp simd
+        for (int64_t d = 0; d < G; ++d) outr[g0 + d] = from_f32<AT>(to_f32(w[g0 + d]) * (v[d] * inv));
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < G; ++d) outr[g0 + d] = from_f32<AT>(to_f32(w[g0 + d]) * round_to<AT>(v[d] * inv));
+      }
+    }
+  }
+}
+
+// out = round(round(silu(a)) * b)   (act(gate) * up, each op rounded to the activation dtype)
+template <typename AT>
+void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, int64_t bs, AT* out, int64_t os) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const AT* ar = a + t * as;
+    const AT* br = b + t * bs;
+    AT* orow = out + t * os;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) orow[d] = from_f32<AT>(round_to<AT>(silu(to_f32(ar[d]))) * to_f32(br[d]));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int hs_rms_norm(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* h, int64_t hs, float scale,
+                void* x_out, int64_t xos, const void* w, float eps, int zero_centered, void* out, int64_t os) {
+  if (D > 8192) return 1;
+  switch (act_dtype) {
+#define HS_CASE(code, AT)                                                                                       \
+  case code:                                                                                                    \
+    rms_norm_impl<AT>(T, D, static_cast<const AT*>(x), xs, static_cast<const AT*>(h), hs, scale,                \
+                      static_cast<AT*>(x_out), xos, static_cast<const AT*>(w), eps, zero_centered,              \
+                      static_cast<AT*>(out), os);                                                               \
+    return 0;
+    HS_CASE(kF32, float)
+    HS_CASE(kBF16, BF16)
+    HS_CASE(kF16, _Float16)
+#undef HS_CASE
+    default: return 2;
+  }
+}
+
+int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
+                      const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os) {
+  if (G < 1 || G > 8192 || D % G != 0) return 1;
+  switch (act_dtype) {
+#define HS_CASE(code, AT)                                                                                       \
+  case code:                                                                                                    \
+    gated_rms_norm_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<const AT*>(w), G, eps,   \
+                            norm_in_f32, static_cast<AT*>(out), os);                                            \
+    return 0;
+    HS_CASE(kF32, float)
+    HS_CASE(kBF16, BF16)
+    HS_CASE(kF16, _Float16)
+#undef HS_CASE
+    default: return 2;
+  }
+}
+
+int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
+                int64_t os) {
+  switch (act_dtype) {
+#define HS_CASE(code, AT)                                                                                       \
+  case code:                                                                                                    \
+    silu_mul_impl<AT>(T, D, static_cast<const AT*>(a), as, static_cast<const AT*>(b), bs, static_cast<AT*>(out), os); \
+    return 0;
+    HS_CASE(kF32, float)
+    HS_CASE(kBF16, BF16)
+    HS_CASE(kF16, _Float16)
+#undef HS_CASE
+    default: return 2;
+  }
+}
+
+}  // extern "C"

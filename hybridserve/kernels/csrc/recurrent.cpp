@@ -1,0 +1,315 @@
+// CPU kernels for the recurrent layers: varlen causal depthwise conv and the Mamba2 (SSD) scan.
+//
+// Both read and write the pooled per-sequence state in place, through slot ids, in the state's own
+// dtype (float32, bfloat16 or float16), and compute in float32. One call covers a whole group of
+// sequences: a decode group (one token each) or a prefill group (a chunk each), given by cu_seqlens.
+// The recurrence runs token by token: the (head_dim x d_state) state of one head stays in L1, so
+// this costs O(P*N) per token and head, with no padding and no chunk matrices.
+//
+// Plain C ABI (loaded with ctypes); OpenMP threads come from the process's OpenMP runtime, which
+// is the one torch uses (same soname), so torch.set_num_threads applies.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dtypes.h"
+#include "vecmath.h"
+
+namespace {
+
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch: beta 1, threshold 20
+
+
+// ------------------------------------------------------------------------------------------
+// causal depthwise conv over packed sequences, state (slots, D, K-1) updated in place
+// ------------------------------------------------------------------------------------------
+
+constexpr int64_t kConvBlock = 128;  // channels per work item
+constexpr int64_t kMaxTaps = 16;
+
+// KT: the kernel width when it is a compile-time size (the tap loops then unroll and the strided state
+// accesses vectorize), 0 otherwise. weight_t is (K, D): tap-major, so a tap's weights are contiguous.
+template <int KT, typename AT, typename ST>
+void causal_conv1d_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x,
+                        int64_t x_stride, ST* states, int64_t slot_stride, const float* weight_t, const float* bias,
+                        int act_silu, AT* out, int64_t out_stride, int64_t D, int64_t K_) {
+  const int64_t K = KT > 0 ? KT : K_;
+  const int64_t W = K - 1;  // state width
+  const int64_t blocks = (D + kConvBlock - 1) / kConvBlock;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t c0 = blk * kConvBlock;
+      const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
+      ST* st = states + slots[s] * slot_stride + c0 * W;  // (nc, W) of this block
+      float win[kMaxTaps][kConvBlock];  // win[k][c]: the K-1 previous inputs, oldest first
+      for (int64_t k = 0; k < W; ++k) {
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) win[k][c] = to_f32(st[c * W + k]);
+      }
+      float xin[kConvBlock], acc[kConvBlock];
+      for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        const AT* xt = x + t * x_stride + c0;
+        AT* ot = out + t * out_stride + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) {
+          xin[c] = to_f32(xt[c]);
+          acc[c] = 0.0f;
+        }
+        for (int64_t k = 0; k < W; ++k) {  // taps oldest first, the current token last, then the bias
+          const float* wk = weight_t + k * D + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) acc[c] += win[k][c] * wk[c];
+        }
+        const float* wl = weight_t + W * D + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) acc[c] += xin[c] * wl[c];
+        if (bias) {
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) acc[c] += bias[c0 + c];
+        }
+        for (int64_t k = 0; k + 1 < W; ++k) {
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) win[k][c] = win[k + 1][c];
+        }
+        if (W > 0) {
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) win[W - 1][c] = xin[c];
+        }
+        if (act_silu) {
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) acc[c] = silu(acc[c]);
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) ot[c] = from_f32<AT>(acc[c]);
+      }
+      for (int64_t k = 0; k < W; ++k) {
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) st[c * W + k] = from_f32<ST>(win[k][c]);
+      }
+    }
+  }
+}
+
+template <typename AT, typename ST>
+void causal_conv1d_any(int64_t num_seqs, const int64_t* cu, const int64_t* slots, const AT* x, int64_t xs, ST* states,
+                       int64_t ss, const float* w, const float* b, int silu_flag, AT* out, int64_t os, int64_t D,
+                       int64_t K) {
+  switch (K) {
+    case 2: causal_conv1d_impl<2>(num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K); break;
+    case 3: causal_conv1d_impl<3>(num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K); break;
+    case 4: causal_conv1d_impl<4>(num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K); break;
+    default: causal_conv1d_impl<0>(num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Mamba2 scan over packed sequences, state (slots, H, P, N) updated in place
+// ------------------------------------------------------------------------------------------
+
+struct ScanParams {
+  const float* A;        // (H,)
+  const float* D;        // (H,) or null
+  const float* dt_bias;  // (H,) or null
+  int dt_softplus;
+  int dt_clamp;
+  float dt_lo, dt_hi;
+  int64_t H, P, G, N;
+};
+
+// One head of one sequence. The state is held transposed, hT[n][p], so that the loops run over p
+// in vector lanes: the update and y = h . C need no horizontal sums. PT is P when it is a compile-time
+// size (the accumulator then stays in registers), 0 otherwise.
+template <int PT, typename AT, typename ST>
+void mamba2_scan_head(int64_t t0, int64_t t1, int64_t h, const AT* x, int64_t x_stride, const AT* Bm,
+                      int64_t b_stride, const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, ST* st,
+                      float* y, int64_t y_stride, const ScanParams& p, float* __restrict__ hT,
+                      float* __restrict__ work) {
+  const int64_t P = PT > 0 ? PT : p.P, N = p.N, g = h / (p.H / p.G);
+  float* __restrict__ xv = work;          // (P,) x_t of this head
+  float* __restrict__ xdt = work + P;     // (P,) x_t * dt_t
+  float* __restrict__ acc = work + 2 * P; // (P,) h_t . C_t
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t n = 0; n < N; ++n) hT[n * P + q] = to_f32(st[q * N + n]);
+  const float a = p.A[h];
+  const float d = p.D ? p.D[h] : 0.0f;
+  const float bias = p.dt_bias ? p.dt_bias[h] : 0.0f;
+  for (int64_t t = t0; t < t1; ++t) {
+    float dtv = to_f32(dt[t * dt_stride + h]) + bias;
+    if (p.dt_softplus) dtv = softplus(dtv);
+    if (p.dt_clamp) dtv = dtv < p.dt_lo ? p.dt_lo : (dtv > p.dt_hi ? p.dt_hi : dtv);
+    const float decay = std::exp(dtv * a);
+    const AT* xt = x + t * x_stride + h * P;
+    const AT* bt = Bm + t * b_stride + g * N;
+    const AT* ct = Cm + t * c_stride + g * N;
+#pragma omp simd
+    for (int64_t q = 0; q < P; ++q) {
+      xv[q] = to_f32(xt[q]);
+      xdt[q] = xv[q] * dtv;
+      acc[q] = 0.0f;
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const float bn = to_f32(bt[n]), cn = to_f32(ct[n]);
+      float* __restrict__ row = hT + n * P;
+#pragma omp simd
+      for (int64_t q = 0; q < P; ++q) {
+        const float v = row[q] * decay + xdt[q] * bn;
+        row[q] = v;
+        acc[q] += v * cn;
+      }
+    }
+    float* yt = y + t * y_stride + h * P;
+#pragma omp simd
+    for (int64_t q = 0; q < P; ++q) yt[q] = acc[q] + d * xv[q];
+  }
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t n = 0; n < N; ++n) st[q * N + n] = from_f32<ST>(hT[n * P + q]);
+}
+
+// One head of one sequence that has a single token: the state is read, updated and written back
+// in one pass, in place (y is taken from the float32 new state, before it is rounded to ST).
+template <typename AT, typename ST>
+void mamba2_step_head(int64_t t, int64_t h, const AT* x, int64_t x_stride, const AT* Bm, int64_t b_stride,
+                      const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, ST* st, float* y,
+                      int64_t y_stride, const ScanParams& p, float* work) {
+  const int64_t P = p.P, N = p.N, g = h / (p.H / p.G);
+  float* bt = work;
+  float* ct = work + N;
+  float dtv = to_f32(dt[t * dt_stride + h]) + (p.dt_bias ? p.dt_bias[h] : 0.0f);
+  if (p.dt_softplus) dtv = softplus(dtv);
+  if (p.dt_clamp) dtv = dtv < p.dt_lo ? p.dt_lo : (dtv > p.dt_hi ? p.dt_hi : dtv);
+  const float decay = std::exp(dtv * p.A[h]);
+  const float d = p.D ? p.D[h] : 0.0f;
+  const AT* bsrc = Bm + t * b_stride + g * N;
+  const AT* csrc = Cm + t * c_stride + g * N;
+#pragma omp simd
+  for (int64_t n = 0; n < N; ++n) {
+    bt[n] = to_f32(bsrc[n]);
+    ct[n] = to_f32(csrc[n]);
+  }
+  const AT* xt = x + t * x_stride + h * P;
+  float* yt = y + t * y_stride + h * P;
+  for (int64_t q = 0; q < P; ++q) {
+    const float xv = to_f32(xt[q]);
+    const float xdt = xv * dtv;
+    ST* row = st + q * N;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t n = 0; n < N; ++n) {
+      const float v = to_f32(row[n]) * decay + xdt * bt[n];
+      row[n] = from_f32<ST>(v);
+      acc += v * ct[n];
+    }
+    yt[q] = acc + d * xv;
+  }
+}
+
+template <typename AT, typename ST>
+void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x,
+                      int64_t x_stride, const AT* Bm, int64_t b_stride, const AT* Cm, int64_t c_stride,
+                      const AT* dt, int64_t dt_stride, ST* states, int64_t slot_stride, float* y,
+                      int64_t y_stride, const ScanParams& p) {
+  const int64_t H = p.H, P = p.P, N = p.N;
+#pragma omp parallel
+  {
+    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < H; ++h) {
+        ST* st = states + slots[s] * slot_stride + h * P * N;
+        const int64_t t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
+        if (t1 - t0 == 1)
+          mamba2_step_head(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
+                           wbuf.data());
+        else if (P == 64)
+          mamba2_scan_head<64>(t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
+                               hbuf.data(), wbuf.data());
+        else
+          mamba2_scan_head<0>(t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
+                              hbuf.data(), wbuf.data());
+      }
+    }
+  }
+}
+
+template <typename AT, typename ST>
+int conv_dispatch_state(int state_dtype, int64_t num_seqs, const int64_t* cu, const int64_t* slots, const void* x,
+                        int64_t xs, void* states, int64_t ss, const float* w, const float* b, int silu_flag,
+                        void* out, int64_t os, int64_t D, int64_t K) {
+  causal_conv1d_any<AT, ST>(num_seqs, cu, slots, static_cast<const AT*>(x), xs, static_cast<ST*>(states), ss, w, b,
+                             silu_flag, static_cast<AT*>(out), os, D, K);
+  (void)state_dtype;
+  return 0;
+}
+
+template <typename AT>
+int conv_dispatch(int state_dtype, int64_t num_seqs, const int64_t* cu, const int64_t* slots, const void* x,
+                  int64_t xs, void* states, int64_t ss, const float* w, const float* b, int silu_flag, void* out,
+                  int64_t os, int64_t D, int64_t K) {
+  switch (state_dtype) {
+    case kF32: return conv_dispatch_state<AT, float>(state_dtype, num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
+    case kBF16: return conv_dispatch_state<AT, BF16>(state_dtype, num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
+    case kF16: return conv_dispatch_state<AT, _Float16>(state_dtype, num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
+    default: return 2;
+  }
+}
+
+template <typename AT>
+int scan_dispatch(int state_dtype, int64_t num_seqs, const int64_t* cu, const int64_t* slots, const void* x,
+                  int64_t xs, const void* B, int64_t bs, const void* C, int64_t cs, const void* dt, int64_t dts,
+                  void* states, int64_t ss, float* y, int64_t ys, const ScanParams& p) {
+  const AT* xa = static_cast<const AT*>(x);
+  const AT* ba = static_cast<const AT*>(B);
+  const AT* ca = static_cast<const AT*>(C);
+  const AT* da = static_cast<const AT*>(dt);
+  switch (state_dtype) {
+    case kF32: mamba2_scan_impl<AT, float>(num_seqs, cu, slots, xa, xs, ba, bs, ca, cs, da, dts, static_cast<float*>(states), ss, y, ys, p); return 0;
+    case kBF16: mamba2_scan_impl<AT, BF16>(num_seqs, cu, slots, xa, xs, ba, bs, ca, cs, da, dts, static_cast<BF16*>(states), ss, y, ys, p); return 0;
+    case kF16: mamba2_scan_impl<AT, _Float16>(num_seqs, cu, slots, xa, xs, ba, bs, ca, cs, da, dts, static_cast<_Float16*>(states), ss, y, ys, p); return 0;
+    default: return 2;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Causal depthwise conv, varlen. x, out: (T, D) rows with strides x_stride / out_stride (elements),
+// act dtype; states: slot s at states + slots[s] * slot_stride, (D, K-1) contiguous, state dtype;
+// weight_t: (K, D) float32 (tap-major); bias: (D,) float32 or null. Returns 0, or nonzero for an
+// unsupported call.
+int hs_causal_conv1d(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                     const int64_t* slots, const void* x, int64_t x_stride, void* states, int64_t slot_stride,
+                     const float* weight_t, const float* bias, int act_silu, void* out, int64_t out_stride,
+                     int64_t D, int64_t K) {
+  if (K < 1 || K > kMaxTaps) return 1;
+  switch (act_dtype) {
+    case kF32: return conv_dispatch<float>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, states, slot_stride, weight_t, bias, act_silu, out, out_stride, D, K);
+    case kBF16: return conv_dispatch<BF16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, states, slot_stride, weight_t, bias, act_silu, out, out_stride, D, K);
+    case kF16: return conv_dispatch<_Float16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, states, slot_stride, weight_t, bias, act_silu, out, out_stride, D, K);
+    default: return 2;
+  }
+}
+
+// Mamba2 scan, varlen. x: (T, H*P) rows, B, C: (T, G*N) rows, dt: (T, H) rows, all act dtype with
+// their own row strides; states: slot s at states + slots[s] * slot_stride, (H, P, N) contiguous;
+// y: (T, H*P) float32 rows with stride y_stride, gets h_t . C_t + D * x_t.
+int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                   const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
+                   const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,
+                   const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
+                   void* states, int64_t slot_stride, float* y, int64_t y_stride, int64_t H, int64_t P,
+                   int64_t G, int64_t N) {
+  if (G < 1 || H % G != 0) return 1;
+  const ScanParams p{A, D, dt_bias, dt_softplus, dt_clamp, dt_lo, dt_hi, H, P, G, N};
+  switch (act_dtype) {
+    case kF32: return scan_dispatch<float>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, B, b_stride, C, c_stride, dt, dt_stride, states, slot_stride, y, y_stride, p);
+    case kBF16: return scan_dispatch<BF16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, B, b_stride, C, c_stride, dt, dt_stride, states, slot_stride, y, y_stride, p);
+    case kF16: return scan_dispatch<_Float16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, B, b_stride, C, c_stride, dt, dt_stride, states, slot_stride, y, y_stride, p);
+    default: return 2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,109 @@
+"""Python entry points of the C++ row-wise kernels (``csrc/pointwise.cpp``) for the CPU: RMS norm
+(optionally fused with the residual add before it), Mamba2's gated group RMS norm, and silu(a) * b.
+
+Each reproduces the rounding of the PyTorch code it replaces and returns None, doing nothing, when
+the call is one it does not cover (not on the CPU, a dtype or layout it does not take, or no
+compiled library); callers then take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridserve.kernels._abi import DTYPE_CODES, F32, I64, INT, PTR, bind, check, rows_ok
+
+_SIGNATURES = {
+    "hs_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, F32, PTR, I64, PTR, F32, INT, PTR, I64],
+    "hs_gated_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64, F32, INT, PTR, I64],
+    "hs_silu_mul": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64],
+}
+_MAX_ROW = 8192
+
+
+def _library():
+    return bind("pointwise", _SIGNATURES)
+
+
+def available() -> bool:
+    """Whether the compiled kernels can be used in this process."""
+    return _library() is not None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor | None:
+    """t (..., D) as a (rows, D) view with contiguous rows, or None when no such view exists."""
+    if t.dim() == 2:
+        return t if rows_ok(t) else None
+    try:
+        r = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return None
+    return r if rows_ok(r) else None
+
+
+def _weight_ok(w: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
+    return w.dtype == dtype and w.device.type == "cpu" and w.is_contiguous() and w.shape == (width,)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+             residual: torch.Tensor | None = None, scale: float = 1.0):
+    """``RMSNorm`` of x (..., D). With ``residual`` (x's shape), first x = x + residual * scale (each
+    op rounded to x's dtype) and returns (new x, normed); else returns normed. None when not covered."""
+    lib = _library()
+    if lib is None or x.dim() < 1 or x.shape[-1] > _MAX_ROW:
+        return None
+    D = x.shape[-1]
+    act = DTYPE_CODES.get(x.dtype)
+    x2 = _rows(x)
+    if act is None or x2 is None or not _weight_ok(weight, x.dtype, D):
+        return None
+    h2 = None
+    if residual is not None:
+        h2 = _rows(residual)
+        if h2 is None or residual.shape != x.shape or residual.dtype != x.dtype:
+            return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    o2 = out.view(-1, D)
+    x_new = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    n2 = x_new.view(-1, D) if x_new is not None else None
+    check(lib.hs_rms_norm(act, x2.shape[0], D, x2.data_ptr(), x2.stride(0),
+                          None if h2 is None else h2.data_ptr(), 0 if h2 is None else h2.stride(0), float(scale),
+                          None if n2 is None else n2.data_ptr(), 0 if n2 is None else n2.stride(0),
+                          weight.data_ptr(), float(eps), int(zero_centered), o2.data_ptr(), o2.stride(0)),
+          "hs_rms_norm")
+    return out if residual is None else (x_new, out)
+
+
+def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+                   norm_in_float32: bool) -> torch.Tensor | None:
+    """Mamba2's gated group norm: y (T, D) float32, gate (T, D) -> (T, D) in gate's dtype, as
+    ``GatedRMSNorm(y.to(dtype), gate)`` or, with ``norm_in_float32``, ``GatedRMSNorm(y, gate).to(dtype)``.
+    None when not covered."""
+    lib = _library()
+    if lib is None or y.dtype != torch.float32 or not rows_ok(y) or not rows_ok(gate) or y.shape != gate.shape:
+        return None
+    T, D = y.shape
+    act = DTYPE_CODES.get(gate.dtype)
+    if (act is None or not _weight_ok(weight, gate.dtype, D) or group_size < 1 or group_size > _MAX_ROW
+            or D % group_size != 0):
+        return None
+    out = torch.empty(T, D, dtype=gate.dtype)
+    check(lib.hs_gated_rms_norm(act, T, D, y.data_ptr(), y.stride(0), gate.data_ptr(), gate.stride(0),
+                                weight.data_ptr(), group_size, float(eps), int(norm_in_float32), out.data_ptr(),
+                                out.stride(0)), "hs_gated_rms_norm")
+    return out
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``silu(a) * b`` for a, b (T, D) in one dtype (each op rounded to it). None when not covered."""
+    lib = _library()
+    if lib is None or a.shape != b.shape or a.dtype != b.dtype:
+        return None
+    a2, b2 = _rows(a), _rows(b)
+    act = DTYPE_CODES.get(a.dtype)
+    if act is None or a2 is None or b2 is None:
+        return None
+    out = torch.empty(a.shape, dtype=a.dtype)
+    o2 = out.view(-1, a.shape[-1])
+    check(lib.hs_silu_mul(act, a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0),
+                          o2.data_ptr(), o2.stride(0)), "hs_silu_mul")
+    return out

@@ -1,0 +1,90 @@
+"""Python entry points of the C++ recurrent-layer kernels (``csrc/recurrent.cpp``) for the CPU.
+
+Each function works on a group of packed sequences (a decode group or a prefill group, given by
+``cu_seqlens``), reads and writes the pooled state in place through slot ids, in the state's own
+dtype, and declines (returns None / False, doing nothing) when the call is one the kernels do not
+cover (not on the CPU, a dtype or layout they do not take, or no compiled library); callers then
+take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybridserve.kernels._abi import (DTYPE_CODES, F32, I64, INT, PTR, bind, check, float_param_ok, index_ok, ptr,
+                                      rows_ok)
+
+_SIGNATURES = {
+    "hs_causal_conv1d": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, INT, PTR, I64, I64, I64],
+    "hs_mamba2_scan": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, INT, INT,
+                       F32, F32, PTR, I64, PTR, I64, I64, I64, I64, I64],
+}
+
+
+def _library():
+    return bind("recurrent", _SIGNATURES)
+
+
+def available() -> bool:
+    """Whether the compiled kernels can be used in this process."""
+    return _library() is not None
+
+
+def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor, state_indices: torch.Tensor, activation: str | None) -> torch.Tensor | None:
+    """Varlen causal depthwise conv continuing each sequence's conv state (updated in place).
+
+    x: (T, D) packed tokens; conv_states: (num_slots, D, K-1) pool view; weight_t: (K, D) float32
+    contiguous (the conv weight transposed, tap-major); bias: (D,) float32 or None; cu_seqlens:
+    (S+1,) int64; state_indices: (S,) int64.
+    Returns (T, D) in x.dtype, or None when the kernel does not cover this call.
+    """
+    lib = _library()
+    if lib is None or activation not in (None, "silu") or not rows_ok(x):
+        return None
+    K, D = weight_t.shape
+    act, st = DTYPE_CODES.get(x.dtype), DTYPE_CODES.get(conv_states.dtype)
+    if (act is None or st is None or conv_states.device.type != "cpu" or tuple(conv_states.shape[1:]) != (D, K - 1)
+            or (K > 1 and (conv_states.stride(2) != 1 or conv_states.stride(1) != K - 1))
+            or not weight_t.is_contiguous() or not float_param_ok(weight_t) or not float_param_ok(bias)
+            or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return None
+    out = torch.empty(x.shape[0], D, dtype=x.dtype)  # (T, D)
+    check(lib.hs_causal_conv1d(act, st, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
+                               x.data_ptr(), x.stride(0), conv_states.data_ptr(), conv_states.stride(0),
+                               weight_t.data_ptr(), ptr(bias), int(activation == "silu"), out.data_ptr(),
+                               out.stride(0), D, K), "hs_causal_conv1d")
+    return out
+
+
+def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                dt_softplus: bool, dt_limit: tuple[float, float], cu_seqlens: torch.Tensor,
+                state_indices: torch.Tensor, y: torch.Tensor) -> bool:
+    """Mamba2 recurrence over packed sequences, continuing each slot's state (updated in place).
+
+    ssm_states: (num_slots, H, P, N) pool view; x: (T, H*P); dt: (T, H); B, C: (T, G*N), all in one
+    activation dtype with contiguous rows; A, D, dt_bias: (H,) float32 contiguous (D, dt_bias may be
+    None); y: (T, H*P) float32 output rows. Returns False, doing nothing, when not covered.
+    """
+    lib = _library()
+    if lib is None or not all(rows_ok(t) for t in (x, dt, B, C, y)):
+        return False
+    _, H, P, N = ssm_states.shape
+    G = B.shape[1] // N
+    act, st = DTYPE_CODES.get(x.dtype), DTYPE_CODES.get(ssm_states.dtype)
+    if (act is None or st is None or any(t.dtype != x.dtype for t in (dt, B, C)) or y.dtype != torch.float32
+            or ssm_states.device.type != "cpu" or ssm_states.stride()[1:] != (P * N, N, 1)
+            or x.shape[1] != H * P or dt.shape[1] != H or C.shape[1] != G * N or G * N != B.shape[1]
+            or A is None or not all(float_param_ok(t) for t in (A, D, dt_bias))
+            or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return False
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    check(lib.hs_mamba2_scan(act, st, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
+                             x.data_ptr(), x.stride(0), B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0),
+                             dt.data_ptr(), dt.stride(0), A.data_ptr(), ptr(D), ptr(dt_bias), int(dt_softplus),
+                             int(lo > 0.0 or hi != math.inf), lo, hi, ssm_states.data_ptr(), ssm_states.stride(0),
+                             y.data_ptr(), y.stride(0), H, P, G, N), "hs_mamba2_scan")
+    return True
