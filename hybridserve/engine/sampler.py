@@ -13,7 +13,7 @@ from hybridserve.sampling_params import SamplingParams
 class SampleResult:
     token_ids: list[int]
     sampled_logprobs: list[float]  # log-probability of each sampled token (raw model distribution)
-    sampled_ranks: list[int]  # 1-based rank of each sampled token
+    sampled_ranks: list[int]  # 1-based rank of each sampled token (0 unless its request asks for logprobs)
     top_ids: list[list[int]]  # per row, the top-k token ids (k = that request's logprobs), best first
     top_logprobs: list[list[float]]
 
@@ -49,10 +49,8 @@ def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator) -> SampleResult:
     """Pick one token per row of ``logits`` (N, V) float32 under each row's params."""
-    logprobs = torch.log_softmax(logits, dim=-1)  # (N, V) raw distribution, reported to users
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     chosen = logits.argmax(dim=-1)  # (N,)
-    if not bool(greedy.all()):
+    if not all(p.greedy for p in params):
         probs = _processed_logits(logits, params).softmax(-1).cpu()  # (N, V)
         picks = chosen.cpu().clone()
         for row, p in enumerate(params):
@@ -61,15 +59,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             gen = generators[row] or default_generator
             picks[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
         chosen = picks.to(logits.device)
-    sampled_lp = logprobs.gather(1, chosen[:, None])[:, 0]  # (N,)
-    ranks = (logprobs > sampled_lp[:, None]).sum(-1) + 1  # (N,)
+    # Log-probabilities of the raw distribution, reported to users: the sampled token's always (one
+    # logsumexp per row); ranks and top-k only when a request asks for logprobs.
+    lse = torch.logsumexp(logits, dim=-1)  # (N,)
+    sampled_logit = logits.gather(1, chosen[:, None])[:, 0]  # (N,)
+    sampled_lp = sampled_logit - lse  # (N,)
     max_k = max((p.logprobs or 0) for p in params)
+    wants = any(p.logprobs is not None for p in params)
+    ranks = ((logits > sampled_logit[:, None]).sum(-1) + 1).tolist() if wants else [0] * len(params)
     top_ids: list[list[int]] = [[] for _ in params]
     top_lps: list[list[float]] = [[] for _ in params]
     if max_k > 0:
-        values, ids = logprobs.topk(max_k, dim=-1)  # (N, k)
-        values, ids = values.tolist(), ids.tolist()
+        values, ids = logits.topk(max_k, dim=-1)  # (N, k)
+        values, ids = (values - lse[:, None]).tolist(), ids.tolist()
         for row, p in enumerate(params):
             k = p.logprobs or 0
             top_ids[row], top_lps[row] = ids[row][:k], values[row][:k]
-    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks.tolist(), top_ids, top_lps)
+    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps)

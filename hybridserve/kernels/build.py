@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c++17"]
 
+# Per-library extra flags: the row-wise kernels reproduce PyTorch's rounding, so no fused multiply-adds.
+EXTRA_FLAGS = {"pointwise": ["-ffp-contract=off"]}
+
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -43,22 +46,26 @@ def find_compiler() -> str | None:
     return None
 
 
+def _flags(name: str) -> list[str]:
+    return FLAGS + EXTRA_FLAGS.get(name, [])
+
+
 def _library_path(name: str, inputs: list[Path], compiler: str) -> Path:
     digest = hashlib.sha256()
     for src in inputs:
         digest.update(src.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(_flags(name)).encode())
     digest.update(compiler.encode())
     digest.update(os.uname().machine.encode())
     return cache_dir() / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
-def _compile(compiler: str, sources: list[Path], target: Path) -> None:
+def _compile(compiler: str, flags: list[str], sources: list[Path], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, *map(str, sources), "-o", tmp]
+        cmd = [compiler, *flags, *map(str, sources), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
@@ -79,11 +86,11 @@ def load_library(name: str) -> ctypes.CDLL | None:
             logger.warning("no C++ compiler found; CPU kernels are off (plain PyTorch paths are used)")
         else:
             sources = [SOURCE_DIR / f"{name}.cpp"]
-            target = _library_path(name, sources + sorted(SOURCE_DIR.glob("*.h")), compiler)
             try:
+                target = _library_path(name, sources + sorted(SOURCE_DIR.glob("*.h")), compiler)
                 if not target.exists():
                     logger.info("building CPU kernels %s -> %s", name, target)
-                    _compile(compiler, sources, target)
+                    _compile(compiler, _flags(name), sources, target)
                 torch.get_num_threads()  # torch (and its OpenMP runtime) are loaded first, so they are shared
                 lib = ctypes.CDLL(str(target))
             except (OSError, RuntimeError) as exc:

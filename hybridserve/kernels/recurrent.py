@@ -16,6 +16,8 @@ import torch
 from hybridserve.kernels._abi import (DTYPE_CODES, F32, I64, INT, PTR, bind, check, float_param_ok, index_ok, ptr,
                                       rows_ok)
 
+MAX_CONV_WIDTH = 16  # kMaxTaps in csrc/recurrent.cpp
+
 _SIGNATURES = {
     "hs_causal_conv1d": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, INT, PTR, I64, I64, I64],
     "hs_mamba2_scan": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, INT, INT,
@@ -46,7 +48,7 @@ def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Te
         return None
     K, D = weight_t.shape
     act, st = DTYPE_CODES.get(x.dtype), DTYPE_CODES.get(conv_states.dtype)
-    if (act is None or st is None or conv_states.device.type != "cpu" or tuple(conv_states.shape[1:]) != (D, K - 1)
+    if (act is None or not 1 <= K <= MAX_CONV_WIDTH or st is None or conv_states.device.type != "cpu" or tuple(conv_states.shape[1:]) != (D, K - 1)
             or (K > 1 and (conv_states.stride(2) != 1 or conv_states.stride(1) != K - 1))
             or not weight_t.is_contiguous() or not float_param_ok(weight_t) or not float_param_ok(bias)
             or not index_ok(cu_seqlens) or not index_ok(state_indices)):
@@ -75,7 +77,7 @@ def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
     _, H, P, N = ssm_states.shape
     G = B.shape[1] // N
     act, st = DTYPE_CODES.get(x.dtype), DTYPE_CODES.get(ssm_states.dtype)
-    if (act is None or st is None or any(t.dtype != x.dtype for t in (dt, B, C)) or y.dtype != torch.float32
+    if (act is None or st is None or G < 1 or H % G != 0 or any(t.dtype != x.dtype for t in (dt, B, C)) or y.dtype != torch.float32
             or ssm_states.device.type != "cpu" or ssm_states.stride()[1:] != (P * N, N, 1)
             or x.shape[1] != H * P or dt.shape[1] != H or C.shape[1] != G * N or G * N != B.shape[1]
             or A is None or not all(float_param_ok(t) for t in (A, D, dt_bias))

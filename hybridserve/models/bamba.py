@@ -49,8 +49,8 @@ class BambaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.self_attn(h, rope, batch) if self.is_attention else self.mamba(h, batch)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        x, h = self.pre_ff_layernorm.add_and_norm(x, h)  # x = x + h, then the norm
+        return x + self.feed_forward(h)
 
 
 class BambaModel(nn.Module):

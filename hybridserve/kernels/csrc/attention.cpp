@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "vecmath.h"
 
 namespace {
 
@@ -47,6 +48,61 @@ void kv_write_impl(int64_t T, const int64_t* slot_mapping, const AT* k, int64_t 
   }
 }
 
+// One query (a decode step) of sequence s for the R query heads of one KV head, read straight from
+// the cache: each key and value row is loaded once for all R heads, nothing is gathered.
+template <typename AT, typename CT>
+void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const CT* k_cache, const CT* v_cache,
+                         const CacheGeom& g, int64_t kvh, AT* orow, const AttnParams& p, float* qf, float* sc,
+                         float* acc) {
+  const int64_t Dh = p.Dh, R = p.Hq / p.Hkv;
+  const int64_t lo = p.window > 0 && L - p.window > 0 ? L - p.window : 0;
+  const int64_t n = L - lo;
+  for (int64_t i = 0; i < R * Dh; ++i) qf[i] = to_f32(qrow[kvh * R * Dh + i]);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = lo + j;
+    const CT* kr = k_cache + table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
+                   kvh * g.head_stride;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qh = qf + r * Dh;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * to_f32(kr[d]);
+      sc[r * n + j] = dot * p.k_scale * p.scale;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = sc + r * n;
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < n; ++j) mx = sr[j] > mx ? sr[j] : mx;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      sr[j] = exp_f32(sr[j] - mx);
+      sum += sr[j];
+    }
+    const float inv = p.v_scale / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
+  }
+  for (int64_t i = 0; i < R * Dh; ++i) acc[i] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = lo + j;
+    const CT* vr = v_cache + table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
+                   kvh * g.head_stride;
+    for (int64_t r = 0; r < R; ++r) {
+      const float pj = sc[r * n + j];
+      float* ah = acc + r * Dh;
+#pragma omp simd
+      for (int64_t d = 0; d < Dh; ++d) ah[d] += pj * to_f32(vr[d]);
+    }
+  }
+  for (int64_t i = 0; i < R * Dh; ++i) orow[kvh * R * Dh + i] = from_f32<AT>(acc[i]);
+}
+
+// Work item: one sequence and one KV head. Its keys are gathered once, dequantized and transposed
+// (kT[d][j]), so that scores for one query vectorize over keys; values stay token-major (v[j][d]) so
+// that the weighted sum vectorizes over head_dim.
 template <typename AT, typename CT>
 void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_lens, const int64_t* block_tables,
                     int64_t bt_stride, const AT* q, int64_t q_stride, const CT* k_cache, const CT* v_cache,
@@ -54,17 +110,23 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
   const int64_t Dh = p.Dh, R = p.Hq / p.Hkv;
 #pragma omp parallel
   {
-    std::vector<float> kf, vf, scores, qf(Dh), acc(Dh);
+    std::vector<float> kt, vf, scores, qf(R * Dh), acc(R * Dh);
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
         const int64_t L = seq_lens[s], q0 = cu_q[s], qlen = cu_q[s + 1] - cu_q[s];
         if (qlen <= 0) continue;
+        if (qlen == 1) {
+          if (static_cast<int64_t>(scores.size()) < R * L) scores.resize(R * L);
+          attention_one_query(L, block_tables + s * bt_stride, q + q0 * q_stride, k_cache, v_cache, g, kvh,
+                              out + q0 * out_stride, p, qf.data(), scores.data(), acc.data());
+          continue;
+        }
         const int64_t first_q = L - qlen;  // position of the first query
         const int64_t lo_min = p.window > 0 ? (first_q - p.window + 1 > 0 ? first_q - p.window + 1 : 0) : 0;
         const int64_t nk = L - lo_min;
-        if (static_cast<int64_t>(kf.size()) < nk * Dh) {
-          kf.resize(nk * Dh);
+        if (static_cast<int64_t>(vf.size()) < nk * Dh) {
+          kt.resize(nk * Dh);
           vf.resize(nk * Dh);
           scores.resize(nk);
         }
@@ -73,46 +135,46 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
           const int64_t pos = lo_min + j;
           const int64_t off = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
                               kvh * g.head_stride;
-          float* kd = kf.data() + j * Dh;
           float* vd = vf.data() + j * Dh;
+          for (int64_t d = 0; d < Dh; ++d) kt[d * nk + j] = to_f32(k_cache[off + d]) * p.k_scale;
 #pragma omp simd
-          for (int64_t d = 0; d < Dh; ++d) {
-            kd[d] = to_f32(k_cache[off + d]) * p.k_scale;
-            vd[d] = to_f32(v_cache[off + d]) * p.v_scale;
-          }
+          for (int64_t d = 0; d < Dh; ++d) vd[d] = to_f32(v_cache[off + d]) * p.v_scale;
         }
         for (int64_t i = 0; i < qlen; ++i) {
           const int64_t qpos = first_q + i;
           const int64_t lo = p.window > 0 ? (qpos - p.window + 1 > lo_min ? qpos - p.window + 1 : lo_min) : 0;
-          const int64_t n = qpos - lo + 1;
-          const float* kbase = kf.data() + (lo - lo_min) * Dh;
-          const float* vbase = vf.data() + (lo - lo_min) * Dh;
+          const int64_t j0 = lo - lo_min, j1 = qpos - lo_min + 1;  // keys [j0, j1) of the buffers
+          float* sc = scores.data();
           for (int64_t r = 0; r < R; ++r) {
             const int64_t hq = kvh * R + r;
             const AT* qs = q + (q0 + i) * q_stride + hq * Dh;
-#pragma omp simd
             for (int64_t d = 0; d < Dh; ++d) qf[d] = to_f32(qs[d]);
+#pragma omp simd
+            for (int64_t j = j0; j < j1; ++j) sc[j] = 0.0f;
+            for (int64_t d = 0; d < Dh; ++d) {
+              const float qd = qf[d];
+              const float* krow = kt.data() + d * nk;
+#pragma omp simd
+              for (int64_t j = j0; j < j1; ++j) sc[j] += qd * krow[j];
+            }
             float mx = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) {
-              const float* kj = kbase + j * Dh;
-              float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < Dh; ++d) dot += qf[d] * kj[d];
-              dot *= p.scale;
-              scores[j] = dot;
-              mx = dot > mx ? dot : mx;
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = j0; j < j1; ++j) {
+              sc[j] *= p.scale;
+              mx = sc[j] > mx ? sc[j] : mx;
             }
             float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-              scores[j] = std::exp(scores[j] - mx);
-              sum += scores[j];
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = j0; j < j1; ++j) {
+              sc[j] = exp_f32(sc[j] - mx);
+              sum += sc[j];
             }
             const float inv = 1.0f / sum;
 #pragma omp simd
             for (int64_t d = 0; d < Dh; ++d) acc[d] = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-              const float pj = scores[j] * inv;
-              const float* vj = vbase + j * Dh;
+            for (int64_t j = j0; j < j1; ++j) {
+              const float pj = sc[j] * inv;
+              const float* vj = vf.data() + j * Dh;
 #pragma omp simd
               for (int64_t d = 0; d < Dh; ++d) acc[d] += pj * vj[d];
             }

@@ -119,6 +119,8 @@ struct ScanParams {
   int64_t H, P, G, N;
 };
 
+typedef float v16f __attribute__((vector_size(64), aligned(4)));  // 16 floats, no alignment assumed
+
 // One head of one sequence. The state is held transposed, hT[n][p], so that the loops run over p
 // in vector lanes: the update and y = h . C need no horizontal sums. PT is P when it is a compile-time
 // size (the accumulator then stays in registers), 0 otherwise.
@@ -150,14 +152,34 @@ void mamba2_scan_head(int64_t t0, int64_t t1, int64_t h, const AT* x, int64_t x_
       xdt[q] = xv[q] * dtv;
       acc[q] = 0.0f;
     }
-    for (int64_t n = 0; n < N; ++n) {
-      const float bn = to_f32(bt[n]), cn = to_f32(ct[n]);
-      float* __restrict__ row = hT + n * P;
+    if constexpr (PT > 0 && PT % 16 == 0) {
+      // x*dt and the accumulators stay in vector registers across the n loop.
+      constexpr int NV = PT / 16;
+      v16f xd[NV], ac[NV];
+      for (int i = 0; i < NV; ++i) {
+        xd[i] = *reinterpret_cast<const v16f*>(xdt + 16 * i);
+        ac[i] = v16f{};
+      }
+      for (int64_t n = 0; n < N; ++n) {
+        const float bn = to_f32(bt[n]), cn = to_f32(ct[n]);
+        v16f* row = reinterpret_cast<v16f*>(hT + n * PT);
+        for (int i = 0; i < NV; ++i) {
+          const v16f v = row[i] * decay + xd[i] * bn;
+          row[i] = v;
+          ac[i] += v * cn;
+        }
+      }
+      for (int i = 0; i < NV; ++i) *reinterpret_cast<v16f*>(acc + 16 * i) = ac[i];
+    } else {
+      for (int64_t n = 0; n < N; ++n) {
+        const float bn = to_f32(bt[n]), cn = to_f32(ct[n]);
+        float* __restrict__ row = hT + n * P;
 #pragma omp simd
-      for (int64_t q = 0; q < P; ++q) {
-        const float v = row[q] * decay + xdt[q] * bn;
-        row[q] = v;
-        acc[q] += v * cn;
+        for (int64_t q = 0; q < P; ++q) {
+          const float v = row[q] * decay + xdt[q] * bn;
+          row[q] = v;
+          acc[q] += v * cn;
+        }
       }
     }
     float* yt = y + t * y_stride + h * P;

@@ -1,0 +1,128 @@
+"""The compiled CPU kernels in the engine: greedy generation with ``cpu_kernels=True`` equals the
+plain-PyTorch run (``cpu_kernels=False``) token for token, with logprobs within rounding noise, for
+hybrid families in float32 and bfloat16, with mixed cache dtypes, and with an fp8 KV cache (which the
+attention kernels decline); the kernels really run (or really do not); the option is validated and
+has a CLI flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.config import EngineConfig
+from hybridserve.entrypoints.cli import build_parser
+from hybridserve.entrypoints.engine_args import engine_kwargs
+from hybridserve.kernels import attention, pointwise, recurrent
+from tests.checkpoints import make
+from tests.kernels.helpers import needs_compiler
+
+PROMPT_LENGTHS = (1, 7, 19, 33)  # with a 24-token budget: chunked prefill, prefill and decode in one step
+PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
+LOGPROB_TOL = {"float32": 1e-4, "bfloat16": 5e-2}  # bf16: a logit may differ by about one bf16 ulp
+
+KERNELS = {recurrent: ("causal_conv1d", "mamba2_scan"), attention: ("kv_write", "paged_attention"),
+           pointwise: ("rms_norm", "gated_rms_norm", "silu_mul")}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts, per kernel entry point, the calls it covered (did not decline)."""
+    counts = {name: 0 for names in KERNELS.values() for name in names}
+    for module, names in KERNELS.items():
+        for name in names:
+            real = getattr(module, name)
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                result = _real(*args, **kwargs)
+                if result is not None and result is not False:
+                    counts[_name] += 1
+                return result
+
+            monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _generate(path, cpu_kernels, **options):
+    llm = LLM(path, cpu_kernels=cpu_kernels, cache_memory="16MiB", max_num_batched_tokens=24, max_num_seqs=3,
+              enable_progress_bar=False, **options)
+    assert llm.engine.cpu_kernels is cpu_kernels
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], PARAMS)
+    assert llm.engine.pool.used_bytes() == 0
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_same_generation(with_kernels, without, tol):
+    for i, (a, b) in enumerate(zip(with_kernels, without)):
+        assert a.token_ids == b.token_ids, f"prompt {i}: tokens differ"
+        assert len(a.logprobs) == len(b.logprobs) == PARAMS.max_tokens
+        for step, (la, lb) in enumerate(zip(a.logprobs, b.logprobs)):
+            for tid, lp in lb.items():
+                assert tid in la, f"prompt {i} step {step}: token {tid} not among the kernels' top logprobs"
+                assert abs(la[tid].logprob - lp.logprob) <= tol, (i, step, tid, la[tid].logprob, lp.logprob)
+
+
+# Hybrid Mamba2 + attention families whose layers use every kernel: conv and scan, KV write and
+# paged attention, RMS norms (Granite and Falcon-H1: with residual multipliers), the gated group norm
+# and silu * up (Granite: in its shared MLP).
+FAMILIES = ["bamba", "granitemoehybrid", "falcon_h1"]
+ALL_KERNELS = {name for names in KERNELS.values() for name in names}
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernels_match_pytorch_paths(ckpt_dir, kernel_calls, family, dtype):
+    path = make(ckpt_dir, family)
+    with_kernels = _generate(path, True, dtype=dtype)
+    used = {name for name, n in kernel_calls.items() if n > 0}
+    assert used == ALL_KERNELS, f"kernels that never ran: {ALL_KERNELS - used}"
+    kernel_calls.update({name: 0 for name in kernel_calls})
+    without = _generate(path, False, dtype=dtype)
+    assert not any(kernel_calls.values()), f"kernels ran with cpu_kernels=False: {kernel_calls}"
+    _assert_same_generation(with_kernels, without, LOGPROB_TOL[dtype])
+
+
+@needs_compiler
+def test_kernels_with_mixed_cache_dtypes(ckpt_dir, kernel_calls):
+    """bf16 activations with float32 SSM state, float16 conv state and float16 KV: each kernel works in
+    its cache's own dtype."""
+    path = make(ckpt_dir, "granitemoehybrid")
+    opts = dict(dtype="bfloat16", mamba_ssm_cache_dtype="float32", mamba_cache_dtype="float16",
+                kv_cache_dtype="float16")
+    with_kernels = _generate(path, True, **opts)
+    assert kernel_calls["mamba2_scan"] > 0 and kernel_calls["paged_attention"] > 0
+    _assert_same_generation(with_kernels, _generate(path, False, **opts), LOGPROB_TOL["bfloat16"])
+
+
+@needs_compiler
+def test_fp8_kv_cache_falls_back_for_attention_only(ckpt_dir, kernel_calls):
+    path = make(ckpt_dir, "bamba")
+    with_kernels = _generate(path, True, kv_cache_dtype="fp8_e4m3")
+    assert kernel_calls["kv_write"] == 0 and kernel_calls["paged_attention"] == 0  # declined: PyTorch path
+    assert kernel_calls["mamba2_scan"] > 0 and kernel_calls["rms_norm"] > 0  # the others still run
+    _assert_same_generation(with_kernels, _generate(path, False, kv_cache_dtype="fp8_e4m3"), LOGPROB_TOL["float32"])
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_cpu_kernels_option_is_validated(value):
+    with pytest.raises(ValueError) as err:
+        EngineConfig(model="x", cpu_kernels=value)
+    assert "cpu_kernels" in str(err.value) and repr(value) in str(err.value)
+
+
+def test_cpu_kernels_default_and_cli_flag():
+    assert EngineConfig(model="x").cpu_kernels is True
+    parser = build_parser()
+    for command in (["generate", "some/dir"], ["serve", "some/dir"]):  # the commands that run an engine
+        assert parser.parse_args(command).cpu_kernels is True
+        args = parser.parse_args([*command, "--no-cpu-kernels"])
+        assert args.cpu_kernels is False
+        kwargs = engine_kwargs(args)
+        assert kwargs["cpu_kernels"] is False
+        assert EngineConfig(**{**kwargs, "model": "x"}).cpu_kernels is False

@@ -1,0 +1,186 @@
+"""Compiled CPU row-wise kernels (``hybridserve.kernels.pointwise``) against the PyTorch code they
+replace: RMSNorm (plain, zero-centered, fused with the residual add before it), Mamba2's gated group
+norm in both precision modes, and silu(a) * b. bfloat16 must be bit-identical; float32 and float16
+within an ulp. Inputs include column slices (rows with a stride), 3-D activations and row widths that
+are not multiples of a vector width; uncovered calls are declined."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridserve.kernels import pointwise
+from hybridserve.layers.norms import GatedRMSNorm, RMSNorm
+from tests.kernels.helpers import DTYPES, assert_bits_equal, assert_within_ulps, dtype_id, needs_compiler, spacing
+
+pytestmark = needs_compiler
+
+# Allowed ulps where not bit-exact (bf16 must be): float32 sums of squares and exp are evaluated in
+# another order / with another polynomial than PyTorch's (measured: <= 5 ulps); float16 rounds the
+# normalized value, then multiplies by the weight (measured: <= 2 ulps).
+ULPS = {torch.float32: 8, torch.float16: 2}
+
+
+def assert_matches_torch(actual, expected, what):
+    assert actual is not None, f"{what}: the kernel declined a covered call"
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    if expected.dtype == torch.bfloat16:
+        assert_bits_equal(actual, expected, what)
+    else:
+        assert_within_ulps(actual, expected, expected.dtype, ulps=ULPS[expected.dtype], what=what)
+
+
+def _norm(D, dtype, zero_centered=False, eps=1e-6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(D, eps=eps, zero_centered=zero_centered)
+    with torch.no_grad():
+        w = torch.randn(D, generator=g) * (0.1 if zero_centered else 1.0) + (0.0 if zero_centered else 1.0)
+        norm.weight.copy_(w)
+    return norm.to(dtype)
+
+
+def _acts(shape, dtype, seed, scale=2.0, wide_extra=0):
+    """Activations of ``shape`` in dtype; with wide_extra, a column slice of a wider tensor."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(*shape[:-1], shape[-1] + wide_extra, generator=g).mul(scale).to(dtype)
+    return full[..., wide_extra // 2: wide_extra // 2 + shape[-1]] if wide_extra else full
+
+
+SHAPES = [(7, 32), (5, 100), (3, 2048), (2, 3, 96)]  # (..., D): 100 is no vector width's multiple; 3-D input
+
+
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rms_norm_matches_torch(dtype, shape, zero_centered):
+    norm = _norm(shape[-1], dtype, zero_centered, seed=shape[-1])
+    x = _acts(shape, dtype, seed=1)
+    assert_matches_torch(pointwise.rms_norm(x, norm.weight, norm.eps, zero_centered), norm._forward_torch(x),
+                         "rms_norm")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rms_norm_of_column_slice(dtype):
+    """x given as a column slice of a wider tensor (row stride > D)."""
+    norm = _norm(64, dtype, seed=2)
+    x = _acts((9, 64), dtype, seed=3, wide_extra=40)
+    assert x.stride(0) == 104
+    assert_matches_torch(pointwise.rms_norm(x, norm.weight, norm.eps), norm._forward_torch(x), "rms_norm")
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.22])  # 0.22: a residual multiplier (Granite, Falcon-H1)
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_residual_fused_matches_torch(dtype, zero_centered, scale):
+    D = 96
+    norm = _norm(D, dtype, zero_centered, seed=4)
+    x = _acts((6, D), dtype, seed=5)
+    residual = _acts((6, D), dtype, seed=6, wide_extra=16)  # e.g. an output slice
+    x_before, res_before = x.clone(), residual.clone()
+    out = pointwise.rms_norm(x, norm.weight, norm.eps, zero_centered, residual=residual, scale=scale)
+    assert out is not None and isinstance(out, tuple) and len(out) == 2
+    new_x, normed = out
+    # the module's own PyTorch path (the kernels are off on a fresh module)
+    assert norm.use_cpu_kernels is False
+    exp_x, exp_normed = norm.add_and_norm(x, residual, scale)
+    # the add is rounded like PyTorch's: bit-exact in bf16 / f16. In float32 the kernel's product and
+    # sum are contracted into one FMA (the product is not rounded): off by at most half an ulp of the
+    # product plus one ulp of the sum.
+    if dtype == torch.float32:
+        product_ulp = spacing(residual * scale, dtype)
+        assert_within_ulps(new_x, exp_x, dtype, ulps=1, atol=product_ulp / 2, what="x + residual * scale")
+    else:
+        assert_bits_equal(new_x, exp_x, "x + residual * scale")
+    # the norm of the new x (the module's, in bf16 / f16 where the new x is bit-exact)
+    assert_matches_torch(normed, norm._forward_torch(new_x) if dtype == torch.float32 else exp_normed, "normed")
+    assert torch.equal(x, x_before) and torch.equal(residual, res_before)  # inputs untouched (not in place)
+
+
+def test_rms_norm_widest_row():
+    norm = _norm(8192, torch.bfloat16, seed=7)
+    x = _acts((2, 8192), torch.bfloat16, seed=8)
+    assert_matches_torch(pointwise.rms_norm(x, norm.weight, norm.eps), norm._forward_torch(x), "rms_norm")
+
+
+def test_rms_norm_two_threads_match_one():
+    """Enough rows for the parallel loop (T * D >= 32768)."""
+    norm = _norm(256, torch.bfloat16, seed=9)
+    x = _acts((300, 256), torch.bfloat16, seed=10)
+    res = _acts((300, 256), torch.bfloat16, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = pointwise.rms_norm(x, norm.weight, norm.eps, residual=res, scale=0.5)
+    finally:
+        torch.set_num_threads(threads)
+    exp_x, exp_normed = norm.add_and_norm(x, res, 0.5)
+    assert_bits_equal(two[0], exp_x, "x")
+    assert_bits_equal(two[1], exp_normed, "normed")
+
+
+@pytest.mark.parametrize("group_size", [16, 64])  # several groups per row; one group
+@pytest.mark.parametrize("norm_in_float32", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_gated_rms_norm_matches_torch(dtype, norm_in_float32, group_size):
+    D, T = 64, 9
+    g = torch.Generator().manual_seed(12)
+    norm = GatedRMSNorm(D, group_size, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=g) * 0.5 + 1.0)
+    norm = norm.to(dtype)
+    y = torch.randn(T, D, generator=g) * 3  # (T, D) float32 scan output
+    proj = torch.randn(T, D + 2 * D + 4, generator=g).mul(2).to(dtype)
+    gate = proj[:, :D]  # a column slice of the in-projection, as in Mamba2
+    expected = norm(y, gate).to(dtype) if norm_in_float32 else norm(y.to(dtype), gate)
+    got = pointwise.gated_rms_norm(y, gate, norm.weight, group_size, norm.eps, norm_in_float32)
+    assert_matches_torch(got, expected, f"gated_rms_norm(norm_in_float32={norm_in_float32})")
+
+
+@pytest.mark.parametrize("shape", [(13, 2 * 48), (2, 5, 2 * 40)], ids=["2d", "3d"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_silu_mul_of_chunks_matches_torch(dtype, shape):
+    """a, b = gate_up.chunk(2, dim=-1): column slices of one tensor."""
+    gate_up = _acts(shape, dtype, seed=13, scale=3.0)
+    a, b = gate_up.chunk(2, dim=-1)
+    assert not a.is_contiguous() and not b.is_contiguous()
+    before = gate_up.clone()
+    assert_matches_torch(pointwise.silu_mul(a, b), F.silu(a) * b, "silu_mul")
+    assert torch.equal(gate_up, before)
+
+
+def test_silu_mul_extreme_values():
+    """Large |a| (exp over/underflow in silu), zeros, and float16 values near its range end."""
+    vals = torch.tensor([-100.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 100.0, 6e4])
+    for dtype in DTYPES:
+        a = vals.to(dtype).repeat(3, 1)
+        b = torch.linspace(-1, 1, vals.numel()).to(dtype).repeat(3, 1)
+        assert_matches_torch(pointwise.silu_mul(a, b), F.silu(a) * b, f"silu_mul {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------
+# declined calls
+# ----------------------------------------------------------------------------------------------
+
+
+def test_uncovered_calls_are_declined():
+    w = torch.ones(16)
+    x = torch.randn(4, 16)
+    assert pointwise.rms_norm(x.double(), w.double(), 1e-6) is None  # dtype
+    assert pointwise.rms_norm(x, w.bfloat16(), 1e-6) is None  # weight in another dtype
+    assert pointwise.rms_norm(x, torch.ones(32)[::2], 1e-6) is None  # weight not contiguous
+    assert pointwise.rms_norm(torch.randn(16, 4).t(), w, 1e-6) is None  # column stride != 1
+    assert pointwise.rms_norm(torch.randn(2, 8193), torch.ones(8193), 1e-6) is None  # wider than a row buffer
+    assert pointwise.rms_norm(x, w, 1e-6, residual=x.bfloat16()) is None  # residual dtype
+    assert pointwise.rms_norm(x, w, 1e-6, residual=x[:2]) is None  # residual shape
+    y, gate = torch.randn(4, 16), torch.randn(4, 16).bfloat16()
+    wb = torch.ones(16, dtype=torch.bfloat16)
+    assert pointwise.gated_rms_norm(y.bfloat16(), gate, wb, 8, 1e-6, False) is None  # y must be float32
+    assert pointwise.gated_rms_norm(y, gate, wb, 5, 1e-6, False) is None  # group does not divide D
+    assert pointwise.gated_rms_norm(y, gate, wb, 0, 1e-6, False) is None
+    assert pointwise.gated_rms_norm(y, gate, w, 8, 1e-6, False) is None  # weight dtype != gate dtype
+    assert pointwise.gated_rms_norm(y, gate[:, :8], wb[:8], 8, 1e-6, False) is None  # shapes differ
+    assert pointwise.silu_mul(x, x.bfloat16()) is None
+    assert pointwise.silu_mul(x.int(), x.int()) is None
+    assert pointwise.silu_mul(x, x[:, :8]) is None
+    assert pointwise.silu_mul(torch.randn(16, 4).t(), x) is None
