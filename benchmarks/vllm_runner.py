@@ -18,7 +18,7 @@ def main() -> None:
 
     llm = LLM(model=args["model"], dtype=args.get("dtype", "bfloat16"), max_num_seqs=args["num_requests"],
               max_model_len=args["max_model_len"], enforce_eager=args.get("enforce_eager", False),
-              seed=0, skip_tokenizer_init=True,
+              seed=0, skip_tokenizer_init=True, enable_prefix_caching=args.get("enable_prefix_caching", False),
               gpu_memory_utilization=args.get("memory_fraction", 0.25))
     prompts = [{"prompt_token_ids": p} for p in args["prompts"]]
     params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True, detokenize=False)

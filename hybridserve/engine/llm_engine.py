@@ -131,7 +131,8 @@ class LLMEngine:
             sample_logits = logits.sample_logits
             if len(rows) > len(logits.sample_seqs):
                 sample_logits = sample_logits[rows]  # (N + children, V): children share their parent's row
-            result = sample(sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator)
+            result = sample(sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
+                            self.cpu_kernels)
             for row, seq in enumerate(seqs):
                 self._append_token(seq, row, result)
                 touched[seq.request_id] = None

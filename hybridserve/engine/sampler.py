@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -47,9 +48,12 @@ def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> SampleResult:
-    """Pick one token per row of ``logits`` (N, V) float32 under each row's params."""
-    chosen = logits.argmax(dim=-1)  # (N,)
+           default_generator: torch.Generator, use_cpu_kernels: bool = False) -> SampleResult:
+    """Pick one token per row of ``logits`` (N, V) float32 under each row's params.
+
+    ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits."""
+    fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None
+    chosen = fused[0] if fused is not None else logits.argmax(dim=-1)  # (N,)
     if not all(p.greedy for p in params):
         probs = _processed_logits(logits, params).softmax(-1).cpu()  # (N, V)
         picks = chosen.cpu().clone()
@@ -61,7 +65,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         chosen = picks.to(logits.device)
     # Log-probabilities of the raw distribution, reported to users: the sampled token's always (one
     # logsumexp per row); ranks and top-k only when a request asks for logprobs.
-    lse = torch.logsumexp(logits, dim=-1)  # (N,)
+    lse = fused[1] if fused is not None else torch.logsumexp(logits, dim=-1)  # (N,)
     sampled_logit = logits.gather(1, chosen[:, None])[:, 0]  # (N,)
     sampled_lp = sampled_logit - lse  # (N,)
     max_k = max((p.logprobs or 0) for p in params)

@@ -16,6 +16,7 @@ _SIGNATURES = {
     "hs_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, F32, PTR, I64, PTR, F32, INT, PTR, I64],
     "hs_gated_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64, F32, INT, PTR, I64],
     "hs_silu_mul": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64],
+    "hs_argmax_logsumexp": [I64, I64, PTR, I64, PTR, PTR, PTR],
 }
 _MAX_ROW = 8192
 
@@ -107,3 +108,20 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     check(lib.hs_silu_mul(act, a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0),
                           o2.data_ptr(), o2.stride(0)), "hs_silu_mul")
     return out
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of float32 logits (N, V): the first index of the maximum (N,) int64 and
+    ``logsumexp`` (N,) float32. None when not covered (including any row with NaN or inf)."""
+    lib = _library()
+    if lib is None or logits.dtype != torch.float32 or not rows_ok(logits) or logits.shape[1] == 0:
+        return None
+    N, V = logits.shape
+    idx = torch.empty(N, dtype=torch.int64)
+    lse = torch.empty(N, dtype=torch.float32)
+    mx = torch.empty(N, dtype=torch.float32)
+    check(lib.hs_argmax_logsumexp(N, V, logits.data_ptr(), logits.stride(0), idx.data_ptr(), lse.data_ptr(),
+                                  mx.data_ptr()), "hs_argmax_logsumexp")
+    if not bool(torch.isfinite(mx).all()):
+        return None
+    return idx, lse

@@ -82,24 +82,22 @@ class Mamba2Mixer(nn.Module):
         if self.proj_multipliers is not None:
             proj = proj * self.proj_scale.to(proj.dtype)
         gate, xbc, dt = torch.split(proj, [self.intermediate, self.conv_dim, self.num_heads], dim=-1)
-        A = -torch.exp(self.A_log.float())  # (H,)
         H, P = self.num_heads, self.head_dim
         y = torch.empty(x.shape[0], H, P, dtype=torch.float32, device=x.device)  # (T, H, P)
         if batch.decode is not None:
-            self._scan_group(batch.decode, xbc, dt, A, y, conv_states, ssm_states, decode=True)
+            self._scan_group(batch.decode, xbc, dt, y, conv_states, ssm_states, decode=True)
         if batch.prefill is not None:
-            self._scan_group(batch.prefill, xbc, dt, A, y, conv_states, ssm_states, decode=False)
+            self._scan_group(batch.prefill, xbc, dt, y, conv_states, ssm_states, decode=False)
         return self.out_proj(self._gate_and_norm(y.reshape(x.shape[0], -1), gate, x.dtype))  # (T, hidden)
 
-    def _scan_group(self, g, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, y: torch.Tensor,
-                    conv_states: torch.Tensor, ssm_states: torch.Tensor, decode: bool) -> None:
+    def _scan_group(self, g, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, conv_states: torch.Tensor,
+                    ssm_states: torch.Tensor, decode: bool) -> None:
         """Conv + SSM scan of one sequence group; writes y[g.tokens] (float32) and the group's state slots.
 
-        xbc: (T, conv_dim), dt: (T, H), A: (H,) float32, y: (T, H, P) float32.
+        xbc: (T, conv_dim), dt: (T, H), y: (T, H, P) float32.
         """
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         n, idx = g.num_tokens, g.state_indices
-        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         dt_limit = self.decode_time_step_limit if decode else self.time_step_limit
         if self.use_cpu_kernels:
             conv_w, conv_b, A32, D32, dt_bias32 = self._kernel_params()
@@ -111,6 +109,8 @@ class Mamba2Mixer(nn.Module):
                                                  dt_limit, g.cu_seqlens_q, idx, y[g.tokens].view(n, H * P)):
                     return
                 raise RuntimeError("the CPU conv kernel ran but the scan kernel declined the same group")
+        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
+        A = -torch.exp(self.A_log.float())  # (H,)
         if decode:
             conv_out = causal_conv1d_update(xbc[g.tokens], conv_states, weight, self.conv1d.bias, idx,
                                             self.activation)  # (n, conv_dim)

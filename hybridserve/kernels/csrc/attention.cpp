@@ -12,6 +12,7 @@
 
 #include "dtypes.h"
 #include "vecmath.h"
+#include "vec16.h"
 
 namespace {
 
@@ -48,30 +49,39 @@ void kv_write_impl(int64_t T, const int64_t* slot_mapping, const AT* k, int64_t 
   }
 }
 
-// One query (a decode step) of sequence s for the R query heads of one KV head, read straight from
-// the cache: each key and value row is loaded once for all R heads, nothing is gathered.
+// One query (a decode step) of one sequence, all heads, read straight from the cache: key and value
+// rows are visited in token order with all KV heads of a token together (contiguous in a block), each
+// loaded once for its R query heads; nothing is gathered.
 template <typename AT, typename CT>
 void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const CT* k_cache, const CT* v_cache,
-                         const CacheGeom& g, int64_t kvh, AT* orow, const AttnParams& p, float* qf, float* sc,
-                         float* acc) {
-  const int64_t Dh = p.Dh, R = p.Hq / p.Hkv;
+                         const CacheGeom& g, AT* orow, const AttnParams& p, float* qf, float* sc, float* acc) {
+  const int64_t Dh = p.Dh, Hq = p.Hq, Hkv = p.Hkv, R = Hq / Hkv;
   const int64_t lo = p.window > 0 && L - p.window > 0 ? L - p.window : 0;
   const int64_t n = L - lo;
-  for (int64_t i = 0; i < R * Dh; ++i) qf[i] = to_f32(qrow[kvh * R * Dh + i]);
+  const int64_t nv = Dh % 16 == 0 ? Dh / 16 : 0;  // head_dim in 16-float vectors (0: scalar loops)
+  for (int64_t i = 0; i < Hq * Dh; ++i) qf[i] = to_f32(qrow[i]);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j;
-    const CT* kr = k_cache + table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
-                   kvh * g.head_stride;
-    for (int64_t r = 0; r < R; ++r) {
-      const float* qh = qf + r * Dh;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * to_f32(kr[d]);
-      sc[r * n + j] = dot * p.k_scale * p.scale;
+    const int64_t row = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const CT* kr = k_cache + row + kvh * g.head_stride;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t hq = kvh * R + r;
+        const float* qh = qf + hq * Dh;
+        float dot = 0.0f;
+        if (nv > 0) {
+          v16f s = load16(qh) * load16(kr);
+          for (int64_t i = 1; i < nv; ++i) s += load16(qh + 16 * i) * load16(kr + 16 * i);
+          dot = hsum(s);
+        } else {
+          for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * to_f32(kr[d]);
+        }
+        sc[hq * n + j] = dot * p.k_scale * p.scale;
+      }
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float* sr = sc + r * n;
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* sr = sc + hq * n;
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < n; ++j) mx = sr[j] > mx ? sr[j] : mx;
@@ -85,19 +95,25 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) sr[j] *= inv;
   }
-  for (int64_t i = 0; i < R * Dh; ++i) acc[i] = 0.0f;
+  for (int64_t i = 0; i < Hq * Dh; ++i) acc[i] = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j;
-    const CT* vr = v_cache + table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
-                   kvh * g.head_stride;
-    for (int64_t r = 0; r < R; ++r) {
-      const float pj = sc[r * n + j];
-      float* ah = acc + r * Dh;
-#pragma omp simd
-      for (int64_t d = 0; d < Dh; ++d) ah[d] += pj * to_f32(vr[d]);
+    const int64_t row = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const CT* vr = v_cache + row + kvh * g.head_stride;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t hq = kvh * R + r;
+        const float pj = sc[hq * n + j];
+        float* ah = acc + hq * Dh;
+        if (nv > 0) {
+          for (int64_t i = 0; i < nv; ++i) *reinterpret_cast<v16f*>(ah + 16 * i) += pj * load16(vr + 16 * i);
+        } else {
+          for (int64_t d = 0; d < Dh; ++d) ah[d] += pj * to_f32(vr[d]);
+        }
+      }
     }
   }
-  for (int64_t i = 0; i < R * Dh; ++i) orow[kvh * R * Dh + i] = from_f32<AT>(acc[i]);
+  for (int64_t i = 0; i < Hq * Dh; ++i) orow[i] = from_f32<AT>(acc[i]);
 }
 
 // Work item: one sequence and one KV head. Its keys are gathered once, dequantized and transposed
@@ -110,15 +126,16 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
   const int64_t Dh = p.Dh, R = p.Hq / p.Hkv;
 #pragma omp parallel
   {
-    std::vector<float> kt, vf, scores, qf(R * Dh), acc(R * Dh);
+    std::vector<float> kt, vf, scores, qf(p.Hq * Dh), acc(p.Hq * Dh);
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
         const int64_t L = seq_lens[s], q0 = cu_q[s], qlen = cu_q[s + 1] - cu_q[s];
         if (qlen <= 0) continue;
-        if (qlen == 1) {
-          if (static_cast<int64_t>(scores.size()) < R * L) scores.resize(R * L);
-          attention_one_query(L, block_tables + s * bt_stride, q + q0 * q_stride, k_cache, v_cache, g, kvh,
+        if (qlen == 1) {  // all heads in the item of KV head 0
+          if (kvh > 0) continue;
+          if (static_cast<int64_t>(scores.size()) < p.Hq * L) scores.resize(p.Hq * L);
+          attention_one_query(L, block_tables + s * bt_stride, q + q0 * q_stride, k_cache, v_cache, g,
                               out + q0 * out_stride, p, qf.data(), scores.data(), acc.data());
           continue;
         }

@@ -108,9 +108,41 @@ void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, i
   }
 }
 
+// Per row of float32 logits: the first index of the maximum and log(sum(exp(x))). A row whose maximum
+// is not finite (NaN or inf present) gets max_out = that value and is left to the caller.
+void argmax_logsumexp_impl(int64_t N, int64_t V, const float* x, int64_t xs, int64_t* idx, float* lse, float* mx_out) {
+#pragma omp parallel for schedule(static) if (N * V >= kParallelMin)
+  for (int64_t r = 0; r < N; ++r) {
+    const float* row = x + r * xs;
+    float mx = -INFINITY;
+    bool nan = false;
+#pragma omp simd reduction(max : mx) reduction(|| : nan)
+    for (int64_t v = 0; v < V; ++v) {
+      mx = row[v] > mx ? row[v] : mx;
+      nan = nan || row[v] != row[v];
+    }
+    if (nan) mx = NAN;
+    mx_out[r] = mx;
+    if (!std::isfinite(mx)) continue;
+    int64_t first = 0;
+    while (row[first] != mx) ++first;
+    idx[r] = first;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t v = 0; v < V; ++v) sum += exp_f32(row[v] - mx);
+    lse[r] = mx + std::log(sum);
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+int hs_argmax_logsumexp(int64_t N, int64_t V, const float* x, int64_t xs, int64_t* idx, float* lse, float* mx) {
+  argmax_logsumexp_impl(N, V, x, xs, idx, lse, mx);
+  return 0;
+}
+
 
 int hs_rms_norm(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* h, int64_t hs, float scale,
                 void* x_out, int64_t xos, const void* w, float eps, int zero_centered, void* out, int64_t os) {
