@@ -57,6 +57,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per engine and shape (median reported)")
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venv-vllm"))
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--greedy-check", default=None, choices=["float32", "bfloat16"],
+                        help="also run hybridserve and HF in this dtype (untimed) and count requests whose greedy "
+                             "tokens are identical (column =HF@dtype)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON and PNG")
     a = parser.parse_args()
     from transformers import AutoConfig
@@ -83,14 +86,27 @@ def main() -> None:
             best["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
             results[name] = best
         ref = results.get("hf-transformers")
+        check = None
+        if a.greedy_check:
+            check_args = {**args, "dtype": a.greedy_check}
+            mine = _in_subprocess(run_hybridserve, check_args, prompts)["tokens"]
+            theirs = _in_subprocess(run_hf, check_args, prompts)["tokens"]
+            check = sum(x == y for x, y in zip(mine, theirs))
         for name, r in results.items():
             ttft = r.get("ttft_median_s", r.get("ttft_s"))
             itl = (r["seconds"] - ttft) / max(olen - 1, 1) if ttft is not None else None
             same = (sum(x == y for x, y in zip(r["tokens"], ref["tokens"])) if ref else None)
             rows.append({"shape": shape, "engine": name, "gen_tok_s": r["tokens_per_s"],
                          "runs": r["tokens_per_s_runs"], "ttft_s": ttft, "itl_s": itl,
-                         "peak_rss_mib": r["peak_rss_mib"], "identical_to_hf": same, "requests": n})
+                         "peak_rss_mib": r["peak_rss_mib"], "identical_to_hf": same, "requests": n,
+                         "greedy_check": ({"dtype": a.greedy_check, "identical": check}
+                                          if check is not None and name == "hybridserve" else None)})
     print(f"machine: {machine()}; model {a.model}; dtype {a.dtype}; median of {a.repeats}")
+    for row in rows:
+        if row["greedy_check"]:
+            gc = row["greedy_check"]
+            print(f"{row['shape']}: hybridserve greedy tokens identical to HF in {gc['dtype']}: "
+                  f"{gc['identical']}/{row['requests']} requests")
     print(f"{'shape':<12}{'engine':<17}{'gen tok/s':>10}{'TTFT s':>9}{'ITL ms':>9}{'RSS MiB':>9}"
           f"{'=HF':>7}{'vs HF':>7}{'vs vLLM':>9}")
     for row in rows:

@@ -184,3 +184,63 @@ def test_uncovered_calls_are_declined():
     assert pointwise.silu_mul(x.int(), x.int()) is None
     assert pointwise.silu_mul(x, x[:, :8]) is None
     assert pointwise.silu_mul(torch.randn(16, 4).t(), x) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# sampler: argmax + logsumexp in one pass
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 1000), (32, 32000), (3, 50257)])
+def test_argmax_logsumexp_matches_torch(shape):
+    g = torch.Generator().manual_seed(shape[1])
+    logits = torch.randn(*shape, generator=g) * 4.0
+    idx, lse = pointwise.argmax_logsumexp(logits)
+    assert torch.equal(idx, logits.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=2e-6, atol=2e-6)
+
+
+def test_argmax_takes_the_first_of_tied_maxima():
+    logits = torch.zeros(2, 300)
+    logits[0, [17, 5, 200]] = 3.0
+    logits[1, [299, 298]] = -1.0  # row 1: every other entry (0.0) is the max; the first one wins
+    idx, _ = pointwise.argmax_logsumexp(logits)
+    assert idx.tolist() == [5, 0] == logits.argmax(-1).tolist()
+
+
+def test_argmax_logsumexp_of_strided_rows():
+    wide = torch.randn(4, 900)
+    rows = wide[:, 100:800]  # rows with a stride of 900
+    idx, lse = pointwise.argmax_logsumexp(rows)
+    assert torch.equal(idx, rows.argmax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(rows, -1))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_argmax_logsumexp_declines_non_finite_rows(bad):
+    logits = torch.randn(3, 64)
+    logits[1, 10] = bad
+    if bad == float("-inf"):  # -inf is an ordinary logit (a masked token): still covered
+        idx, lse = pointwise.argmax_logsumexp(logits)
+        assert torch.equal(idx, logits.argmax(-1))
+        torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+    else:
+        assert pointwise.argmax_logsumexp(logits) is None
+    assert pointwise.argmax_logsumexp(logits.to(torch.bfloat16)) is None  # float32 only
+
+
+def test_sampler_with_kernel_matches_torch_path():
+    from hybridserve.engine.sampler import sample
+    from hybridserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4000, generator=g) * 3.0
+    params = [SamplingParams(temperature=0, logprobs=3 if i % 2 else None) for i in range(6)]
+    plain = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0), use_cpu_kernels=False)
+    fused = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0), use_cpu_kernels=True)
+    assert fused.token_ids == plain.token_ids
+    assert fused.sampled_ranks == plain.sampled_ranks
+    assert fused.top_ids == plain.top_ids
+    torch.testing.assert_close(torch.tensor(fused.sampled_logprobs), torch.tensor(plain.sampled_logprobs))
+    for a, b in zip(fused.top_logprobs, plain.top_logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b))

@@ -116,6 +116,89 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
   for (int64_t i = 0; i < Hq * Dh; ++i) orow[i] = from_f32<AT>(acc[i]);
 }
 
+// Four query rows (consecutive queries of one head) against the gathered keys kT (Dh x nk, transposed)
+// and values v (nk x Dh), register-blocked: a key vector is loaded once for the four rows, a value
+// vector once for the four rows. Row a attends keys [j0[a], j1[a]) of the buffers; rows past nrows
+// repeat the last one and are not written.
+template <int NV, typename AT>
+void attention_rows4(int64_t nrows, const AT* const* qrows, AT* const* orows, const int64_t* j0, const int64_t* j1,
+                     const float* kt, int64_t ldk, const float* vf, float* sc, const AttnParams& p) {
+  const int64_t nk = ldk;  // kT row stride, also used as the stride of the four score rows
+  constexpr int64_t Dh = NV * 16;
+  float qv[4][Dh];
+  int64_t lo[4], hi[4];
+  for (int a = 0; a < 4; ++a) {
+    const int64_t src = a < nrows ? a : nrows - 1;
+    for (int64_t d = 0; d < Dh; ++d) qv[a][d] = to_f32(qrows[src][d]);
+    lo[a] = j0[src];
+    hi[a] = j1[src];
+  }
+  int64_t jb0 = lo[0], jb1 = hi[0];
+  for (int a = 1; a < 4; ++a) {
+    jb0 = lo[a] < jb0 ? lo[a] : jb0;
+    jb1 = hi[a] > jb1 ? hi[a] : jb1;
+  }
+  float* srow[4] = {sc, sc + nk, sc + 2 * nk, sc + 3 * nk};
+  int64_t j = jb0;
+  for (; j + 16 <= jb1; j += 16) {  // scores: 4 rows x 16 keys per pass over head_dim
+    v16f s0{}, s1{}, s2{}, s3{};
+    for (int64_t d = 0; d < Dh; ++d) {
+      const v16f k = load16(kt + d * nk + j);
+      s0 += qv[0][d] * k;
+      s1 += qv[1][d] * k;
+      s2 += qv[2][d] * k;
+      s3 += qv[3][d] * k;
+    }
+    *reinterpret_cast<v16f*>(srow[0] + j) = s0;
+    *reinterpret_cast<v16f*>(srow[1] + j) = s1;
+    *reinterpret_cast<v16f*>(srow[2] + j) = s2;
+    *reinterpret_cast<v16f*>(srow[3] + j) = s3;
+  }
+  for (; j < jb1; ++j) {
+    for (int a = 0; a < 4; ++a) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < Dh; ++d) dot += qv[a][d] * kt[d * nk + j];
+      srow[a][j] = dot;
+    }
+  }
+  for (int a = 0; a < 4; ++a) {  // softmax over the row's own keys; 0 elsewhere in [jb0, jb1)
+    float* sr = srow[a];
+    float mx = -INFINITY;
+    for (int64_t jj = lo[a]; jj < hi[a]; ++jj) {
+      sr[jj] *= p.scale;
+      mx = sr[jj] > mx ? sr[jj] : mx;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t jj = lo[a]; jj < hi[a]; ++jj) {
+      sr[jj] = exp_f32(sr[jj] - mx);
+      sum += sr[jj];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t jj = lo[a]; jj < hi[a]; ++jj) sr[jj] *= inv;
+    for (int64_t jj = jb0; jj < lo[a]; ++jj) sr[jj] = 0.0f;
+    for (int64_t jj = hi[a]; jj < jb1; ++jj) sr[jj] = 0.0f;
+  }
+  v16f acc[4][NV];
+  for (int a = 0; a < 4; ++a)
+    for (int i = 0; i < NV; ++i) acc[a][i] = v16f{};
+  for (int64_t jj = jb0; jj < jb1; ++jj) {  // weighted values: 4 rows x head_dim per key
+    const float p0 = srow[0][jj], p1 = srow[1][jj], p2 = srow[2][jj], p3 = srow[3][jj];
+    const float* vj = vf + jj * Dh;
+    for (int i = 0; i < NV; ++i) {
+      const v16f v = load16(vj + 16 * i);
+      acc[0][i] += p0 * v;
+      acc[1][i] += p1 * v;
+      acc[2][i] += p2 * v;
+      acc[3][i] += p3 * v;
+    }
+  }
+  for (int64_t a = 0; a < nrows; ++a)
+    for (int i = 0; i < NV; ++i)
+      for (int e = 0; e < 16; ++e) orows[a][16 * i + e] = from_f32<AT>(acc[a][i][e]);
+}
+
 // Work item: one sequence and one KV head. Its keys are gathered once, dequantized and transposed
 // (kT[d][j]), so that scores for one query vectorize over keys; values stay token-major (v[j][d]) so
 // that the weighted sum vectorizes over head_dim.
@@ -142,8 +225,11 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
         const int64_t first_q = L - qlen;  // position of the first query
         const int64_t lo_min = p.window > 0 ? (first_q - p.window + 1 > 0 ? first_q - p.window + 1 : 0) : 0;
         const int64_t nk = L - lo_min;
-        if (static_cast<int64_t>(vf.size()) < nk * Dh) {
-          kt.resize(nk * Dh);
+        // kT row stride: nk rounded up to 16, plus 16, so that the rows of one key block do not all
+        // fall into the same cache sets (a power-of-two stride would)
+        const int64_t ldk = (nk + 15) / 16 * 16 + 16;
+        if (static_cast<int64_t>(vf.size()) < nk * Dh || static_cast<int64_t>(kt.size()) < ldk * Dh) {
+          kt.resize(ldk * Dh);
           vf.resize(nk * Dh);
           scores.resize(nk);
         }
@@ -153,9 +239,34 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
           const int64_t off = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
                               kvh * g.head_stride;
           float* vd = vf.data() + j * Dh;
-          for (int64_t d = 0; d < Dh; ++d) kt[d * nk + j] = to_f32(k_cache[off + d]) * p.k_scale;
+          for (int64_t d = 0; d < Dh; ++d) kt[d * ldk + j] = to_f32(k_cache[off + d]) * p.k_scale;
 #pragma omp simd
           for (int64_t d = 0; d < Dh; ++d) vd[d] = to_f32(v_cache[off + d]) * p.v_scale;
+        }
+        if (Dh == 64 || Dh == 128) {  // register-blocked: four queries of one head at a time
+          if (static_cast<int64_t>(scores.size()) < 4 * ldk) scores.resize(4 * ldk);
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t hq = kvh * R + r;
+            for (int64_t i0 = 0; i0 < qlen; i0 += 4) {
+              const int64_t nrows = qlen - i0 < 4 ? qlen - i0 : 4;
+              const AT* qrows[4];
+              AT* orows[4];
+              int64_t j0[4], j1[4];
+              for (int64_t a = 0; a < nrows; ++a) {
+                const int64_t qpos = first_q + i0 + a;
+                const int64_t lo = p.window > 0 ? (qpos - p.window + 1 > lo_min ? qpos - p.window + 1 : lo_min) : 0;
+                j0[a] = lo - lo_min;
+                j1[a] = qpos - lo_min + 1;
+                qrows[a] = q + (q0 + i0 + a) * q_stride + hq * Dh;
+                orows[a] = out + (q0 + i0 + a) * out_stride + hq * Dh;
+              }
+              if (Dh == 64)
+                attention_rows4<4>(nrows, qrows, orows, j0, j1, kt.data(), ldk, vf.data(), scores.data(), p);
+              else
+                attention_rows4<8>(nrows, qrows, orows, j0, j1, kt.data(), ldk, vf.data(), scores.data(), p);
+            }
+          }
+          continue;
         }
         for (int64_t i = 0; i < qlen; ++i) {
           const int64_t qpos = first_q + i;
@@ -170,7 +281,7 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
             for (int64_t j = j0; j < j1; ++j) sc[j] = 0.0f;
             for (int64_t d = 0; d < Dh; ++d) {
               const float qd = qf[d];
-              const float* krow = kt.data() + d * nk;
+              const float* krow = kt.data() + d * ldk;
 #pragma omp simd
               for (int64_t j = j0; j < j1; ++j) sc[j] += qd * krow[j];
             }

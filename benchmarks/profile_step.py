@@ -1,0 +1,104 @@
+"""Where one engine step spends its time: linear layers, LM head, each CPU kernel, sampling, and the
+rest (Python and small PyTorch ops), averaged over decode steps (or for the first prefill step).
+
+    python benchmarks/profile_step.py --model /tmp/bench-granite-100m --requests 32 --prompt-len 128
+    python benchmarks/profile_step.py --model DIR --prefill          # the first (prefill) step instead
+    python benchmarks/profile_step.py --model DIR --no-cpu-kernels   # the plain-PyTorch paths
+
+Each component is timed by wrapping its Python entry point with ``time.perf_counter``, so the
+numbers add up to the step time; the wrappers cost a few microseconds per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=40, help="decode steps to average over")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill", action="store_true", help="time the first step (prefill) instead")
+    parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
+    a = parser.parse_args()
+
+    import torch
+
+    import hybridserve.engine.llm_engine as llm_engine
+    from hybridserve.config import EngineConfig
+    from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.kernels import attention, pointwise, recurrent
+    from hybridserve.layers import packed_linear
+    from hybridserve.sampling_params import SamplingParams
+
+    torch.set_num_threads(a.threads)
+    engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, cache_memory="4GiB", max_num_seqs=a.requests,
+                                    max_num_batched_tokens=2048, max_model_len=a.prompt_len + a.steps + 16,
+                                    enable_progress_bar=False, cpu_kernels=a.cpu_kernels))
+    vocab = engine.hf_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
+    for i in range(a.requests):
+        engine.add_request(str(i), torch.randint(3, vocab, (a.prompt_len,), generator=gen).tolist(), params)
+    if not a.prefill:
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) \
+                or engine.scheduler.waiting:
+            engine.step()  # until every request decodes
+        for _ in range(3):
+            engine.step()
+
+    spent: collections.Counter[str] = collections.Counter()
+
+    def timed(owner, name: str, key: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t
+        setattr(owner, name, wrapper)
+
+    linear_forward = packed_linear.PackedLinear.forward
+
+    def linear(self, x):
+        t = time.perf_counter()
+        try:
+            return linear_forward(self, x)
+        finally:
+            spent["lm_head" if self.out_features == vocab else "linear"] += time.perf_counter() - t
+    packed_linear.PackedLinear.forward = linear
+    for module, names in ((recurrent, ("mamba2_scan", "causal_conv1d")), (attention, ("paged_attention", "kv_write")),
+                          (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul"))):
+        for name in names:
+            timed(module, name, name)
+    timed(llm_engine, "sample", "sampling")
+    timed(engine.model, "forward", "model forward")
+    timed(engine.runner, "run", "runner")
+
+    steps = 1 if a.prefill else a.steps
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = (time.perf_counter() - start) / steps
+    per = {k: v / steps for k, v in spent.items()}
+    parts = {k: v for k, v in per.items() if k not in ("model forward", "runner")}
+    model_inner = sum(v for k, v in parts.items() if k not in ("lm_head", "sampling"))
+    parts["other in model forward"] = per.get("model forward", 0.0) - model_inner
+    parts["other in runner"] = per.get("runner", 0.0) - per.get("model forward", 0.0) - per.get("lm_head", 0.0)
+    parts["other in engine step"] = total - per.get("runner", 0.0) - per.get("sampling", 0.0)
+    kind = "prefill step" if a.prefill else f"decode step ({a.requests} sequences)"
+    print(f"{kind}: {total * 1e3:.1f} ms (cpu kernels {'on' if engine.cpu_kernels else 'off'})")
+    for name, secs in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<24}{secs * 1e3:8.2f} ms  {100 * secs / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
