@@ -1,0 +1,69 @@
+"""This machine's bf16 matmul rate at the benchmark model's decode shapes, with the weights cache-hot
+(one weight per shape, reused) and cold (the model's distinct weights cycled, as in a decode step),
+plus single-token (GEMV) weight-streaming bandwidth and plain read bandwidth.
+
+    python benchmarks/matmul_rate.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32, help="rows of the decode matmuls (sequences)")
+    a = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    # (in, out) of the benchmark model's linear layers: 10 Mamba2 layers (in_proj, out_proj, MLP in/out)
+    # and 2 attention layers (q, k, v, o, MLP in/out); the LM head is timed apart
+    shapes = [(768, 3224), (1536, 768), (768, 4096), (2048, 768)] * 10
+    shapes += [(768, 768), (768, 256), (768, 256), (768, 768), (768, 4096), (2048, 768)] * 2
+
+    def rate(M: int, distinct: bool) -> tuple[float, float]:
+        weights, first = [], {}
+        for k, n in shapes:
+            w = first.get((k, n)) if not distinct else None
+            if w is None:
+                w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=torch.bfloat16), M)
+                first[(k, n)] = w
+            weights.append(w)
+        xs = {k: torch.randn(M, k, dtype=torch.bfloat16) for k, _ in shapes}
+
+        def step() -> None:
+            for (k, _), w in zip(shapes, weights):
+                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+        for _ in range(3):
+            step()
+        t = time.perf_counter()
+        for _ in range(10):
+            step()
+        return (time.perf_counter() - t) / 10, sum(2 * M * k * n for k, n in shapes)
+
+    nbytes = sum(2 * k * n for k, n in shapes)
+    for distinct in (False, True):
+        secs, flops = rate(a.batch, distinct)
+        print(f"M={a.batch} {'cold (distinct weights)' if distinct else 'hot (reused weights)'}: "
+              f"{secs * 1e3:.2f} ms per step, {flops / secs / 1e9:.0f} GFLOP/s")
+    secs, _ = rate(1, True)
+    print(f"M=1 (one token): {secs * 1e3:.2f} ms per step, weights streamed at {nbytes / secs / 1e9:.1f} GB/s")
+    big = torch.empty(64 * 2 ** 20, dtype=torch.float32).normal_()
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(10):
+        big.sum()
+    print(f"read bandwidth (sum of 256 MB): {big.numel() * 4 * 10 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    x @ x
+    t = time.perf_counter()
+    for _ in range(10):
+        x @ x
+    print(f"bf16 2048^3 matmul: {2 * 2048 ** 3 * 10 / (time.perf_counter() - t) / 1e9:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
