@@ -20,6 +20,11 @@ struct CacheGeom {
   int64_t block_size, block_stride, token_stride, head_stride;  // strides in elements
 };
 
+// Offset of token pos's row (all KV heads) in the paged cache of one sequence.
+inline int64_t token_row(const int64_t* table, int64_t pos, const CacheGeom& g) {
+  return table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
+}
+
 struct AttnParams {
   int64_t Hq, Hkv, Dh;
   float scale, k_scale, v_scale;
@@ -62,7 +67,7 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
   for (int64_t i = 0; i < Hq * Dh; ++i) qf[i] = to_f32(qrow[i]);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j;
-    const int64_t row = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
+    const int64_t row = token_row(table, pos, g);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* kr = k_cache + row + kvh * g.head_stride;
       for (int64_t r = 0; r < R; ++r) {
@@ -98,7 +103,7 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
   for (int64_t i = 0; i < Hq * Dh; ++i) acc[i] = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j;
-    const int64_t row = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
+    const int64_t row = token_row(table, pos, g);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* vr = v_cache + row + kvh * g.head_stride;
       for (int64_t r = 0; r < R; ++r) {
@@ -236,8 +241,7 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
         const int64_t* table = block_tables + s * bt_stride;
         for (int64_t j = 0; j < nk; ++j) {  // gather this head's keys and values, dequantized, once
           const int64_t pos = lo_min + j;
-          const int64_t off = table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride +
-                              kvh * g.head_stride;
+          const int64_t off = token_row(table, pos, g) + kvh * g.head_stride;
           float* vd = vf.data() + j * Dh;
           for (int64_t d = 0; d < Dh; ++d) kt[d * ldk + j] = to_f32(k_cache[off + d]) * p.k_scale;
 #pragma omp simd
@@ -316,34 +320,6 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
   }
 }
 
-template <typename AT>
-int kv_write_dispatch(int cache_dtype, int64_t T, const int64_t* sm, const void* k, int64_t ks, const void* v,
-                      int64_t vs, void* kc, void* vc, const CacheGeom& g, int64_t Hkv, int64_t Dh, float kscale,
-                      float vscale) {
-  const AT* ka = static_cast<const AT*>(k);
-  const AT* va = static_cast<const AT*>(v);
-  switch (cache_dtype) {
-    case kF32: kv_write_impl<AT, float>(T, sm, ka, ks, va, vs, static_cast<float*>(kc), static_cast<float*>(vc), g, Hkv, Dh, kscale, vscale); return 0;
-    case kBF16: kv_write_impl<AT, BF16>(T, sm, ka, ks, va, vs, static_cast<BF16*>(kc), static_cast<BF16*>(vc), g, Hkv, Dh, kscale, vscale); return 0;
-    case kF16: kv_write_impl<AT, _Float16>(T, sm, ka, ks, va, vs, static_cast<_Float16*>(kc), static_cast<_Float16*>(vc), g, Hkv, Dh, kscale, vscale); return 0;
-    default: return 2;
-  }
-}
-
-template <typename AT>
-int attention_dispatch(int cache_dtype, int64_t S, const int64_t* cu_q, const int64_t* seq_lens, const int64_t* bt,
-                       int64_t bts, const void* q, int64_t qs, const void* kc, const void* vc, const CacheGeom& g,
-                       void* out, int64_t os, const AttnParams& p) {
-  const AT* qa = static_cast<const AT*>(q);
-  AT* oa = static_cast<AT*>(out);
-  switch (cache_dtype) {
-    case kF32: attention_impl<AT, float>(S, cu_q, seq_lens, bt, bts, qa, qs, static_cast<const float*>(kc), static_cast<const float*>(vc), g, oa, os, p); return 0;
-    case kBF16: attention_impl<AT, BF16>(S, cu_q, seq_lens, bt, bts, qa, qs, static_cast<const BF16*>(kc), static_cast<const BF16*>(vc), g, oa, os, p); return 0;
-    case kF16: attention_impl<AT, _Float16>(S, cu_q, seq_lens, bt, bts, qa, qs, static_cast<const _Float16*>(kc), static_cast<const _Float16*>(vc), g, oa, os, p); return 0;
-    default: return 2;
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -354,12 +330,16 @@ int hs_kv_write(int act_dtype, int cache_dtype, int64_t T, const int64_t* slot_m
                 int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t Hkv, int64_t Dh,
                 float k_scale, float v_scale) {
   const CacheGeom g{block_size, block_stride, token_stride, head_stride};
-  switch (act_dtype) {
-    case kF32: return kv_write_dispatch<float>(cache_dtype, T, slot_mapping, k, k_stride, v, v_stride, k_cache, v_cache, g, Hkv, Dh, k_scale, v_scale);
-    case kBF16: return kv_write_dispatch<BF16>(cache_dtype, T, slot_mapping, k, k_stride, v, v_stride, k_cache, v_cache, g, Hkv, Dh, k_scale, v_scale);
-    case kF16: return kv_write_dispatch<_Float16>(cache_dtype, T, slot_mapping, k, k_stride, v, v_stride, k_cache, v_cache, g, Hkv, Dh, k_scale, v_scale);
-    default: return 2;
-  }
+  int rc = 2;
+  dispatch_dtype(act_dtype, [&](auto act) {
+    using AT = decltype(act);
+    rc = dispatch_dtype(cache_dtype, [&](auto cache) {
+      using CT = decltype(cache);
+      kv_write_impl<AT, CT>(T, slot_mapping, static_cast<const AT*>(k), k_stride, static_cast<const AT*>(v), v_stride,
+                            static_cast<CT*>(k_cache), static_cast<CT*>(v_cache), g, Hkv, Dh, k_scale, v_scale);
+    });
+  });
+  return rc;
 }
 
 // Causal attention of packed queries q ((T, Hq*Dh) rows, act dtype) over each sequence's first
@@ -373,12 +353,17 @@ int hs_paged_attention(int act_dtype, int cache_dtype, int64_t num_seqs, const i
   if (Hkv < 1 || Hq % Hkv != 0) return 1;
   const CacheGeom g{block_size, block_stride, token_stride, head_stride};
   const AttnParams p{Hq, Hkv, Dh, scale, k_scale, v_scale, window};
-  switch (act_dtype) {
-    case kF32: return attention_dispatch<float>(cache_dtype, num_seqs, cu_q, seq_lens, block_tables, bt_stride, q, q_stride, k_cache, v_cache, g, out, out_stride, p);
-    case kBF16: return attention_dispatch<BF16>(cache_dtype, num_seqs, cu_q, seq_lens, block_tables, bt_stride, q, q_stride, k_cache, v_cache, g, out, out_stride, p);
-    case kF16: return attention_dispatch<_Float16>(cache_dtype, num_seqs, cu_q, seq_lens, block_tables, bt_stride, q, q_stride, k_cache, v_cache, g, out, out_stride, p);
-    default: return 2;
-  }
+  int rc = 2;
+  dispatch_dtype(act_dtype, [&](auto act) {
+    using AT = decltype(act);
+    rc = dispatch_dtype(cache_dtype, [&](auto cache) {
+      using CT = decltype(cache);
+      attention_impl<AT, CT>(num_seqs, cu_q, seq_lens, block_tables, bt_stride, static_cast<const AT*>(q), q_stride,
+                             static_cast<const CT*>(k_cache), static_cast<const CT*>(v_cache), g,
+                             static_cast<AT*>(out), out_stride, p);
+    });
+  });
+  return rc;
 }
 
 }  // extern "C"

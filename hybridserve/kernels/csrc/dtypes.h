@@ -33,4 +33,15 @@ template <> inline BF16 from_f32<BF16>(float v) {
   return BF16{static_cast<uint16_t>(u >> 16)};
 }
 
+// Calls fn(T{}) with T the storage type of a dtype code; returns 0, or 2 for an unknown code.
+template <typename Fn>
+int dispatch_dtype(int code, Fn&& fn) {
+  switch (code) {
+    case kF32: fn(float{}); return 0;
+    case kBF16: fn(BF16{}); return 0;
+    case kF16: fn(_Float16{}); return 0;
+    default: return 2;
+  }
+}
+
 }  // namespace

@@ -147,51 +147,29 @@ int hs_argmax_logsumexp(int64_t N, int64_t V, const float* x, int64_t xs, int64_
 int hs_rms_norm(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* h, int64_t hs, float scale,
                 void* x_out, int64_t xos, const void* w, float eps, int zero_centered, void* out, int64_t os) {
   if (D > 8192) return 1;
-  switch (act_dtype) {
-#define HS_CASE(code, AT)                                                                                       \
-  case code:                                                                                                    \
-    rms_norm_impl<AT>(T, D, static_cast<const AT*>(x), xs, static_cast<const AT*>(h), hs, scale,                \
-                      static_cast<AT*>(x_out), xos, static_cast<const AT*>(w), eps, zero_centered,              \
-                      static_cast<AT*>(out), os);                                                               \
-    return 0;
-    HS_CASE(kF32, float)
-    HS_CASE(kBF16, BF16)
-    HS_CASE(kF16, _Float16)
-#undef HS_CASE
-    default: return 2;
-  }
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    rms_norm_impl<AT>(T, D, static_cast<const AT*>(x), xs, static_cast<const AT*>(h), hs, scale, static_cast<AT*>(x_out),
+                      xos, static_cast<const AT*>(w), eps, zero_centered, static_cast<AT*>(out), os);
+  });
 }
 
 int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
                       const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os) {
   if (G < 1 || G > 8192 || D % G != 0) return 1;
-  switch (act_dtype) {
-#define HS_CASE(code, AT)                                                                                       \
-  case code:                                                                                                    \
-    gated_rms_norm_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<const AT*>(w), G, eps,   \
-                            norm_in_f32, static_cast<AT*>(out), os);                                            \
-    return 0;
-    HS_CASE(kF32, float)
-    HS_CASE(kBF16, BF16)
-    HS_CASE(kF16, _Float16)
-#undef HS_CASE
-    default: return 2;
-  }
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    gated_rms_norm_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<const AT*>(w), G, eps,
+                            norm_in_f32, static_cast<AT*>(out), os);
+  });
 }
 
 int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
                 int64_t os) {
-  switch (act_dtype) {
-#define HS_CASE(code, AT)                                                                                       \
-  case code:                                                                                                    \
-    silu_mul_impl<AT>(T, D, static_cast<const AT*>(a), as, static_cast<const AT*>(b), bs, static_cast<AT*>(out), os); \
-    return 0;
-    HS_CASE(kF32, float)
-    HS_CASE(kBF16, BF16)
-    HS_CASE(kF16, _Float16)
-#undef HS_CASE
-    default: return 2;
-  }
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    silu_mul_impl<AT>(T, D, static_cast<const AT*>(a), as, static_cast<const AT*>(b), bs, static_cast<AT*>(out), os);
+  });
 }
 
 }  // extern "C"

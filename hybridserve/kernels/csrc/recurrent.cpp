@@ -256,44 +256,6 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
   }
 }
 
-template <typename AT, typename ST>
-int conv_dispatch_state(int state_dtype, int64_t num_seqs, const int64_t* cu, const int64_t* slots, const void* x,
-                        int64_t xs, void* states, int64_t ss, const float* w, const float* b, int silu_flag,
-                        void* out, int64_t os, int64_t D, int64_t K) {
-  causal_conv1d_any<AT, ST>(num_seqs, cu, slots, static_cast<const AT*>(x), xs, static_cast<ST*>(states), ss, w, b,
-                             silu_flag, static_cast<AT*>(out), os, D, K);
-  (void)state_dtype;
-  return 0;
-}
-
-template <typename AT>
-int conv_dispatch(int state_dtype, int64_t num_seqs, const int64_t* cu, const int64_t* slots, const void* x,
-                  int64_t xs, void* states, int64_t ss, const float* w, const float* b, int silu_flag, void* out,
-                  int64_t os, int64_t D, int64_t K) {
-  switch (state_dtype) {
-    case kF32: return conv_dispatch_state<AT, float>(state_dtype, num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
-    case kBF16: return conv_dispatch_state<AT, BF16>(state_dtype, num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
-    case kF16: return conv_dispatch_state<AT, _Float16>(state_dtype, num_seqs, cu, slots, x, xs, states, ss, w, b, silu_flag, out, os, D, K);
-    default: return 2;
-  }
-}
-
-template <typename AT>
-int scan_dispatch(int state_dtype, int64_t num_seqs, const int64_t* cu, const int64_t* slots, const void* x,
-                  int64_t xs, const void* B, int64_t bs, const void* C, int64_t cs, const void* dt, int64_t dts,
-                  void* states, int64_t ss, float* y, int64_t ys, const ScanParams& p) {
-  const AT* xa = static_cast<const AT*>(x);
-  const AT* ba = static_cast<const AT*>(B);
-  const AT* ca = static_cast<const AT*>(C);
-  const AT* da = static_cast<const AT*>(dt);
-  switch (state_dtype) {
-    case kF32: mamba2_scan_impl<AT, float>(num_seqs, cu, slots, xa, xs, ba, bs, ca, cs, da, dts, static_cast<float*>(states), ss, y, ys, p); return 0;
-    case kBF16: mamba2_scan_impl<AT, BF16>(num_seqs, cu, slots, xa, xs, ba, bs, ca, cs, da, dts, static_cast<BF16*>(states), ss, y, ys, p); return 0;
-    case kF16: mamba2_scan_impl<AT, _Float16>(num_seqs, cu, slots, xa, xs, ba, bs, ca, cs, da, dts, static_cast<_Float16*>(states), ss, y, ys, p); return 0;
-    default: return 2;
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -307,12 +269,17 @@ int hs_causal_conv1d(int act_dtype, int state_dtype, int64_t num_seqs, const int
                      const float* weight_t, const float* bias, int act_silu, void* out, int64_t out_stride,
                      int64_t D, int64_t K) {
   if (K < 1 || K > kMaxTaps) return 1;
-  switch (act_dtype) {
-    case kF32: return conv_dispatch<float>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, states, slot_stride, weight_t, bias, act_silu, out, out_stride, D, K);
-    case kBF16: return conv_dispatch<BF16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, states, slot_stride, weight_t, bias, act_silu, out, out_stride, D, K);
-    case kF16: return conv_dispatch<_Float16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, states, slot_stride, weight_t, bias, act_silu, out, out_stride, D, K);
-    default: return 2;
-  }
+  int rc = 2;
+  dispatch_dtype(act_dtype, [&](auto act) {
+    using AT = decltype(act);
+    rc = dispatch_dtype(state_dtype, [&](auto state) {
+      using ST = decltype(state);
+      causal_conv1d_any<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
+                                static_cast<ST*>(states), slot_stride, weight_t, bias, act_silu, static_cast<AT*>(out),
+                                out_stride, D, K);
+    });
+  });
+  return rc;
 }
 
 // Mamba2 scan, varlen. x: (T, H*P) rows, B, C: (T, G*N) rows, dt: (T, H) rows, all act dtype with
@@ -326,12 +293,18 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
                    int64_t G, int64_t N) {
   if (G < 1 || H % G != 0) return 1;
   const ScanParams p{A, D, dt_bias, dt_softplus, dt_clamp, dt_lo, dt_hi, H, P, G, N};
-  switch (act_dtype) {
-    case kF32: return scan_dispatch<float>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, B, b_stride, C, c_stride, dt, dt_stride, states, slot_stride, y, y_stride, p);
-    case kBF16: return scan_dispatch<BF16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, B, b_stride, C, c_stride, dt, dt_stride, states, slot_stride, y, y_stride, p);
-    case kF16: return scan_dispatch<_Float16>(state_dtype, num_seqs, cu_seqlens, slots, x, x_stride, B, b_stride, C, c_stride, dt, dt_stride, states, slot_stride, y, y_stride, p);
-    default: return 2;
-  }
+  int rc = 2;
+  dispatch_dtype(act_dtype, [&](auto act) {
+    using AT = decltype(act);
+    rc = dispatch_dtype(state_dtype, [&](auto state) {
+      using ST = decltype(state);
+      mamba2_scan_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
+                               static_cast<const AT*>(B), b_stride, static_cast<const AT*>(C), c_stride,
+                               static_cast<const AT*>(dt), dt_stride, static_cast<ST*>(states), slot_stride, y,
+                               y_stride, p);
+    });
+  });
+  return rc;
 }
 
 }  // extern "C"
