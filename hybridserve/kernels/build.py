@@ -14,8 +14,10 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -89,8 +91,11 @@ def load_library(name: str) -> ctypes.CDLL | None:
             try:
                 target = _library_path(name, sources + sorted(SOURCE_DIR.glob("*.h")), compiler)
                 if not target.exists():
-                    logger.info("building CPU kernels %s -> %s", name, target)
+                    # a few seconds, once per machine and source version: say so on stderr
+                    sys.stderr.write(f"hybridserve: building CPU kernels '{name}' (once; cached in {target.parent})\n")
+                    start = time.perf_counter()
                     _compile(compiler, _flags(name), sources, target)
+                    logger.info("built %s in %.1f s", target, time.perf_counter() - start)
                 torch.get_num_threads()  # torch (and its OpenMP runtime) are loaded first, so they are shared
                 lib = ctypes.CDLL(str(target))
             except (OSError, RuntimeError) as exc:
