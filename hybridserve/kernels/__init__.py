@@ -8,8 +8,9 @@ from torch import nn
 def enable_cpu_kernels(model: nn.Module) -> bool:
     """Switch every layer of ``model`` that has compiled CPU kernels (a ``use_cpu_kernels`` attribute) to
     them, when they can be built here; returns whether they are on."""
-    from hybridserve.kernels import attention, pointwise, recurrent
+    from hybridserve.kernels import attention, build, pointwise, recurrent
 
+    build.load_libraries(["recurrent", "attention", "pointwise"])  # builds what is missing, in parallel
     if not (recurrent.available() and attention.available() and pointwise.available()):
         return False
     for module in model.modules():

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,8 +31,9 @@ FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-
 # Per-library extra flags: the row-wise kernels reproduce PyTorch's rounding, so no fused multiply-adds.
 EXTRA_FLAGS = {"pointwise": ["-ffp-contract=off"]}
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _loaded and the per-name build below
 _loaded: dict[str, ctypes.CDLL | None] = {}
+_name_locks: dict[str, threading.Lock] = {}
 
 
 def cache_dir() -> Path:
@@ -77,9 +79,20 @@ def _compile(compiler: str, flags: list[str], sources: list[Path], target: Path)
             os.remove(tmp)
 
 
+def load_libraries(names: list[str]) -> dict[str, ctypes.CDLL | None]:
+    """``load_library`` for several libraries, building the missing ones in parallel (a compiler per core)."""
+    pending = [n for n in names if n not in _loaded]
+    if len(pending) > 1 and find_compiler() is not None:
+        with ThreadPoolExecutor(max_workers=min(len(pending), os.cpu_count() or 1)) as pool:
+            list(pool.map(load_library, pending))  # each one under its own lock section, compiles overlap
+    return {n: load_library(n) for n in names}
+
+
 def load_library(name: str) -> ctypes.CDLL | None:
     """Build (once) and load ``csrc/<name>.cpp``; None when that is not possible here (logged once)."""
     with _lock:
+        name_lock = _name_locks.setdefault(name, threading.Lock())
+    with name_lock:
         if name in _loaded:
             return _loaded[name]
         lib = None
