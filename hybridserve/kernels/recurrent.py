@@ -61,6 +61,16 @@ def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Te
     return out
 
 
+def scan_state_supported(ssm_states: torch.Tensor, act_dtype: torch.dtype) -> bool:
+    """Whether ``mamba2_scan`` takes this pool view (num_slots, H, P, N) with activations in act_dtype;
+    lets a caller check before it changes any other state."""
+    if _library() is None or ssm_states.dim() != 4 or ssm_states.device.type != "cpu":
+        return False
+    _, _, P, N = ssm_states.shape
+    return (act_dtype in DTYPE_CODES and ssm_states.dtype in DTYPE_CODES
+            and ssm_states.stride()[1:] == (P * N, N, 1))
+
+
 def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                 B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, dt_bias: torch.Tensor | None,
                 dt_softplus: bool, dt_limit: tuple[float, float], cu_seqlens: torch.Tensor,
@@ -72,13 +82,12 @@ def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
     None); y: (T, H*P) float32 output rows. Returns False, doing nothing, when not covered.
     """
     lib = _library()
-    if lib is None or not all(rows_ok(t) for t in (x, dt, B, C, y)):
+    if not scan_state_supported(ssm_states, x.dtype) or not all(rows_ok(t) for t in (x, dt, B, C, y)):
         return False
     _, H, P, N = ssm_states.shape
     G = B.shape[1] // N
-    act, st = DTYPE_CODES.get(x.dtype), DTYPE_CODES.get(ssm_states.dtype)
-    if (act is None or st is None or G < 1 or H % G != 0 or any(t.dtype != x.dtype for t in (dt, B, C)) or y.dtype != torch.float32
-            or ssm_states.device.type != "cpu" or ssm_states.stride()[1:] != (P * N, N, 1)
+    act, st = DTYPE_CODES[x.dtype], DTYPE_CODES[ssm_states.dtype]
+    if (G < 1 or H % G != 0 or any(t.dtype != x.dtype for t in (dt, B, C)) or y.dtype != torch.float32
             or x.shape[1] != H * P or dt.shape[1] != H or C.shape[1] != G * N or G * N != B.shape[1]
             or A is None or not all(float_param_ok(t) for t in (A, D, dt_bias))
             or not index_ok(cu_seqlens) or not index_ok(state_indices)):
