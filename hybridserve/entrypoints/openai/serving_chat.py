@@ -12,9 +12,9 @@ from hybridserve.entrypoints.openai.protocol import (ChatChoice, ChatChunkChoice
                                                     ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
                                                     ChatResponseMessage, DeltaMessage, TokenLogprob, TopLogprob,
                                                     UsageInfo)
-from hybridserve.entrypoints.openai.serving_common import (SSE_DONE, EngineRequests, ServerState, TextDelta,
+from hybridserve.entrypoints.openai.serving_common import (EngineRequests, ServerState, TextDelta,
                                                            choices_of, finish_reason, holdback_of, new_id,
-                                                           sampling_params, sse, sse_error, token_str,
+                                                           sampling_params, sse, sse_stream, token_str,
                                                            top_entries, usage_of)
 from hybridserve.outputs import CompletionOutput
 
@@ -58,7 +58,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     await requests.start()
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(_stream(state, request, requests, logprobs, include_usage),
+        return StreamingResponse(sse_stream(_events(state, request, requests, logprobs, include_usage), requests),
                                  media_type="text/event-stream")
     try:
         while not requests.done:
@@ -74,37 +74,29 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
                                   usage=UsageInfo(**usage_of(requests.latest, requests.prompts)))
 
 
-async def _stream(state: ServerState, request: ChatCompletionRequest, requests: EngineRequests,
+async def _events(state: ServerState, request: ChatCompletionRequest, requests: EngineRequests,
                   logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
     n = requests.params.n
     rid, model = requests.base_id, state.model_name
     deltas = [TextDelta(holdback_of(requests.params)) for _ in range(n)]
     finished = [False] * n
-    try:
-        yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]))
-        while not requests.done:
-            await requests.wait()
-            out = requests.latest[0]
-            for i, c in enumerate(choices_of(out, n)):
-                if finished[i]:
-                    continue
-                done = out.finished or (c is not None and c.finish_reason is not None)
-                text, tokens = deltas[i].advance(c)
-                if not text and not tokens and not done:
-                    continue
-                lp = _logprobs(c, tokens, logprobs) if logprobs is not None and c is not None else None
-                finished[i] = done
-                choice = ChatChunkChoice(index=i, delta=DeltaMessage(content=text) if text else DeltaMessage(),
-                                         logprobs=lp, finish_reason=finish_reason(c) if done else None)
-                yield sse(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
-        if include_usage:
-            yield sse(ChatCompletionChunk(id=rid, model=model, choices=[],
-                                          usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))
-    except APIError as exc:
-        yield sse_error(exc.status, exc.message)
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        yield sse_error(500, f"generation failed: {exc}")
-    finally:
-        requests.abort()
-    yield SSE_DONE
+    yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
+        ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]))
+    while not requests.done:
+        await requests.wait()
+        out = requests.latest[0]
+        for i, c in enumerate(choices_of(out, n)):
+            if finished[i]:
+                continue
+            done = out.finished or (c is not None and c.finish_reason is not None)
+            text, tokens = deltas[i].advance(c)
+            if not text and not tokens and not done:
+                continue
+            lp = _logprobs(c, tokens, logprobs) if logprobs is not None and c is not None else None
+            finished[i] = done
+            choice = ChatChunkChoice(index=i, delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                                     logprobs=lp, finish_reason=finish_reason(c) if done else None)
+            yield sse(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+    if include_usage:
+        yield sse(ChatCompletionChunk(id=rid, model=model, choices=[],
+                                      usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))

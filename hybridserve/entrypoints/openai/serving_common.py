@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -214,3 +214,18 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse_error(status: int, message: str) -> str:
     return sse(error_body(status, message))
+
+
+async def sse_stream(events: AsyncIterator[str], requests: "EngineRequests") -> AsyncIterator[str]:
+    """One streamed response: ``events``, then ``[DONE]``. An error after the stream has started is
+    reported in-band, as an error event; the engine requests are aborted however the stream ends."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as exc:
+        yield sse_error(exc.status, exc.message)
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        yield sse_error(500, f"generation failed: {exc}")
+    finally:
+        requests.abort()
+    yield SSE_DONE

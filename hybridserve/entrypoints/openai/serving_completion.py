@@ -10,9 +10,9 @@ from starlette.responses import StreamingResponse
 from hybridserve.entrypoints.openai.errors import APIError
 from hybridserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                     CompletionResponse, UsageInfo)
-from hybridserve.entrypoints.openai.serving_common import (SSE_DONE, EngineRequests, ServerState, TextDelta,
+from hybridserve.entrypoints.openai.serving_common import (EngineRequests, ServerState, TextDelta,
                                                            choices_of, finish_reason, holdback_of, new_id,
-                                                           sampling_params, sse, sse_error, token_str,
+                                                           sampling_params, sse, sse_stream, token_str,
                                                            top_entries, usage_of)
 from hybridserve.outputs import CompletionOutput
 
@@ -62,7 +62,8 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     await requests.start()
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(_stream(state, request, requests, include_usage), media_type="text/event-stream")
+        return StreamingResponse(sse_stream(_events(state, request, requests, include_usage), requests),
+                                 media_type="text/event-stream")
     try:
         while not requests.done:
             await requests.wait(raw)
@@ -81,38 +82,30 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
                               usage=UsageInfo(**usage_of(requests.latest, prompts)))
 
 
-async def _stream(state: ServerState, request: CompletionRequest, requests: EngineRequests,
+async def _events(state: ServerState, request: CompletionRequest, requests: EngineRequests,
                   include_usage: bool) -> AsyncIterator[str]:
     n = requests.params.n
     deltas = [[TextDelta(holdback_of(requests.params)) for _ in range(n)] for _ in requests.prompts]
     finished = [[False] * n for _ in requests.prompts]
-    try:
-        while not requests.done:
-            for p in await requests.wait():
-                out = requests.latest[p]
-                for i, c in enumerate(choices_of(out, n)):
-                    if finished[p][i]:
-                        continue
-                    done = out.finished or (c is not None and c.finish_reason is not None)
-                    delta = deltas[p][i]
-                    offset = delta.text_len
-                    text, tokens = delta.advance(c)
-                    if not text and not tokens and not done:
-                        continue
-                    logprobs = None
-                    if request.logprobs is not None and c is not None:
-                        logprobs = _logprobs(c, tokens, request.logprobs, offset)
-                    finished[p][i] = done
-                    choice = CompletionChoice(index=p * n + i, text=text, logprobs=logprobs,
-                                              finish_reason=finish_reason(c) if done else None)
-                    yield sse(CompletionResponse(id=requests.base_id, model=state.model_name, choices=[choice]))
-        if include_usage:
-            yield sse(CompletionResponse(id=requests.base_id, model=state.model_name, choices=[],
-                                         usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))
-    except APIError as exc:
-        yield sse_error(exc.status, exc.message)
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        yield sse_error(500, f"generation failed: {exc}")
-    finally:
-        requests.abort()
-    yield SSE_DONE
+    while not requests.done:
+        for p in await requests.wait():
+            out = requests.latest[p]
+            for i, c in enumerate(choices_of(out, n)):
+                if finished[p][i]:
+                    continue
+                done = out.finished or (c is not None and c.finish_reason is not None)
+                delta = deltas[p][i]
+                offset = delta.text_len
+                text, tokens = delta.advance(c)
+                if not text and not tokens and not done:
+                    continue
+                logprobs = None
+                if request.logprobs is not None and c is not None:
+                    logprobs = _logprobs(c, tokens, request.logprobs, offset)
+                finished[p][i] = done
+                choice = CompletionChoice(index=p * n + i, text=text, logprobs=logprobs,
+                                          finish_reason=finish_reason(c) if done else None)
+                yield sse(CompletionResponse(id=requests.base_id, model=state.model_name, choices=[choice]))
+    if include_usage:
+        yield sse(CompletionResponse(id=requests.base_id, model=state.model_name, choices=[],
+                                     usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))
