@@ -210,12 +210,11 @@ class ScanCase:
     a float32 buffer of all T + 5 rows filled with a sentinel; states a strided view of a pool."""
 
     Y_SENTINEL = 7.25
-    N = 16
 
     def __init__(self, act_dtype, state_dtype, P, G, H=4, lens=(1, 9, 1, 17), slots=(5, 0, 3, 8), num_slots=9,
-                 with_D=True, with_bias=True, seed=0):
+                 with_D=True, with_bias=True, seed=0, N=16):
         g = torch.Generator().manual_seed(seed)
-        N = self.N
+        self.N = N
         self.H, self.P, self.G = H, P, G
         self.lens = list(lens)
         T = sum(lens)
@@ -302,6 +301,18 @@ def test_scan_optional_params(with_D, with_bias, dt_softplus, P):
 def test_scan_decode_group(P):
     """A decode group (one token per sequence) takes the single-step path."""
     case = ScanCase(torch.float16, torch.bfloat16, P, 1, lens=(1, 1, 1, 1, 1), slots=(8, 1, 6, 2, 4), seed=4)
+    assert case.run() is True
+    case.check(*case.ref())
+
+
+@pytest.mark.parametrize("lens", [(1, 1, 1, 1, 1), (1, 9, 1, 17, 1)], ids=["decode", "mixed"])
+@pytest.mark.parametrize("N,G,P", [(64, 1, 64), (128, 2, 48), (64, 2, 32)])
+@pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
+def test_scan_vector_step_state_sizes(act_dtype, state_dtype, N, G, P, lens):
+    """d_state 64 and 128 take the vectorized single-token step (and prefetch the next state)."""
+    slots = (8, 1, 6, 2, 4)
+    case = ScanCase(act_dtype, state_dtype, P, G, H=4, lens=lens, slots=slots, seed=N + P, N=N)
     assert case.run() is True
     case.check(*case.ref())
 

@@ -26,11 +26,11 @@ template <> inline float from_f32<float>(float v) { return v; }
 template <> inline _Float16 from_f32<_Float16>(float v) { return static_cast<_Float16>(v); }
 template <> inline BF16 from_f32<BF16>(float v) {
   // Round to nearest even, NaN -> canonical quiet NaN (as torch's c10::BFloat16).
+  // Branch-free, so that loops storing bf16 vectorize.
   uint32_t u;
   std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return BF16{0x7fc0};
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return BF16{static_cast<uint16_t>(u >> 16)};
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return BF16{static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded)};
 }
 
 // Calls fn(T{}) with T the storage type of a dtype code; returns 0, or 2 for an unknown code.

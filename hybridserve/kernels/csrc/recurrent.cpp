@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "vec16.h"
 #include "vecmath.h"
 
 namespace {
@@ -118,8 +119,6 @@ struct ScanParams {
   float dt_lo, dt_hi;
   int64_t H, P, G, N;
 };
-
-typedef float v16f __attribute__((vector_size(64), aligned(4)));  // 16 floats, no alignment assumed
 
 // One head of one sequence. The state is held transposed, hT[n][p], so that the loops run over p
 // in vector lanes: the update and y = h . C need no horizontal sums. PT is P when it is a compile-time
@@ -228,6 +227,47 @@ void mamba2_step_head(int64_t t, int64_t h, const AT* x, int64_t x_stride, const
   }
 }
 
+#if defined(__AVX512F__)
+// The single-token step with N a multiple of 16 (NV vectors): B and C stay in registers, each state
+// row is read, updated and written back as NV vectors, and the next head's row is prefetched, so the
+// pass runs at memory speed. Same arithmetic as mamba2_step_head.
+template <int NV, typename AT, typename ST>
+void mamba2_step_head_v(int64_t t, int64_t h, const AT* x, int64_t x_stride, const AT* Bm, int64_t b_stride,
+                        const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, ST* st, const ST* next,
+                        float* y, int64_t y_stride, const ScanParams& p) {
+  constexpr int64_t N = 16 * NV;
+  const int64_t P = p.P, g = h / (p.H / p.G);
+  float dtv = to_f32(dt[t * dt_stride + h]) + (p.dt_bias ? p.dt_bias[h] : 0.0f);
+  if (p.dt_softplus) dtv = softplus(dtv);
+  if (p.dt_clamp) dtv = dtv < p.dt_lo ? p.dt_lo : (dtv > p.dt_hi ? p.dt_hi : dtv);
+  const __m512 decay = _mm512_set1_ps(std::exp(dtv * p.A[h]));
+  const float d = p.D ? p.D[h] : 0.0f;
+  __m512 bv[NV], cv[NV];
+  for (int i = 0; i < NV; ++i) {
+    bv[i] = load16_ps(Bm + t * b_stride + g * N + 16 * i);
+    cv[i] = load16_ps(Cm + t * c_stride + g * N + 16 * i);
+  }
+  const AT* xt = x + t * x_stride + h * P;
+  float* yt = y + t * y_stride + h * P;
+  constexpr int64_t kLines = (N * sizeof(ST) + 63) / 64;  // cache lines per state row
+  for (int64_t q = 0; q < P; ++q) {
+    const float xv = to_f32(xt[q]);
+    const __m512 xdt = _mm512_set1_ps(xv * dtv);
+    ST* row = st + q * N;
+    if (next != nullptr)
+      for (int64_t l = 0; l < kLines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(next + q * N) + 64 * l, _MM_HINT_T0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) {
+      const __m512 v = _mm512_fmadd_ps(load16_ps(row + 16 * i), decay, _mm512_mul_ps(xdt, bv[i]));
+      store16_ps(row + 16 * i, v);
+      acc = _mm512_fmadd_ps(v, cv[i], acc);
+    }
+    yt[q] = _mm512_reduce_add_ps(acc) + d * xv;
+  }
+}
+#endif
+
 template <typename AT, typename ST>
 void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x,
                       int64_t x_stride, const AT* Bm, int64_t b_stride, const AT* Cm, int64_t c_stride,
@@ -242,6 +282,19 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
       for (int64_t h = 0; h < H; ++h) {
         ST* st = states + slots[s] * slot_stride + h * P * N;
         const int64_t t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
+#if defined(__AVX512F__)
+        if (t1 - t0 == 1 && (N == 64 || N == 128)) {
+          // the state this thread takes next: the next head, or the first head of the next sequence
+          const ST* next = h + 1 < H ? st + P * N : (s + 1 < num_seqs ? states + slots[s + 1] * slot_stride : nullptr);
+          if (N == 64)
+            mamba2_step_head_v<4>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y,
+                                  y_stride, p);
+          else
+            mamba2_step_head_v<8>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y,
+                                  y_stride, p);
+          continue;
+        }
+#endif
         if (t1 - t0 == 1)
           mamba2_step_head(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
                            wbuf.data());
