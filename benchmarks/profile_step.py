@@ -66,15 +66,18 @@ def main() -> None:
                 spent[key] += time.perf_counter() - t
         setattr(owner, name, wrapper)
 
-    linear_forward = packed_linear.PackedLinear.forward
+    def time_linear(cls) -> None:
+        forward = cls.forward
 
-    def linear(self, x):
-        t = time.perf_counter()
-        try:
-            return linear_forward(self, x)
-        finally:
-            spent["lm_head" if self.out_features == vocab else "linear"] += time.perf_counter() - t
-    packed_linear.PackedLinear.forward = linear
+        def linear(self, x):
+            t = time.perf_counter()
+            try:
+                return forward(self, x)
+            finally:
+                spent["lm_head" if self.out_features == vocab else "linear"] += time.perf_counter() - t
+        cls.forward = linear
+    time_linear(packed_linear.PackedLinear)
+    time_linear(packed_linear.KernelLinear)
     for module, names in ((recurrent, ("mamba2_scan", "causal_conv1d")), (attention, ("paged_attention", "kv_write")),
                           (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul"))):
         for name in names:

@@ -15,8 +15,9 @@ def test_prepacked_bf16_linears_are_bit_identical(ckpt_dir, family):
     path = make(ckpt_dir, family, dtype=torch.bfloat16)
     prompts = [{"prompt_token_ids": [5, 9, 17, 3, 40, 41]}, {"prompt_token_ids": list(range(3, 40))}]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-    packed = LLM(path, cache_memory="8MiB")
-    plain = LLM(path, cache_memory="8MiB", cpu_weight_prepack=False)
+    # the CPU kernels off: their own linear layers would take these weights instead of oneDNN
+    packed = LLM(path, cache_memory="8MiB", cpu_kernels=False)
+    plain = LLM(path, cache_memory="8MiB", cpu_weight_prepack=False, cpu_kernels=False)
     assert any(isinstance(m, PackedLinear) for m in packed.engine.model.modules())
     assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
     a, b = packed.generate(prompts, params), plain.generate(prompts, params)

@@ -1,16 +1,27 @@
-"""Linear layers with oneDNN-prepacked bf16 weights for the CPU.
+"""Linear layers with prepacked bf16 weights for the CPU.
 
-oneDNN's prepacked matmul gives bit-identical results to ``torch.nn.functional.linear`` on bf16 and
-is 15-35% faster for decode-sized batches on AVX-512 CPUs (the 32000-wide LM head of the benchmark
-model: 7.1 ms -> 4.6 ms for 32 tokens). The engine swaps every bf16 ``nn.Linear`` for
-:class:`PackedLinear` after loading (``EngineConfig.cpu_weight_prepack``, on by default); the
-original weight is released, so memory does not grow (a tied LM head keeps the embedding's weight).
+Two packings, both chosen after loading, each releasing the original weight so memory does not
+grow (a tied LM head keeps the embedding's weight):
+
+* :class:`KernelLinear`, with the CPU kernels on (``EngineConfig.cpu_kernels``) and an AVX-512 BF16
+  CPU: hybridserve's own kernel (``kernels/csrc/gemm.cpp``). Against oneDNN on the benchmark model's
+  layers (``benchmarks/matmul_rate.py``): one token streams the weights at 28-31 GB/s instead of
+  19-22, 8 rows run 1.4x faster, 32 rows about 1.1x, 2048-token prefills within 5%. Its float32 sums
+  are rounded once to bf16, as oneDNN's are, but in another order, so the last bit of an output can
+  differ.
+* :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``):
+  oneDNN's prepacked matmul, bit-identical to ``torch.nn.functional.linear`` on bf16 and 15-35%
+  faster than it for decode-sized batches.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
+
+from hybridserve.kernels import gemm
 
 
 def prepack_available() -> bool:
@@ -33,14 +44,30 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`; returns how many.
+class KernelLinear(nn.Module):
+    """``y = x @ W.T + b`` with W packed for hybridserve's bf16 CPU kernel."""
 
-    Layers that share one weight (tied or reused blocks) share one packed copy.
-    """
-    if not prepack_available():
-        return 0
-    packed: dict[int, torch.Tensor] = {}
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", packed_weight, persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in_features) bf16 -> (..., out_features) bf16."""
+        y = gemm.linear(x, self.packed_weight, self.out_features, self.bias)
+        if y is None:
+            raise TypeError(f"KernelLinear takes bf16 CPU input with {self.in_features} features, "
+                            f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        return y
+
+
+def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor | None],
+                     make: Callable[[nn.Linear, torch.Tensor], nn.Module]) -> int:
+    """Replace every bf16 CPU ``nn.Linear`` whose weight ``pack`` accepts by ``make(linear, packed)``.
+
+    Layers that share one weight (tied or reused blocks) share one packed copy. Returns how many."""
+    packed: dict[int, torch.Tensor | None] = {}
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -50,7 +77,22 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
             if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
                 continue
             if id(weight) not in packed:
-                packed[id(weight)] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-            setattr(parent, name, PackedLinear(child, packed[id(weight)]))
-            count += 1
+                packed[id(weight)] = pack(weight.detach())
+            if packed[id(weight)] is not None:
+                setattr(parent, name, make(child, packed[id(weight)]))
+                count += 1
     return count
+
+
+def pack_kernel_linear_layers(model: nn.Module) -> int:
+    """Replace every bf16 CPU ``nn.Linear`` the CPU kernel covers by a :class:`KernelLinear`; returns how many."""
+    if not gemm.available():
+        return 0
+    return _replace_linears(model, gemm.pack, KernelLinear)
+
+
+def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
+    """Replace every (remaining) bf16 CPU ``nn.Linear`` by a :class:`PackedLinear`; returns how many."""
+    if not prepack_available():
+        return 0
+    return _replace_linears(model, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), PackedLinear)

@@ -1,0 +1,64 @@
+"""Python entry points of the C++ bf16 linear kernel (``csrc/gemm.cpp``) for AVX-512 BF16 CPUs.
+
+A weight is packed once (:func:`pack`) into 16-column panels; :func:`linear` then computes
+``x @ W.T + b`` with float32 sums rounded once to bf16. Both return None, doing nothing, when the
+call is one the kernel does not cover (not bf16 on the CPU, an odd in-feature count, a CPU without
+AVX-512 BF16, or no compiled library); callers then keep the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridserve.kernels._abi import I64, INT, PTR, bind, check
+
+PANEL = 16  # output columns per packed panel (kPanel in csrc/gemm.cpp)
+
+_SIGNATURES = {
+    "hs_gemm_supported": [],
+    "hs_pack_bf16": [I64, I64, PTR, I64, PTR],
+    "hs_linear_bf16": [I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64],
+}
+
+
+def _library():
+    lib = bind("gemm", _SIGNATURES)
+    return lib if lib is not None and lib.hs_gemm_supported() == 1 else None
+
+
+def available() -> bool:
+    """Whether the compiled kernel runs on this CPU in this process."""
+    return _library() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (N, K) bf16 -> its packed form (ceil(N / 16) * 16 * K,) bf16; None when not covered."""
+    lib = _library()
+    if (lib is None or weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+            or weight.shape[0] < 1 or weight.shape[1] < 2 or weight.shape[1] % 2 != 0 or weight.stride(1) != 1):
+        return None
+    N, K = weight.shape
+    packed = torch.empty(-(-N // PANEL) * PANEL * K, dtype=torch.bfloat16)
+    check(lib.hs_pack_bf16(N, K, weight.data_ptr(), weight.stride(0), packed.data_ptr()), "hs_pack_bf16")
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ W.T + bias`` for x (..., K) bf16 with W packed by :func:`pack`; (..., out_features) bf16.
+    None when not covered."""
+    lib = _library()
+    K = x.shape[-1]
+    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or K % 2 != 0
+            or packed.numel() != -(-out_features // PANEL) * PANEL * K):
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+                             or bias.shape != (out_features,)):
+        return None
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)
+    check(lib.hs_linear_bf16(x2.shape[0], out_features, K, x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features),
+          "hs_linear_bf16")
+    return out

@@ -1,0 +1,135 @@
+"""The bf16 linear kernel (``csrc/gemm.cpp``) against an exact (float64) reference: every row-count
+tile (1-8 rows and their tails), partial 16-column panels, bias, strided and batched inputs, thread
+counts; the calls it declines; and the layer that wraps it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hybridserve.kernels import gemm
+from hybridserve.kernels.build import find_compiler
+from hybridserve.layers.packed_linear import KernelLinear, pack_kernel_linear_layers
+from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
+
+pytestmark = [needs_compiler,
+              pytest.mark.skipif(find_compiler() is not None and not gemm.available(),
+                                 reason="this CPU has no AVX-512 BF16: the linear kernel is not used")]
+
+
+def _case(M, N, K, seed, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)  # (M, K)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)  # (N, K)
+    b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None  # (N,)
+    return x, w, b
+
+
+def _assert_matches_exact(y, x, w, b):
+    """y is the float32 sum of x @ w.T + b rounded once to bf16: within one bf16 ulp of the exact value,
+    plus the float32 rounding a sum of K terms may carry in any order (K * 2^-24 * sum |terms|)."""
+    exact = x.double() @ w.double().T  # (M, N)
+    magnitude = x.double().abs() @ w.double().abs().T
+    if b is not None:
+        exact = exact + b.double()
+        magnitude = magnitude + b.double().abs()
+    K = x.shape[-1]
+    assert_within_ulps(y, exact.float(), torch.bfloat16, ulps=1, atol=(K + 1) * 2.0 ** -24 * magnitude.float(),
+                       what="linear output")
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 13, 32, 37])
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 130), (129, 96), (200, 768)])
+def test_linear_matches_exact(M, N, K):
+    x, w, b = _case(M, N, K, seed=M * 1000 + N + K)
+    packed = gemm.pack(w)
+    assert packed is not None and packed.numel() == -(-N // 16) * 16 * K
+    y = gemm.linear(x, packed, N, b)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    _assert_matches_exact(y, x, w, b)
+
+
+@pytest.mark.parametrize("M", [1, 6, 32])
+def test_linear_without_bias_and_narrow_outputs(M):
+    for N in (1, 15, 17, 33):
+        x, w, _ = _case(M, N, 64, seed=N, bias=False)
+        _assert_matches_exact(gemm.linear(x, gemm.pack(w), N, None), x, w, None)
+
+
+def test_linear_takes_strided_rows_and_batched_input():
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(11, 300, generator=g).to(torch.bfloat16)
+    x = wide[:, 20:148]  # (11, 128) rows with stride 300
+    _, w, b = _case(1, 70, 128, seed=2)
+    y = gemm.linear(x, gemm.pack(w), 70, b)
+    _assert_matches_exact(y, x, w, b)
+    assert torch.equal(wide, wide.clone())  # read only
+    x3 = torch.randn(2, 5, 128, generator=g).to(torch.bfloat16)  # (batch, tokens, K)
+    y3 = gemm.linear(x3, gemm.pack(w), 70, b)
+    assert y3.shape == (2, 5, 70)
+    assert_bits_equal(y3.reshape(10, 70), gemm.linear(x3.reshape(10, 128), gemm.pack(w), 70, b), "batched input")
+    empty = gemm.linear(torch.empty(0, 128, dtype=torch.bfloat16), gemm.pack(w), 70, b)
+    assert empty.shape == (0, 70)
+
+
+def test_weight_strides_are_respected_when_packing():
+    big = torch.randn(50, 200).to(torch.bfloat16)
+    w = big[:, :64]  # (50, 64) with row stride 200
+    x, _, b = _case(3, 50, 64, seed=3)
+    assert_bits_equal(gemm.linear(x, gemm.pack(w), 50, b), gemm.linear(x, gemm.pack(w.contiguous()), 50, b),
+                      "strided weight")
+
+
+def test_one_and_two_threads_give_identical_bits():
+    x, w, b = _case(33, 3224, 768, seed=4)
+    packed = gemm.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.linear(x, packed, 3224, b)
+        torch.set_num_threads(2)
+        two = gemm.linear(x, packed, 3224, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert_bits_equal(one, two, "thread count")
+
+
+def test_declined_calls():
+    x, w, b = _case(2, 32, 64, seed=5)
+    packed = gemm.pack(w)
+    assert gemm.pack(w.float()) is None  # float32 weight
+    assert gemm.pack(torch.randn(8, 63).to(torch.bfloat16)) is None  # odd in-features
+    assert gemm.pack(w.t()) is None  # columns not contiguous
+    assert gemm.linear(x.float(), packed, 32, b) is None  # float32 input
+    assert gemm.linear(x, packed, 48, b) is None  # packed for another width
+    assert gemm.linear(x, packed, 32, b.float()) is None  # float32 bias
+    assert gemm.linear(x, packed, 32, b[:16]) is None  # bias of the wrong length
+
+
+def test_kernel_linear_layer_and_packing_pass():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 31, bias=False), nn.Linear(48, 8), nn.Linear(31, 5))
+    model[0].to(torch.bfloat16)
+    model[1].to(torch.bfloat16)
+    model[2].to(torch.bfloat16)
+    model[2].prepack = False  # a layer that reads its weight directly
+    model[3].to(torch.bfloat16)  # odd in-features: kept as nn.Linear
+    plain = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model[:2]]
+    assert pack_kernel_linear_layers(model) == 2
+    assert [type(m) for m in model] == [KernelLinear, KernelLinear, nn.Linear, nn.Linear]
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    h = model[0](x)
+    _assert_matches_exact(h, x, *plain[0])
+    _assert_matches_exact(model[1](h), h, *plain[1])
+    with pytest.raises(TypeError, match="bf16 CPU input with 64 features"):
+        model[0](x.float())
+
+
+def test_shared_weights_share_one_packed_copy():
+    shared = nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    other = nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    other.weight = shared.weight  # tied
+    model = nn.ModuleDict({"a": shared, "b": other})
+    assert pack_kernel_linear_layers(model) == 2
+    assert model["a"].packed_weight.data_ptr() == model["b"].packed_weight.data_ptr()
