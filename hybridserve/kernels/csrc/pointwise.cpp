@@ -14,7 +14,7 @@
 
 namespace {
 
-constexpr int64_t kParallelMin = 32768;  // elements below which a call runs on one thread
+constexpr int64_t kParallelMin = 8192;  // elements below which a call runs on one thread
 
 template <typename T> inline float round_to(float v) { return to_f32(from_f32<T>(v)); }
 

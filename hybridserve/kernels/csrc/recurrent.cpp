@@ -30,6 +30,72 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 constexpr int64_t kConvBlock = 128;  // channels per work item
 constexpr int64_t kMaxTaps = 16;
 
+#if defined(__AVX512F__)
+// One token through a width-4 conv for 16 channels at a time, state rows (c, 3) interleaved in
+// memory: three 16-wide loads are de-interleaved into the taps s0, s1, s2 with permutes, and the new
+// state (s1, s2, x) is interleaved back the same way. Same arithmetic, in the same order, as the
+// generic loop: ((s0*w0 + s1*w1) + s2*w2) + x*w3, then + bias, then the activation.
+struct Deinterleave3 {
+  __m512i lo[3], hi[3];   // tap k: elements 3j+k < 32 from (v0, v1), the rest from v2
+  __mmask16 from_hi[3];
+  __m512i out01[3], out2[3];  // output vector m: from (n0, n1), and the n2 lanes
+  __mmask16 out_from2[3];
+  Deinterleave3() {
+    alignas(64) int32_t a[16], b[16];
+    for (int k = 0; k < 3; ++k) {
+      __mmask16 m = 0;
+      for (int j = 0; j < 16; ++j) {
+        const int i = 3 * j + k;
+        a[j] = i < 32 ? i : 0;
+        b[j] = i < 32 ? 0 : i - 32;
+        if (i >= 32) m |= static_cast<__mmask16>(1u << j);
+      }
+      lo[k] = _mm512_load_si512(a);
+      hi[k] = _mm512_load_si512(b);
+      from_hi[k] = m;
+    }
+    for (int v = 0; v < 3; ++v) {
+      __mmask16 m = 0;
+      for (int i = 0; i < 16; ++i) {
+        const int p = 16 * v + i, j = p / 3, k = p % 3;
+        a[i] = k == 0 ? j : (k == 1 ? 16 + j : 0);
+        b[i] = k == 2 ? j : 0;
+        if (k == 2) m |= static_cast<__mmask16>(1u << i);
+      }
+      out01[v] = _mm512_load_si512(a);
+      out2[v] = _mm512_load_si512(b);
+      out_from2[v] = m;
+    }
+  }
+};
+
+template <typename AT, typename ST>
+void conv4_step16(const AT* xt, AT* ot, ST* st, const float* weight_t, const float* bias, int64_t D, int64_t c,
+                  int act_silu, const Deinterleave3& perm) {
+  const __m512 v0 = load16_ps(st + 3 * c), v1 = load16_ps(st + 3 * c + 16), v2 = load16_ps(st + 3 * c + 32);
+  __m512 tap[3];
+  for (int k = 0; k < 3; ++k)
+    tap[k] = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(v0, perm.lo[k], v1), perm.from_hi[k], perm.hi[k], v2);
+  const __m512 xin = load16_ps(xt + c);
+  __m512 acc = _mm512_mul_ps(tap[0], _mm512_loadu_ps(weight_t + c));
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(tap[1], _mm512_loadu_ps(weight_t + D + c)));
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(tap[2], _mm512_loadu_ps(weight_t + 2 * D + c)));
+  acc = _mm512_add_ps(acc, _mm512_mul_ps(xin, _mm512_loadu_ps(weight_t + 3 * D + c)));
+  if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + c));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  if (act_silu)
+    for (int i = 0; i < 16; ++i) lanes[i] = silu(lanes[i]);
+  store16_ps(ot + c, _mm512_load_ps(lanes));
+  const __m512 n0 = tap[1], n1 = tap[2], n2 = xin;  // the window moves by one token
+  for (int v = 0; v < 3; ++v) {
+    const __m512 o = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(n0, perm.out01[v], n1), perm.out_from2[v],
+                                                perm.out2[v], n2);
+    store16_ps(st + 3 * c + 16 * v, o);
+  }
+}
+#endif
+
 // KT: the kernel width when it is a compile-time size (the tap loops then unroll and the strided state
 // accesses vectorize), 0 otherwise. weight_t is (K, D): tap-major, so a tap's weights are contiguous.
 template <int KT, typename AT, typename ST>
@@ -45,6 +111,18 @@ void causal_conv1d_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64
       const int64_t c0 = blk * kConvBlock;
       const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
       ST* st = states + slots[s] * slot_stride + c0 * W;  // (nc, W) of this block
+#if defined(__AVX512F__)
+      if constexpr (KT == 4) {
+        if (cu_seqlens[s + 1] - cu_seqlens[s] == 1 && nc % 16 == 0) {  // one token: the vector path
+          static const Deinterleave3 perm;
+          const int64_t t = cu_seqlens[s];
+          for (int64_t c = 0; c < nc; c += 16)
+            conv4_step16(x + t * x_stride + c0, out + t * out_stride + c0, st, weight_t + c0,
+                         bias ? bias + c0 : nullptr, D, c, act_silu, perm);
+          continue;
+        }
+      }
+#endif
       float win[kMaxTaps][kConvBlock];  // win[k][c]: the K-1 previous inputs, oldest first
       for (int64_t k = 0; k < W; ++k) {
 #pragma omp simd
