@@ -1,5 +1,7 @@
 """oneDNN-prepacked bf16 linears: the engine's results are bit-identical with and without them."""
 
+import os
+
 import pytest
 import torch
 
@@ -30,3 +32,17 @@ def test_prepacked_bf16_linears_are_bit_identical(ckpt_dir, family):
 def test_float32_models_are_not_packed(ckpt_dir):
     llm = LLM(make(ckpt_dir, "bamba"), cache_memory="8MiB")
     assert not any(isinstance(m, PackedLinear) for m in llm.engine.model.modules())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc to see memory maps")
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_packed_models_release_the_checkpoint_memory_map(ckpt_dir, cpu_kernels):
+    """Loaded weights are views of the safetensors file's memory map; once the linears are packed, the
+    other weights get their own copies, so the file is no longer mapped (nor its pages resident)."""
+    path = make(ckpt_dir, "granitemoehybrid", dtype=torch.bfloat16)
+    llm = LLM(path, cache_memory="8MiB", cpu_kernels=cpu_kernels)
+    weights = os.path.realpath(os.path.join(path, "model.safetensors"))
+    with open("/proc/self/maps") as maps:
+        assert weights not in maps.read()
+    out = llm.generate([{"prompt_token_ids": [5, 9, 17]}], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4

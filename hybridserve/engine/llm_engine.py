@@ -21,7 +21,7 @@ from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.kernels import enable_cpu_kernels
-from hybridserve.layers.packed_linear import pack_kernel_linear_layers, pack_linear_layers
+from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -50,10 +50,11 @@ class LLMEngine:
                                  CacheDtypes.from_resolved(self.dtypes), self.device)
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         self.cpu_kernels = config.cpu_kernels and self.device.type == "cpu" and enable_cpu_kernels(self.model)
-        if self.cpu_kernels:
-            pack_kernel_linear_layers(self.model)
+        packed = pack_kernel_linear_layers(self.model) if self.cpu_kernels else 0
         if config.cpu_weight_prepack and self.device.type == "cpu":
-            pack_linear_layers(self.model)  # the bf16 linears the kernel does not take
+            packed += pack_linear_layers(self.model)  # the bf16 linears the kernel does not take
+        if packed:
+            copy_remaining_parameters(self.model)  # lets the checkpoint's memory map go
         self.layout = compute_layout(self.specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)

@@ -96,3 +96,16 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
     if not prepack_available():
         return 0
     return _replace_linears(model, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), PackedLinear)
+
+
+def copy_remaining_parameters(model: nn.Module) -> None:
+    """Give every CPU parameter its own memory.
+
+    Loaded weights are views of the checkpoint file's memory map, which stays mapped (its pages
+    resident) while any of them lives. After packing, the packed layers' original weights are gone,
+    but the embedding, norms and the like would keep the whole map alive; copying those (a few
+    percent of the model) releases it."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device.type == "cpu":
+                param.data = param.data.clone()
