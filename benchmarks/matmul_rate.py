@@ -1,6 +1,7 @@
 """This machine's bf16 matmul rate at the benchmark model's decode shapes, with the weights cache-hot
 (one weight per shape, reused) and cold (the model's distinct weights cycled, as in a decode step),
-plus single-token (GEMV) weight-streaming bandwidth and plain read bandwidth.
+plus single-token (GEMV) weight-streaming bandwidth and plain read bandwidth; for oneDNN's prepacked
+matmul and for hybridserve's own bf16 kernel (``hybridserve/kernels/csrc/gemm.cpp``), side by side.
 
     python benchmarks/matmul_rate.py --threads 2
 """
@@ -24,19 +25,25 @@ def main() -> None:
     shapes = [(768, 3224), (1536, 768), (768, 4096), (2048, 768)] * 10
     shapes += [(768, 768), (768, 256), (768, 256), (768, 768), (768, 4096), (2048, 768)] * 2
 
-    def rate(M: int, distinct: bool) -> tuple[float, float]:
+    from hybridserve.kernels import gemm
+
+    def rate(M: int, distinct: bool, engine: str) -> tuple[float, float]:
         weights, first = [], {}
         for k, n in shapes:
             w = first.get((k, n)) if not distinct else None
             if w is None:
-                w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, dtype=torch.bfloat16), M)
+                dense = torch.randn(n, k, dtype=torch.bfloat16)
+                w = gemm.pack(dense) if engine == "kernel" else torch.ops.mkldnn._reorder_linear_weight(dense, M)
                 first[(k, n)] = w
             weights.append(w)
         xs = {k: torch.randn(M, k, dtype=torch.bfloat16) for k, _ in shapes}
 
         def step() -> None:
-            for (k, _), w in zip(shapes, weights):
-                torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
+            for (k, n), w in zip(shapes, weights):
+                if engine == "kernel":
+                    gemm.linear(xs[k], w, n, None)
+                else:
+                    torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
         for _ in range(3):
             step()
         t = time.perf_counter()
@@ -45,12 +52,15 @@ def main() -> None:
         return (time.perf_counter() - t) / 10, sum(2 * M * k * n for k, n in shapes)
 
     nbytes = sum(2 * k * n for k, n in shapes)
-    for distinct in (False, True):
-        secs, flops = rate(a.batch, distinct)
-        print(f"M={a.batch} {'cold (distinct weights)' if distinct else 'hot (reused weights)'}: "
-              f"{secs * 1e3:.2f} ms per step, {flops / secs / 1e9:.0f} GFLOP/s")
-    secs, _ = rate(1, True)
-    print(f"M=1 (one token): {secs * 1e3:.2f} ms per step, weights streamed at {nbytes / secs / 1e9:.1f} GB/s")
+    engines = ["oneDNN", "kernel"] if gemm.available() else ["oneDNN"]
+    for engine in engines:
+        for distinct in (False, True):
+            secs, flops = rate(a.batch, distinct, engine)
+            print(f"{engine:7s} M={a.batch} {'cold (distinct weights)' if distinct else 'hot (reused weights)'}: "
+                  f"{secs * 1e3:.2f} ms per step, {flops / secs / 1e9:.0f} GFLOP/s")
+        secs, _ = rate(1, True, engine)
+        print(f"{engine:7s} M=1 (one token): {secs * 1e3:.2f} ms per step, "
+              f"weights streamed at {nbytes / secs / 1e9:.1f} GB/s")
     big = torch.empty(64 * 2 ** 20, dtype=torch.float32).normal_()
     big.sum()
     t = time.perf_counter()

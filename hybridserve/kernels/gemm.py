@@ -21,9 +21,14 @@ _SIGNATURES = {
 }
 
 
+_lib: list = []  # the bound library once it has been checked (None: not usable here)
+
+
 def _library():
-    lib = bind("gemm", _SIGNATURES)
-    return lib if lib is not None and lib.hs_gemm_supported() == 1 else None
+    if not _lib:
+        lib = bind("gemm", _SIGNATURES)
+        _lib.append(lib if lib is not None and lib.hs_gemm_supported() == 1 else None)
+    return _lib[0]
 
 
 def available() -> bool:
@@ -48,17 +53,19 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     None when not covered."""
     lib = _library()
     K = x.shape[-1]
-    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or K % 2 != 0
+    if (lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or K % 2 != 0
             or packed.numel() != -(-out_features // PANEL) * PANEL * K):
         return None
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
                              or bias.shape != (out_features,)):
         return None
-    x2 = x.reshape(-1, K)
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(*x.shape[:-1], out_features, dtype=torch.bfloat16)
-    check(lib.hs_linear_bf16(x2.shape[0], out_features, K, x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features),
-          "hs_linear_bf16")
-    return out
+    M = x2.shape[0]
+    out = torch.empty((M, out_features), dtype=torch.bfloat16)
+    rc = lib.hs_linear_bf16(M, out_features, K, x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)
+    if rc != 0:
+        check(rc, "hs_linear_bf16")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
