@@ -36,6 +36,13 @@ def available() -> bool:
     return _library() is not None
 
 
+def cpu_lacks_bf16_dot() -> bool:
+    """True when the library was built but this CPU has no AVX-512 BF16 (so the kernel is never used);
+    False when it runs here, or when it could not be built at all."""
+    lib = bind("gemm", _SIGNATURES)
+    return lib is not None and lib.hs_gemm_supported() != 1
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight (N, K) bf16 -> its packed form (ceil(N / 16) * 16 * K,) bf16; None when not covered."""
     lib = _library()
