@@ -1,6 +1,6 @@
 """This machine's bf16 matmul rate at the benchmark model's decode shapes, with the weights cache-hot
 (one weight per shape, reused) and cold (the model's distinct weights cycled, as in a decode step),
-plus single-token (GEMV) weight-streaming bandwidth and plain read bandwidth; for oneDNN's prepacked
+plus single-token (GEMV) weight-streaming bandwidth and the streaming read bandwidth (``csrc/probe.cpp``); for oneDNN's prepacked
 matmul and for hybridserve's own bf16 kernel (``hybridserve/kernels/csrc/gemm.cpp``), side by side.
 
     python benchmarks/matmul_rate.py --threads 2
@@ -61,12 +61,21 @@ def main() -> None:
         secs, _ = rate(1, True, engine)
         print(f"{engine:7s} M=1 (one token): {secs * 1e3:.2f} ms per step, "
               f"weights streamed at {nbytes / secs / 1e9:.1f} GB/s")
-    big = torch.empty(64 * 2 ** 20, dtype=torch.float32).normal_()
-    big.sum()
-    t = time.perf_counter()
-    for _ in range(10):
-        big.sum()
-    print(f"read bandwidth (sum of 256 MB): {big.numel() * 4 * 10 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
+    import ctypes
+
+    from hybridserve.kernels.build import load_library
+
+    probe = load_library("probe")  # a streaming read by every thread (torch's sum is compute-bound here)
+    if probe is not None:
+        probe.hs_stream_read.restype = ctypes.c_uint64
+        probe.hs_stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        big = torch.ones(2 ** 28, dtype=torch.uint8)  # 256 MB
+        probe.hs_stream_read(big.data_ptr(), big.numel())
+        t = time.perf_counter()
+        for _ in range(10):
+            probe.hs_stream_read(big.data_ptr(), big.numel())
+        print(f"read bandwidth (streaming read of 256 MB): "
+              f"{big.numel() * 10 / (time.perf_counter() - t) / 1e9:.1f} GB/s")
     x = torch.randn(2048, 2048, dtype=torch.bfloat16)
     x @ x
     t = time.perf_counter()

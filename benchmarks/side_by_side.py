@@ -2,7 +2,8 @@
 
 Same checkpoint, same random prompts, greedy, EOS ignored; each engine runs in its own process,
 one after the other, for each workload shape. Prints a table (generated tok/s, TTFT, inter-token
-latency, peak RSS, ratios), checks greedy tokens against HF, and saves JSON plus a PNG chart.
+latency, peak RSS, ratios, and the model FLOPs rate as a share of this machine's bf16 matmul rate
+measured in the same run), checks greedy tokens against HF, and saves JSON plus a PNG chart.
 
     python benchmarks/side_by_side.py --model /tmp/bench-granite-100m --shapes 32x128x128 1x512x256
     python benchmarks/side_by_side.py --model DIR --vllm-venv /work/venv-vllm --repeats 3
@@ -48,6 +49,43 @@ def machine() -> dict:
             "torch": torch.__version__, "capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def model_flops(model: str) -> tuple[float, float]:
+    """(FLOPs of one token through the layers, FLOPs of one LM head row): 2 x the non-embedding
+    parameters and 2 x vocab x hidden, from the checkpoint's tensors and config."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    total = 0
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model, name), framework="pt") as f:
+                for key in f.keys():
+                    n = 1
+                    for d in f.get_slice(key).get_shape():
+                        n *= d
+                    total += n
+    table = config.vocab_size * config.hidden_size
+    tables = 1 if getattr(config, "tie_word_embeddings", False) else 2  # the embedding and an untied head
+    return 2.0 * (total - tables * table), 2.0 * table
+
+
+def matmul_peak_gflops() -> float:
+    """This machine's bf16 matmul rate now: the best of five 2048^3 products (GFLOP/s)."""
+    import time
+
+    import torch
+
+    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    x @ x
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x @ x
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048 ** 3 / best / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -67,6 +105,11 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(a.model).vocab_size
     have_vllm = os.path.isfile(os.path.join(a.vllm_venv, "bin", "python"))
     rows = []
+    body_flops, head_flops = model_flops(a.model)
+    import torch
+
+    torch.set_num_threads(a.threads)
+    peak_before = matmul_peak_gflops()
     for shape in a.shapes:
         n, plen, olen = (int(x) for x in shape.split("x"))
         prompts = _prompts(n, plen, vocab, seed=0)
@@ -96,19 +139,27 @@ def main() -> None:
             ttft = r.get("ttft_median_s", r.get("ttft_s"))
             itl = (r["seconds"] - ttft) / max(olen - 1, 1) if ttft is not None else None
             same = (sum(x == y for x, y in zip(r["tokens"], ref["tokens"])) if ref else None)
+            # model FLOPs of the workload: every prompt token and every generated token but the last
+            # through the layers, one LM head row per generated token (attention's own FLOPs not counted)
+            flops = n * (plen + olen - 1) * body_flops + n * olen * head_flops
             rows.append({"shape": shape, "engine": name, "gen_tok_s": r["tokens_per_s"],
+                         "model_gflops_per_s": flops / r["seconds"] / 1e9,
                          "runs": r["tokens_per_s_runs"], "ttft_s": ttft, "itl_s": itl,
                          "peak_rss_mib": r["peak_rss_mib"], "identical_to_hf": same, "requests": n,
                          "greedy_check": ({"dtype": a.greedy_check, "identical": check}
                                           if check is not None and name == "hybridserve" else None)})
-    print(f"machine: {machine()}; model {a.model}; dtype {a.dtype}; median of {a.repeats}")
+    peak = max(peak_before, matmul_peak_gflops())
+    for row in rows:
+        row["matmul_peak_gflops"] = peak
+    print(f"machine: {machine()}; model {a.model}; dtype {a.dtype}; median of {a.repeats}; "
+          f"bf16 matmul rate (2048^3, best before and after the runs): {peak:.0f} GFLOP/s")
     for row in rows:
         if row["greedy_check"]:
             gc = row["greedy_check"]
             print(f"{row['shape']}: hybridserve greedy tokens identical to HF in {gc['dtype']}: "
                   f"{gc['identical']}/{row['requests']} requests")
     print(f"{'shape':<12}{'engine':<17}{'gen tok/s':>10}{'TTFT s':>9}{'ITL ms':>9}{'RSS MiB':>9}"
-          f"{'=HF':>7}{'vs HF':>7}{'vs vLLM':>9}")
+          f"{'=HF':>7}{'vs HF':>7}{'vs vLLM':>9}{'% peak':>8}")
     for row in rows:
         peers = {r["engine"]: r["gen_tok_s"] for r in rows if r["shape"] == row["shape"]}
         vs_hf = row["gen_tok_s"] / peers["hf-transformers"] if "hf-transformers" in peers else float("nan")
@@ -116,7 +167,8 @@ def main() -> None:
         same = "-" if row["identical_to_hf"] is None else f"{row['identical_to_hf']}/{row['requests']}"
         itl = row["itl_s"] * 1000 if row["itl_s"] is not None else float("nan")
         print(f"{row['shape']:<12}{row['engine']:<17}{row['gen_tok_s']:>10.1f}{row['ttft_s']:>9.2f}{itl:>9.1f}"
-              f"{row['peak_rss_mib']:>9.0f}{same:>7}{vs_hf:>7.2f}{vs_vllm:>9.2f}")
+              f"{row['peak_rss_mib']:>9.0f}{same:>7}{vs_hf:>7.2f}{vs_vllm:>9.2f}"
+              f"{100 * row['model_gflops_per_s'] / peak:>7.0f}%")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "side_by_side.json"), "w") as f:
         json.dump({"machine": machine(), "model": a.model, "dtype": a.dtype, "rows": rows}, f, indent=2)
