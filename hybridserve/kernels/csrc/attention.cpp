@@ -25,6 +25,8 @@ inline int64_t token_row(const int64_t* table, int64_t pos, const CacheGeom& g) 
   return table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
 }
 
+constexpr int64_t kMaxVecs = 16;  // head_dim up to 256 keeps a converted K or V row in registers
+
 struct AttnParams {
   int64_t Hq, Hkv, Dh;
   float scale, k_scale, v_scale;
@@ -70,6 +72,18 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
     const int64_t row = token_row(table, pos, g);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* kr = k_cache + row + kvh * g.head_stride;
+      if (nv > 0 && nv <= kMaxVecs) {  // the key row converted once for its R query heads
+        v16f kv[kMaxVecs];
+        for (int64_t i = 0; i < nv; ++i) kv[i] = load16(kr + 16 * i);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t hq = kvh * R + r;
+          const float* qh = qf + hq * Dh;
+          v16f s = load16(qh) * kv[0];
+          for (int64_t i = 1; i < nv; ++i) s += load16(qh + 16 * i) * kv[i];
+          sc[hq * n + j] = hsum(s) * p.k_scale * p.scale;
+        }
+        continue;
+      }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t hq = kvh * R + r;
         const float* qh = qf + hq * Dh;
@@ -106,6 +120,17 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
     const int64_t row = token_row(table, pos, g);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* vr = v_cache + row + kvh * g.head_stride;
+      if (nv > 0 && nv <= kMaxVecs) {  // the value row converted once for its R query heads
+        v16f vv[kMaxVecs];
+        for (int64_t i = 0; i < nv; ++i) vv[i] = load16(vr + 16 * i);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t hq = kvh * R + r;
+          const float pj = sc[hq * n + j];
+          float* ah = acc + hq * Dh;
+          for (int64_t i = 0; i < nv; ++i) *reinterpret_cast<v16f*>(ah + 16 * i) += pj * vv[i];
+        }
+        continue;
+      }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t hq = kvh * R + r;
         const float pj = sc[hq * n + j];
