@@ -113,20 +113,6 @@ void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, i
 }
 
 #if defined(__AVX512F__)
-// exp_f32 (vecmath.h) on 16 lanes, with the same operations in the same order (no fused multiply-adds).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.3f), _mm512_min_ps(x, _mm512_set1_ps(88.7f)));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723e-06f)));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  constexpr float kCoeffs[6] = {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-  for (const float c : kCoeffs) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
 // One row of argmax_logsumexp_impl, 16 lanes at a time: max and NaN in one pass, the first index of the
 // maximum, then the sum of exp(x - max).
 void argmax_logsumexp_row16(int64_t V, const float* row, int64_t* idx, float* lse, float* mx_out) {

@@ -82,11 +82,7 @@ void conv4_step16(const AT* xt, AT* ot, ST* st, const float* weight_t, const flo
   acc = _mm512_add_ps(acc, _mm512_mul_ps(tap[2], _mm512_loadu_ps(weight_t + 2 * D + c)));
   acc = _mm512_add_ps(acc, _mm512_mul_ps(xin, _mm512_loadu_ps(weight_t + 3 * D + c)));
   if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + c));
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, acc);
-  if (act_silu)
-    for (int i = 0; i < 16; ++i) lanes[i] = silu(lanes[i]);
-  store16_ps(ot + c, _mm512_load_ps(lanes));
+  store16_ps(ot + c, act_silu ? silu16(acc) : acc);
   const __m512 n0 = tap[1], n1 = tap[2], n2 = xin;  // the window moves by one token
   for (int v = 0; v < 3; ++v) {
     const __m512 o = _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(n0, perm.out01[v], n1), perm.out_from2[v],
