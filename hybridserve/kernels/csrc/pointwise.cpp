@@ -14,6 +14,7 @@
 #endif
 
 #include "dtypes.h"
+#include "vec16.h"
 #include "vecmath.h"
 
 namespace {
@@ -107,8 +108,12 @@ void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, i
     const AT* ar = a + t * as;
     const AT* br = b + t * bs;
     AT* orow = out + t * os;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) orow[d] = from_f32<AT>(round_to<AT>(silu(to_f32(ar[d]))) * to_f32(br[d]));
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16)  // the same float32 operations, 16 lanes at a time
+      store16_ps(orow + d, _mm512_mul_ps(round16_ps<AT>(silu16(load16_ps(ar + d))), load16_ps(br + d)));
+#endif
+    for (; d < D; ++d) orow[d] = from_f32<AT>(round_to<AT>(silu(to_f32(ar[d]))) * to_f32(br[d]));
   }
 }
 

@@ -53,6 +53,20 @@ inline void store16_ps(BF16* p, __m512 v) {
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
+// v rounded to the storage dtype T and back to float32 (what store16_ps then load16_ps would give).
+template <typename T> inline __m512 round16_ps(__m512 v);
+template <> inline __m512 round16_ps<float>(__m512 v) { return v; }
+template <> inline __m512 round16_ps<BF16>(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                               _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+  return _mm512_castsi512_ps(r);
+}
+template <> inline __m512 round16_ps<_Float16>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline void store16_ps(_Float16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
