@@ -65,14 +65,15 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
   const int64_t Dh = p.Dh, Hq = p.Hq, Hkv = p.Hkv, R = Hq / Hkv;
   const int64_t lo = p.window > 0 && L - p.window > 0 ? L - p.window : 0;
   const int64_t n = L - lo;
-  const int64_t nv = Dh % 16 == 0 ? Dh / 16 : 0;  // head_dim in 16-float vectors (0: scalar loops)
+  // head_dim in 16-float vectors, a converted K or V row held in registers (0: scalar loops)
+  const int64_t nv = Dh % 16 == 0 && Dh / 16 <= kMaxVecs ? Dh / 16 : 0;
   for (int64_t i = 0; i < Hq * Dh; ++i) qf[i] = to_f32(qrow[i]);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t pos = lo + j;
     const int64_t row = token_row(table, pos, g);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* kr = k_cache + row + kvh * g.head_stride;
-      if (nv > 0 && nv <= kMaxVecs) {  // the key row converted once for its R query heads
+      if (nv > 0) {  // the key row converted once for its R query heads
         v16f kv[kMaxVecs];
         for (int64_t i = 0; i < nv; ++i) kv[i] = load16(kr + 16 * i);
         for (int64_t r = 0; r < R; ++r) {
@@ -88,13 +89,7 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
         const int64_t hq = kvh * R + r;
         const float* qh = qf + hq * Dh;
         float dot = 0.0f;
-        if (nv > 0) {
-          v16f s = load16(qh) * load16(kr);
-          for (int64_t i = 1; i < nv; ++i) s += load16(qh + 16 * i) * load16(kr + 16 * i);
-          dot = hsum(s);
-        } else {
-          for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * to_f32(kr[d]);
-        }
+        for (int64_t d = 0; d < Dh; ++d) dot += qh[d] * to_f32(kr[d]);
         sc[hq * n + j] = dot * p.k_scale * p.scale;
       }
     }
@@ -120,7 +115,7 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
     const int64_t row = token_row(table, pos, g);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* vr = v_cache + row + kvh * g.head_stride;
-      if (nv > 0 && nv <= kMaxVecs) {  // the value row converted once for its R query heads
+      if (nv > 0) {  // the value row converted once for its R query heads
         v16f vv[kMaxVecs];
         for (int64_t i = 0; i < nv; ++i) vv[i] = load16(vr + 16 * i);
         for (int64_t r = 0; r < R; ++r) {
@@ -135,11 +130,7 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
         const int64_t hq = kvh * R + r;
         const float pj = sc[hq * n + j];
         float* ah = acc + hq * Dh;
-        if (nv > 0) {
-          for (int64_t i = 0; i < nv; ++i) *reinterpret_cast<v16f*>(ah + 16 * i) += pj * load16(vr + 16 * i);
-        } else {
-          for (int64_t d = 0; d < Dh; ++d) ah[d] += pj * to_f32(vr[d]);
-        }
+        for (int64_t d = 0; d < Dh; ++d) ah[d] += pj * to_f32(vr[d]);
       }
     }
   }
