@@ -30,28 +30,26 @@ def prepack_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with W prepacked for oneDNN (CPU, bf16)."""
+class _PackedWeightLinear(nn.Module):
+    """``y = x @ W.T + b`` with W held only in a packed form (``packed_weight``); subclasses run it."""
 
     def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("packed_weight", packed_weight, persistent=False)
         self.bias = linear.bias
+
+
+class PackedLinear(_PackedWeightLinear):
+    """``y = x @ W.T + b`` with W prepacked for oneDNN (CPU, bf16)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in_features) -> (..., out_features)."""
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
-class KernelLinear(nn.Module):
+class KernelLinear(_PackedWeightLinear):
     """``y = x @ W.T + b`` with W packed for hybridserve's bf16 CPU kernel."""
-
-    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", packed_weight, persistent=False)
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in_features) bf16 -> (..., out_features) bf16."""
