@@ -346,16 +346,12 @@ int hs_kv_write(int act_dtype, int cache_dtype, int64_t T, const int64_t* slot_m
                 int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t Hkv, int64_t Dh,
                 float k_scale, float v_scale) {
   const CacheGeom g{block_size, block_stride, token_stride, head_stride};
-  int rc = 2;
-  dispatch_dtype(act_dtype, [&](auto act) {
+  return dispatch_dtype_pair(act_dtype, cache_dtype, [&](auto act, auto cache) {
     using AT = decltype(act);
-    rc = dispatch_dtype(cache_dtype, [&](auto cache) {
-      using CT = decltype(cache);
-      kv_write_impl<AT, CT>(T, slot_mapping, static_cast<const AT*>(k), k_stride, static_cast<const AT*>(v), v_stride,
-                            static_cast<CT*>(k_cache), static_cast<CT*>(v_cache), g, Hkv, Dh, k_scale, v_scale);
-    });
+    using CT = decltype(cache);
+    kv_write_impl<AT, CT>(T, slot_mapping, static_cast<const AT*>(k), k_stride, static_cast<const AT*>(v), v_stride,
+                          static_cast<CT*>(k_cache), static_cast<CT*>(v_cache), g, Hkv, Dh, k_scale, v_scale);
   });
-  return rc;
 }
 
 // Causal attention of packed queries q ((T, Hq*Dh) rows, act dtype) over each sequence's first
@@ -369,17 +365,13 @@ int hs_paged_attention(int act_dtype, int cache_dtype, int64_t num_seqs, const i
   if (Hkv < 1 || Hq % Hkv != 0) return 1;
   const CacheGeom g{block_size, block_stride, token_stride, head_stride};
   const AttnParams p{Hq, Hkv, Dh, scale, k_scale, v_scale, window};
-  int rc = 2;
-  dispatch_dtype(act_dtype, [&](auto act) {
+  return dispatch_dtype_pair(act_dtype, cache_dtype, [&](auto act, auto cache) {
     using AT = decltype(act);
-    rc = dispatch_dtype(cache_dtype, [&](auto cache) {
-      using CT = decltype(cache);
-      attention_impl<AT, CT>(num_seqs, cu_q, seq_lens, block_tables, bt_stride, static_cast<const AT*>(q), q_stride,
-                             static_cast<const CT*>(k_cache), static_cast<const CT*>(v_cache), g,
-                             static_cast<AT*>(out), out_stride, p);
-    });
+    using CT = decltype(cache);
+    attention_impl<AT, CT>(num_seqs, cu_q, seq_lens, block_tables, bt_stride, static_cast<const AT*>(q), q_stride,
+                           static_cast<const CT*>(k_cache), static_cast<const CT*>(v_cache), g,
+                           static_cast<AT*>(out), out_stride, p);
   });
-  return rc;
 }
 
 }  // extern "C"

@@ -44,4 +44,13 @@ int dispatch_dtype(int code, Fn&& fn) {
   }
 }
 
+// Calls fn(A{}, B{}) with A, B the storage types of two dtype codes (activations, and a state or
+// cache); returns 0, or 2 when either code is unknown.
+template <typename Fn>
+int dispatch_dtype_pair(int code_a, int code_b, Fn&& fn) {
+  int rc = 2;
+  dispatch_dtype(code_a, [&](auto a) { rc = dispatch_dtype(code_b, [&](auto b) { fn(a, b); }); });
+  return rc;
+}
+
 }  // namespace

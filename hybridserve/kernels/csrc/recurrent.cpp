@@ -396,17 +396,13 @@ int hs_causal_conv1d(int act_dtype, int state_dtype, int64_t num_seqs, const int
                      const float* weight_t, const float* bias, int act_silu, void* out, int64_t out_stride,
                      int64_t D, int64_t K) {
   if (K < 1 || K > kMaxTaps) return 1;
-  int rc = 2;
-  dispatch_dtype(act_dtype, [&](auto act) {
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
-    rc = dispatch_dtype(state_dtype, [&](auto state) {
-      using ST = decltype(state);
-      causal_conv1d_any<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
-                                static_cast<ST*>(states), slot_stride, weight_t, bias, act_silu, static_cast<AT*>(out),
-                                out_stride, D, K);
-    });
+    using ST = decltype(state);
+    causal_conv1d_any<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
+                              static_cast<ST*>(states), slot_stride, weight_t, bias, act_silu, static_cast<AT*>(out),
+                              out_stride, D, K);
   });
-  return rc;
 }
 
 // Mamba2 scan, varlen. x: (T, H*P) rows, B, C: (T, G*N) rows, dt: (T, H) rows, all act dtype with
@@ -420,18 +416,14 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
                    int64_t G, int64_t N) {
   if (G < 1 || H % G != 0) return 1;
   const ScanParams p{A, D, dt_bias, dt_softplus, dt_clamp, dt_lo, dt_hi, H, P, G, N};
-  int rc = 2;
-  dispatch_dtype(act_dtype, [&](auto act) {
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
-    rc = dispatch_dtype(state_dtype, [&](auto state) {
-      using ST = decltype(state);
-      mamba2_scan_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
-                               static_cast<const AT*>(B), b_stride, static_cast<const AT*>(C), c_stride,
-                               static_cast<const AT*>(dt), dt_stride, static_cast<ST*>(states), slot_stride, y,
-                               y_stride, p);
-    });
+    using ST = decltype(state);
+    mamba2_scan_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
+                             static_cast<const AT*>(B), b_stride, static_cast<const AT*>(C), c_stride,
+                             static_cast<const AT*>(dt), dt_stride, static_cast<ST*>(states), slot_stride, y,
+                             y_stride, p);
   });
-  return rc;
 }
 
 }  // extern "C"
