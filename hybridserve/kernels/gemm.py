@@ -8,6 +8,8 @@ AVX-512 BF16, or no compiled library); callers then keep the PyTorch path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hybridserve.kernels._abi import I64, INT, PTR, bind, check
@@ -21,14 +23,16 @@ _SIGNATURES = {
 }
 
 
-_lib: list = []  # the bound library once it has been checked (None: not usable here)
-
-
+@functools.cache
 def _library():
-    if not _lib:
-        lib = bind("gemm", _SIGNATURES)
-        _lib.append(lib if lib is not None and lib.hs_gemm_supported() == 1 else None)
-    return _lib[0]
+    """The bound library when it runs on this CPU, else None (checked once)."""
+    lib = bind("gemm", _SIGNATURES)
+    return lib if lib is not None and lib.hs_gemm_supported() == 1 else None
+
+
+def packed_numel(out_features: int, in_features: int) -> int:
+    """Elements of a packed (out_features, in_features) weight: whole 16-column panels."""
+    return -(-out_features // PANEL) * PANEL * in_features
 
 
 def available() -> bool:
@@ -50,7 +54,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
             or weight.shape[0] < 1 or weight.shape[1] < 2 or weight.shape[1] % 2 != 0 or weight.stride(1) != 1):
         return None
     N, K = weight.shape
-    packed = torch.empty(-(-N // PANEL) * PANEL * K, dtype=torch.bfloat16)
+    packed = torch.empty(packed_numel(N, K), dtype=torch.bfloat16)
     check(lib.hs_pack_bf16(N, K, weight.data_ptr(), weight.stride(0), packed.data_ptr()), "hs_pack_bf16")
     return packed
 
@@ -61,7 +65,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     lib = _library()
     K = x.shape[-1]
     if (lib is None or x.dtype != torch.bfloat16 or not x.is_cpu or K % 2 != 0
-            or packed.numel() != -(-out_features // PANEL) * PANEL * K):
+            or packed.numel() != packed_numel(out_features, K)):
         return None
     if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
                              or bias.shape != (out_features,)):
