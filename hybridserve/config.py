@@ -126,6 +126,7 @@ class EngineConfig:
     enable_progress_bar: bool = True
     cpu_weight_prepack: bool = True
     cpu_kernels: bool = True
+    cpu_decode_program: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -141,7 +142,7 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         if not 1 <= self.block_size <= 64:
             raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
-        for name in ("cpu_weight_prepack", "cpu_kernels", "enable_progress_bar"):
+        for name in ("cpu_weight_prepack", "cpu_kernels", "cpu_decode_program", "enable_progress_bar"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -170,7 +171,7 @@ class EngineConfig:
     def fingerprint(self, resolved: ResolvedDtypes | None = None) -> str:
         """A short hash over every field that changes results (and the resolved dtypes)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("enable_progress_bar", "cpu_weight_prepack")}  # no effect on results
+                  if f.name not in ("enable_progress_bar", "cpu_weight_prepack", "cpu_decode_program")}  # no effect on results
         if resolved is not None:
             fields["resolved"] = resolved.as_names()
         blob = json.dumps(fields, sort_keys=True, default=str)

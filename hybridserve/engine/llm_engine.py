@@ -21,6 +21,7 @@ from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.kernels import enable_cpu_kernels
+from hybridserve.kernels.program import build_decode_program
 from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -61,6 +62,8 @@ class LLMEngine:
         self.cache = CacheManager(self.pool)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
+        if self.cpu_kernels and config.cpu_decode_program:
+            self.runner.decode_program = build_decode_program(self.model, self.pool.layer_caches, config.max_num_seqs)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)

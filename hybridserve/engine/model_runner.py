@@ -9,6 +9,7 @@ import torch
 from hybridserve.cache.pool import CachePool
 from hybridserve.engine.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.engine.scheduler import ScheduledSeq
+from hybridserve.kernels.program import Program
 from hybridserve.models.base import CausalLM
 
 
@@ -37,6 +38,7 @@ class ModelRunner:
         self.block_size = pool.layout.block_size
         self.has_kv = pool.layout.has_kv
         self.has_state = pool.layout.has_state
+        self.decode_program: Program | None = None  # set by the engine when the model has one
 
     def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
         if not items:
@@ -84,13 +86,20 @@ class ModelRunner:
                 if last > start:
                     prompt_rows.extend(range(offset, offset + last - start))
                     prompt_seqs.append((item, start, last - start))
-        batch = ForwardBatch(
-            slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
-            decode=self._group(decodes, 0),
-            prefill=self._group(prefills, len(decodes)),
-            caches=self.pool.layer_caches,
-        )
-        hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
+        program = self.decode_program
+        if program is not None and not prefills and len(decodes) <= program.max_rows:
+            group = self._group(decodes, 0)  # every sequence decodes one token: no positions needed
+            hidden = program.run(_int_tensor(input_ids, self.device), group.cu_seqlens_q, group.state_indices,
+                                 group.seq_lens if self.has_kv else None, group.block_tables,
+                                 _int_tensor(slot_mapping, self.device) if self.has_kv else None)
+        else:
+            batch = ForwardBatch(
+                slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
+                decode=self._group(decodes, 0),
+                prefill=self._group(prefills, len(decodes)),
+                caches=self.pool.layer_caches,
+            )
+            hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
         sample_logits = self.model.compute_logits(hidden[_int_tensor(sample_rows, self.device)])
         prompt_logits = None
         if prompt_rows:

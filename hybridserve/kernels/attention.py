@@ -26,7 +26,7 @@ def available() -> bool:
     return _library() is not None
 
 
-def _cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int] | None:
+def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(block_size, block_stride, token_stride, head_stride) shared by both caches, or None."""
     if (k_cache.device.type != "cpu" or k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape
             or k_cache.stride() != v_cache.stride() or k_cache.dim() != 4 or k_cache.stride(3) != 1):
@@ -39,7 +39,7 @@ def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store k, v (T, Hkv, Dh) at their slots (T,) of the paged caches (num_blocks, bs, Hkv, Dh) as
     ``value / scale`` in the cache dtype, in place. Returns False, doing nothing, when not covered."""
     lib = _library()
-    geom = _cache_geometry(k_cache, v_cache)
+    geom = cache_geometry(k_cache, v_cache)
     if lib is None or geom is None or k.dim() != 3 or k.shape != v.shape or k.dtype != v.dtype:
         return False
     T, Hkv, Dh = k.shape
@@ -62,7 +62,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     both in q's dtype; arguments as ``hybridserve.ops.paged_attention.paged_attention``. Returns False,
     doing nothing, when not covered."""
     lib = _library()
-    geom = _cache_geometry(k_cache, v_cache)
+    geom = cache_geometry(k_cache, v_cache)
     if lib is None or geom is None or q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype:
         return False
     T, Hq, Dh = q.shape

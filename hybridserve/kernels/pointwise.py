@@ -45,6 +45,18 @@ def _weight_ok(w: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
     return w.dtype == dtype and w.device.type == "cpu" and w.is_contiguous() and w.shape == (width,)
 
 
+def covers_norm_weight(weight: torch.Tensor, dtype: torch.dtype, width: int) -> bool:
+    """Whether ``rms_norm`` takes rows of ``width`` features in ``dtype`` with this weight."""
+    return _library() is not None and dtype in DTYPE_CODES and width <= _MAX_ROW and _weight_ok(weight, dtype, width)
+
+
+def covers_gated_norm(weight: torch.Tensor, dtype: torch.dtype, width: int, group_size: int) -> bool:
+    """Whether ``gated_rms_norm`` takes rows of ``width`` features in ``dtype`` (gate and output) with
+    this weight and group size."""
+    return (_library() is not None and dtype in DTYPE_CODES and _weight_ok(weight, dtype, width)
+            and 1 <= group_size <= _MAX_ROW and width % group_size == 0)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
              residual: torch.Tensor | None = None, scale: float = 1.0):
     """``RMSNorm`` of x (..., D). With ``residual`` (x's shape), first x = x + residual * scale (each

@@ -34,6 +34,19 @@ def available() -> bool:
     return _library() is not None
 
 
+def conv_supported(conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+                   act_dtype: torch.dtype, activation: str | None) -> bool:
+    """Whether ``causal_conv1d`` takes this state pool view, weight, bias, activation dtype and activation
+    (the index tensors and input rows aside)."""
+    if _library() is None or activation not in (None, "silu") or weight_t.dim() != 2:
+        return False
+    K, D = weight_t.shape
+    return (act_dtype in DTYPE_CODES and 1 <= K <= MAX_CONV_WIDTH and conv_states.dtype in DTYPE_CODES
+            and conv_states.device.type == "cpu" and tuple(conv_states.shape[1:]) == (D, K - 1)
+            and (K == 1 or (conv_states.stride(2) == 1 and conv_states.stride(1) == K - 1))
+            and weight_t.is_contiguous() and float_param_ok(weight_t) and float_param_ok(bias))
+
+
 def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
                   cu_seqlens: torch.Tensor, state_indices: torch.Tensor, activation: str | None) -> torch.Tensor | None:
     """Varlen causal depthwise conv continuing each sequence's conv state (updated in place).
@@ -44,15 +57,11 @@ def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Te
     Returns (T, D) in x.dtype, or None when the kernel does not cover this call.
     """
     lib = _library()
-    if lib is None or activation not in (None, "silu") or not rows_ok(x):
-        return None
-    K, D = weight_t.shape
-    act, st = DTYPE_CODES.get(x.dtype), DTYPE_CODES.get(conv_states.dtype)
-    if (act is None or not 1 <= K <= MAX_CONV_WIDTH or st is None or conv_states.device.type != "cpu" or tuple(conv_states.shape[1:]) != (D, K - 1)
-            or (K > 1 and (conv_states.stride(2) != 1 or conv_states.stride(1) != K - 1))
-            or not weight_t.is_contiguous() or not float_param_ok(weight_t) or not float_param_ok(bias)
+    if (lib is None or not rows_ok(x) or not conv_supported(conv_states, weight_t, bias, x.dtype, activation)
             or not index_ok(cu_seqlens) or not index_ok(state_indices)):
         return None
+    K, D = weight_t.shape
+    act, st = DTYPE_CODES[x.dtype], DTYPE_CODES[conv_states.dtype]
     out = torch.empty(x.shape[0], D, dtype=x.dtype)  # (T, D)
     check(lib.hs_causal_conv1d(act, st, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
                                x.data_ptr(), x.stride(0), conv_states.data_ptr(), conv_states.stride(0),

@@ -71,6 +71,39 @@ class Attention(nn.Module):
         self.spec = LayerCacheSpec(layer_index, "attention",
                                    attention=dtypes.attention(num_kv_heads, head_dim, sliding_window))
 
+    def emit_decode(self, program, h: torch.Tensor, out: torch.Tensor, cache: LayerCache) -> None:
+        """Add this layer's decode (one token per sequence, no RoPE) to a decode program
+        (``kernels.program.ProgramBuilder``), as the CPU-kernel path of :meth:`forward` runs it:
+        h (rows, hidden) -> out (rows, hidden); ``cache``: this layer's ``LayerCache``."""
+        from hybridserve.kernels.program import Step, Unsupported
+        from hybridserve.layers.packed_linear import emit_linear
+
+        Hq, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        geom = attention_kernels.cache_geometry(cache.k, cache.v)
+        if not self.use_cpu_kernels or self.output_gate or self.qk_norm:
+            raise Unsupported("attention with output gates or q/k norms has no decode program")
+        if geom is None or cache.k.dtype not in attention_kernels.DTYPE_CODES or cache.k.shape[2:] != (Hkv, Dh):
+            raise Unsupported(f"attention layer {self.layer_index}: a {cache.k.dtype} KV cache has no CPU kernel")
+        dtype = h.dtype
+        q_width, kv_width = Hq * Dh, Hkv * Dh
+        qkv = program.scratch("attention.qkv", q_width + 2 * kv_width, dtype)  # (rows, (Hq + 2 Hkv) * Dh)
+        attn = program.scratch("attention.out", q_width, dtype)  # (rows, Hq * Dh)
+        q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
+        emit_linear(program, self.q_proj, h, q)
+        emit_linear(program, self.k_proj, h, k)
+        emit_linear(program, self.v_proj, h, v)
+        act, ct = program.dtype_code(dtype), program.dtype_code(cache.k.dtype)
+        (q_ptr, q_s), (k_ptr, k_s), (v_ptr, v_s) = program.rows(q), program.rows(k), program.rows(v)
+        program.call("hs_kv_write", [act, ct, Step.ROWS, Step.SLOT_MAPPING, k_ptr, k_s, v_ptr, v_s,
+                                     cache.k.data_ptr(), cache.v.data_ptr(), *geom, Hkv, Dh, cache.k_scale,
+                                     cache.v_scale])
+        attn_ptr, attn_s = program.rows(attn)
+        program.call("hs_paged_attention", [
+            act, ct, Step.ROWS, Step.CU_SEQLENS, Step.SEQ_LENS, Step.BLOCK_TABLES, Step.BLOCK_TABLE_STRIDE, q_ptr, q_s,
+            cache.k.data_ptr(), cache.v.data_ptr(), *geom, attn_ptr, attn_s, Hq, Hkv, Dh, self.scale, cache.k_scale,
+            cache.v_scale, int(self.sliding_window or 0)])
+        emit_linear(program, self.o_proj, attn, out)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -129,6 +131,55 @@ class Mamba2Mixer(nn.Module):
             self.D, self.dt_bias, True, dt_limit, g.cu_seqlens_q, read_slots(ssm_states, idx))
         write_slots(ssm_states, idx, ssm_final)
         y[g.tokens] = y_p
+
+    def emit_decode(self, program, h: torch.Tensor, out: torch.Tensor, cache) -> None:
+        """Add this mixer's decode (one token per sequence) to a decode program
+        (``kernels.program.ProgramBuilder``), as the CPU-kernel path of :meth:`forward` runs it:
+        h (rows, hidden) -> out (rows, hidden); ``cache``: this layer's ``LayerCache``."""
+        from hybridserve.kernels.program import Step, Unsupported
+        from hybridserve.layers.packed_linear import emit_linear
+
+        conv_states, ssm_states = cache.state["conv"], cache.state["ssm"]
+        dtype = h.dtype
+        conv_w, conv_b, A32, D32, dt_bias32 = self._kernel_params()
+        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
+        norm = self.norm
+        if not self.use_cpu_kernels or self.proj_multipliers is not None or norm is None or self.norm_before_gate:
+            raise Unsupported("this Mamba2 variant (kernels off, projection multipliers, or no gated norm "
+                              "after the gate) has no decode program")
+        if (not recurrent_kernels.conv_supported(conv_states, conv_w, conv_b, dtype, self.activation)
+                or not recurrent_kernels.scan_state_supported(ssm_states, dtype) or H % G != 0
+                or not pointwise_kernels.covers_gated_norm(norm.weight, dtype, self.intermediate, norm.group_size)):
+            raise Unsupported(f"Mamba2 layer {self.layer_index}: its state or parameters are not kernel-covered")
+        inter, conv_dim = self.intermediate, self.conv_dim
+        proj = program.scratch("mamba2.proj", self.in_proj.out_features, dtype)  # (rows, inter + conv_dim + H)
+        conv_out = program.scratch("mamba2.conv", conv_dim, dtype)  # (rows, conv_dim)
+        y = program.scratch("mamba2.y", H * P, torch.float32)  # (rows, H * P)
+        gated = program.scratch("mamba2.gated", inter, dtype)  # (rows, inter)
+        program.keep(conv_w, conv_b, A32, D32, dt_bias32)
+        emit_linear(program, self.in_proj, h, proj)
+        act, st = program.dtype_code(dtype), program.dtype_code(conv_states.dtype)
+        xbc_ptr, xbc_s = program.rows(proj[:, inter:inter + conv_dim])
+        conv_ptr, conv_s = program.rows(conv_out)
+        program.call("hs_causal_conv1d", [act, st, Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES, xbc_ptr, xbc_s,
+                                          conv_states.data_ptr(), conv_states.stride(0), conv_w.data_ptr(),
+                                          None if conv_b is None else conv_b.data_ptr(),
+                                          int(self.activation == "silu"), conv_ptr, conv_s, conv_dim,
+                                          conv_w.shape[0]])
+        lo, hi = self.decode_time_step_limit
+        dt_ptr, dt_s = program.rows(proj[:, inter + conv_dim:])
+        y_ptr, y_s = program.rows(y)
+        program.call("hs_mamba2_scan", [
+            act, program.dtype_code(ssm_states.dtype), Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES,
+            conv_ptr, conv_s, conv_ptr + inter * conv_out.element_size(), conv_s,
+            conv_ptr + (inter + G * N) * conv_out.element_size(), conv_s, dt_ptr, dt_s, A32.data_ptr(),
+            D32.data_ptr(), dt_bias32.data_ptr(), 1, int(lo > 0.0 or hi != math.inf), lo, hi,
+            ssm_states.data_ptr(), ssm_states.stride(0), y_ptr, y_s, H, P, G, N])
+        gate_ptr, gate_s = program.rows(proj[:, :inter])
+        gated_ptr, gated_s = program.rows(gated)
+        program.call("hs_gated_rms_norm", [act, Step.ROWS, inter, y_ptr, y_s, gate_ptr, gate_s, norm.weight.data_ptr(),
+                                           norm.group_size, norm.eps, int(self.norm_in_float32), gated_ptr, gated_s])
+        emit_linear(program, self.out_proj, gated, out)
 
     def _kernel_params(self) -> tuple[torch.Tensor, ...]:
         """The float32 parameters the CPU kernels take: conv weight (K, conv_dim) tap-major, conv bias or

@@ -59,6 +59,32 @@ class KernelLinear(_PackedWeightLinear):
                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
         return y
 
+    def emit(self, program, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add ``out = x @ W.T + b`` to a decode program (``kernels.program.ProgramBuilder``); x, out: (rows, width)
+        bf16, column slices of wider buffers allowed."""
+        from hybridserve.kernels.program import Step, Unsupported
+
+        bias_ok = self.bias is None or (self.bias.dtype == torch.bfloat16 and self.bias.is_contiguous()
+                                         and self.bias.shape == (self.out_features,))
+        if (x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[1] != self.in_features
+                or out.shape[1] != self.out_features or not bias_ok):
+            raise Unsupported(f"KernelLinear {self.in_features}->{self.out_features} cannot take "
+                              f"{x.dtype} {tuple(x.shape)} -> {out.dtype} {tuple(out.shape)}")
+        x_ptr, xs = program.rows(x)
+        out_ptr, os_ = program.rows(out)
+        program.call("hs_linear_bf16", [Step.ROWS, self.out_features, self.in_features, x_ptr, xs,
+                                        self.packed_weight.data_ptr(),
+                                        None if self.bias is None else self.bias.data_ptr(), out_ptr, os_])
+
+
+def emit_linear(program, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    """Add linear ``layer`` to a decode program: only :class:`KernelLinear` layers can be."""
+    from hybridserve.kernels.program import Unsupported
+
+    if not isinstance(layer, KernelLinear):
+        raise Unsupported(f"{type(layer).__name__} layers have no decode-program kernel (bf16 KernelLinear only)")
+    layer.emit(program, x, out)
+
 
 def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor | None],
                      make: Callable[[nn.Linear, torch.Tensor], nn.Module]) -> int:

@@ -23,7 +23,9 @@ from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.moe import FusedExperts
 from hybridserve.layers.norms import RMSNorm
+from hybridserve.layers.packed_linear import emit_linear
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.kernels.program import Unsupported
 from hybridserve.models.base import CausalLM
 
 MAMBA_KINDS = ("linear_attention", "mamba")
@@ -45,6 +47,15 @@ class GraniteMoeHybridMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)  # (T, I) each
         return self.output_linear(self.act_and_mul(gate, up))
+
+    def emit_decode(self, program, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add this MLP (x (rows, hidden) -> out (rows, hidden)) to a decode program."""
+        inter = self.output_linear.in_features
+        gate_up = program.scratch("mlp.gate_up", 2 * inter, x.dtype)  # (rows, 2 I): [gate, up]
+        act = program.scratch("mlp.act", inter, x.dtype)  # (rows, I)
+        emit_linear(program, self.input_linear, x, gate_up)
+        self.act_and_mul.emit(program, gate_up[:, :inter], gate_up[:, inter:], act)
+        emit_linear(program, self.output_linear, act, out)
 
 
 class GraniteMoeHybridRouter(nn.Module):
@@ -154,6 +165,31 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         if pending is None:
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, pending, self.model.layers[-1].residual_multiplier)[1]
+
+    def build_decode_program(self, program, caches: dict) -> torch.Tensor:
+        """Add a whole decode step (embedding to final norm) to ``program`` (a ``ProgramBuilder``), the
+        same kernel calls as :meth:`forward` makes with the CPU kernels; returns the output buffer."""
+        m = self.model
+        if m.rotary_emb is not None or not m.layers or any(layer.has_experts for layer in m.layers):
+            raise Unsupported("Granite-4.0-H with RoPE or experts has no decode program")
+        hidden, dtype = m.embed_tokens.embedding_dim, m.embed_tokens.weight.dtype
+        x = program.buffer(hidden, dtype)  # (rows, hidden) the residual stream, updated in place
+        h = program.buffer(hidden, dtype)  # (rows, hidden) the normed input of a mixer or MLP
+        mixed = program.buffer(hidden, dtype)  # (rows, hidden) a mixer's output
+        mlp = program.buffer(hidden, dtype)  # (rows, hidden) an MLP's output, added by the next norm
+        out = program.buffer(hidden, dtype)  # (rows, hidden) the final norm's output
+        program.embed(m.embed_tokens.weight, x, m.embedding_multiplier)
+        for i, layer in enumerate(m.layers):
+            rm = layer.residual_multiplier
+            layer.input_layernorm.emit(program, x, h, *((mlp, rm) if i else ()))
+            if layer.is_mamba:
+                layer.mamba.emit_decode(program, h, mixed, caches[layer.mamba.layer_index])
+            else:
+                layer.self_attn.emit_decode(program, h, mixed, caches[layer.self_attn.layer_index])
+            layer.post_attention_layernorm.emit(program, x, h, mixed, rm)
+            layer.shared_mlp.emit_decode(program, h, mlp)
+        m.norm.emit(program, x, out, mlp, m.layers[-1].residual_multiplier)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) float32, divided by ``logits_scaling`` as HF does."""

