@@ -42,7 +42,8 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
                                     max_num_batched_tokens=args["max_num_batched_tokens"],
                                     max_model_len=max(len(p) for p in prompts) + args["output_len"],
                                     enable_progress_bar=False))
-    params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True)
+    # token ids only, as the vLLM runner asks of vLLM (detokenize=False): the same work for both
+    params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True, detokenize=False)
     # warm-up
     engine.add_request("warm", prompts[0][:8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished_requests():

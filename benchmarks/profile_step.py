@@ -4,9 +4,11 @@ rest (Python and small PyTorch ops), averaged over decode steps (or for the firs
     python benchmarks/profile_step.py --model /tmp/bench-granite-100m --requests 32 --prompt-len 128
     python benchmarks/profile_step.py --model DIR --prefill          # the first (prefill) step instead
     python benchmarks/profile_step.py --model DIR --no-cpu-kernels   # the plain-PyTorch paths
+    python benchmarks/profile_step.py --model DIR --no-cpu-decode-program   # decode through the modules
 
 Each component is timed by wrapping its Python entry point with ``time.perf_counter``, so the
-numbers add up to the step time; the wrappers cost a few microseconds per call.
+numbers add up to the step time; the wrappers cost a few microseconds per call. Decode steps that run
+as the decode program (``kernels/program.py``) are timed per kernel inside the program instead.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+
+
+# kernels called inside the decode program -> the names of their Python entry points
+KERNEL_NAMES = {"hs_rms_norm": "rms_norm", "hs_linear_bf16": "linear", "hs_causal_conv1d": "causal_conv1d",
+                "hs_mamba2_scan": "mamba2_scan", "hs_gated_rms_norm": "gated_rms_norm", "hs_silu_mul": "silu_mul",
+                "hs_kv_write": "kv_write", "hs_paged_attention": "paged_attention", "embedding": "embedding"}
 
 
 def main() -> None:
@@ -26,6 +34,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", action="store_true", help="time the first step (prefill) instead")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
+    parser.add_argument("--no-cpu-decode-program", dest="cpu_decode_program", action="store_false")
     a = parser.parse_args()
 
     import torch
@@ -40,7 +49,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, cache_memory="4GiB", max_num_seqs=a.requests,
                                     max_num_batched_tokens=2048, max_model_len=a.prompt_len + a.steps + 16,
-                                    enable_progress_bar=False, cpu_kernels=a.cpu_kernels))
+                                    enable_progress_bar=False, cpu_kernels=a.cpu_kernels,
+                                    cpu_decode_program=a.cpu_decode_program))
     vocab = engine.hf_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
@@ -85,6 +95,10 @@ def main() -> None:
     timed(llm_engine, "sample", "sampling")
     timed(engine.model, "forward", "model forward")
     timed(engine.runner, "run", "runner")
+    program = engine.runner.decode_program
+    if program is not None:
+        timed(program, "run", "decode program")
+        program.start_profiling()
 
     steps = 1 if a.prefill else a.steps
     start = time.perf_counter()
@@ -92,13 +106,20 @@ def main() -> None:
         engine.step()
     total = (time.perf_counter() - start) / steps
     per = {k: v / steps for k, v in spent.items()}
-    parts = {k: v for k, v in per.items() if k not in ("model forward", "runner")}
+    parts = {k: v for k, v in per.items() if k not in ("model forward", "runner", "decode program")}
     model_inner = sum(v for k, v in parts.items() if k not in ("lm_head", "sampling"))
     parts["other in model forward"] = per.get("model forward", 0.0) - model_inner
-    parts["other in runner"] = per.get("runner", 0.0) - per.get("model forward", 0.0) - per.get("lm_head", 0.0)
+    forward = per.get("model forward", 0.0) + per.get("decode program", 0.0)
+    if program is not None:  # its kernels, under the names of their Python entry points
+        in_program = {KERNEL_NAMES[name]: secs / steps for name, secs in program.kernel_seconds().items()}
+        for name, secs in in_program.items():
+            parts[name] = parts.get(name, 0.0) + secs
+        parts["other in decode program"] = per.get("decode program", 0.0) - sum(in_program.values())
+    parts["other in runner"] = per.get("runner", 0.0) - forward - per.get("lm_head", 0.0)
     parts["other in engine step"] = total - per.get("runner", 0.0) - per.get("sampling", 0.0)
     kind = "prefill step" if a.prefill else f"decode step ({a.requests} sequences)"
-    print(f"{kind}: {total * 1e3:.1f} ms (cpu kernels {'on' if engine.cpu_kernels else 'off'})")
+    mode = "decode program" if program is not None and not a.prefill else "modules"
+    print(f"{kind}: {total * 1e3:.1f} ms (cpu kernels {'on' if engine.cpu_kernels else 'off'}, {mode})")
     for name, secs in sorted(parts.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<24}{secs * 1e3:8.2f} ms  {100 * secs / total:5.1f}%")
 

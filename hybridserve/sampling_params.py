@@ -11,6 +11,7 @@ class SamplingParams:
 
     ``temperature=0`` is greedy. ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
     for each generated token; ``prompt_logprobs=k`` the same for each prompt token after the first.
+    ``detokenize=False`` returns token ids only (no text, no decoded logprob tokens; no ``stop`` strings).
     """
 
     n: int = 1
@@ -28,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +68,10 @@ class SamplingParams:
                 isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0
                                                                       for t in self.stop_token_ids)):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", "must be True or False")
+        if not self.detokenize and self._stop_list:
+            raise ValueError(f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the text")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -35,6 +35,21 @@ class Detokenizer:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_increment(self, token_ids: list[int], prefix: int, read: int, skip_special_tokens: bool = True
+                         ) -> tuple[str, int, int]:
+        """The text the tokens after ``read`` add to ``decode(token_ids[:read])``: ``(delta, prefix, read)``
+        with the offsets to pass next time. Decodes only the short window from ``prefix`` (the tokens
+        just before ``read``, which give the new ones their context: a leading space, a multi-token
+        character), so a step costs the same at any length; a token that ends inside a multi-byte
+        character adds nothing until the character is complete."""
+        if self.tokenizer is None:
+            return "", prefix, read
+        before = self.tokenizer.decode(token_ids[prefix:read], skip_special_tokens=skip_special_tokens)
+        after = self.tokenizer.decode(token_ids[prefix:], skip_special_tokens=skip_special_tokens)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            return after[len(before):], read, len(token_ids)
+        return "", prefix, read
+
     def annotate(self, entry: PositionLogprobs) -> PositionLogprobs:
         """Fill ``decoded_token`` of each Logprob in a position's entry."""
         if self.tokenizer is not None:

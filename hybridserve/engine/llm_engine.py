@@ -179,20 +179,23 @@ class LLMEngine:
                      enumerate(zip(result.top_ids[row], result.top_logprobs[row]), start=1)}
             if token not in entry:
                 entry[token] = Logprob(result.sampled_logprobs[row], result.sampled_ranks[row])
-            seq.output_logprobs.append(self.detokenizer.annotate(entry))
+            seq.output_logprobs.append(self.detokenizer.annotate(entry) if seq.params.detokenize else entry)
         self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
         num_out = len(seq.output_token_ids)
         text_before = seq.output_text
-        seq.output_text = self.detokenizer.decode(seq.output_token_ids, params.skip_special_tokens)
+        if params.detokenize:
+            delta, seq.detok_prefix, seq.detok_read = self.detokenizer.decode_increment(
+                seq.output_token_ids, seq.detok_prefix, seq.detok_read, params.skip_special_tokens)
+            seq.output_text = text_before + delta
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == seq.eos_token_id:
-                self.scheduler.finish(seq, "stop", None)
+                self._finish(seq, "stop", None)
                 return
             if params.stop_token_ids and token in params.stop_token_ids:
-                self.scheduler.finish(seq, "stop", token)
+                self._finish(seq, "stop", token)
                 return
             for stop in params.stop_strings:
                 start = max(0, len(text_before) - len(stop))
@@ -203,7 +206,13 @@ class LLMEngine:
                     self.scheduler.finish(seq, "stop", stop)
                     return
         if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
+        """Finish ``seq`` (not at a stop string); its final text is the whole output decoded at once."""
+        if seq.params.detokenize:
+            seq.output_text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+        self.scheduler.finish(seq, reason, stop_reason)
 
     def _output(self, request_id: str) -> RequestOutput:
         """The request's output so far: one completion per sequence (``n`` once forked)."""

@@ -40,6 +40,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs | None] = [None] if params.prompt_logprobs is not None else []
         self.output_text = ""
+        self.detok_prefix = self.detok_read = 0  # incremental detokenization offsets into output_token_ids
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:

@@ -26,7 +26,7 @@ from hybridserve.kernels._abi import DTYPE_CODES, F32, I64, PTR, bind, rows_ok
 
 logger = logging.getLogger(__name__)
 
-_SIGNATURES = {"hs_program_run": [PTR, I64, PTR, PTR, PTR], "hs_program_step_fields": []}
+_SIGNATURES = {"hs_program_run": [PTR, I64, PTR, PTR, PTR, PTR], "hs_program_step_fields": []}
 
 
 class Unsupported(Exception):
@@ -169,9 +169,22 @@ class Program:
             *[ctypes.cast(getattr(module._library(), name), ctypes.c_void_p).value for module, name in KERNELS])
         self._keep = keep
         self._failed = ctypes.c_int64(-1)
+        self._timing = None  # (len(KERNELS) + 1) int64 nanoseconds per kernel, when profiling
         self.num_ops = num_ops
         self.output = output
         self.max_rows = max_rows
+
+    def start_profiling(self) -> None:
+        """From now on, add up each kernel's time over runs (read with :meth:`kernel_seconds`)."""
+        self._timing = (ctypes.c_int64 * (len(KERNELS) + 1))()
+
+    def kernel_seconds(self) -> dict[str, float]:
+        """Seconds spent per kernel (C function name; ``embedding`` for the embedding) since
+        :meth:`start_profiling`."""
+        if self._timing is None:
+            return {}
+        names = [name for _, name in KERNELS] + ["embedding"]
+        return {name: self._timing[i] * 1e-9 for i, name in enumerate(names)}
 
     def run(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor | None,
             seq_lens: torch.Tensor | None, block_tables: torch.Tensor | None,
@@ -197,7 +210,8 @@ class Program:
         step = (ctypes.c_int64 * NUM_STEP_FIELDS)(
             rows, input_ids.data_ptr(), cu_seqlens.data_ptr(), addr(state_indices), addr(seq_lens),
             addr(block_tables), 0 if block_tables is None else block_tables.stride(0), addr(slot_mapping))
-        rc = self._lib.hs_program_run(self._code, self._n, step, self._kernels, ctypes.byref(self._failed))
+        rc = self._lib.hs_program_run(self._code, self._n, step, self._kernels, ctypes.byref(self._failed),
+                                      self._timing)
         if rc != 0:
             raise RuntimeError(f"decode program op {self._failed.value} of {self.num_ops} failed (code {rc})")
         return self.output[:rows]

@@ -12,6 +12,7 @@
 // kind 0: the value itself (an integer or an address); kind 1: a float, the value holding the bits
 // of a double; kind 2: the value is an index into the per-step array (StepField), whose entry is used.
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -249,26 +250,33 @@ int hs_program_step_fields() { return kNumStepFields; }
 
 // Runs the program code[0:n] with the per-step values step[0:kNumStepFields] and the kernel
 // addresses kernels[0:kNumKernels]. Returns 0; or the failing op's return code (>0) with its index in
-// *failed_op, the ops before it having run (91: a malformed program).
-int hs_program_run(const int64_t* code, int64_t n, const int64_t* step, const int64_t* kernels, int64_t* failed_op) {
+// *failed_op, the ops before it having run (91: a malformed program). With `nanoseconds` non-null,
+// adds each op's wall time to nanoseconds[kernel] (the embedding: nanoseconds[kNumKernels]).
+int hs_program_run(const int64_t* code, int64_t n, const int64_t* step, const int64_t* kernels, int64_t* failed_op,
+                   int64_t* nanoseconds) {
   int64_t pc = 0, index = 0;
   while (pc < n) {
     if (pc + 2 > n) break;
     const int64_t op = code[pc], nargs = code[pc + 1];
     if (nargs < 1 || pc + 2 + 2 * nargs > n) break;
     const int64_t* args = code + pc + 2;
+    const auto start = nanoseconds != nullptr ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     int rc;
+    int64_t slot = kNumKernels;
     if (op == kOpEmbed) {
       rc = embed(Args(args, step));
     } else if (op == kOpCall) {
       // the first argument names the kernel; the rest are its arguments in order
       const int64_t kernel = args[1];
+      slot = kernel;
       rc = kernel >= 0 && kernel < kNumKernels ? call(kernel, reinterpret_cast<const void*>(kernels[kernel]),
                                                         Args(args + 2, step))
                                                : 91;
     } else {
       rc = 91;
     }
+    if (nanoseconds != nullptr && rc == 0)
+      nanoseconds[slot] += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     if (rc != 0) {
       *failed_op = index;
       return rc;

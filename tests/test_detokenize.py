@@ -1,0 +1,88 @@
+"""Output text: decoded incrementally (a short window per step, not the whole output again), always a
+prefix of the whole output decoded at once and equal to it at the end; ``detokenize=False`` gives
+token ids only."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.default_model import default_model_path
+from hybridserve.engine.detokenizer import Detokenizer
+
+TEXTS = ["Once upon a time, there was a little girl named Lily.",
+         "Naïve café — déjà vu: 東京 and 🙂 emoji, tabs\tand  double  spaces.",
+         "  leading spaces, trailing space ", "a\nnew line, then 12345 digits and (brackets)!"]
+
+
+@pytest.fixture(scope="module")
+def detok():
+    return Detokenizer.from_path(default_model_path())
+
+
+def _step_through(detok, ids, skip_special_tokens=True):
+    """Feeds ids one at a time; checks the accumulated text after each against the full decode."""
+    text, prefix, read = "", 0, 0
+    for i in range(1, len(ids) + 1):
+        delta, prefix, read = detok.decode_increment(ids[:i], prefix, read, skip_special_tokens)
+        text += delta
+        full = detok.decode(ids[:i], skip_special_tokens)
+        assert full.startswith(text), (i, text, full)
+        if not full.endswith("\ufffd"):
+            assert text == full, (i, text, full)
+        assert read - prefix <= 8, "the decode window grew"
+    return text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_tracks_full_decode(detok, text):
+    ids = detok.encode(text)
+    assert _step_through(detok, ids) == detok.decode(ids)
+
+
+def test_incremental_text_with_random_and_special_tokens(detok):
+    rng = random.Random(0)
+    vocab = detok.tokenizer.vocab_size
+    specials = list(detok.tokenizer.all_special_ids)
+    for _ in range(20):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab) for _ in range(40)]
+        for skip in (True, False):
+            _step_through(detok, ids, skip)
+
+
+def test_no_tokenizer_gives_no_text():
+    assert Detokenizer(None).decode_increment([5, 6], 0, 0) == ("", 0, 0)
+
+
+def test_engine_text_and_stop_strings():
+    llm = LLM(enable_progress_bar=False, cache_memory="64MiB")
+    prompt = "Once upon a time"
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert full.text == llm.engine.detokenizer.decode(full.token_ids)
+    words = full.text.split()
+    stop = words[len(words) // 2]
+    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_detokenize_false_gives_token_ids_only():
+    llm = LLM(enable_progress_bar=False, cache_memory="64MiB")
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    with_text = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    params.detokenize = False
+    ids_only = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    assert ids_only.token_ids == with_text.token_ids and with_text.text and ids_only.text == ""
+    assert all(lp.decoded_token is None for step in ids_only.logprobs for lp in step.values())
+    assert all(lp.decoded_token is not None for step in with_text.logprobs for lp in step.values())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"detokenize": "no"}, "detokenize"),
+    ({"detokenize": False, "stop": ["x"]}, "needs detokenize=True"),
+])
+def test_detokenize_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
