@@ -70,12 +70,20 @@ CACHE_SETTINGS = {
 }
 
 
+# Granite-4.0-H dense: NoPE, embedding multiplier 3, residual multiplier 0.7, two SSM groups; with
+# RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections.
+MODELS = {"granite": ("granitemoehybrid_dense", {}),
+          "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
+          "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5})}
+
+
 @needs_compiler
 @needs_bf16_kernel
+@pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("setting", list(CACHE_SETTINGS))
-def test_program_is_bit_identical_to_modules(ckpt_dir, monkeypatch, setting):
-    """Granite-4.0-H dense (NoPE; embedding multiplier 3, residual multiplier 0.7, two SSM groups)."""
-    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+def test_program_is_bit_identical_to_modules(ckpt_dir, monkeypatch, setting, model):
+    family, overrides = MODELS[model]
+    path = make(ckpt_dir, family, dtype=torch.bfloat16, **overrides)
     opts = CACHE_SETTINGS[setting]
 
     def greedy(i):
@@ -104,7 +112,8 @@ def test_program_with_seeded_sampling(ckpt_dir):
 @needs_compiler
 @needs_bf16_kernel
 @pytest.mark.parametrize("family, dtype, options, reason", [
-    ("granitemoehybrid", torch.bfloat16, {}, "RoPE or experts"),
+    ("granitemoehybrid", torch.bfloat16, {}, "experts"),
+    ("nemotron_h", torch.bfloat16, {}, "has none"),
     ("granitemoehybrid_dense", torch.bfloat16, {"kv_cache_dtype": "fp8_e4m3"}, "KV cache"),
     ("granitemoehybrid_dense", torch.float32, {}, "KernelLinear"),
 ])

@@ -73,7 +73,7 @@ class ModelRunner:
         for item in order:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
             offset = len(input_ids)
-            input_ids.extend(seq.all_token_ids[start:start + n])
+            input_ids.extend(seq.token_ids_slice(start, n))
             positions.extend(range(start, start + n))
             if self.has_kv:
                 table = seq.block_table
@@ -88,10 +88,11 @@ class ModelRunner:
                     prompt_seqs.append((item, start, last - start))
         program = self.decode_program
         if program is not None and not prefills and len(decodes) <= program.max_rows:
-            group = self._group(decodes, 0)  # every sequence decodes one token: no positions needed
+            group = self._group(decodes, 0)  # every sequence decodes one token
             hidden = program.run(_int_tensor(input_ids, self.device), group.cu_seqlens_q, group.state_indices,
                                  group.seq_lens if self.has_kv else None, group.block_tables,
-                                 _int_tensor(slot_mapping, self.device) if self.has_kv else None)
+                                 _int_tensor(slot_mapping, self.device) if self.has_kv else None,
+                                 _int_tensor(positions, self.device) if program.rotary is not None else None)
         else:
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
@@ -100,7 +101,10 @@ class ModelRunner:
                 caches=self.pool.layer_caches,
             )
             hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
-        sample_logits = self.model.compute_logits(hidden[_int_tensor(sample_rows, self.device)])
+        if len(sample_rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather needed
+            sample_logits = self.model.compute_logits(hidden)
+        else:
+            sample_logits = self.model.compute_logits(hidden[_int_tensor(sample_rows, self.device)])
         prompt_logits = None
         if prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[_int_tensor(prompt_rows, self.device)])

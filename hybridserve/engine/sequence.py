@@ -50,6 +50,15 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_slice(self, start: int, count: int) -> list[int]:
+        """``all_token_ids[start:start + count]`` without building the whole list."""
+        plen = len(self.prompt_token_ids)
+        if start >= plen:
+            return self.output_token_ids[start - plen:start - plen + count]
+        if start + count <= plen:
+            return self.prompt_token_ids[start:start + count]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:start + count - plen]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

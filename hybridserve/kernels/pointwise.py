@@ -17,7 +17,9 @@ _SIGNATURES = {
     "hs_gated_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64, F32, INT, PTR, I64],
     "hs_silu_mul": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64],
     "hs_argmax_logsumexp": [I64, I64, PTR, I64, PTR, PTR, PTR],
+    "hs_rotary": [INT, I64, I64, I64, I64, PTR, I64, PTR, PTR, I64],
 }
+MAX_ROTARY = 1024  # kMaxRotary in csrc/pointwise.cpp
 _MAX_ROW = 8192
 
 
@@ -120,6 +122,26 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     check(lib.hs_silu_mul(act, a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0),
                           o2.data_ptr(), o2.stride(0)), "hs_silu_mul")
     return out
+
+
+def rotary(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """In place on x (T, num_heads * head_dim) rows: ``layers.rotary.apply_rotary`` of each head with cos,
+    sin (T, R) in x's dtype, bit for bit. Returns False, doing nothing, when not covered."""
+    lib = _library()
+    R = cos.shape[-1] if cos.dim() == 2 else 0
+    if (lib is None or not rows_ok(x) or x.shape[1] != num_heads * head_dim or cos.shape != sin.shape
+            or cos.shape[0] != x.shape[0] or not covers_rotary(R, head_dim, x.dtype)
+            or any(t.dtype != x.dtype or not t.is_contiguous() for t in (cos, sin))):
+        return False
+    check(lib.hs_rotary(DTYPE_CODES[x.dtype], x.shape[0], num_heads, head_dim, R, x.data_ptr(), x.stride(0),
+                        cos.data_ptr(), sin.data_ptr(), R), "hs_rotary")
+    return True
+
+
+def covers_rotary(rotary_dim: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``rotary`` takes ``rotary_dim`` of ``head_dim`` features in ``dtype``."""
+    return (_library() is not None and dtype in DTYPE_CODES and rotary_dim >= 2 and rotary_dim % 2 == 0
+            and rotary_dim <= min(head_dim, MAX_ROTARY))
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -44,6 +44,8 @@ class Step(enum.IntEnum):
     BLOCK_TABLES = 5
     BLOCK_TABLE_STRIDE = 6
     SLOT_MAPPING = 7
+    ROPE_COS = 8
+    ROPE_SIN = 9
 
 
 NUM_STEP_FIELDS = len(Step)
@@ -51,7 +53,7 @@ NUM_STEP_FIELDS = len(Step)
 # (module, C function) per kernel, in the order of Kernel in csrc/program.cpp.
 KERNELS = [(pointwise, "hs_rms_norm"), (gemm, "hs_linear_bf16"), (recurrent, "hs_causal_conv1d"),
            (recurrent, "hs_mamba2_scan"), (pointwise, "hs_gated_rms_norm"), (pointwise, "hs_silu_mul"),
-           (attention, "hs_kv_write"), (attention, "hs_paged_attention")]
+           (attention, "hs_kv_write"), (attention, "hs_paged_attention"), (pointwise, "hs_rotary")]
 _OP_EMBED, _OP_CALL = 1, 2
 _KIND_VALUE, _KIND_FLOAT, _KIND_STEP = 0, 1, 2
 
@@ -82,6 +84,7 @@ class ProgramBuilder:
         self._count = 0
         self._keep: list[torch.Tensor] = []  # every tensor an argument points into
         self._scratch: dict[tuple, torch.Tensor] = {}
+        self._rotary = None  # (rotary embedding module, dtype): cos/sin computed per step from positions
 
     def buffer(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A (max_rows, width) workspace tensor owned by the program."""
@@ -151,17 +154,30 @@ class ProgramBuilder:
                 encoded.append((_KIND_VALUE, 0 if arg is None else int(arg)))
         self._append(_OP_CALL, encoded)
 
+    def rotary(self, x: torch.Tensor, num_heads: int, head_dim: int, rotary_emb: torch.nn.Module) -> None:
+        """Rotate x (rows, num_heads * head_dim) in place by ``rotary_emb(positions, x.dtype)``, the
+        per-step cos/sin (one module per program)."""
+        R = rotary_emb.rotary_dim
+        if not pointwise.covers_rotary(R, head_dim, x.dtype):
+            raise Unsupported(f"RoPE over {R} of {head_dim} features in {x.dtype} has no CPU kernel")
+        if self._rotary is not None and self._rotary != (rotary_emb, x.dtype):
+            raise Unsupported("a decode program takes one rotary embedding")
+        self._rotary = (rotary_emb, x.dtype)
+        x_ptr, xs = self.rows(x)
+        self.call("hs_rotary", [self.dtype_code(x.dtype), Step.ROWS, num_heads, head_dim, R, x_ptr, xs,
+                                Step.ROPE_COS, Step.ROPE_SIN, R])
+
     def build(self, output: torch.Tensor) -> "Program":
         """The program; a step's result is ``output[:rows]``."""
         self.keep(output)
-        return Program(self._code, self._count, self._keep, output, self.max_rows)
+        return Program(self._code, self._count, self._keep, output, self.max_rows, self._rotary)
 
 
 class Program:
     """A built decode program; :meth:`run` executes one step."""
 
     def __init__(self, code: list[int], num_ops: int, keep: list[torch.Tensor], output: torch.Tensor,
-                 max_rows: int) -> None:
+                 max_rows: int, rotary: tuple | None = None) -> None:
         self._lib = _library()
         self._code = (ctypes.c_int64 * len(code))(*code)
         self._n = len(code)
@@ -173,6 +189,7 @@ class Program:
         self.num_ops = num_ops
         self.output = output
         self.max_rows = max_rows
+        self.rotary = rotary  # (module, dtype) whose (cos, sin) each step needs, or None
 
     def start_profiling(self) -> None:
         """From now on, add up each kernel's time over runs (read with :meth:`kernel_seconds`)."""
@@ -188,16 +205,16 @@ class Program:
 
     def run(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, state_indices: torch.Tensor | None,
             seq_lens: torch.Tensor | None, block_tables: torch.Tensor | None,
-            slot_mapping: torch.Tensor | None) -> torch.Tensor:
+            slot_mapping: torch.Tensor | None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of ``rows = input_ids.numel()`` sequences (one token each); every index tensor
-        contiguous int64 on the CPU. Returns the final hidden states, a (rows, hidden) view of the
-        program's output buffer (overwritten by the next run)."""
+        contiguous int64 on the CPU (``positions``: each token's position, for RoPE). Returns the final
+        hidden states, a (rows, hidden) view of the program's output buffer (overwritten by the next run)."""
         rows = input_ids.numel()
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"a decode program step takes 1 to {self.max_rows} sequences, got {rows}")
         for name, t, n in (("input_ids", input_ids, rows), ("cu_seqlens", cu_seqlens, rows + 1),
                            ("state_indices", state_indices, rows), ("seq_lens", seq_lens, rows),
-                           ("slot_mapping", slot_mapping, rows)):
+                           ("slot_mapping", slot_mapping, rows), ("positions", positions, rows)):
             if t is not None and (t.dtype != torch.int64 or not t.is_contiguous() or t.numel() != n or t.is_cuda):
                 raise ValueError(f"{name} must be a contiguous int64 CPU tensor of {n} elements")
         if block_tables is not None and (block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
@@ -207,9 +224,17 @@ class Program:
         def addr(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.data_ptr()
 
+        cos = sin = None
+        if self.rotary is not None:
+            if positions is None:
+                raise ValueError("this decode program applies RoPE: positions are needed")
+            module, dtype = self.rotary
+            cos, sin = (t.contiguous() for t in module(positions, dtype))  # (rows, R) each
+
         step = (ctypes.c_int64 * NUM_STEP_FIELDS)(
             rows, input_ids.data_ptr(), cu_seqlens.data_ptr(), addr(state_indices), addr(seq_lens),
-            addr(block_tables), 0 if block_tables is None else block_tables.stride(0), addr(slot_mapping))
+            addr(block_tables), 0 if block_tables is None else block_tables.stride(0), addr(slot_mapping),
+            addr(cos), addr(sin))
         rc = self._lib.hs_program_run(self._code, self._n, step, self._kernels, ctypes.byref(self._failed),
                                       self._timing)
         if rc != 0:

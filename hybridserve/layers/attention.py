@@ -71,10 +71,12 @@ class Attention(nn.Module):
         self.spec = LayerCacheSpec(layer_index, "attention",
                                    attention=dtypes.attention(num_kv_heads, head_dim, sliding_window))
 
-    def emit_decode(self, program, h: torch.Tensor, out: torch.Tensor, cache: LayerCache) -> None:
-        """Add this layer's decode (one token per sequence, no RoPE) to a decode program
+    def emit_decode(self, program, h: torch.Tensor, out: torch.Tensor, cache: LayerCache,
+                    rotary_emb: nn.Module | None = None) -> None:
+        """Add this layer's decode (one token per sequence) to a decode program
         (``kernels.program.ProgramBuilder``), as the CPU-kernel path of :meth:`forward` runs it:
-        h (rows, hidden) -> out (rows, hidden); ``cache``: this layer's ``LayerCache``."""
+        h (rows, hidden) -> out (rows, hidden); ``cache``: this layer's ``LayerCache``; ``rotary_emb``:
+        the model's ``RotaryEmbedding`` when q and k are rotated."""
         from hybridserve.kernels.program import Step, Unsupported
         from hybridserve.layers.packed_linear import emit_linear
 
@@ -92,6 +94,9 @@ class Attention(nn.Module):
         emit_linear(program, self.q_proj, h, q)
         emit_linear(program, self.k_proj, h, k)
         emit_linear(program, self.v_proj, h, v)
+        if rotary_emb is not None:
+            program.rotary(q, Hq, Dh, rotary_emb)
+            program.rotary(k, Hkv, Dh, rotary_emb)
         act, ct = program.dtype_code(dtype), program.dtype_code(cache.k.dtype)
         (q_ptr, q_s), (k_ptr, k_s), (v_ptr, v_s) = program.rows(q), program.rows(k), program.rows(v)
         program.call("hs_kv_write", [act, ct, Step.ROWS, Step.SLOT_MAPPING, k_ptr, k_s, v_ptr, v_s,

@@ -170,8 +170,8 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         """Add a whole decode step (embedding to final norm) to ``program`` (a ``ProgramBuilder``), the
         same kernel calls as :meth:`forward` makes with the CPU kernels; returns the output buffer."""
         m = self.model
-        if m.rotary_emb is not None or not m.layers or any(layer.has_experts for layer in m.layers):
-            raise Unsupported("Granite-4.0-H with RoPE or experts has no decode program")
+        if not m.layers or any(layer.has_experts for layer in m.layers):
+            raise Unsupported("Granite-4.0-H with experts has no decode program")
         hidden, dtype = m.embed_tokens.embedding_dim, m.embed_tokens.weight.dtype
         x = program.buffer(hidden, dtype)  # (rows, hidden) the residual stream, updated in place
         h = program.buffer(hidden, dtype)  # (rows, hidden) the normed input of a mixer or MLP
@@ -185,7 +185,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             if layer.is_mamba:
                 layer.mamba.emit_decode(program, h, mixed, caches[layer.mamba.layer_index])
             else:
-                layer.self_attn.emit_decode(program, h, mixed, caches[layer.self_attn.layer_index])
+                layer.self_attn.emit_decode(program, h, mixed, caches[layer.self_attn.layer_index], m.rotary_emb)
             layer.post_attention_layernorm.emit(program, x, h, mixed, rm)
             layer.shared_mlp.emit_decode(program, h, mlp)
         m.norm.emit(program, x, out, mlp, m.layers[-1].residual_multiplier)
@@ -193,4 +193,5 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) float32, divided by ``logits_scaling`` as HF does."""
-        return (self.lm_head(hidden) / self.logits_scaling).float()
+        logits = self.lm_head(hidden)  # (N, vocab) in the model dtype
+        return (logits / self.logits_scaling if self.logits_scaling != 1.0 else logits).float()

@@ -244,3 +244,33 @@ def test_sampler_with_kernel_matches_torch_path():
     torch.testing.assert_close(torch.tensor(fused.sampled_logprobs), torch.tensor(plain.sampled_logprobs))
     for a, b in zip(fused.top_logprobs, plain.top_logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("heads, head_dim, rotary_dim, tokens", [(4, 64, 64, 5), (3, 64, 32, 7), (2, 128, 64, 1),
+                                                                 (8, 64, 64, 600)])  # 600: two threads
+def test_rotary_is_bit_identical_to_apply_rotary(dtype, heads, head_dim, rotary_dim, tokens):
+    """In place on a column slice (q of a wider qkv row), every dtype bit for bit, partial rotary included."""
+    from hybridserve.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(tokens, heads * head_dim + 48, generator=g) * 3).to(dtype)
+    q = qkv[:, :heads * head_dim]
+    angles = torch.rand(tokens, rotary_dim // 2, generator=g) * 500
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    expected = apply_rotary(q.reshape(tokens, heads, head_dim), cos, sin).reshape(tokens, -1)
+    rest = qkv[:, heads * head_dim:].clone()
+    assert pointwise.rotary(q, heads, head_dim, cos, sin)
+    assert_bits_equal(q, expected, "rotary")
+    assert torch.equal(qkv[:, heads * head_dim:], rest), "features past the heads changed"
+
+
+def test_rotary_declines_uncovered_calls():
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    c = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert not pointwise.rotary(x, 2, 64, c.float(), c.float())  # cos/sin dtype differs
+    assert not pointwise.rotary(x, 2, 64, c[:, :63], c[:, :63])  # odd rotary dim
+    assert not pointwise.rotary(x, 1, 64, c, c)  # heads x head_dim != width
+    assert not pointwise.rotary(x[:, ::2], 1, 64, c, c)  # strided rows
+    assert not pointwise.rotary(x.to(torch.int32), 2, 64, c, c)

@@ -20,6 +20,7 @@
 namespace {
 
 constexpr int64_t kParallelMin = 8192;  // elements below which a call runs on one thread
+constexpr int64_t kMaxRotary = 1024;     // rotated features per head
 
 template <typename T> inline float round_to(float v) { return to_f32(from_f32<T>(v)); }
 
@@ -132,6 +133,29 @@ void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, i
   }
 }
 
+// Rotary embedding in place on x (T, H * Dh) rows: in each head, the first R features rotate by the
+// token's cos/sin (T, R) rows, as ``x * cos + rotate_half(x) * sin`` with each op rounded to the
+// activation dtype: out[i] = round(round(x[i] * cos[i]) + round(r[i] * sin[i])), r = (-x[R/2:R], x[:R/2]).
+template <typename AT>
+void rotary_impl(int64_t T, int64_t H, int64_t Dh, int64_t R, AT* x, int64_t xs, const AT* cos, const AT* sin,
+                 int64_t cs) {
+  const int64_t half = R / 2;
+#pragma omp parallel for collapse(2) schedule(static) if (T * H * R >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      AT* v = x + t * xs + h * Dh;
+      const AT* c = cos + t * cs;
+      const AT* s = sin + t * cs;
+      float buf[kMaxRotary];
+      for (int64_t i = 0; i < R; ++i) buf[i] = to_f32(v[i]);
+      for (int64_t i = 0; i < R; ++i) {
+        const float r = i < half ? -buf[i + half] : buf[i - half];
+        v[i] = from_f32<AT>(round_to<AT>(buf[i] * to_f32(c[i])) + round_to<AT>(r * to_f32(s[i])));
+      }
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // One row of argmax_logsumexp_impl, 16 lanes at a time: max and NaN in one pass, the first index of the
 // maximum, then the sum of exp(x - max).
@@ -228,6 +252,15 @@ int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64
     using AT = decltype(tag);
     gated_rms_norm_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<const AT*>(w), G, eps,
                             norm_in_f32, static_cast<AT*>(out), os);
+  });
+}
+
+int hs_rotary(int act_dtype, int64_t T, int64_t H, int64_t Dh, int64_t R, void* x, int64_t xs, const void* cos,
+              const void* sin, int64_t cs) {
+  if (R < 2 || R % 2 != 0 || R > Dh || R > kMaxRotary) return 1;
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    rotary_impl<AT>(T, H, Dh, R, static_cast<AT*>(x), xs, static_cast<const AT*>(cos), static_cast<const AT*>(sin), cs);
   });
 }
 

@@ -30,11 +30,15 @@ enum StepField : int64_t {
   kBlockTables,      // (rows, width) int64, or 0 without attention
   kBlockTableStride, // width
   kSlotMapping,      // (rows,) int64 KV write slots, or 0 without attention
+  kRopeCos,          // (rows, R) rotary cos in the activation dtype, or 0 without RoPE
+  kRopeSin,          // (rows, R) rotary sin, or 0
   kNumStepFields,
 };
 
 // The kernels, in the order of the address table passed in (KERNELS in program.py).
-enum Kernel : int64_t { kRmsNorm = 0, kLinear, kConv, kScan, kGatedNorm, kSiluMul, kKvWrite, kAttention, kNumKernels };
+enum Kernel : int64_t {
+  kRmsNorm = 0, kLinear, kConv, kScan, kGatedNorm, kSiluMul, kKvWrite, kAttention, kRotary, kNumKernels
+};
 
 enum Op : int64_t { kOpEmbed = 1, kOpCall = 2 };
 
@@ -48,6 +52,7 @@ using ScanFn = int (*)(int, int, int64_t, const void*, const void*, const void*,
                        float, float, void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int64_t);
 using GatedNormFn = int (*)(int, int64_t, int64_t, const void*, int64_t, const void*, int64_t, const void*, int64_t,
                             float, int, void*, int64_t);
+using RotaryFn = int (*)(int, int64_t, int64_t, int64_t, int64_t, void*, int64_t, const void*, const void*, int64_t);
 using SiluMulFn = int (*)(int, int64_t, int64_t, const void*, int64_t, const void*, int64_t, void*, int64_t);
 using KvWriteFn = int (*)(int, int, int64_t, const void*, const void*, int64_t, const void*, int64_t, void*, void*,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float);
@@ -236,6 +241,16 @@ int call(int64_t kernel, const void* fn, Args a) {
       const int64_t window = a.i();
       return reinterpret_cast<AttentionFn>(fn)(act, ct, S, cu, lens, tables, bts, q, qs, kc, vc, bsz, bst, tst, hst, out,
                                                os, Hq, Hkv, Dh, scale, k_scale, v_scale, window);
+    }
+    case kRotary: {
+      const int act = a.n();
+      const int64_t T = a.i(), H = a.i(), Dh = a.i(), R = a.i();
+      void* x = a.mut();
+      const int64_t xs = a.i();
+      const void* cos = a.ptr();
+      const void* sin = a.ptr();
+      const int64_t cs = a.i();
+      return reinterpret_cast<RotaryFn>(fn)(act, T, H, Dh, R, x, xs, cos, sin, cs);
     }
     default:
       return 90;
