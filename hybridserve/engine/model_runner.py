@@ -43,17 +43,24 @@ class ModelRunner:
     def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
         if not items:
             return None
-        cu = [0]
-        for it in items:
-            cu.append(cu[-1] + it.num_tokens)
+        if all(it.num_tokens == 1 for it in items):
+            cu_seqlens = torch.arange(len(items) + 1, dtype=torch.int64, device=self.device)
+        else:
+            cu = [0]
+            for it in items:
+                cu.append(cu[-1] + it.num_tokens)
+            cu_seqlens = _int_tensor(cu, self.device)
         seq_lens = [it.seq.num_computed_tokens + it.num_tokens for it in items]
         block_tables = None
         if self.has_kv:
             width = max(len(it.seq.block_table) for it in items)
-            block_tables = _int_tensor([it.seq.block_table + [0] * (width - len(it.seq.block_table))
-                                        for it in items], self.device)  # (S, width)
+            flat: list[int] = []
+            for it in items:
+                flat += it.seq.block_table
+                flat += [0] * (width - len(it.seq.block_table))
+            block_tables = _int_tensor(flat, self.device).view(len(items), width)  # (S, width)
         state_indices = _int_tensor([it.seq.state_slot for it in items], self.device) if self.has_state else None
-        return SeqGroup(token_start, token_start + cu[-1], _int_tensor(cu, self.device),
+        return SeqGroup(token_start, token_start + sum(it.num_tokens for it in items), cu_seqlens,
                         _int_tensor(seq_lens, self.device), block_tables, state_indices)
 
     @torch.inference_mode()

@@ -111,6 +111,19 @@ def test_paged_attention_scales_and_block_size(k_scale, v_scale):
     _assert_out_close(case.out, case.ref(7, k_scale=k_scale, v_scale=v_scale), torch.bfloat16)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("rep", [1, 3], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("cache_dtype", DTYPES, ids=dtype_id)
+def test_decode_scores_sixteen_keys_at_a_time(cache_dtype, head_dim, rep, window):
+    """Decode over contexts of whole 16-key runs, runs plus a tail, and shorter, in vector head sizes
+    (the keys are summed 16 at a time there), runs that span 8-token blocks."""
+    case = AttnCase(torch.bfloat16, cache_dtype, rep, q_lens=(1, 1, 1, 1, 1), seq_lens=(16, 33, 70, 9, 128),
+                    bs=8, Dh=head_dim, seed=21)
+    assert case.run(window) is True
+    _assert_out_close(case.out, case.ref(window), torch.bfloat16)
+
+
 @pytest.mark.parametrize("window", [None, 37])
 def test_paged_attention_long_contexts_reuse_buffers(window):
     """Work items of very different sizes in a row (a long prefill, long and short decodes, a short

@@ -25,6 +25,18 @@ inline int64_t token_row(const int64_t* table, int64_t pos, const CacheGeom& g) 
   return table[pos / g.block_size] * g.block_stride + (pos % g.block_size) * g.token_stride;
 }
 
+// rows[j] = token_row(table, lo + j, g) for j < n, walking the blocks (no division per token).
+inline void token_rows(const int64_t* table, int64_t lo, int64_t n, const CacheGeom& g, int64_t* rows) {
+  int64_t b = lo / g.block_size, o = lo % g.block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    rows[j] = table[b] * g.block_stride + o * g.token_stride;
+    if (++o == g.block_size) {
+      o = 0;
+      ++b;
+    }
+  }
+}
+
 constexpr int64_t kMaxVecs = 16;  // head_dim up to 256 keeps a converted K or V row in registers
 
 struct AttnParams {
@@ -61,16 +73,41 @@ void kv_write_impl(int64_t T, const int64_t* slot_mapping, const AT* k, int64_t 
 // loaded once for its R query heads; nothing is gathered.
 template <typename AT, typename CT>
 void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const CT* k_cache, const CT* v_cache,
-                         const CacheGeom& g, AT* orow, const AttnParams& p, float* qf, float* sc, float* acc) {
+                         const CacheGeom& g, AT* orow, const AttnParams& p, float* qf, float* sc, float* acc,
+                         int64_t* rows) {
   const int64_t Dh = p.Dh, Hq = p.Hq, Hkv = p.Hkv, R = Hq / Hkv;
   const int64_t lo = p.window > 0 && L - p.window > 0 ? L - p.window : 0;
   const int64_t n = L - lo;
   // head_dim in 16-float vectors, a converted K or V row held in registers (0: scalar loops)
   const int64_t nv = Dh % 16 == 0 && Dh / 16 <= kMaxVecs ? Dh / 16 : 0;
   for (int64_t i = 0; i < Hq * Dh; ++i) qf[i] = to_f32(qrow[i]);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = lo + j;
-    const int64_t row = token_row(table, pos, g);
+  token_rows(table, lo, n, g, rows);  // (n,) each key's cache row
+  int64_t j = 0;
+  if (nv > 0) {  // 16 keys at a time: their rows converted once, 16 dot products summed in one tree
+    float kbuf[16 * 16 * kMaxVecs];
+    for (; j + 16 <= n; j += 16) {
+      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+        for (int64_t t = 0; t < 16; ++t) {
+          const CT* kr = k_cache + rows[j + t] + kvh * g.head_stride;
+          for (int64_t i = 0; i < nv; ++i) *reinterpret_cast<v16f*>(kbuf + t * Dh + 16 * i) = load16(kr + 16 * i);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t hq = kvh * R + r;
+          v16f qv[kMaxVecs];
+          for (int64_t i = 0; i < nv; ++i) qv[i] = load16(qf + hq * Dh + 16 * i);
+          v16f s[16];
+          for (int64_t t = 0; t < 16; ++t) {
+            const float* kt = kbuf + t * Dh;
+            s[t] = qv[0] * load16(kt);
+            for (int64_t i = 1; i < nv; ++i) s[t] += qv[i] * load16(kt + 16 * i);
+          }
+          *reinterpret_cast<v16f*>(sc + hq * n + j) = hsum16x16(s) * p.k_scale * p.scale;
+        }
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const int64_t row = rows[j];
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* kr = k_cache + row + kvh * g.head_stride;
       if (nv > 0) {  // the key row converted once for its R query heads
@@ -111,8 +148,7 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
   }
   for (int64_t i = 0; i < Hq * Dh; ++i) acc[i] = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t pos = lo + j;
-    const int64_t row = token_row(table, pos, g);
+    const int64_t row = rows[j];
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* vr = v_cache + row + kvh * g.head_stride;
       if (nv > 0) {  // the value row converted once for its R query heads
@@ -231,6 +267,7 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
 #pragma omp parallel
   {
     std::vector<float> kt, vf, scores, qf(p.Hq * Dh), acc(p.Hq * Dh);
+    std::vector<int64_t> rows;
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
@@ -239,8 +276,9 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
         if (qlen == 1) {  // all heads in the item of KV head 0
           if (kvh > 0) continue;
           if (static_cast<int64_t>(scores.size()) < p.Hq * L) scores.resize(p.Hq * L);
+          if (static_cast<int64_t>(rows.size()) < L) rows.resize(L);
           attention_one_query(L, block_tables + s * bt_stride, q + q0 * q_stride, k_cache, v_cache, g,
-                              out + q0 * out_stride, p, qf.data(), scores.data(), acc.data());
+                              out + q0 * out_stride, p, qf.data(), scores.data(), acc.data(), rows.data());
           continue;
         }
         const int64_t first_q = L - qlen;  // position of the first query

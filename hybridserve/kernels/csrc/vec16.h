@@ -34,6 +34,29 @@ inline float hsum(v16f v) {  // pairwise: 16 -> 8 -> 4 -> 1
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// The sums of 16 vectors at once: element i of the result is hsum(s[i]). A transpose-and-add tree
+// (8 + 4 + 2 + 1 vector adds with their shuffles) instead of 16 horizontal sums.
+inline v16f hsum16x16(const v16f* s) {
+  v16f r[8], q[4], u[2];
+  for (int k = 0; k < 8; ++k) {  // per 4-lane group: [a0+a2, b0+b2, a1+a3, b1+b3]
+    const v16f a = s[2 * k], b = s[2 * k + 1];
+    r[k] = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+           __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  }
+  for (int k = 0; k < 4; ++k) {  // per 4-lane group g: the group-g sums of four vectors
+    const v16f a = r[2 * k], b = r[2 * k + 1];
+    q[k] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  for (int k = 0; k < 2; ++k) {  // groups 0+1 and 2+3 of two such vectors
+    const v16f a = q[2 * k], b = q[2 * k + 1];
+    u[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
 #if defined(__AVX512F__)
 // AVX-512 loads of 16 values of each storage dtype as float32, and stores with the rounding of
 // from_f32 (nearest even; NaN -> the canonical bf16 NaN).
