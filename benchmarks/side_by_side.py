@@ -92,7 +92,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
     parser.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1, help="runs per engine and shape (median reported)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per engine and shape, the engines interleaved (median reported)")
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venv-vllm"))
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--greedy-check", default=None, choices=["float32", "bfloat16"],
@@ -120,9 +121,16 @@ def main() -> None:
             engines["hf-transformers"] = lambda: _in_subprocess(run_hf, args, prompts)
         if have_vllm:
             engines["vllm-cpu"] = lambda: run_vllm(a.vllm_venv, a.model, prompts, olen, a.threads)
+        # Repeats interleave the engines (A B C, A B C, ...): this machine's speed drifts over minutes,
+        # and interleaving lets every engine sample the same stretches of it.
+        all_runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for _ in range(a.repeats):
+            for name, fn in engines.items():
+                r = fn()
+                if r is not None:
+                    all_runs[name].append(r)
         results = {}
-        for name, fn in engines.items():
-            runs = [r for r in (fn() for _ in range(a.repeats)) if r is not None]
+        for name, runs in all_runs.items():
             if not runs:
                 continue
             best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
