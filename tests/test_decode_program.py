@@ -138,6 +138,29 @@ def test_program_off_with_kernels_off(ckpt_dir):
 
 @needs_compiler
 @needs_bf16_kernel
+def test_program_keeps_what_it_points_into_alive(ckpt_dir):
+    """A program outliving its engine still owns every tensor its calls point into (weights, packed
+    weights, the cache pool): none is freed under it."""
+    import gc
+    import weakref
+
+    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+    llm = _llm(path, True)
+    model = llm.engine.model
+    tensors = [model.model.norm.weight, model.model.layers[0].input_layernorm.weight,
+               model.model.layers[0].mamba.in_proj.packed_weight, model.model.layers[0].mamba.norm.weight,
+               llm.engine.pool.layer_caches[0].state["ssm"], llm.engine.pool.layer_caches[2].k]
+    refs = [weakref.ref(t) for t in tensors]
+    prog = llm.engine.runner.decode_program
+    del llm, model, tensors
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert prog.run(torch.tensor([5, 6]), torch.arange(3), torch.arange(2), torch.ones(2, dtype=torch.int64),
+                    torch.zeros(2, 1, dtype=torch.int64), torch.arange(2)).shape == (2, 64)
+
+
+@needs_compiler
+@needs_bf16_kernel
 def test_run_rejects_bad_step_input(ckpt_dir):
     path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
     prog = _llm(path, True).engine.runner.decode_program

@@ -19,7 +19,7 @@ class StepLogits:
 
     order: list[ScheduledSeq]  # the scheduled sequences in batch order (decodes first)
     sample_seqs: list[ScheduledSeq]  # sequences that reached their last token and sample now
-    sample_logits: torch.Tensor  # (len(sample_seqs), V) float32
+    sample_logits: torch.Tensor  # (len(sample_seqs), V) float32, or the model dtype exactly widened to it
     prompt_seqs: list[tuple[ScheduledSeq, int, int]]  # (seq, first prompt position, count)
     prompt_logits: torch.Tensor | None  # (sum of counts, V) float32
 
@@ -109,9 +109,9 @@ class ModelRunner:
             )
             hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
         if len(sample_rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather needed
-            sample_logits = self.model.compute_logits(hidden)
+            sample_logits = self.model.sampling_logits(hidden)
         else:
-            sample_logits = self.model.compute_logits(hidden[_int_tensor(sample_rows, self.device)])
+            sample_logits = self.model.sampling_logits(hidden[_int_tensor(sample_rows, self.device)])
         prompt_logits = None
         if prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[_int_tensor(prompt_rows, self.device)])

@@ -49,9 +49,21 @@ def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            default_generator: torch.Generator, use_cpu_kernels: bool = False) -> SampleResult:
-    """Pick one token per row of ``logits`` (N, V) float32 under each row's params.
+    """Pick one token per row of ``logits`` (N, V) under each row's params: float32, or a lower precision
+    whose exact float32 widening they are (the model dtype, before ``.float()``).
 
-    ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits."""
+    ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits (for
+    greedy rows without logprobs straight from lower-precision logits, with no float32 copy)."""
+    if logits.dtype != torch.float32:
+        if use_cpu_kernels and all(p.greedy and p.logprobs is None for p in params):
+            fused = pointwise_kernels.argmax_logsumexp(logits)
+            if fused is not None:
+                chosen, lse = fused
+                sampled_lp = logits.gather(1, chosen[:, None])[:, 0].float() - lse  # (N,)
+                empty: list[list] = [[] for _ in params]
+                return SampleResult(chosen.tolist(), sampled_lp.tolist(), [0] * len(params), empty,
+                                    [[] for _ in params])
+        logits = logits.float()
     fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None
     chosen = fused[0] if fused is not None else logits.argmax(dim=-1)  # (N,)
     if not all(p.greedy for p in params):

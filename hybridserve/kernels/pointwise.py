@@ -16,7 +16,7 @@ _SIGNATURES = {
     "hs_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, F32, PTR, I64, PTR, F32, INT, PTR, I64],
     "hs_gated_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64, F32, INT, PTR, I64],
     "hs_silu_mul": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64],
-    "hs_argmax_logsumexp": [I64, I64, PTR, I64, PTR, PTR, PTR],
+    "hs_argmax_logsumexp": [INT, I64, I64, PTR, I64, PTR, PTR, PTR],
     "hs_rotary": [INT, I64, I64, I64, I64, PTR, I64, PTR, PTR, I64],
 }
 MAX_ROTARY = 1024  # kMaxRotary in csrc/pointwise.cpp
@@ -145,16 +145,17 @@ def covers_rotary(rotary_dim: int, head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Per row of float32 logits (N, V): the first index of the maximum (N,) int64 and
-    ``logsumexp`` (N,) float32. None when not covered (including any row with NaN or inf)."""
+    """Per row of logits (N, V) in float32, bfloat16 or float16: the first index of the maximum (N,)
+    int64 and ``logsumexp`` (N,) float32, as of ``logits.float()``. None when not covered (including
+    any row with NaN or inf)."""
     lib = _library()
-    if lib is None or logits.dtype != torch.float32 or not rows_ok(logits) or logits.shape[1] == 0:
+    if lib is None or logits.dtype not in DTYPE_CODES or not rows_ok(logits) or logits.shape[1] == 0:
         return None
     N, V = logits.shape
     idx = torch.empty(N, dtype=torch.int64)
     lse = torch.empty(N, dtype=torch.float32)
     mx = torch.empty(N, dtype=torch.float32)
-    check(lib.hs_argmax_logsumexp(N, V, logits.data_ptr(), logits.stride(0), idx.data_ptr(), lse.data_ptr(),
+    check(lib.hs_argmax_logsumexp(DTYPE_CODES[logits.dtype], N, V, logits.data_ptr(), logits.stride(0), idx.data_ptr(), lse.data_ptr(),
                                   mx.data_ptr()), "hs_argmax_logsumexp")
     if not bool(torch.isfinite(mx).all()):
         return None

@@ -104,13 +104,22 @@ class ProgramBuilder:
         """Keep tensors the program points into (parameters it derived, say) alive with it."""
         self._keep.extend(t for t in tensors if t is not None)
 
-    @staticmethod
-    def rows(t: torch.Tensor) -> tuple[int, int]:
-        """(address, row stride) of a (rows, width) CPU tensor with contiguous rows."""
+    def rows(self, t: torch.Tensor) -> tuple[int, int]:
+        """(address, row stride) of a (rows, width) CPU tensor with contiguous rows, kept alive with the
+        program."""
         if not rows_ok(t):
             raise Unsupported(f"a (rows, width) tensor with contiguous rows is needed, got {tuple(t.shape)} "
                               f"strides {t.stride()} on {t.device}")
+        self._keep.append(t)
         return t.data_ptr(), t.stride(0)
+
+    def ptr(self, t: torch.Tensor | None) -> int | None:
+        """The address of t (None for None), kept alive with the program: every tensor a call points
+        into goes through here or :meth:`rows`, so a program outliving its engine stays valid."""
+        if t is None:
+            return None
+        self._keep.append(t)
+        return t.data_ptr()
 
     @staticmethod
     def dtype_code(dtype: torch.dtype) -> int:
@@ -129,8 +138,7 @@ class ProgramBuilder:
         if table.dim() != 2 or table.stride(1) != 1 or out.dtype != table.dtype or out.shape[1] != table.shape[1]:
             raise Unsupported("the embedding needs a row-major table and an output of its width and dtype")
         out_ptr, out_stride = self.rows(out)
-        self.keep(table)
-        self._append(_OP_EMBED, [(_KIND_VALUE, self.dtype_code(table.dtype)), (_KIND_VALUE, table.data_ptr()),
+        self._append(_OP_EMBED, [(_KIND_VALUE, self.dtype_code(table.dtype)), (_KIND_VALUE, self.ptr(table)),
                                  (_KIND_VALUE, table.stride(0)), (_KIND_VALUE, table.shape[0]),
                                  (_KIND_VALUE, table.shape[1]), (_KIND_VALUE, out_ptr), (_KIND_VALUE, out_stride),
                                  (_KIND_STEP, Step.ROWS), (_KIND_STEP, Step.INPUT_IDS),

@@ -100,12 +100,12 @@ class Attention(nn.Module):
         act, ct = program.dtype_code(dtype), program.dtype_code(cache.k.dtype)
         (q_ptr, q_s), (k_ptr, k_s), (v_ptr, v_s) = program.rows(q), program.rows(k), program.rows(v)
         program.call("hs_kv_write", [act, ct, Step.ROWS, Step.SLOT_MAPPING, k_ptr, k_s, v_ptr, v_s,
-                                     cache.k.data_ptr(), cache.v.data_ptr(), *geom, Hkv, Dh, cache.k_scale,
+                                     program.ptr(cache.k), program.ptr(cache.v), *geom, Hkv, Dh, cache.k_scale,
                                      cache.v_scale])
         attn_ptr, attn_s = program.rows(attn)
         program.call("hs_paged_attention", [
             act, ct, Step.ROWS, Step.CU_SEQLENS, Step.SEQ_LENS, Step.BLOCK_TABLES, Step.BLOCK_TABLE_STRIDE, q_ptr, q_s,
-            cache.k.data_ptr(), cache.v.data_ptr(), *geom, attn_ptr, attn_s, Hq, Hkv, Dh, self.scale, cache.k_scale,
+            program.ptr(cache.k), program.ptr(cache.v), *geom, attn_ptr, attn_s, Hq, Hkv, Dh, self.scale, cache.k_scale,
             cache.v_scale, int(self.sliding_window or 0)])
         emit_linear(program, self.o_proj, attn, out)
 

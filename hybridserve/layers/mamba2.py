@@ -156,14 +156,13 @@ class Mamba2Mixer(nn.Module):
         conv_out = program.scratch("mamba2.conv", conv_dim, dtype)  # (rows, conv_dim)
         y = program.scratch("mamba2.y", H * P, torch.float32)  # (rows, H * P)
         gated = program.scratch("mamba2.gated", inter, dtype)  # (rows, inter)
-        program.keep(conv_w, conv_b, A32, D32, dt_bias32)
         emit_linear(program, self.in_proj, h, proj)
         act, st = program.dtype_code(dtype), program.dtype_code(conv_states.dtype)
         xbc_ptr, xbc_s = program.rows(proj[:, inter:inter + conv_dim])
         conv_ptr, conv_s = program.rows(conv_out)
         program.call("hs_causal_conv1d", [act, st, Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES, xbc_ptr, xbc_s,
-                                          conv_states.data_ptr(), conv_states.stride(0), conv_w.data_ptr(),
-                                          None if conv_b is None else conv_b.data_ptr(),
+                                          program.ptr(conv_states), conv_states.stride(0), program.ptr(conv_w),
+                                          program.ptr(conv_b),
                                           int(self.activation == "silu"), conv_ptr, conv_s, conv_dim,
                                           conv_w.shape[0]])
         lo, hi = self.decode_time_step_limit
@@ -172,12 +171,12 @@ class Mamba2Mixer(nn.Module):
         program.call("hs_mamba2_scan", [
             act, program.dtype_code(ssm_states.dtype), Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES,
             conv_ptr, conv_s, conv_ptr + inter * conv_out.element_size(), conv_s,
-            conv_ptr + (inter + G * N) * conv_out.element_size(), conv_s, dt_ptr, dt_s, A32.data_ptr(),
-            D32.data_ptr(), dt_bias32.data_ptr(), 1, int(lo > 0.0 or hi != math.inf), lo, hi,
-            ssm_states.data_ptr(), ssm_states.stride(0), y_ptr, y_s, H, P, G, N])
+            conv_ptr + (inter + G * N) * conv_out.element_size(), conv_s, dt_ptr, dt_s, program.ptr(A32),
+            program.ptr(D32), program.ptr(dt_bias32), 1, int(lo > 0.0 or hi != math.inf), lo, hi,
+            program.ptr(ssm_states), ssm_states.stride(0), y_ptr, y_s, H, P, G, N])
         gate_ptr, gate_s = program.rows(proj[:, :inter])
         gated_ptr, gated_s = program.rows(gated)
-        program.call("hs_gated_rms_norm", [act, Step.ROWS, inter, y_ptr, y_s, gate_ptr, gate_s, norm.weight.data_ptr(),
+        program.call("hs_gated_rms_norm", [act, Step.ROWS, inter, y_ptr, y_s, gate_ptr, gate_s, program.ptr(norm.weight),
                                            norm.group_size, norm.eps, int(self.norm_in_float32), gated_ptr, gated_s])
         emit_linear(program, self.out_proj, gated, out)
 

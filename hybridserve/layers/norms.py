@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         h_ptr, hs = program.rows(residual) if residual is not None else (None, 0)
         program.call("hs_rms_norm", [program.dtype_code(x.dtype), Step.ROWS, D, x_ptr, xs, h_ptr, hs, scale,
                                      x_ptr if residual is not None else None, xs if residual is not None else 0,
-                                     self.weight.data_ptr(), self.eps, int(self.zero_centered), out_ptr, os_])
+                                     program.ptr(self.weight), self.eps, int(self.zero_centered), out_ptr, os_])
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -73,8 +73,7 @@ class KernelLinear(_PackedWeightLinear):
         x_ptr, xs = program.rows(x)
         out_ptr, os_ = program.rows(out)
         program.call("hs_linear_bf16", [Step.ROWS, self.out_features, self.in_features, x_ptr, xs,
-                                        self.packed_weight.data_ptr(),
-                                        None if self.bias is None else self.bias.data_ptr(), out_ptr, os_])
+                                        program.ptr(self.packed_weight), program.ptr(self.bias), out_ptr, os_])
 
 
 def emit_linear(program, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:

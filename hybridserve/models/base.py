@@ -54,6 +54,13 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         return logits * self.logits_scale if self.logits_scale != 1.0 else logits
 
+    def sampling_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`compute_logits`, or the model-dtype tensor whose float32 widening it is exactly (spares
+        the sampler a float32 copy of the logits when it needs none)."""
+        if type(self).compute_logits is CausalLM.compute_logits and self.logits_scale == 1.0:
+            return self.lm_head(hidden)
+        return self.compute_logits(hidden)
+
     def tie_weights_if_needed(self) -> None:
         """Share the LM head with the embeddings when the config ties them."""
         if getattr(self.hf_config, "tie_word_embeddings", False):

@@ -193,5 +193,9 @@ class GraniteMoeHybridForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) float32, divided by ``logits_scaling`` as HF does."""
-        logits = self.lm_head(hidden)  # (N, vocab) in the model dtype
-        return (logits / self.logits_scaling if self.logits_scaling != 1.0 else logits).float()
+        return self.sampling_logits(hidden).float()
+
+    def sampling_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits in the model dtype, divided by ``logits_scaling`` there (HF's order)."""
+        logits = self.lm_head(hidden)  # (N, vocab)
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits

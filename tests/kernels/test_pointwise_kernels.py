@@ -226,7 +226,20 @@ def test_argmax_logsumexp_declines_non_finite_rows(bad):
         torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
     else:
         assert pointwise.argmax_logsumexp(logits) is None
-    assert pointwise.argmax_logsumexp(logits.to(torch.bfloat16)) is None  # float32 only
+        assert pointwise.argmax_logsumexp(logits.to(torch.bfloat16)) is None
+    assert pointwise.argmax_logsumexp(logits.to(torch.int32)) is None  # not a float dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("shape", [(1, 7), (5, 1000), (32, 32000), (3, 50257)])
+def test_argmax_logsumexp_of_low_precision_logits_equals_their_float32(dtype, shape):
+    """Lower-precision logits give exactly what their float32 widening gives (same index, same sum)."""
+    g = torch.Generator().manual_seed(shape[1])
+    low = (torch.randn(*shape, generator=g) * 4.0).to(dtype)
+    idx, lse = pointwise.argmax_logsumexp(low)
+    idx32, lse32 = pointwise.argmax_logsumexp(low.float())
+    assert torch.equal(idx, idx32) and torch.equal(idx, low.float().argmax(-1))
+    assert_bits_equal(lse, lse32, "logsumexp")
 
 
 def test_sampler_with_kernel_matches_torch_path():
@@ -244,6 +257,22 @@ def test_sampler_with_kernel_matches_torch_path():
     torch.testing.assert_close(torch.tensor(fused.sampled_logprobs), torch.tensor(plain.sampled_logprobs))
     for a, b in zip(fused.top_logprobs, plain.top_logprobs):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_sampler_takes_model_dtype_logits_as_their_float32(kernels, logprobs):
+    """bf16 logits (greedy without logprobs: the fast path; otherwise widened first) sample exactly as
+    their float32 widening does."""
+    from hybridserve.engine.sampler import sample
+    from hybridserve.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    low = (torch.randn(4, 3000, generator=g) * 3.0).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0, logprobs=logprobs) for _ in range(4)]
+    a = sample(low, params, [None] * 4, torch.Generator().manual_seed(0), use_cpu_kernels=kernels)
+    b = sample(low.float(), params, [None] * 4, torch.Generator().manual_seed(0), use_cpu_kernels=kernels)
+    assert a == b
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -156,22 +156,35 @@ void rotary_impl(int64_t T, int64_t H, int64_t Dh, int64_t R, AT* x, int64_t xs,
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HS_ARGMAX_VECTOR 1
+// Lanes `m` of 16 values of a storage dtype as float32, the other lanes 0.
+template <typename T> inline __m512 maskz_load16_ps(__mmask16 m, const T* p);
+template <> inline __m512 maskz_load16_ps<float>(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+template <> inline __m512 maskz_load16_ps<BF16>(__mmask16 m, const BF16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+template <> inline __m512 maskz_load16_ps<_Float16>(__mmask16 m, const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
 // One row of argmax_logsumexp_impl, 16 lanes at a time: max and NaN in one pass, the first index of the
 // maximum, then the sum of exp(x - max).
-void argmax_logsumexp_row16(int64_t V, const float* row, int64_t* idx, float* lse, float* mx_out) {
+template <typename T>
+void argmax_logsumexp_row16(int64_t V, const T* row, int64_t* idx, float* lse, float* mx_out) {
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   __m512 vmax = neg_inf;
   __mmask16 nan = 0;
   const int64_t full = V / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (V - full)) - 1u);
   for (int64_t v = 0; v < full; v += 16) {
-    const __m512 x = _mm512_loadu_ps(row + v);
+    const __m512 x = load16_ps(row + v);
     nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, x);
   }
   if (tail) {
-    const __m512 x = _mm512_mask_loadu_ps(neg_inf, tail, row + full);
+    const __m512 x = _mm512_mask_blend_ps(tail, neg_inf, maskz_load16_ps(tail, row + full));
     nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     vmax = _mm512_max_ps(vmax, x);
   }
@@ -181,7 +194,7 @@ void argmax_logsumexp_row16(int64_t V, const float* row, int64_t* idx, float* ls
   const __m512 vmx = _mm512_set1_ps(mx);
   for (int64_t v = 0; v < V; v += 16) {
     const __mmask16 lanes = v < full ? static_cast<__mmask16>(0xffff) : tail;
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, _mm512_maskz_loadu_ps(lanes, row + v), vmx, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(lanes, maskz_load16_ps(lanes, row + v), vmx, _CMP_EQ_OQ);
     if (hit) {
       *idx = v + __builtin_ctz(hit);
       break;
@@ -189,19 +202,21 @@ void argmax_logsumexp_row16(int64_t V, const float* row, int64_t* idx, float* ls
   }
   __m512 sum = _mm512_setzero_ps();
   for (int64_t v = 0; v < full; v += 16)
-    sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(_mm512_loadu_ps(row + v), vmx)));
-  if (tail) sum = _mm512_mask_add_ps(sum, tail, sum, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), vmx)));
+    sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(load16_ps(row + v), vmx)));
+  if (tail) sum = _mm512_mask_add_ps(sum, tail, sum, exp16(_mm512_sub_ps(maskz_load16_ps(tail, row + full), vmx)));
   *lse = mx + std::log(_mm512_reduce_add_ps(sum));
 }
 #endif
 
-// Per row of float32 logits: the first index of the maximum and log(sum(exp(x))). A row whose maximum
-// is not finite (NaN or inf present) gets max_out = that value and is left to the caller.
-void argmax_logsumexp_impl(int64_t N, int64_t V, const float* x, int64_t xs, int64_t* idx, float* lse, float* mx_out) {
+// Per row of logits (float32, or the model dtype they are exactly widened from): the first index of the
+// maximum and log(sum(exp(x))) in float32. A row whose maximum is not finite (NaN or inf present) gets
+// max_out = that value and is left to the caller.
+template <typename T>
+void argmax_logsumexp_impl(int64_t N, int64_t V, const T* x, int64_t xs, int64_t* idx, float* lse, float* mx_out) {
 #pragma omp parallel for schedule(static) if (N * V >= kParallelMin)
   for (int64_t r = 0; r < N; ++r) {
-    const float* row = x + r * xs;
-#if defined(__AVX512F__)
+    const T* row = x + r * xs;
+#if defined(HS_ARGMAX_VECTOR)
     argmax_logsumexp_row16(V, row, idx + r, lse + r, mx_out + r);
     continue;
 #endif
@@ -209,18 +224,19 @@ void argmax_logsumexp_impl(int64_t N, int64_t V, const float* x, int64_t xs, int
     bool nan = false;
 #pragma omp simd reduction(max : mx) reduction(|| : nan)
     for (int64_t v = 0; v < V; ++v) {
-      mx = row[v] > mx ? row[v] : mx;
-      nan = nan || row[v] != row[v];
+      const float x = to_f32(row[v]);
+      mx = x > mx ? x : mx;
+      nan = nan || x != x;
     }
     if (nan) mx = NAN;
     mx_out[r] = mx;
     if (!std::isfinite(mx)) continue;
     int64_t first = 0;
-    while (row[first] != mx) ++first;
+    while (to_f32(row[first]) != mx) ++first;
     idx[r] = first;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < V; ++v) sum += exp_f32(row[v] - mx);
+    for (int64_t v = 0; v < V; ++v) sum += exp_f32(to_f32(row[v]) - mx);
     lse[r] = mx + std::log(sum);
   }
 }
@@ -229,9 +245,12 @@ void argmax_logsumexp_impl(int64_t N, int64_t V, const float* x, int64_t xs, int
 
 extern "C" {
 
-int hs_argmax_logsumexp(int64_t N, int64_t V, const float* x, int64_t xs, int64_t* idx, float* lse, float* mx) {
-  argmax_logsumexp_impl(N, V, x, xs, idx, lse, mx);
-  return 0;
+int hs_argmax_logsumexp(int dtype, int64_t N, int64_t V, const void* x, int64_t xs, int64_t* idx, float* lse,
+                        float* mx) {
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    argmax_logsumexp_impl<T>(N, V, static_cast<const T*>(x), xs, idx, lse, mx);
+  });
 }
 
 
