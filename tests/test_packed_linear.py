@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.kernels import gemm
 from hybridserve.layers.packed_linear import PackedLinear, prepack_available
 from tests.checkpoints import make
 
@@ -46,3 +47,39 @@ def test_packed_models_release_the_checkpoint_memory_map(ckpt_dir, cpu_kernels):
         assert weights not in maps.read()
     out = llm.generate([{"prompt_token_ids": [5, 9, 17]}], SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_huge_page_tensors_start_on_a_boundary():
+    from hybridserve.kernels import hugepages
+
+    big = hugepages.empty(3 * hugepages.HUGE_PAGE // 2 + 7, torch.bfloat16)  # 3 MiB and a bit
+    assert big.numel() == 3 * hugepages.HUGE_PAGE // 2 + 7 and big.dtype == torch.bfloat16 and big.is_contiguous()
+    if hugepages._madvise() is not None:
+        assert big.data_ptr() % hugepages.HUGE_PAGE == 0
+    big.fill_(1.5)  # the whole tensor is writable
+    small = hugepages.empty(1000, torch.float32)
+    assert small.numel() == 1000 and small.dtype == torch.float32
+
+
+@pytest.mark.skipif(not gemm.available(), reason="this CPU has no AVX-512 BF16: no kernel packing")
+def test_kernel_packing_shares_one_arena_and_matches_pack():
+    """Every packed weight is a cache-line-aligned slice of one allocation, equal to ``gemm.pack`` of
+    its weight; a tied head shares its embedding's packing."""
+    from hybridserve.layers.packed_linear import KernelLinear, pack_kernel_linear_layers
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 96, bias=False),
+                                torch.nn.Linear(96, 33)).to(torch.bfloat16)
+    tied = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    tied.weight = model[0].weight
+    model.append(tied)
+    weights = [m.weight.detach().clone() for m in model]
+    assert pack_kernel_linear_layers(model) == 4
+    packed = [m.packed_weight for m in model]
+    assert all(isinstance(m, KernelLinear) for m in model)
+    assert packed[3] is packed[0]
+    bases = {p.untyped_storage().data_ptr() for p in packed}
+    assert len(bases) == 1, "the packed weights are not one allocation"
+    for w, p in zip(weights, packed):
+        assert p.data_ptr() % 64 == 0
+        assert torch.equal(p, gemm.pack(w))

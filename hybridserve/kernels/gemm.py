@@ -47,14 +47,25 @@ def cpu_lacks_bf16_dot() -> bool:
     return lib is not None and lib.hs_gemm_supported() != 1
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight (N, K) bf16 -> its packed form (ceil(N / 16) * 16 * K,) bf16; None when not covered."""
+def packable(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack` takes this weight."""
+    return (_library() is not None and weight.dim() == 2 and weight.dtype == torch.bfloat16
+            and weight.device.type == "cpu" and weight.shape[0] >= 1 and weight.shape[1] >= 2
+            and weight.shape[1] % 2 == 0 and weight.stride(1) == 1)
+
+
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """weight (N, K) bf16 -> its packed form (ceil(N / 16) * 16 * K,) bf16, written into ``out`` when
+    given (a contiguous bf16 tensor of that many elements); None when not covered."""
     lib = _library()
-    if (lib is None or weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
-            or weight.shape[0] < 1 or weight.shape[1] < 2 or weight.shape[1] % 2 != 0 or weight.stride(1) != 1):
+    if not packable(weight):
         return None
     N, K = weight.shape
-    packed = torch.empty(packed_numel(N, K), dtype=torch.bfloat16)
+    if out is not None and (out.dtype != torch.bfloat16 or out.numel() != packed_numel(N, K)
+                            or not out.is_contiguous() or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous bf16 CPU tensor of {packed_numel(N, K)} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    packed = torch.empty(packed_numel(N, K), dtype=torch.bfloat16) if out is None else out
     check(lib.hs_pack_bf16(N, K, weight.data_ptr(), weight.stride(0), packed.data_ptr()), "hs_pack_bf16")
     return packed
 

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hybridserve.kernels import gemm
+from hybridserve.kernels import gemm, hugepages
 
 
 def prepack_available() -> bool:
@@ -85,6 +85,16 @@ def emit_linear(program, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -
     layer.emit(program, x, out)
 
 
+def _packable_linears(model: nn.Module):
+    """(parent, name, linear) for every bf16 CPU ``nn.Linear`` that may be packed."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or not getattr(child, "prepack", True):
+                continue  # a layer that reads its .weight directly sets prepack = False
+            if child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+                yield parent, name, child
+
+
 def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor | None],
                      make: Callable[[nn.Linear, torch.Tensor], nn.Module]) -> int:
     """Replace every bf16 CPU ``nn.Linear`` whose weight ``pack`` accepts by ``make(linear, packed)``.
@@ -92,26 +102,44 @@ def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tens
     Layers that share one weight (tied or reused blocks) share one packed copy. Returns how many."""
     packed: dict[int, torch.Tensor | None] = {}
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or not getattr(child, "prepack", True):
-                continue  # a layer that reads its .weight directly sets prepack = False
-            weight = child.weight
-            if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-                continue
-            if id(weight) not in packed:
-                packed[id(weight)] = pack(weight.detach())
-            if packed[id(weight)] is not None:
-                setattr(parent, name, make(child, packed[id(weight)]))
-                count += 1
+    for parent, name, child in _packable_linears(model):
+        weight = child.weight
+        if id(weight) not in packed:
+            packed[id(weight)] = pack(weight.detach())
+        if packed[id(weight)] is not None:
+            setattr(parent, name, make(child, packed[id(weight)]))
+            count += 1
     return count
 
 
 def pack_kernel_linear_layers(model: nn.Module) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` the CPU kernel covers by a :class:`KernelLinear`; returns how many."""
+    """Replace every bf16 CPU ``nn.Linear`` the CPU kernel covers by a :class:`KernelLinear`; returns how many.
+
+    The packed weights share one allocation on huge pages (``kernels.hugepages``), each starting on a
+    cache line."""
     if not gemm.available():
         return 0
-    return _replace_linears(model, gemm.pack, KernelLinear)
+    def key(w: torch.Tensor) -> tuple:
+        return w.data_ptr(), tuple(w.shape), w.stride()
+
+    sizes: dict[tuple, int] = {}  # weight -> packed elements, rounded up to 64 bytes
+    for _, _, child in _packable_linears(model):
+        if gemm.packable(child.weight):
+            sizes.setdefault(key(child.weight), -(-gemm.packed_numel(*child.weight.shape) // 32) * 32)
+    arena = hugepages.empty(sum(sizes.values()), torch.bfloat16)
+    slots: dict[tuple, torch.Tensor] = {}
+    offset = 0
+    for k, n in sizes.items():
+        slots[k] = arena[offset:offset + n]
+        offset += n
+
+    def pack_into_arena(weight: torch.Tensor) -> torch.Tensor | None:
+        slot = slots.get(key(weight))
+        if slot is None:
+            return None
+        return gemm.pack(weight, slot[:gemm.packed_numel(*weight.shape)])
+
+    return _replace_linears(model, pack_into_arena, KernelLinear)
 
 
 def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
