@@ -201,7 +201,8 @@ def test_malformed_program_is_refused():
     if not program.available():
         pytest.skip("no compiled kernels")
     out = torch.zeros(2, 4)
-    for code in ([2, 1, 0, 99], [7, 1, 0, 0], [2, 5, 0, 0]):  # unknown kernel, unknown op, truncated
+    # unknown kernel, unknown op, truncated, a kernel given too few arguments, an embedding given one
+    for code in ([2, 1, 0, 99], [7, 1, 0, 0], [2, 5, 0, 0], [2, 2, 0, 1, 0, 5], [1, 1, 0, 1]):
         prog = program.Program(code, 1, [], out, 2)
         with pytest.raises(RuntimeError, match="failed \\(code 91\\)"):
             prog.run(torch.tensor([0]), torch.arange(2), None, None, None, None)

@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
+#include <type_traits>
 
 #include "dtypes.h"
 
@@ -42,24 +44,6 @@ enum Kernel : int64_t {
 
 enum Op : int64_t { kOpEmbed = 1, kOpCall = 2 };
 
-using RmsNormFn = int (*)(int, int64_t, int64_t, const void*, int64_t, const void*, int64_t, float, void*, int64_t,
-                          const void*, float, int, void*, int64_t);
-using LinearFn = int (*)(int64_t, int64_t, int64_t, const void*, int64_t, const void*, const void*, void*, int64_t);
-using ConvFn = int (*)(int, int, int64_t, const void*, const void*, const void*, int64_t, void*, int64_t, const void*,
-                       const void*, int, void*, int64_t, int64_t, int64_t);
-using ScanFn = int (*)(int, int, int64_t, const void*, const void*, const void*, int64_t, const void*, int64_t,
-                       const void*, int64_t, const void*, int64_t, const void*, const void*, const void*, int, int,
-                       float, float, void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int64_t);
-using GatedNormFn = int (*)(int, int64_t, int64_t, const void*, int64_t, const void*, int64_t, const void*, int64_t,
-                            float, int, void*, int64_t);
-using RotaryFn = int (*)(int, int64_t, int64_t, int64_t, int64_t, void*, int64_t, const void*, const void*, int64_t);
-using SiluMulFn = int (*)(int, int64_t, int64_t, const void*, int64_t, const void*, int64_t, void*, int64_t);
-using KvWriteFn = int (*)(int, int, int64_t, const void*, const void*, int64_t, const void*, int64_t, void*, void*,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float);
-using AttentionFn = int (*)(int, int, int64_t, const void*, const void*, const void*, int64_t, const void*, int64_t,
-                            const void*, const void*, int64_t, int64_t, int64_t, int64_t, void*, int64_t, int64_t,
-                            int64_t, int64_t, float, float, float, int64_t);
-
 // Reads one op's arguments in order, resolving step references.
 class Args {
  public:
@@ -79,6 +63,14 @@ class Args {
     std::memcpy(&d, &bits, sizeof d);
     return static_cast<float>(d);
   }
+  // The next argument as a parameter of type T.
+  template <typename T> T as() {
+    if constexpr (std::is_same_v<T, float>) return f();
+    else if constexpr (std::is_same_v<T, int>) return n();
+    else if constexpr (std::is_same_v<T, int64_t>) return i();
+    else if constexpr (std::is_same_v<T, void*>) return mut();
+    else return ptr();
+  }
 
  private:
   const int64_t* p_;
@@ -88,6 +80,7 @@ class Args {
 // Token embeddings: out row t = table row ids[t], times scale when scale != 1 (rounded to the dtype
 // as ``embedding * scale`` is in PyTorch: the product in float32, then rounded). Returns 1 for an id
 // outside [0, vocab).
+constexpr int64_t kEmbedArgs = 10;
 int embed(Args a) {
   const int dtype = a.n();
   const auto* table = static_cast<const char*>(a.ptr());
@@ -112,148 +105,36 @@ int embed(Args a) {
   });
 }
 
-int call(int64_t kernel, const void* fn, Args a) {
+// Calls fn, a kernel of C signature int(Ts...), with the op's `nargs` arguments read in order (a
+// braced initializer evaluates them left to right). 91 when the op has another number of arguments.
+template <typename... Ts>
+int invoke(const void* fn, Args a, int64_t nargs) {
+  if (nargs != static_cast<int64_t>(sizeof...(Ts))) return 91;
+  const std::tuple<Ts...> values{a.as<Ts>()...};
+  return std::apply(reinterpret_cast<int (*)(Ts...)>(fn), values);
+}
+
+// Parameter types of the C signatures (as in each kernel's extern "C" declaration).
+using I = int;
+using L = int64_t;
+using F = float;
+using P = const void*;
+using W = void*;
+
+int call(int64_t kernel, const void* fn, Args a, int64_t nargs) {
   switch (kernel) {
-    case kRmsNorm: {
-      const int act = a.n();
-      const int64_t T = a.i(), D = a.i();
-      const void* x = a.ptr();
-      const int64_t xs = a.i();
-      const void* h = a.ptr();
-      const int64_t hs = a.i();
-      const float scale = a.f();
-      void* x_out = a.mut();
-      const int64_t xos = a.i();
-      const void* w = a.ptr();
-      const float eps = a.f();
-      const int zc = a.n();
-      void* out = a.mut();
-      const int64_t os = a.i();
-      return reinterpret_cast<RmsNormFn>(fn)(act, T, D, x, xs, h, hs, scale, x_out, xos, w, eps, zc, out, os);
-    }
-    case kLinear: {
-      const int64_t M = a.i(), N = a.i(), K = a.i();
-      const void* x = a.ptr();
-      const int64_t xs = a.i();
-      const void* packed = a.ptr();
-      const void* bias = a.ptr();
-      void* out = a.mut();
-      const int64_t os = a.i();
-      return reinterpret_cast<LinearFn>(fn)(M, N, K, x, xs, packed, bias, out, os);
-    }
-    case kConv: {
-      const int act = a.n(), st = a.n();
-      const int64_t S = a.i();
-      const void* cu = a.ptr();
-      const void* slots = a.ptr();
-      const void* x = a.ptr();
-      const int64_t xs = a.i();
-      void* states = a.mut();
-      const int64_t ss = a.i();
-      const void* w = a.ptr();
-      const void* bias = a.ptr();
-      const int silu = a.n();
-      void* out = a.mut();
-      const int64_t os = a.i(), D = a.i(), K = a.i();
-      return reinterpret_cast<ConvFn>(fn)(act, st, S, cu, slots, x, xs, states, ss, w, bias, silu, out, os, D, K);
-    }
-    case kScan: {
-      const int act = a.n(), st = a.n();
-      const int64_t S = a.i();
-      const void* cu = a.ptr();
-      const void* slots = a.ptr();
-      const void* x = a.ptr();
-      const int64_t xs = a.i();
-      const void* B = a.ptr();
-      const int64_t bs = a.i();
-      const void* C = a.ptr();
-      const int64_t cs = a.i();
-      const void* dt = a.ptr();
-      const int64_t dts = a.i();
-      const void* A = a.ptr();
-      const void* D = a.ptr();
-      const void* dt_bias = a.ptr();
-      const int softplus = a.n(), clamp = a.n();
-      const float lo = a.f(), hi = a.f();
-      void* states = a.mut();
-      const int64_t ss = a.i();
-      void* y = a.mut();
-      const int64_t ys = a.i(), H = a.i(), P = a.i(), G = a.i(), N = a.i();
-      return reinterpret_cast<ScanFn>(fn)(act, st, S, cu, slots, x, xs, B, bs, C, cs, dt, dts, A, D, dt_bias, softplus,
-                                          clamp, lo, hi, states, ss, y, ys, H, P, G, N);
-    }
-    case kGatedNorm: {
-      const int act = a.n();
-      const int64_t T = a.i(), D = a.i();
-      const void* y = a.ptr();
-      const int64_t ys = a.i();
-      const void* gate = a.ptr();
-      const int64_t gs = a.i();
-      const void* w = a.ptr();
-      const int64_t G = a.i();
-      const float eps = a.f();
-      const int in_f32 = a.n();
-      void* out = a.mut();
-      const int64_t os = a.i();
-      return reinterpret_cast<GatedNormFn>(fn)(act, T, D, y, ys, gate, gs, w, G, eps, in_f32, out, os);
-    }
-    case kSiluMul: {
-      const int act = a.n();
-      const int64_t T = a.i(), D = a.i();
-      const void* x = a.ptr();
-      const int64_t xs = a.i();
-      const void* b = a.ptr();
-      const int64_t bs = a.i();
-      void* out = a.mut();
-      const int64_t os = a.i();
-      return reinterpret_cast<SiluMulFn>(fn)(act, T, D, x, xs, b, bs, out, os);
-    }
-    case kKvWrite: {
-      const int act = a.n(), ct = a.n();
-      const int64_t T = a.i();
-      const void* slots = a.ptr();
-      const void* k = a.ptr();
-      const int64_t ks = a.i();
-      const void* v = a.ptr();
-      const int64_t vs = a.i();
-      void* kc = a.mut();
-      void* vc = a.mut();
-      const int64_t bsz = a.i(), bst = a.i(), tst = a.i(), hst = a.i(), Hkv = a.i(), Dh = a.i();
-      const float k_scale = a.f(), v_scale = a.f();
-      return reinterpret_cast<KvWriteFn>(fn)(act, ct, T, slots, k, ks, v, vs, kc, vc, bsz, bst, tst, hst, Hkv, Dh,
-                                             k_scale, v_scale);
-    }
-    case kAttention: {
-      const int act = a.n(), ct = a.n();
-      const int64_t S = a.i();
-      const void* cu = a.ptr();
-      const void* lens = a.ptr();
-      const void* tables = a.ptr();
-      const int64_t bts = a.i();
-      const void* q = a.ptr();
-      const int64_t qs = a.i();
-      const void* kc = a.ptr();
-      const void* vc = a.ptr();
-      const int64_t bsz = a.i(), bst = a.i(), tst = a.i(), hst = a.i();
-      void* out = a.mut();
-      const int64_t os = a.i(), Hq = a.i(), Hkv = a.i(), Dh = a.i();
-      const float scale = a.f(), k_scale = a.f(), v_scale = a.f();
-      const int64_t window = a.i();
-      return reinterpret_cast<AttentionFn>(fn)(act, ct, S, cu, lens, tables, bts, q, qs, kc, vc, bsz, bst, tst, hst, out,
-                                               os, Hq, Hkv, Dh, scale, k_scale, v_scale, window);
-    }
-    case kRotary: {
-      const int act = a.n();
-      const int64_t T = a.i(), H = a.i(), Dh = a.i(), R = a.i();
-      void* x = a.mut();
-      const int64_t xs = a.i();
-      const void* cos = a.ptr();
-      const void* sin = a.ptr();
-      const int64_t cs = a.i();
-      return reinterpret_cast<RotaryFn>(fn)(act, T, H, Dh, R, x, xs, cos, sin, cs);
-    }
-    default:
-      return 90;
+    case kRmsNorm: return invoke<I, L, L, P, L, P, L, F, W, L, P, F, I, W, L>(fn, a, nargs);
+    case kLinear: return invoke<L, L, L, P, L, P, P, W, L>(fn, a, nargs);
+    case kConv: return invoke<I, I, L, P, P, P, L, W, L, P, P, I, W, L, L, L>(fn, a, nargs);
+    case kScan:
+      return invoke<I, I, L, P, P, P, L, P, L, P, L, P, L, P, P, P, I, I, F, F, W, L, W, L, L, L, L, L>(fn, a, nargs);
+    case kGatedNorm: return invoke<I, L, L, P, L, P, L, P, L, F, I, W, L>(fn, a, nargs);
+    case kSiluMul: return invoke<I, L, L, P, L, P, L, W, L>(fn, a, nargs);
+    case kKvWrite: return invoke<I, I, L, P, P, L, P, L, W, W, L, L, L, L, L, L, F, F>(fn, a, nargs);
+    case kAttention:
+      return invoke<I, I, L, P, P, P, L, P, L, P, P, L, L, L, L, W, L, L, L, L, F, F, F, L>(fn, a, nargs);
+    case kRotary: return invoke<I, L, L, L, L, W, L, P, P, L>(fn, a, nargs);
+    default: return 91;
   }
 }
 
@@ -279,13 +160,13 @@ int hs_program_run(const int64_t* code, int64_t n, const int64_t* step, const in
     int rc;
     int64_t slot = kNumKernels;
     if (op == kOpEmbed) {
-      rc = embed(Args(args, step));
+      rc = nargs == kEmbedArgs ? embed(Args(args, step)) : 91;
     } else if (op == kOpCall) {
       // the first argument names the kernel; the rest are its arguments in order
       const int64_t kernel = args[1];
       slot = kernel;
       rc = kernel >= 0 && kernel < kNumKernels ? call(kernel, reinterpret_cast<const void*>(kernels[kernel]),
-                                                        Args(args + 2, step))
+                                                        Args(args + 2, step), nargs - 1)
                                                : 91;
     } else {
       rc = 91;
