@@ -14,8 +14,7 @@ from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.kernels.program import Unsupported
-from hybridserve.models.base import RopeDecoderLM
+from hybridserve.models.base import RopeDecoderLM, emit_decoder
 
 ATTENTION_KINDS = ("full_attention", "attention")
 
@@ -80,22 +79,6 @@ class BambaForCausalLM(RopeDecoderLM):
         same kernel calls as :meth:`forward` makes with the CPU kernels; returns the output buffer.
         Each layer's ``x + feed_forward(h)`` is the residual add of the next norm (the same rounding)."""
         m = self.model
-        if not m.layers:
-            raise Unsupported("a model without layers has no decode program")
-        hidden, dtype = m.embed_tokens.embedding_dim, m.embed_tokens.weight.dtype
-        x = program.buffer(hidden, dtype)  # (rows, hidden) the residual stream, updated in place
-        h = program.buffer(hidden, dtype)  # (rows, hidden) the normed input of a mixer or MLP
-        mixed = program.buffer(hidden, dtype)  # (rows, hidden) a mixer's output
-        mlp = program.buffer(hidden, dtype)  # (rows, hidden) an MLP's output, added by the next norm
-        out = program.buffer(hidden, dtype)  # (rows, hidden) the final norm's output
-        program.embed(m.embed_tokens.weight, x)
-        for i, layer in enumerate(m.layers):
-            layer.input_layernorm.emit(program, x, h, *((mlp,) if i else ()))
-            if layer.is_attention:
-                layer.self_attn.emit_decode(program, h, mixed, caches[layer.self_attn.layer_index], m.rotary_emb)
-            else:
-                layer.mamba.emit_decode(program, h, mixed, caches[layer.mamba.layer_index])
-            layer.pre_ff_layernorm.emit(program, x, h, mixed)
-            layer.feed_forward.emit_decode(program, h, mlp)
-        m.final_layernorm.emit(program, x, out, mlp)
-        return out
+        layers = [(layer.input_layernorm, layer.self_attn if layer.is_attention else layer.mamba,
+                   layer.pre_ff_layernorm, layer.feed_forward, 1.0) for layer in m.layers]
+        return emit_decoder(program, caches, m.embed_tokens, layers, m.final_layernorm, rotary_emb=m.rotary_emb)

@@ -18,6 +18,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.kernels.program import Unsupported
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
@@ -25,8 +26,7 @@ from hybridserve.layers.moe import FusedExperts
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.packed_linear import emit_linear
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.kernels.program import Unsupported
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import CausalLM, emit_decoder
 
 MAMBA_KINDS = ("linear_attention", "mamba")
 
@@ -170,26 +170,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         """Add a whole decode step (embedding to final norm) to ``program`` (a ``ProgramBuilder``), the
         same kernel calls as :meth:`forward` makes with the CPU kernels; returns the output buffer."""
         m = self.model
-        if not m.layers or any(layer.has_experts for layer in m.layers):
+        if any(layer.has_experts for layer in m.layers):
             raise Unsupported("Granite-4.0-H with experts has no decode program")
-        hidden, dtype = m.embed_tokens.embedding_dim, m.embed_tokens.weight.dtype
-        x = program.buffer(hidden, dtype)  # (rows, hidden) the residual stream, updated in place
-        h = program.buffer(hidden, dtype)  # (rows, hidden) the normed input of a mixer or MLP
-        mixed = program.buffer(hidden, dtype)  # (rows, hidden) a mixer's output
-        mlp = program.buffer(hidden, dtype)  # (rows, hidden) an MLP's output, added by the next norm
-        out = program.buffer(hidden, dtype)  # (rows, hidden) the final norm's output
-        program.embed(m.embed_tokens.weight, x, m.embedding_multiplier)
-        for i, layer in enumerate(m.layers):
-            rm = layer.residual_multiplier
-            layer.input_layernorm.emit(program, x, h, *((mlp, rm) if i else ()))
-            if layer.is_mamba:
-                layer.mamba.emit_decode(program, h, mixed, caches[layer.mamba.layer_index])
-            else:
-                layer.self_attn.emit_decode(program, h, mixed, caches[layer.self_attn.layer_index], m.rotary_emb)
-            layer.post_attention_layernorm.emit(program, x, h, mixed, rm)
-            layer.shared_mlp.emit_decode(program, h, mlp)
-        m.norm.emit(program, x, out, mlp, m.layers[-1].residual_multiplier)
-        return out
+        layers = [(layer.input_layernorm, layer.mamba if layer.is_mamba else layer.self_attn,
+                   layer.post_attention_layernorm, layer.shared_mlp, layer.residual_multiplier) for layer in m.layers]
+        return emit_decoder(program, caches, m.embed_tokens, layers, m.norm, m.embedding_multiplier, m.rotary_emb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) float32, divided by ``logits_scaling`` as HF does."""
