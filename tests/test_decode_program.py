@@ -99,6 +99,39 @@ def test_program_is_bit_identical_to_modules(ckpt_dir, monkeypatch, setting, mod
 
 @needs_compiler
 @needs_bf16_kernel
+@pytest.mark.parametrize("model", list(MODELS))
+def test_program_against_hf(ckpt_dir, monkeypatch, model):
+    """bf16 model with float32 SSM state, decode steps through the program, against HF transformers in
+    float32 on the same weights: any divergence is a near-tie (``compare``), and the logprob error is
+    no larger than that of the plain-PyTorch bf16 run (``cpu_kernels=False``) on the same checkpoint."""
+    from tests.hf_reference import compare, hf_greedy
+
+    family, overrides = MODELS[model]
+    path32 = make(ckpt_dir, family, **overrides)
+    path16 = make(ckpt_dir, family, dtype=torch.bfloat16, **overrides)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 11, 25)]
+    ref = hf_greedy(path32, prompts, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    errors = {}
+    for name, options in (("program", {}), ("torch", {"cpu_kernels": False})):
+        llm = LLM(path16, dtype="bfloat16", mamba_ssm_cache_dtype="float32", cache_memory="16MiB",
+                  enable_progress_bar=False, **options)
+        runs = {"program": 0}
+        if llm.engine.runner.decode_program is not None:
+            real = llm.engine.runner.decode_program.run
+            monkeypatch.setattr(llm.engine.runner.decode_program, "run",
+                                lambda *a, _real=real, **k: runs.update(program=runs["program"] + 1) or _real(*a, **k))
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert (runs["program"] > 0) == (name == "program")
+        cmp = compare([o.token_ids for o in outs], [o.logprobs for o in outs], ref)
+        assert cmp.compared_tokens >= 6, (name, cmp.diverged_at)
+        errors[name] = cmp.mean_abs_error
+    assert errors["program"] <= 1.25 * errors["torch"] + 1e-3, errors
+
+
+@needs_compiler
+@needs_bf16_kernel
 def test_program_with_seeded_sampling(ckpt_dir):
     path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
 

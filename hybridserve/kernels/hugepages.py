@@ -42,10 +42,10 @@ def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     whole huge pages marked for the OS to back with huge pages (a plain ``torch.empty`` where that is
     not possible or the tensor is under one huge page)."""
     madvise = _madvise()
-    size = numel * torch.empty(0, dtype=dtype).element_size()
+    elem = torch.empty(0, dtype=dtype).element_size()
+    size = numel * elem
     if madvise is None or size < HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)
-    elem = torch.empty(0, dtype=dtype).element_size()
     raw = torch.empty(numel + HUGE_PAGE // elem, dtype=dtype)  # room to start on a boundary
     offset = (-raw.data_ptr()) % HUGE_PAGE // elem
     view = raw[offset:offset + numel]  # keeps raw alive

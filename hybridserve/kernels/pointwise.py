@@ -64,12 +64,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     """``RMSNorm`` of x (..., D). With ``residual`` (x's shape), first x = x + residual * scale (each
     op rounded to x's dtype) and returns (new x, normed); else returns normed. None when not covered."""
     lib = _library()
-    if lib is None or x.dim() < 1 or x.shape[-1] > _MAX_ROW:
+    if x.dim() < 1 or not covers_norm_weight(weight, x.dtype, x.shape[-1]):
         return None
     D = x.shape[-1]
-    act = DTYPE_CODES.get(x.dtype)
+    act = DTYPE_CODES[x.dtype]
     x2 = _rows(x)
-    if act is None or x2 is None or not _weight_ok(weight, x.dtype, D):
+    if x2 is None:
         return None
     h2 = None
     if residual is not None:
@@ -97,10 +97,9 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     if lib is None or y.dtype != torch.float32 or not rows_ok(y) or not rows_ok(gate) or y.shape != gate.shape:
         return None
     T, D = y.shape
-    act = DTYPE_CODES.get(gate.dtype)
-    if (act is None or not _weight_ok(weight, gate.dtype, D) or group_size < 1 or group_size > _MAX_ROW
-            or D % group_size != 0):
+    if not covers_gated_norm(weight, gate.dtype, D, group_size):
         return None
+    act = DTYPE_CODES[gate.dtype]
     out = torch.empty(T, D, dtype=gate.dtype)
     check(lib.hs_gated_rms_norm(act, T, D, y.data_ptr(), y.stride(0), gate.data_ptr(), gate.stride(0),
                                 weight.data_ptr(), group_size, float(eps), int(norm_in_float32), out.data_ptr(),

@@ -160,6 +160,8 @@ class Mamba2Mixer(nn.Module):
         act, st = program.dtype_code(dtype), program.dtype_code(conv_states.dtype)
         xbc_ptr, xbc_s = program.rows(proj[:, inter:inter + conv_dim])
         conv_ptr, conv_s = program.rows(conv_out)
+        (xs_ptr, xs_s), (b_ptr, b_s), (c_ptr, c_s) = (program.rows(t) for t in torch.split(
+            conv_out, [inter, G * N, G * N], dim=-1))  # x, B, C of the conv output, as the module splits it
         program.call("hs_causal_conv1d", [act, st, Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES, xbc_ptr, xbc_s,
                                           program.ptr(conv_states), conv_states.stride(0), program.ptr(conv_w),
                                           program.ptr(conv_b),
@@ -170,8 +172,7 @@ class Mamba2Mixer(nn.Module):
         y_ptr, y_s = program.rows(y)
         program.call("hs_mamba2_scan", [
             act, program.dtype_code(ssm_states.dtype), Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES,
-            conv_ptr, conv_s, conv_ptr + inter * conv_out.element_size(), conv_s,
-            conv_ptr + (inter + G * N) * conv_out.element_size(), conv_s, dt_ptr, dt_s, program.ptr(A32),
+            xs_ptr, xs_s, b_ptr, b_s, c_ptr, c_s, dt_ptr, dt_s, program.ptr(A32),
             program.ptr(D32), program.ptr(dt_bias32), 1, int(lo > 0.0 or hi != math.inf), lo, hi,
             program.ptr(ssm_states), ssm_states.stride(0), y_ptr, y_s, H, P, G, N])
         gate_ptr, gate_s = program.rows(proj[:, :inter])
