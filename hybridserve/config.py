@@ -102,6 +102,10 @@ class ResolvedDtypes:
         }
 
 
+# EngineConfig fields that change speed or output, never results: left out of the fingerprint.
+NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "cpu_decode_program")
+
+
 @dataclass
 class EngineConfig:
     """Every option of the engine, validated on construction.
@@ -171,7 +175,7 @@ class EngineConfig:
     def fingerprint(self, resolved: ResolvedDtypes | None = None) -> str:
         """A short hash over every field that changes results (and the resolved dtypes)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("enable_progress_bar", "cpu_weight_prepack", "cpu_decode_program")}  # no effect on results
+                  if f.name not in NO_EFFECT_ON_RESULTS}
         if resolved is not None:
             fields["resolved"] = resolved.as_names()
         blob = json.dumps(fields, sort_keys=True, default=str)

@@ -54,17 +54,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits (for
     greedy rows without logprobs straight from lower-precision logits, with no float32 copy)."""
-    if logits.dtype != torch.float32:
-        if use_cpu_kernels and all(p.greedy and p.logprobs is None for p in params):
-            fused = pointwise_kernels.argmax_logsumexp(logits)
-            if fused is not None:
-                chosen, lse = fused
-                sampled_lp = logits.gather(1, chosen[:, None])[:, 0].float() - lse  # (N,)
-                empty: list[list] = [[] for _ in params]
-                return SampleResult(chosen.tolist(), sampled_lp.tolist(), [0] * len(params), empty,
-                                    [[] for _ in params])
-        logits = logits.float()
-    fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None
+    fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None  # as of logits.float()
+    only_greedy_ids = all(p.greedy and p.logprobs is None for p in params)
+    if logits.dtype != torch.float32 and (fused is None or not only_greedy_ids):
+        logits = logits.float()  # exact; sampling, ranks and top-k below work in float32
     chosen = fused[0] if fused is not None else logits.argmax(dim=-1)  # (N,)
     if not all(p.greedy for p in params):
         probs = _processed_logits(logits, params).softmax(-1).cpu()  # (N, V)

@@ -10,7 +10,8 @@ def enable_cpu_kernels(model: nn.Module) -> bool:
     them, when they can be built here; returns whether they are on."""
     from hybridserve.kernels import attention, build, pointwise, recurrent
 
-    build.load_libraries(["recurrent", "attention", "pointwise", "gemm", "program"])  # builds what is missing, in parallel
+    # builds what is missing, in parallel
+    build.load_libraries(["recurrent", "attention", "pointwise", "gemm", "program"])
     if not (recurrent.available() and attention.available() and pointwise.available()):
         return False
     for module in model.modules():

@@ -154,8 +154,8 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     idx = torch.empty(N, dtype=torch.int64)
     lse = torch.empty(N, dtype=torch.float32)
     mx = torch.empty(N, dtype=torch.float32)
-    check(lib.hs_argmax_logsumexp(DTYPE_CODES[logits.dtype], N, V, logits.data_ptr(), logits.stride(0), idx.data_ptr(), lse.data_ptr(),
-                                  mx.data_ptr()), "hs_argmax_logsumexp")
+    check(lib.hs_argmax_logsumexp(DTYPE_CODES[logits.dtype], N, V, logits.data_ptr(), logits.stride(0),
+                                  idx.data_ptr(), lse.data_ptr(), mx.data_ptr()), "hs_argmax_logsumexp")
     if not bool(torch.isfinite(mx).all()):
         return None
     return idx, lse

@@ -177,8 +177,9 @@ class Mamba2Mixer(nn.Module):
             program.ptr(ssm_states), ssm_states.stride(0), y_ptr, y_s, H, P, G, N])
         gate_ptr, gate_s = program.rows(proj[:, :inter])
         gated_ptr, gated_s = program.rows(gated)
-        program.call("hs_gated_rms_norm", [act, Step.ROWS, inter, y_ptr, y_s, gate_ptr, gate_s, program.ptr(norm.weight),
-                                           norm.group_size, norm.eps, int(self.norm_in_float32), gated_ptr, gated_s])
+        program.call("hs_gated_rms_norm", [act, Step.ROWS, inter, y_ptr, y_s, gate_ptr, gate_s,
+                                           program.ptr(norm.weight), norm.group_size, norm.eps,
+                                           int(self.norm_in_float32), gated_ptr, gated_s])
         emit_linear(program, self.out_proj, gated, out)
 
     def _kernel_params(self) -> tuple[torch.Tensor, ...]:
