@@ -52,7 +52,7 @@ def main() -> None:
     config = granite_config() if args.arch == "granite" else bamba_config()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
         final_norm = model.model.norm if hasattr(model.model, "norm") else model.model.final_layernorm

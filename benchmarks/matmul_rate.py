@@ -1,6 +1,7 @@
 """This machine's bf16 matmul rate at the benchmark model's decode shapes, with the weights cache-hot
 (one weight per shape, reused) and cold (the model's distinct weights cycled, as in a decode step),
-plus single-token (GEMV) weight-streaming bandwidth and the streaming read bandwidth (``csrc/probe.cpp``); for oneDNN's prepacked
+plus single-token (GEMV) weight-streaming bandwidth and the streaming read bandwidth
+(``csrc/probe.cpp``); for oneDNN's prepacked
 matmul and for hybridserve's own bf16 kernel (``hybridserve/kernels/csrc/gemm.cpp``), side by side.
 
     python benchmarks/matmul_rate.py --threads 2

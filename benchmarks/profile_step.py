@@ -17,7 +17,6 @@ import argparse
 import collections
 import time
 
-
 # kernels called inside the decode program -> the names of their Python entry points
 KERNEL_NAMES = {"hs_rms_norm": "rms_norm", "hs_linear_bf16": "linear", "hs_causal_conv1d": "causal_conv1d",
                 "hs_mamba2_scan": "mamba2_scan", "hs_gated_rms_norm": "gated_rms_norm", "hs_silu_mul": "silu_mul",

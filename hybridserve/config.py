@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hybridserve.kernels.isa import CPU_ISA_CHOICES
+
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -104,6 +106,7 @@ class ResolvedDtypes:
 
 # EngineConfig fields that change speed or output, never results: left out of the fingerprint.
 NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "cpu_decode_program")
+# (cpu_isa and cpu_kernels stay in it: the kernel variants round in their own orders.)
 
 
 @dataclass
@@ -131,6 +134,7 @@ class EngineConfig:
     cpu_weight_prepack: bool = True
     cpu_kernels: bool = True
     cpu_decode_program: bool = True
+    cpu_isa: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,6 +144,7 @@ class EngineConfig:
         self.mamba_ssm_cache_dtype = _check_choice(
             "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *STATE_DTYPES))
         self.device = _check_choice("device", self.device, DEVICES)
+        self.cpu_isa = _check_choice("cpu_isa", self.cpu_isa, CPU_ISA_CHOICES)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_positive_int(name, getattr(self, name))
         if self.max_model_len is not None:

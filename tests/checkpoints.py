@@ -14,12 +14,13 @@ LM_HEAD_SCALE = 4.0
 def _peaky(model: Any, scale: float, std: float) -> None:
     """Larger init so logits are peaky and greedy decoding is stable on a random model."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, std)
         if getattr(model.config, "tie_word_embeddings", False):
             for name, p in model.named_parameters():
-                if "norm" in name and name.endswith("weight") and ("final" in name or name.endswith("model.norm.weight") or "norm_f" in name):
+                final = "final" in name or name.endswith("model.norm.weight") or "norm_f" in name
+                if "norm" in name and name.endswith("weight") and final:
                     p.mul_(scale)
         else:
             model.lm_head.weight.mul_(scale)

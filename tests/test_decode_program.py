@@ -20,7 +20,7 @@ from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
 
 needs_bf16_kernel = pytest.mark.skipif(not gemm.available(),
-                                       reason="this CPU has no AVX-512 BF16: no bf16 linear kernel, no program")
+                                       reason="the linear kernels did not build: no program")
 
 # Lengths and budgets such that steps mix prefill chunks with decodes, sequences finish at different
 # steps (so decode-only steps shrink), and a late request joins while others decode.
@@ -121,7 +121,8 @@ def test_program_against_hf(ckpt_dir, monkeypatch, model):
         if llm.engine.runner.decode_program is not None:
             real = llm.engine.runner.decode_program.run
             monkeypatch.setattr(llm.engine.runner.decode_program, "run",
-                                lambda *a, _real=real, **k: runs.update(program=runs["program"] + 1) or _real(*a, **k))
+                                lambda *a, _real=real, _runs=runs, **k: _runs.update(program=_runs["program"] + 1)
+                                or _real(*a, **k))
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert (runs["program"] > 0) == (name == "program")
         cmp = compare([o.token_ids for o in outs], [o.logprobs for o in outs], ref)
@@ -146,17 +147,19 @@ def test_program_with_seeded_sampling(ckpt_dir):
 @needs_bf16_kernel
 @pytest.mark.parametrize("family, dtype, options, reason", [
     ("granitemoehybrid", torch.bfloat16, {}, "experts"),
-    ("nemotron_h", torch.bfloat16, {}, "has none"),
+    ("nemotron_h", torch.bfloat16, {}, "has no decode program"),
     ("granitemoehybrid_dense", torch.bfloat16, {"kv_cache_dtype": "fp8_e4m3"}, "KV cache"),
-    ("granitemoehybrid_dense", torch.float32, {}, "KernelLinear"),
+    ("granitemoehybrid_dense", torch.float32, {}, "float32 Linear layers have no decode-program kernel"),
 ])
 def test_uncovered_models_keep_the_module_path(ckpt_dir, caplog, family, dtype, options, reason):
     path = make(ckpt_dir, family, dtype=dtype)
-    with caplog.at_level("INFO", logger="hybridserve.kernels.program"):
+    with caplog.at_level("WARNING", logger="hybridserve.engine.cpu_fast_paths"):
         llm = LLM(path, cpu_decode_program=True, cache_memory="16MiB", max_num_seqs=3, enable_progress_bar=False,
                   **options)
     assert llm.engine.runner.decode_program is None
-    assert reason in caplog.text, caplog.text
+    assert reason in llm.engine.cpu_fast_paths.decode_reason
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and reason in warnings[0].getMessage(), caplog.text  # one line, the real reason
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.outputs[0].token_ids) == 4
 

@@ -4,8 +4,6 @@ import re
 import subprocess
 import sys
 
-import torch
-
 from hybridserve import LLM, SamplingParams
 from hybridserve.default_model import default_model_path
 from tests.hf_reference import compare, hf_greedy

@@ -61,7 +61,7 @@ def test_huge_page_tensors_start_on_a_boundary():
     assert small.numel() == 1000 and small.dtype == torch.float32
 
 
-@pytest.mark.skipif(not gemm.available(), reason="this CPU has no AVX-512 BF16: no kernel packing")
+@pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build: no kernel packing")
 def test_kernel_packing_shares_one_arena_and_matches_pack():
     """Every packed weight is a cache-line-aligned slice of one allocation, equal to ``gemm.pack`` of
     its weight; a tied head shares its embedding's packing."""

@@ -11,7 +11,8 @@ from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
 from tests.hf_reference import compare, hf_greedy
 
-FAMILIES = ["llama", "mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "minimax", "lfm2", "qwen3_next", "zamba2", "falcon_h1"]
+FAMILIES = ["llama", "mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "minimax",
+            "lfm2", "qwen3_next", "zamba2", "falcon_h1"]
 PROMPT_LENGTHS = [1, 7, 19, 33, 50, 70]
 NEW_TOKENS = 12
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.cache.capacity import (bytes_per_sequence, ideal_bytes_per_sequence, max_sequences,
-                                        pool_geometry)
+from hybridserve.cache.capacity import bytes_per_sequence, ideal_bytes_per_sequence, max_sequences, pool_geometry
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import EngineConfig, ResolvedDtypes

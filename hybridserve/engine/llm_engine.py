@@ -8,21 +8,19 @@ from typing import Any
 
 import torch
 
+from hybridserve.cache.capacity import max_sequences
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.manager import CacheManager
-from hybridserve.cache.capacity import max_sequences
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
+from hybridserve.engine.cpu_fast_paths import attach_decode_program, prepare_model
+from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import fork_children, wants_fork
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
-from hybridserve.engine.detokenizer import Detokenizer
-from hybridserve.kernels import enable_cpu_kernels
-from hybridserve.kernels.program import build_decode_program
-from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -50,20 +48,17 @@ class LLMEngine:
         self.model = build_model(config.model, self.hf_config, self.dtypes.model,
                                  CacheDtypes.from_resolved(self.dtypes), self.device)
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
-        self.cpu_kernels = config.cpu_kernels and self.device.type == "cpu" and enable_cpu_kernels(self.model)
-        packed = pack_kernel_linear_layers(self.model) if self.cpu_kernels else 0
-        if config.cpu_weight_prepack and self.device.type == "cpu":
-            packed += pack_linear_layers(self.model)  # the bf16 linears the kernel does not take
-        if packed:
-            copy_remaining_parameters(self.model)  # lets the checkpoint's memory map go
+        self.cpu_fast_paths = prepare_model(self.model, config) if self.device.type == "cpu" else None
+        self.cpu_kernels = self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
         self.layout = compute_layout(self.specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
         self.cache = CacheManager(self.pool)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
-        if self.cpu_kernels and config.cpu_decode_program:
-            self.runner.decode_program = build_decode_program(self.model, self.pool.layer_caches, config.max_num_seqs)
+        if self.cpu_fast_paths is not None:
+            attach_decode_program(self.runner, self.model, self.pool.layer_caches, config, self.cpu_fast_paths)
+            self.cpu_fast_paths.log()
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)

@@ -1,4 +1,4 @@
-"""The ``hybridserve`` command: ``generate``, ``serve``, ``plan``."""
+"""The ``hybridserve`` command: ``generate``, ``serve``, ``plan``, ``env``."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import argparse
 import importlib
 import sys
 
-from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
-
 #: subcommand -> module with ``add_parser(subparsers)``; each registers its own arguments and handler
 SUBCOMMAND_MODULES = (
     "hybridserve.entrypoints.generate_cmd",
     "hybridserve.entrypoints.serve_cmd",
     "hybridserve.entrypoints.plan_cmd",
+    "hybridserve.entrypoints.env_cmd",
 )
 
 
@@ -31,7 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cap_torch_isa_from_argv(argv: list[str]) -> None:
+    """Apply ``--cpu-isa`` to oneDNN and ATen before torch is imported (they read their caps once).
+    A bad value is left to the parser, which names the allowed ones."""
+    from hybridserve.kernels import isa
+
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--cpu-isa=") else (
+            argv[i + 1] if arg == "--cpu-isa" and i + 1 < len(argv) else None)
+        if value in isa.CPU_ISA_CHOICES:
+            isa.cap_torch(value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cap_torch_isa_from_argv(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
@@ -44,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-__all__ = ["main", "build_parser", "add_engine_args", "engine_kwargs"]
+__all__ = ["main", "build_parser"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 from hybridserve.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine

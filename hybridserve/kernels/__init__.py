@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported only when kernels are used (the CLI caps its ISA before that)
+    from torch import nn
 
 
-def enable_cpu_kernels(model: nn.Module) -> bool:
+LIBRARIES = ["recurrent", "attention", "pointwise", "gemm", "program"]
+
+
+def unavailable_reason() -> str | None:
+    """Why some kernel library cannot be used at the ISA level in force (None when all can)."""
+    from hybridserve.kernels import build, isa
+
+    level = isa.level_in_force()
+    reasons = [f"{name}: {build.unavailable_reason(name, level)}" for name in LIBRARIES
+               if build.unavailable_reason(name, level) is not None]
+    return "; ".join(reasons) or None
+
+
+def enable_cpu_kernels(model: "nn.Module") -> bool:
     """Switch every layer of ``model`` that has compiled CPU kernels (a ``use_cpu_kernels`` attribute) to
     them, when they can be built here; returns whether they are on."""
     from hybridserve.kernels import attention, build, pointwise, recurrent
 
     # builds what is missing, in parallel
-    build.load_libraries(["recurrent", "attention", "pointwise", "gemm", "program"])
+    build.load_libraries(LIBRARIES)
     if not (recurrent.available() and attention.available() and pointwise.available()):
         return False
     for module in model.modules():

@@ -7,24 +7,28 @@ from typing import Sequence
 
 import torch
 
+from hybridserve.kernels import isa
 from hybridserve.kernels.build import load_library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 I64, PTR, INT, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
-_bound: dict[str, ctypes.CDLL | None] = {}
+_bound: dict[tuple[str, str], ctypes.CDLL | None] = {}  # (name, ISA level) -> bound library
 
 
 def bind(name: str, signatures: dict[str, Sequence]) -> ctypes.CDLL | None:
-    """Load library ``name`` (built on first use) with each function's argtypes set; None if unavailable."""
-    if name not in _bound:
-        lib = load_library(name)
+    """Library ``name`` built for the ISA level in force (built on first use), with each function's
+    argtypes set; None if unavailable."""
+    key = (name, isa.level_in_force())
+    lib = _bound.get(key)
+    if lib is None and key not in _bound:
+        lib = load_library(name, key[1])
         if lib is not None:
             for fn, argtypes in signatures.items():
                 getattr(lib, fn).restype = INT
                 getattr(lib, fn).argtypes = list(argtypes)
-        _bound[name] = lib
-    return _bound[name]
+        _bound[key] = lib
+    return lib
 
 
 def rows_ok(t: torch.Tensor) -> bool:

@@ -26,7 +26,8 @@ from hybridserve.kernels._abi import DTYPE_CODES, F32, I64, PTR, bind, rows_ok
 
 logger = logging.getLogger(__name__)
 
-_SIGNATURES = {"hs_program_run": [PTR, I64, PTR, PTR, PTR, PTR], "hs_program_step_fields": []}
+_SIGNATURES = {"hs_program_run": [PTR, I64, PTR, PTR, PTR, PTR], "hs_program_step_fields": [],
+               "hs_program_kernels": []}
 
 
 class Unsupported(Exception):
@@ -53,7 +54,8 @@ NUM_STEP_FIELDS = len(Step)
 # (module, C function) per kernel, in the order of Kernel in csrc/program.cpp.
 KERNELS = [(pointwise, "hs_rms_norm"), (gemm, "hs_linear_bf16"), (recurrent, "hs_causal_conv1d"),
            (recurrent, "hs_mamba2_scan"), (pointwise, "hs_gated_rms_norm"), (pointwise, "hs_silu_mul"),
-           (attention, "hs_kv_write"), (attention, "hs_paged_attention"), (pointwise, "hs_rotary")]
+           (attention, "hs_kv_write"), (attention, "hs_paged_attention"), (pointwise, "hs_rotary"),
+           (gemm, "hs_linear_f16")]
 _OP_EMBED, _OP_CALL = 1, 2
 _KIND_VALUE, _KIND_FLOAT, _KIND_STEP = 0, 1, 2
 
@@ -66,6 +68,7 @@ def available() -> bool:
     """Whether programs can run here: the executor and every kernel it calls are built."""
     lib = _library()
     return (lib is not None and lib.hs_program_step_fields() == NUM_STEP_FIELDS
+            and lib.hs_program_kernels() == len(KERNELS)
             and all(module._library() is not None for module, _ in KERNELS))
 
 
@@ -78,7 +81,9 @@ class ProgramBuilder:
 
     def __init__(self, max_rows: int) -> None:
         if not available():
-            raise Unsupported("the compiled CPU kernels are not available")
+            from hybridserve.kernels import unavailable_reason
+
+            raise Unsupported(f"the compiled CPU kernels are not available ({unavailable_reason() or 'not built'})")
         self.max_rows = max_rows
         self._code: list[int] = []
         self._count = 0
@@ -250,19 +255,18 @@ class Program:
         return self.output[:rows]
 
 
-def build_decode_program(model: torch.nn.Module, caches: dict, max_rows: int) -> Program | None:
+def build_decode_program(model: torch.nn.Module, caches: dict, max_rows: int) -> tuple[Program | None, str | None]:
     """The decode program of ``model`` (its ``build_decode_program(builder, caches)``) for up to
-    ``max_rows`` sequences a step, or None when the model, a layer or a setting has none (logged)."""
+    ``max_rows`` sequences a step, and None; or None and the reason when the model, a layer or a
+    setting has none (the engine logs it)."""
     build = getattr(model, "build_decode_program", None)
     if build is None:
-        logger.info("decode program: %s has none; decode steps run through the modules", type(model).__name__)
-        return None
+        return None, f"{type(model).__name__} has no decode program"
     try:
         builder = ProgramBuilder(max_rows)
         output = build(builder, caches)
         program = builder.build(output)
     except Unsupported as exc:
-        logger.info("decode program off, decode steps run through the modules: %s", exc)
-        return None
+        return None, str(exc)
     logger.info("decode program: %d kernel calls a step, %d rows at most", program.num_ops, max_rows)
-    return program
+    return program, None

@@ -13,8 +13,19 @@ import math
 
 import torch
 
-from hybridserve.kernels._abi import (DTYPE_CODES, F32, I64, INT, PTR, bind, check, float_param_ok, index_ok, ptr,
-                                      rows_ok)
+from hybridserve.kernels._abi import (
+    DTYPE_CODES,
+    F32,
+    I64,
+    INT,
+    PTR,
+    bind,
+    check,
+    float_param_ok,
+    index_ok,
+    ptr,
+    rows_ok,
+)
 
 MAX_CONV_WIDTH = 16  # kMaxTaps in csrc/recurrent.cpp
 

@@ -8,6 +8,7 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers import dense
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.selective_scan import selective_scan_varlen, selective_state_update
@@ -70,7 +71,7 @@ class Mamba1Mixer(nn.Module):
             ts, B, C = self.dt_layernorm(ts), self.b_layernorm(B), self.c_layernorm(C)
         elif self.bcdt_norm == "weightless":
             ts, B, C = (weightless_rms_norm(t, self.norm_eps) for t in (ts, B, C))
-        dt = nn.functional.linear(ts, self.dt_proj.weight)  # (T, inter); the bias is added in the op
+        dt = dense.linear(ts, self.dt_proj.weight)  # (T, inter); the bias is added in the op
         return dt, B, C
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -76,10 +76,50 @@ class FusedExperts(nn.Module):
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, d_in))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_in, intermediate_size))
         self.act_fn = ACT2FN[act]
+        self.packed: dict[str, list[torch.Tensor]] | None = None  # parameter name -> packed weight per expert
+        self._out_features: dict[str, int] = {}
+
+    def _projections(self) -> tuple[str, ...]:
+        return ("gate_up_proj" if self.gated else "up_proj", "down_proj")
+
+    def packable(self) -> bool:
+        """Whether the CPU linear kernels take every expert weight (bf16/fp16 on the CPU)."""
+        from hybridserve.kernels import gemm
+
+        return self.packed is None and all(gemm.packable(w) for w in self.expert_weights())
+
+    def expert_weights(self) -> list[torch.Tensor]:
+        """Every expert's (out, in) weight of every projection."""
+        return [getattr(self, name)[e] for name in self._projections() for e in range(self.num_experts)]
+
+    def pack(self, pack_weight) -> int:
+        """Hold the experts only in the CPU kernels' packed form, ``pack_weight(weight)`` each (a weight
+        it declines keeps the whole block unpacked); returns how many experts' projections were packed."""
+        packed = {name: [pack_weight(getattr(self, name)[e].detach()) for e in range(self.num_experts)]
+                  for name in self._projections()}
+        if any(p is None for ps in packed.values() for p in ps):
+            return 0
+        for name in self._projections():
+            param = getattr(self, name)
+            self._out_features[name] = param.shape[1]
+            setattr(self, name, nn.Parameter(param.new_empty(0, *param.shape[1:]), requires_grad=False))
+        self.packed = packed
+        return sum(len(ps) for ps in packed.values())
+
+    def _linear(self, h: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """h (n, in) through projection ``name`` of expert e -> (n, out)."""
+        if self.packed is None:
+            return nn.functional.linear(h, getattr(self, name)[e])
+        from hybridserve.kernels import gemm
+
+        y = gemm.linear(h, self.packed[name][e], self._out_features[name], None)
+        if y is None:
+            raise TypeError(f"packed experts take {self.packed[name][e].dtype} CPU input, got {h.dtype} on {h.device}")
+        return y
 
     def forward(self, x: torch.Tensor, topk_index: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
         """x: (T, H); topk_index, topk_weight: (T, k) -> (T, H) in x's dtype."""
-        out = torch.zeros(x.shape[0], self.down_proj.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape[0], self.down_proj.shape[1], dtype=torch.float32, device=x.device)  # (T, H)
         flat_expert = topk_index.reshape(-1)  # (T*k,)
         order = flat_expert.argsort(stable=True)
         counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
@@ -92,11 +132,11 @@ class FusedExperts(nn.Module):
             rows = token_of[start:start + n]
             h = x[rows]  # (n, H)
             if self.gated:
-                gate, up = nn.functional.linear(h, self.gate_up_proj[e]).chunk(2, dim=-1)
+                gate, up = self._linear(h, "gate_up_proj", e).chunk(2, dim=-1)
                 h = self.act_fn(gate) * up
             else:
-                h = self.act_fn(nn.functional.linear(h, self.up_proj[e]))
-            h = nn.functional.linear(h, self.down_proj[e])  # (n, H)
+                h = self.act_fn(self._linear(h, "up_proj", e))
+            h = self._linear(h, "down_proj", e)  # (n, H)
             out.index_add_(0, rows, h.float() * weight_of[start:start + n, None].float())
             start += n
         return out.to(x.dtype)

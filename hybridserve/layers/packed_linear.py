@@ -1,15 +1,19 @@
-"""Linear layers with prepacked bf16 weights for the CPU.
+"""Linear layers with prepacked 16-bit weights for the CPU.
 
 Two packings, both chosen after loading, each releasing the original weight so memory does not
 grow (a tied LM head keeps the embedding's weight):
 
-* :class:`KernelLinear`, with the CPU kernels on (``EngineConfig.cpu_kernels``) and an AVX-512 BF16
-  CPU: hybridserve's own kernel (``kernels/csrc/gemm.cpp``). Against oneDNN on the benchmark model's
-  layers (``benchmarks/matmul_rate.py``): one token streams the weights at 28-31 GB/s instead of
-  19-22, 8 rows run 1.4x faster, 32 rows about 1.1x, 2048-token prefills within 5%. Its float32 sums
-  are rounded once to bf16, as oneDNN's are, but in another order, so the last bit of an output can
-  differ.
-* :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``):
+* :class:`KernelLinear`, with the CPU kernels on (``EngineConfig.cpu_kernels``), for every bf16 and
+  fp16 ``nn.Linear`` on every CPU: hybridserve's own kernels (``kernels/csrc/gemm.cpp``), the
+  weights kept 16-bit in memory. On AVX-512 BF16 CPUs bf16 runs on its dot products; against oneDNN
+  on the benchmark model's layers (``benchmarks/matmul_rate.py``) one token streams the weights at
+  28-31 GB/s instead of 19-22, 8 rows run 1.4x faster, 32 rows about 1.1x, 2048-token prefills
+  within 5%. Elsewhere (AVX2, AVX-512 without BF16, other ISAs) the weights are widened to float32 in
+  registers, where torch's own bf16 matmul would fall onto a scalar path (0.3 GFLOP/s on AVX2). Its
+  float32 sums are rounded once to the activation dtype, as oneDNN's are, but in another order, so
+  the last bit of an output can differ.
+* :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``), on CPUs
+  where oneDNN's bf16 matmul runs natively (AVX-512 BW/VL/DQ, with the ISA in force allowing it):
   oneDNN's prepacked matmul, bit-identical to ``torch.nn.functional.linear`` on bf16 and 15-35%
   faster than it for decode-sized batches.
 """
@@ -21,13 +25,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hybridserve.kernels import gemm, hugepages
+from hybridserve.kernels import gemm, hugepages, isa
+from hybridserve.layers.moe import FusedExperts
 
 
 def prepack_available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear ops."""
+    """Whether oneDNN's prepacked bf16 linear runs here: the torch build has the ops, this CPU runs
+    oneDNN's bf16 path (torch's own check: AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and the ISA in force
+    is at least avx512 (a cap below it keeps oneDNN off its AVX-512 code)."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and isa.at_least("avx512")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class _PackedWeightLinear(nn.Module):
@@ -49,31 +57,32 @@ class PackedLinear(_PackedWeightLinear):
 
 
 class KernelLinear(_PackedWeightLinear):
-    """``y = x @ W.T + b`` with W packed for hybridserve's bf16 CPU kernel."""
+    """``y = x @ W.T + b`` with W packed for hybridserve's 16-bit CPU kernels (bf16 or fp16)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., in_features) bf16 -> (..., out_features) bf16."""
+        """x: (..., in_features) in the weight's dtype -> (..., out_features) in that dtype."""
         y = gemm.linear(x, self.packed_weight, self.out_features, self.bias)
         if y is None:
-            raise TypeError(f"KernelLinear takes bf16 CPU input with {self.in_features} features, "
-                            f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+            raise TypeError(f"KernelLinear takes {self.packed_weight.dtype} CPU input with {self.in_features} "
+                            f"features, got {x.dtype} {tuple(x.shape)} on {x.device}")
         return y
 
     def emit(self, program, x: torch.Tensor, out: torch.Tensor) -> None:
         """Add ``out = x @ W.T + b`` to a decode program (``kernels.program.ProgramBuilder``); x, out: (rows, width)
-        bf16, column slices of wider buffers allowed."""
+        in the weight's dtype, column slices of wider buffers allowed."""
         from hybridserve.kernels.program import Step, Unsupported
 
-        bias_ok = self.bias is None or (self.bias.dtype == torch.bfloat16 and self.bias.is_contiguous()
+        dtype = self.packed_weight.dtype
+        bias_ok = self.bias is None or (self.bias.dtype == dtype and self.bias.is_contiguous()
                                          and self.bias.shape == (self.out_features,))
-        if (x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or x.shape[1] != self.in_features
+        if (x.dtype != dtype or out.dtype != dtype or x.shape[1] != self.in_features
                 or out.shape[1] != self.out_features or not bias_ok):
-            raise Unsupported(f"KernelLinear {self.in_features}->{self.out_features} cannot take "
+            raise Unsupported(f"KernelLinear {self.in_features}->{self.out_features} ({dtype}) cannot take "
                               f"{x.dtype} {tuple(x.shape)} -> {out.dtype} {tuple(out.shape)}")
         x_ptr, xs = program.rows(x)
         out_ptr, os_ = program.rows(out)
-        program.call("hs_linear_bf16", [Step.ROWS, self.out_features, self.in_features, x_ptr, xs,
-                                        program.ptr(self.packed_weight), program.ptr(self.bias), out_ptr, os_])
+        program.call(gemm.LINEAR[dtype], [Step.ROWS, self.out_features, self.in_features, x_ptr, xs,
+                                          program.ptr(self.packed_weight), program.ptr(self.bias), out_ptr, os_])
 
 
 def emit_linear(program, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -81,17 +90,19 @@ def emit_linear(program, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -
     from hybridserve.kernels.program import Unsupported
 
     if not isinstance(layer, KernelLinear):
-        raise Unsupported(f"{type(layer).__name__} layers have no decode-program kernel (bf16 KernelLinear only)")
+        weight = getattr(layer, "weight", None)
+        what = f"{weight.dtype} {type(layer).__name__}" if weight is not None else type(layer).__name__
+        raise Unsupported(f"{what} layers have no decode-program kernel (packed bf16/fp16 linears only)")
     layer.emit(program, x, out)
 
 
 def _packable_linears(model: nn.Module):
-    """(parent, name, linear) for every bf16 CPU ``nn.Linear`` that may be packed."""
+    """(parent, name, linear) for every bf16 or fp16 CPU ``nn.Linear`` that may be packed."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or not getattr(child, "prepack", True):
                 continue  # a layer that reads its .weight directly sets prepack = False
-            if child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
+            if child.weight.dtype in gemm.DTYPES and child.weight.device.type == "cpu":
                 yield parent, name, child
 
 
@@ -113,25 +124,29 @@ def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tens
 
 
 def pack_kernel_linear_layers(model: nn.Module) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` the CPU kernel covers by a :class:`KernelLinear`; returns how many.
+    """Replace every bf16/fp16 CPU ``nn.Linear`` the CPU kernels cover by a :class:`KernelLinear`, and pack
+    the experts of every ``FusedExperts`` block; returns how many linears and experts were packed.
 
     The packed weights share one allocation on huge pages (``kernels.hugepages``), each starting on a
     cache line."""
     if not gemm.available():
         return 0
     def key(w: torch.Tensor) -> tuple:
-        return w.data_ptr(), tuple(w.shape), w.stride()
+        return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype
 
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts) and m.packable()]
+    weights = [child.weight for _, _, child in _packable_linears(model) if gemm.packable(child.weight)]
+    weights += [w for block in experts for w in block.expert_weights()]
     sizes: dict[tuple, int] = {}  # weight -> packed elements, rounded up to 64 bytes
-    for _, _, child in _packable_linears(model):
-        if gemm.packable(child.weight):
-            sizes.setdefault(key(child.weight), -(-gemm.packed_numel(*child.weight.shape) // 32) * 32)
-    arena = hugepages.empty(sum(sizes.values()), torch.bfloat16)
+    for w in weights:
+        sizes.setdefault(key(w), -(-gemm.packed_numel(*w.shape) // 32) * 32)
+    arenas = {dtype: hugepages.empty(sum(n for k, n in sizes.items() if k[3] == dtype), dtype)
+              for dtype in {k[3] for k in sizes}}  # one allocation per dtype
     slots: dict[tuple, torch.Tensor] = {}
-    offset = 0
+    offsets = dict.fromkeys(arenas, 0)
     for k, n in sizes.items():
-        slots[k] = arena[offset:offset + n]
-        offset += n
+        slots[k] = arenas[k[3]][offsets[k[3]]:offsets[k[3]] + n]
+        offsets[k[3]] += n
 
     def pack_into_arena(weight: torch.Tensor) -> torch.Tensor | None:
         slot = slots.get(key(weight))
@@ -139,14 +154,23 @@ def pack_kernel_linear_layers(model: nn.Module) -> int:
             return None
         return gemm.pack(weight, slot[:gemm.packed_numel(*weight.shape)])
 
-    return _replace_linears(model, pack_into_arena, KernelLinear)
+    count = _replace_linears(model, pack_into_arena, KernelLinear)
+    for block in experts:
+        count += block.pack(pack_into_arena)
+    return count
 
 
 def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
     """Replace every (remaining) bf16 CPU ``nn.Linear`` by a :class:`PackedLinear`; returns how many."""
     if not prepack_available():
         return 0
-    return _replace_linears(model, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), PackedLinear)
+
+    def reorder(weight: torch.Tensor) -> torch.Tensor | None:
+        if weight.dtype != torch.bfloat16:
+            return None  # oneDNN's prepack is taken for bf16 only
+        return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+    return _replace_linears(model, reorder, PackedLinear)
 
 
 def copy_remaining_parameters(model: nn.Module) -> None:

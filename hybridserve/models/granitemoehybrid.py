@@ -19,6 +19,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.kernels.program import Unsupported
+from hybridserve.layers import dense
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
@@ -68,7 +69,7 @@ class GraniteMoeHybridRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> topk_index (T, k), topk_weight (T, k) in x's dtype."""
-        logits = nn.functional.linear(x, self.weight).float()  # (T, E)
+        logits = dense.linear(x, self.weight).float()  # (T, E)
         top_logits, index = logits.topk(self.top_k, dim=-1)
         return index, top_logits.softmax(-1).to(x.dtype)
 

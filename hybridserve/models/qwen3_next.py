@@ -18,6 +18,7 @@ from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import RopeDecoderLM
 
+
 class Qwen3NextSparseMoeBlock(nn.Module):
     """Softmax top-k router (``gate``), fused experts, and ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
 

@@ -189,7 +189,8 @@ class Zamba2ForCausalLM(CausalLM):
         tied = {"lm_head.weight": "model.embed_tokens.weight"}
         for index, first in self.model.first_use.items():
             if index != first:
-                prefix, source = f"model.layers.{index}.shared_transformer.", f"model.layers.{first}.shared_transformer."
+                prefix = f"model.layers.{index}.shared_transformer."
+                source = f"model.layers.{first}.shared_transformer."
                 for name, _ in self.model.layers[index].shared_transformer.named_parameters():
                     tied[prefix + name] = source + name
         self.tied_weights = tied

@@ -141,7 +141,7 @@ def test_checkpoint_scales_are_used_by_the_fp8_cache(ckpt_dir, tmp_path):
     scaled, ours = _generate(path, kv_cache_dtype="fp8_e4m3")
     unscaled = LLM(src, kv_cache_dtype="fp8_e4m3", cache_memory="8MiB")
     first = min(i for i, c in scaled.engine.pool.layer_caches.items() if c.k is not None)
-    for i, cache in scaled.engine.pool.layer_caches.items():
+    for cache in scaled.engine.pool.layer_caches.values():
         if cache.k is not None:
             assert (cache.k_scale, cache.v_scale) == (0.5, 2.0)
     # the first attention layer's K/V do not depend on the KV cache: stored = value / scale, so the

@@ -181,7 +181,7 @@ def test_random_interleavings_keep_invariants(layout, size_units, ops):
     # and the whole pool is usable again: as many sequences as the capacity arithmetic says
     n = max_sequences(layout, pool.num_bytes, 17)
     per_seq_pages = -(-17 // layout.block_size) if layout.has_kv else 0
-    for i in range(n):
+    for _ in range(n):
         pool.allocate(per_seq_pages, 1 if layout.has_state else 0)
     assert not pool.can_allocate(per_seq_pages, 1 if layout.has_state else 0)
 

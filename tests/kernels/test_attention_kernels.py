@@ -5,8 +5,6 @@ blocks; fp8 caches and other uncovered calls are declined without side effects."
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from hybridserve.kernels import attention
 from hybridserve.ops.paged_attention import paged_attention_ref, write_kv_cache
 from tests.kernels.helpers import DTYPES, assert_bits_equal, assert_within_ulps, cu, dtype_id, needs_compiler
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]  # every ISA variant this CPU runs
 
 DECODE = dict(q_lens=(1, 1, 1, 1, 1), seq_lens=(1, 7, 13, 21, 4))
 MIXED = dict(q_lens=(1, 5, 1, 9, 3), seq_lens=(9, 5, 14, 20, 3))  # full prefills, a later chunk, decodes

@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 
-from hybridserve.kernels import _abi, build, enable_cpu_kernels, pointwise
+from hybridserve.kernels import _abi, build, enable_cpu_kernels, isa, pointwise
 from hybridserve.layers.norms import RMSNorm
 
-OK_SOURCE = 'extern "C" int hs_answer(void) { return 42; }\n'
+OK_SOURCE = '#include "isa_level.h"\nextern "C" int hs_answer(void) { return 42; }\n'
 
 
 @pytest.fixture
@@ -33,6 +33,7 @@ def sources(monkeypatch, tmp_path):
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "ok.cpp").write_text(OK_SOURCE)
+    (src / "isa_level.h").write_text((build.SOURCE_DIR / "isa_level.h").read_text())
     (src / "bad.cpp").write_text("this is not C++ {\n")
     monkeypatch.setattr(build, "SOURCE_DIR", src)
     return src
@@ -53,7 +54,7 @@ def test_no_compiler_means_no_library(fresh, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=build.logger.name):
         assert build.load_library("pointwise") is None
     assert "no C++ compiler" in caplog.text
-    assert build._loaded == {"pointwise": None}  # remembered: not retried on every call
+    assert build._loaded == {("pointwise", isa.level_in_force()): None}  # remembered: not retried on every call
     assert not fresh.exists() or not any(fresh.iterdir())  # nothing was built
     # the entry points decline, and the layers keep working on their PyTorch paths
     assert pointwise.available() is False
@@ -150,4 +151,4 @@ def test_real_kernels_bind_once(monkeypatch):
         assert str(build.cache_dir()) in lib._name  # the cached library file
         for fn in fns:
             assert getattr(lib, fn).restype is _abi.INT and getattr(lib, fn).argtypes
-    assert sorted(build._loaded) == ["attention", "pointwise", "recurrent"]
+    assert sorted(name for name, _ in build._loaded) == ["attention", "pointwise", "recurrent"]

@@ -1,6 +1,8 @@
-"""The bf16 linear kernel (``csrc/gemm.cpp``) against an exact (float64) reference: every row-count
-tile (1-8 rows and their tails), partial 16-column panels, bias, strided and batched inputs, thread
-counts; the calls it declines; and the layer that wraps it."""
+"""The 16-bit linear kernels (``csrc/gemm.cpp``) against an exact (float64) reference, for bf16 and
+fp16 and at every ISA level this CPU runs (the ``isa_level`` fixture: AVX-512 BF16 dot products,
+the AVX-512 and AVX2 float32 paths, the generic build): every row-count tile and its tails, partial
+16-column panels, odd in-features, bias, strided and batched inputs, thread counts; the calls they
+decline; and the layers that wrap them."""
 
 from __future__ import annotations
 
@@ -8,31 +10,32 @@ import pytest
 import torch
 from torch import nn
 
-from hybridserve.kernels import gemm
-from hybridserve.kernels.build import find_compiler
+from hybridserve.kernels import gemm, isa
 from hybridserve.layers.packed_linear import KernelLinear, pack_kernel_linear_layers
 from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
 
-# A CPU without AVX-512 BF16 builds the library without the kernel (skip); a failed build fails here.
-pytestmark = [needs_compiler,
-              pytest.mark.skipif(find_compiler() is not None and gemm.cpu_lacks_bf16_dot(),
-                                 reason="this CPU has no AVX-512 BF16: the linear kernel is not used")]
+# A failed build fails here (needs_compiler skips only machines without a compiler).
+pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
+DTYPES = [torch.bfloat16, torch.float16]
+IDS = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def test_kernel_is_available():
     assert gemm.available(), "the gemm library did not build or load (see the warning logged above)"
+    # AVX-512 BF16 dot products exactly where the level in force has them
+    assert gemm.uses_bf16_dot() == (isa.level_in_force() == "avx512_bf16")
 
 
-def _case(M, N, K, seed, bias=True):
+def _case(M, N, K, seed, bias=True, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(torch.bfloat16)  # (M, K)
-    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(torch.bfloat16)  # (N, K)
-    b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None  # (N,)
+    x = torch.randn(M, K, generator=g).to(dtype)  # (M, K)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)  # (N, K)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None  # (N,)
     return x, w, b
 
 
 def _assert_matches_exact(y, x, w, b):
-    """y is the float32 sum of x @ w.T + b rounded once to bf16: within one bf16 ulp of the exact value,
+    """y is the float32 sum of x @ w.T + b rounded once to its dtype: within one ulp of the exact value,
     plus the float32 rounding a sum of K terms may carry in any order (K * 2^-24 * sum |terms|)."""
     exact = x.double() @ w.double().T  # (M, N)
     magnitude = x.double().abs() @ w.double().abs().T
@@ -40,26 +43,50 @@ def _assert_matches_exact(y, x, w, b):
         exact = exact + b.double()
         magnitude = magnitude + b.double().abs()
     K = x.shape[-1]
-    assert_within_ulps(y, exact.float(), torch.bfloat16, ulps=1, atol=(K + 1) * 2.0 ** -24 * magnitude.float(),
+    assert y.dtype == x.dtype
+    assert_within_ulps(y, exact.float(), y.dtype, ulps=1, atol=(K + 1) * 2.0 ** -24 * magnitude.float(),
                        what="linear output")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 13, 32, 37])
-@pytest.mark.parametrize("N,K", [(16, 64), (40, 130), (129, 96), (200, 768)])
-def test_linear_matches_exact(M, N, K):
-    x, w, b = _case(M, N, K, seed=M * 1000 + N + K)
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 130), (129, 96), (200, 768), (33, 7)])
+def test_linear_matches_exact(M, N, K, dtype):
+    x, w, b = _case(M, N, K, seed=M * 1000 + N + K, dtype=dtype)
     packed = gemm.pack(w)
-    assert packed is not None and packed.numel() == -(-N // 16) * 16 * K
+    assert packed is not None and packed.numel() == -(-N // 16) * 16 * (K + K % 2)
     y = gemm.linear(x, packed, N, b)
-    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert y.shape == (M, N) and y.dtype == dtype
     _assert_matches_exact(y, x, w, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+def test_linear_of_a_prefill_sized_batch(dtype):
+    """More rows than one L2-sized row block (the row blocks of the float32 path), odd K."""
+    x, w, b = _case(300, 70, 333, seed=9, dtype=dtype)
+    _assert_matches_exact(gemm.linear(x, gemm.pack(w), 70, b), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("M", [1, 6, 32])
-def test_linear_without_bias_and_narrow_outputs(M):
+def test_linear_without_bias_and_narrow_outputs(M, dtype):
     for N in (1, 15, 17, 33):
-        x, w, _ = _case(M, N, 64, seed=N, bias=False)
+        x, w, _ = _case(M, N, 64, seed=N, bias=False, dtype=dtype)
         _assert_matches_exact(gemm.linear(x, gemm.pack(w), N, None), x, w, None)
+
+
+def test_special_values_round_as_torch():
+    """Infinities and NaN pass through the float32 sums and the rounding: a NaN input gives NaN outputs,
+    an overflowing sum gives inf, as torch's float32 matmul rounded to the dtype does."""
+    for dtype in DTYPES:
+        x, w, _ = _case(3, 20, 64, seed=11, dtype=dtype)
+        x[0, 5] = float("nan")
+        x[1, :] = torch.finfo(dtype).max
+        w[:, :] = w.abs() + 1  # every product of row 1 is huge and positive
+        y = gemm.linear(x, gemm.pack(w), 20, None)
+        expected = (x.float() @ w.float().T).to(dtype)
+        assert torch.isnan(y[0]).all() and torch.isnan(expected[0]).all()
+        assert torch.equal(y[1], expected[1]) and torch.isinf(y[1]).all()
 
 
 def test_linear_takes_strided_rows_and_batched_input():
@@ -104,8 +131,8 @@ def test_declined_calls():
     x, w, b = _case(2, 32, 64, seed=5)
     packed = gemm.pack(w)
     assert gemm.pack(w.float()) is None  # float32 weight
-    assert gemm.pack(torch.randn(8, 63).to(torch.bfloat16)) is None  # odd in-features
     assert gemm.pack(w.t()) is None  # columns not contiguous
+    assert gemm.linear(x.half(), packed, 32, b) is None  # fp16 input for a bf16 weight
     assert gemm.linear(x.float(), packed, 32, b) is None  # float32 input
     assert gemm.linear(x, packed, 48, b) is None  # packed for another width
     assert gemm.linear(x, packed, 32, b.float()) is None  # float32 bias
@@ -119,15 +146,17 @@ def test_kernel_linear_layer_and_packing_pass():
     model[1].to(torch.bfloat16)
     model[2].to(torch.bfloat16)
     model[2].prepack = False  # a layer that reads its weight directly
-    model[3].to(torch.bfloat16)  # odd in-features: kept as nn.Linear
-    plain = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model[:2]]
-    assert pack_kernel_linear_layers(model) == 2
-    assert [type(m) for m in model] == [KernelLinear, KernelLinear, nn.Linear, nn.Linear]
+    model[3].to(torch.float16)  # fp16, odd in-features
+    plain = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
+    assert pack_kernel_linear_layers(model) == 3
+    assert [type(m) for m in model] == [KernelLinear, KernelLinear, nn.Linear, KernelLinear]
     x = torch.randn(4, 64).to(torch.bfloat16)
     h = model[0](x)
     _assert_matches_exact(h, x, *plain[0])
-    _assert_matches_exact(model[1](h), h, *plain[1])
-    with pytest.raises(TypeError, match="bf16 CPU input with 64 features"):
+    h1 = model[1](h)
+    _assert_matches_exact(h1, h, *plain[1])
+    _assert_matches_exact(model[3](h1.half()), h1.half(), *plain[3])
+    with pytest.raises(TypeError, match="bfloat16 CPU input with 64 features"):
         model[0](x.float())
 
 

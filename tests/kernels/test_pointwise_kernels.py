@@ -14,7 +14,7 @@ from hybridserve.kernels import pointwise
 from hybridserve.layers.norms import GatedRMSNorm, RMSNorm
 from tests.kernels.helpers import DTYPES, assert_bits_equal, assert_within_ulps, dtype_id, needs_compiler, spacing
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]  # every ISA variant this CPU runs
 
 # Allowed ulps where not bit-exact (bf16 must be): float32 sums of squares and exp are evaluated in
 # another order / with another polynomial than PyTorch's (measured: <= 5 ulps); float16 rounds the

@@ -14,10 +14,18 @@ import torch
 from hybridserve.kernels import recurrent
 from hybridserve.ops.causal_conv1d import causal_conv1d_varlen_ref
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen_ref
-from tests.kernels.helpers import (DTYPES, Pool, assert_bits_equal, assert_close_rel, assert_within_ulps, cu,
-                                   dtype_id, needs_compiler)
+from tests.kernels.helpers import (
+    DTYPES,
+    Pool,
+    assert_bits_equal,
+    assert_close_rel,
+    assert_within_ulps,
+    cu,
+    dtype_id,
+    needs_compiler,
+)
 
-pytestmark = needs_compiler
+pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]  # every ISA variant this CPU runs
 
 NO_LIMIT = (0.0, math.inf)
 

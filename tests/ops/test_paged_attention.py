@@ -70,7 +70,7 @@ def _sdpa_per_sequence(batch, scale, window, k_list=None, v_list=None):
     for s in range(len(k_list)):
         L = k_list[s].shape[0]
         q = batch.q[int(batch.cu_q[s]):int(batch.cu_q[s + 1])].float()  # (n, Hq, Dh)
-        n, Hq = q.shape[0], q.shape[1]
+        n = q.shape[0]
         qpos = torch.arange(L - n, L)[:, None]  # (n, 1)
         kpos = torch.arange(L)[None, :]  # (1, L)
         mask = kpos <= qpos

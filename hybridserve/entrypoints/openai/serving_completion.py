@@ -8,12 +8,28 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from hybridserve.entrypoints.openai.errors import APIError
-from hybridserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                                    CompletionResponse, UsageInfo)
-from hybridserve.entrypoints.openai.serving_common import (EngineRequests, ServerState, TextDelta,
-                                                           choices_of, finish_reason, holdback_of, new_id,
-                                                           sampling_params, sse, sse_stream, token_str,
-                                                           top_entries, usage_of)
+from hybridserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from hybridserve.entrypoints.openai.serving_common import (
+    EngineRequests,
+    ServerState,
+    TextDelta,
+    choices_of,
+    finish_reason,
+    holdback_of,
+    new_id,
+    sampling_params,
+    sse,
+    sse_stream,
+    token_str,
+    top_entries,
+    usage_of,
+)
 from hybridserve.outputs import CompletionOutput
 
 

@@ -5,6 +5,7 @@
 // slot = block * block_size + offset. Stored value = value / scale in the cache dtype (float32,
 // bfloat16 or float16). Math is float32; the output is rounded to the query dtype.
 
+#include "isa_level.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>

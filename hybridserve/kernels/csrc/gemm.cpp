@@ -1,23 +1,40 @@
-// CPU kernel for bf16 linear layers, y = x @ W.T (+ b), on AVX-512 BF16 CPUs.
+// CPU kernels for 16-bit linear layers, y = x @ W.T (+ b), with float32 sums rounded once to the
+// activation dtype: bf16 and fp16 weights stay 16-bit in memory (a decode step streams them) and
+// are widened to float32 in registers.
 //
-// The weight W (N, K) is packed once into panels of 16 output columns: panel p holds rows
-// W[16p : 16p + 16] as [K/2][16][2] bf16 (k-pair major), so one 64-byte load gives two k values for
-// 16 columns, the operand layout of vdpbf16ps, and a panel is one contiguous stream. Missing
-// columns of the last panel are zero. K must be even.
+// A weight W (N, K) is packed once into panels of 16 output columns, zero-padded to whole panels
+// and to an even K (Kp):
+//   bf16: panel p holds W[16p : 16p + 16] as [Kp/2][16][2] (k-pair major), so one 64-byte line gives
+//         two k values for 16 columns: the operand of AVX-512 BF16's vdpbf16ps, and on other CPUs
+//         two float32 vectors through one shift (k even) and one mask (k odd) per 32-bit lane.
+//   fp16: panel p holds W[16p : 16p + 16] as [Kp][16] (k major), widened by F16C's vcvtph2ps.
+//
+// Two implementations, chosen by the ISA level the library is built for (kernels/isa.py):
+// * avx512_bf16, bf16 weights: vdpbf16ps on bf16 activations (tile() below).
+// * every level, fp16 weights, and bf16 below avx512_bf16: GCC vector code in float32 (vtile()
+//   below): 8-lane vectors (AVX2 + FMA registers, or pairs of SSE / NEON ones on generic builds) or
+//   16-lane ones on AVX-512. The activations are widened once per call into a float32 copy; a tile
+//   of MR rows and NP panels keeps MR x NP x 16 float32 sums in registers, and each k-pair step
+//   widens the panels' weights once for all MR rows.
 //
 // A tile of MR rows of x and NR panels keeps MR x NR float32 accumulators in registers; each step
 // broadcasts a k-pair of every row and multiplies it into NR weight vectors. Threads split the
-// panels. One token (M = 1) streams the weights at memory speed with 8 panels in flight; a batch
-// reuses each weight vector for 8 rows. Output is rounded to bf16 (nearest even) once, after the
-// float32 sum and the bias.
+// panels. One token (M = 1) streams the weights at memory speed with several panels in flight; a
+// batch reuses each weight vector for several rows. Output is rounded to bf16 (nearest even) or fp16
+// once, after the float32 sum and the bias.
 //
-// A call of more than 8 rows passes over each panel group once per 8-row tile: the first pass reads
-// the weights from memory, the others from L2. While a group computes, its row tiles also request
-// the next group's weights into L2 (a slice each, a line or more per k-pair step), so the first pass
-// of the next group does not wait on memory: 7% faster at 32 rows on the benchmark model's layers.
+// avx512_bf16: a call of more than 8 rows passes over each panel group once per 8-row tile: the
+// first pass reads the weights from memory, the others from L2. While a group computes, its row
+// tiles also request the next group's weights into L2 (a slice each, a line or more per k-pair
+// step), so the first pass of the next group does not wait on memory: 7% faster at 32 rows on the
+// benchmark model's layers.
 
+#include "isa_level.h"
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -107,37 +124,9 @@ using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*,
                         int64_t, int64_t, int64_t, Ahead);
 constexpr RowsFn kRows[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
 
-#endif
-
-}  // namespace
-
-extern "C" {
-
-// 1 when this build can run hs_linear_bf16 (the CPU it was compiled for has AVX-512 BF16), else 0.
-int hs_gemm_supported() { return HS_HAVE_BF16_DOT; }
-
-// Packs w (N, K) bf16, row stride ws, into out (ceil(N / 16) * 16 * K elements). Returns 1 when K is odd.
-int hs_pack_bf16(int64_t N, int64_t K, const uint16_t* w, int64_t ws, uint16_t* out) {
-  if (K % 2 != 0 || N < 1) return 1;
-  const int64_t panels = (N + kPanel - 1) / kPanel, K2 = K / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    uint16_t* dst = out + p * K2 * 2 * kPanel;
-    for (int64_t kk = 0; kk < K2; ++kk)
-      for (int64_t c = 0; c < kPanel; ++c) {
-        const int64_t n = p * kPanel + c;
-        dst[(kk * kPanel + c) * 2] = n < N ? w[n * ws + 2 * kk] : 0;
-        dst[(kk * kPanel + c) * 2 + 1] = n < N ? w[n * ws + 2 * kk + 1] : 0;
-      }
-  }
-  return 0;
-}
-
-// out (M, N) = x (M, K) @ W.T + bias, all bf16; x and out with row strides xs, os (elements);
-// packed from hs_pack_bf16; bias (N,) or null. Returns 1 for bad sizes, 3 when not supported here.
-int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
-                   const uint16_t* bias, uint16_t* out, int64_t os) {
-#if HS_HAVE_BF16_DOT
+// The avx512_bf16 path of hs_linear_bf16 (K even).
+int dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
+               const uint16_t* bias, uint16_t* out, int64_t os) {
   if (M < 0 || N < 1 || K < 2 || K % 2 != 0) return 1;
   if (M == 0) return 0;
   const int64_t K2 = K / 2, panel_elems = K2 * 2 * kPanel, panels = (N + kPanel - 1) / kPanel;
@@ -166,10 +155,215 @@ int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t x
     }
   }
   return 0;
-#else
-  (void)M; (void)N; (void)K; (void)x; (void)xs; (void)packed; (void)bias; (void)out; (void)os;
-  return 3;
+}
+
 #endif
+
+
+// ---- the float32 vector path (every level) ----
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // float32 lanes of one vector
+constexpr int kRegisters = 32;
+#else
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+#endif
+constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
+constexpr int kMaxRows = kLanes == 16 ? 8 : 4;  // rows of a tile
+
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * kLanes)));
+typedef _Float16 vh __attribute__((vector_size(2 * kLanes)));
+
+template <typename V, typename T> inline V load_vec(const T* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+
+// The two float32 vectors of one k-pair (k even, k odd) for lanes [v * kLanes, (v + 1) * kLanes) of a
+// panel: bf16 from the [Kp/2][16][2] layout, fp16 from the [Kp][16] layout.
+inline void widen_pair(const uint16_t* panel, int64_t kk, int v, vf& even, vf& odd) {
+  const vu raw = load_vec<vu>(panel + kk * 2 * kPanel + v * 2 * kLanes);  // kLanes (k even, k odd) pairs
+  even = reinterpret_cast<vf>(raw << 16);
+  odd = reinterpret_cast<vf>(raw & 0xffff0000u);
+}
+inline void widen_pair(const _Float16* panel, int64_t kk, int v, vf& even, vf& odd) {
+  even = __builtin_convertvector(load_vec<vh>(panel + 2 * kk * kPanel + v * kLanes), vf);
+  odd = __builtin_convertvector(load_vec<vh>(panel + (2 * kk + 1) * kPanel + v * kLanes), vf);
+}
+
+// Rounds float32 lanes to the output dtype and stores the first `valid` of them.
+inline void store_vec(uint16_t* out, vf y, int valid) {  // bf16: nearest even, NaN -> 0x7fc0
+  const vu u = reinterpret_cast<vu>(y);
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu r = ((u & 0x7fffffffu) > 0x7f800000u) ? vu{} + 0x7fc0u : rounded;
+  const vu16 h = __builtin_convertvector(r, vu16);
+  if (valid == kLanes) __builtin_memcpy(out, &h, sizeof h);
+  else for (int i = 0; i < valid; ++i) out[i] = h[i];
+}
+inline void store_vec(_Float16* out, vf y, int valid) {
+  const vh h = __builtin_convertvector(y, vh);
+  if (valid == kLanes) __builtin_memcpy(out, &h, sizeof h);
+  else for (int i = 0; i < valid; ++i) out[i] = h[i];
+}
+inline float widen_scalar(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
+inline float widen_scalar(_Float16 v) { return static_cast<float>(v); }
+
+// Panels per tile of MR rows: MR x NP x kVecs sums, 2 x NP x kVecs widened weights and 2 broadcasts
+// in the registers.
+constexpr int vpanels(int MR) {
+  const int np = (kRegisters - 2) / (kVecs * (MR + 2));
+  return np < 1 ? 1 : (np > 8 ? 8 : np);
+}
+
+// out[r, n0 + c] = sum_k xf[r, k] W[n0 + c, k] + bias for MR rows and NP panels (columns past N skipped).
+// xf: float32 rows of stride xs, zero-padded to Kp; w: the first panel; pe: elements per panel.
+template <int MR, int NP, typename W>
+void vtile(int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out, int64_t os,
+           int64_t n0, int64_t N) {
+  constexpr int NV = NP * kVecs;
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    vf even[NV], odd[NV];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kVecs; ++v) widen_pair(w + p * pe, kk, v, even[p * kVecs + v], odd[p * kVecs + v]);
+    for (int r = 0; r < MR; ++r) {
+      const float x0 = xf[r * xs + 2 * kk], x1 = xf[r * xs + 2 * kk + 1];
+      for (int j = 0; j < NV; ++j) acc[r][j] = acc[r][j] + x0 * even[j] + x1 * odd[j];
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = n0 + j * kLanes;
+    const int valid = static_cast<int>(N - col < kLanes ? N - col : kLanes);
+    if (valid <= 0) break;
+    vf b = vf{};
+    if (bias != nullptr)
+      for (int i = 0; i < valid; ++i) b[i] = widen_scalar(bias[col + i]);
+    for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][j] + b, valid);
+  }
+}
+
+template <int MR, int NP, typename W>
+void vtile_any(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out,
+               int64_t os, int64_t n0, int64_t N) {
+  if constexpr (NP > 1) {
+    if (np < NP) return vtile_any<MR, NP - 1>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
+  }
+  vtile<MR, NP>(K2, xf, xs, w, pe, bias, out, os, n0, N);
+}
+
+template <typename W, int MR>
+void vrows(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out,
+           int64_t os, int64_t n0, int64_t N) {
+  vtile_any<MR, vpanels(MR)>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
+}
+
+template <typename W>
+using VRowsFn = void (*)(int, int64_t, const float*, int64_t, const W*, int64_t, const W*, W*, int64_t, int64_t,
+                         int64_t);
+
+template <typename W, int... R>
+constexpr auto vrows_table(std::integer_sequence<int, R...>) {
+  return std::array<VRowsFn<W>, sizeof...(R)>{vrows<W, R + 1>...};
+}
+
+// x (M, K) in W's dtype, row stride xs -> float32 rows of Kp (the pad column 0), into `xf`.
+template <typename W>
+void widen_rows(int64_t M, int64_t K, int64_t Kp, const W* x, int64_t xs, float* xf) {
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t k = 0; k < K; ++k) xf[r * Kp + k] = widen_scalar(x[r * xs + k]);
+    if (Kp > K) xf[r * Kp + K] = 0.0f;
+  }
+}
+
+// The vector path: out (M, N) = x (M, K) @ W.T + bias, W packed in panels of Kp = K rounded up to even.
+template <typename W>
+int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* packed, const W* bias, W* out,
+            int64_t os) {
+  if (M < 0 || N < 1 || K < 1) return 1;
+  if (M == 0) return 0;
+  const int64_t Kp = K + (K & 1), K2 = Kp / 2, pe = Kp * kPanel, panels = (N + kPanel - 1) / kPanel;
+  static thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * Kp) scratch.resize(M * Kp);
+  float* xf = scratch.data();
+  widen_rows(M, K, Kp, x, xs, xf);
+  static constexpr auto table = vrows_table<W>(std::make_integer_sequence<int, kMaxRows>{});
+  // Rows in blocks whose float32 copy stays in L2 (~192 KiB) while every panel passes over it.
+  const int64_t block = std::max<int64_t>(kMaxRows, (192 * 1024 / (4 * Kp)) / kMaxRows * kMaxRows);
+  const int64_t group = vpanels(M >= kMaxRows ? kMaxRows : static_cast<int>(M));
+  const int64_t groups = (panels + group - 1) / group;
+  const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t rows = std::min(block, M - b0);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int np = static_cast<int>(std::min(group, panels - g * group));
+      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kMaxRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, b0 + rows - m0));
+        // narrower row tiles take at least as many panels, so a tail tile covers this group too
+        table[mr - 1](np, K2, xf + m0 * Kp, Kp, packed + g * group * pe, pe, bias, out + m0 * os, os,
+                      g * group * kPanel, N);
+      }
+    }
+  }
+  return 0;
+}
+
+// Packs w (N, K), row stride ws, in the layout of W's dtype (see the top of this file).
+inline void pack_panel_elem(uint16_t* dst, int64_t k, int64_t c, uint16_t v) { dst[((k / 2) * kPanel + c) * 2 + (k & 1)] = v; }
+inline void pack_panel_elem(_Float16* dst, int64_t k, int64_t c, _Float16 v) { dst[k * kPanel + c] = v; }
+
+template <typename W>
+int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
+  if (K < 1 || N < 1) return 1;
+  const int64_t panels = (N + kPanel - 1) / kPanel, Kp = K + (K & 1);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    W* dst = out + p * Kp * kPanel;
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t n = p * kPanel + c;
+        pack_panel_elem(dst, k, c, n < N && k < K ? w[n * ws + k] : W{});
+      }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when hs_linear_bf16 uses AVX-512 BF16 dot products on even K (built for avx512_bf16), else 0
+// (the float32 vector path).
+int hs_gemm_supported() { return HS_HAVE_BF16_DOT; }
+
+// Packs w (N, K) bf16, row stride ws, into out (ceil(N / 16) * 16 * Kp elements, Kp = K rounded up to
+// even). Returns 1 for bad sizes.
+int hs_pack_bf16(int64_t N, int64_t K, const uint16_t* w, int64_t ws, uint16_t* out) { return pack(N, K, w, ws, out); }
+
+// Packs w (N, K) fp16 likewise (same element count).
+int hs_pack_f16(int64_t N, int64_t K, const _Float16* w, int64_t ws, _Float16* out) { return pack(N, K, w, ws, out); }
+
+// out (M, N) = x (M, K) @ W.T + bias, all bf16; x and out with row strides xs, os (elements);
+// packed from hs_pack_bf16; bias (N,) or null. Returns 1 for bad sizes.
+int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
+                   const uint16_t* bias, uint16_t* out, int64_t os) {
+#if HS_HAVE_BF16_DOT
+  if (K % 2 == 0) return dot_linear(M, N, K, x, xs, packed, bias, out, os);
+#endif
+  return vlinear(M, N, K, x, xs, packed, bias, out, os);
+}
+
+// The same for fp16 (packed by hs_pack_f16).
+int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs, const _Float16* packed,
+                  const _Float16* bias, _Float16* out, int64_t os) {
+  return vlinear(M, N, K, x, xs, packed, bias, out, os);
 }
 
 }  // extern "C"

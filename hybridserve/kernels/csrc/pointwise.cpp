@@ -5,6 +5,7 @@
 // MLPs): math in float32, and a value is rounded to the activation dtype wherever PyTorch would hold
 // it in that dtype. Rows are (T, width) with a row stride in elements; parallel over rows.
 
+#include "isa_level.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -234,10 +235,16 @@ void argmax_logsumexp_impl(int64_t N, int64_t V, const T* x, int64_t xs, int64_t
     int64_t first = 0;
     while (to_f32(row[first]) != mx) ++first;
     idx[r] = first;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t v = 0; v < V; ++v) sum += exp_f32(to_f32(row[v]) - mx);
-    lse[r] = mx + std::log(sum);
+    // 16 partial sums, lane j over v = j mod 16, then added pairwise: one order whatever T and the
+    // vector width, so a row in a 16-bit dtype sums exactly as its float32 widening does
+    float part[16] = {};
+    const int64_t full = V / 16 * 16;
+    for (int64_t v = 0; v < full; v += 16)
+      for (int j = 0; j < 16; ++j) part[j] += exp_f32(to_f32(row[v + j]) - mx);
+    for (int64_t v = full; v < V; ++v) part[v - full] += exp_f32(to_f32(row[v]) - mx);
+    for (int w = 8; w >= 1; w /= 2)
+      for (int j = 0; j < w; ++j) part[j] += part[j + w];
+    lse[r] = mx + std::log(part[0]);
   }
 }
 

@@ -1,6 +1,7 @@
 // Memory probe for the benchmarks: the machine's streaming read bandwidth, measured the way a decode
 // step reads its weights (every thread streams its own contiguous part once, with wide loads).
 
+#include "isa_level.h"
 #include <cstdint>
 
 extern "C" {

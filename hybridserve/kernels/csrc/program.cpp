@@ -12,6 +12,7 @@
 // kind 0: the value itself (an integer or an address); kind 1: a float, the value holding the bits
 // of a double; kind 2: the value is an index into the per-step array (StepField), whose entry is used.
 
+#include "isa_level.h"
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -39,7 +40,7 @@ enum StepField : int64_t {
 
 // The kernels, in the order of the address table passed in (KERNELS in program.py).
 enum Kernel : int64_t {
-  kRmsNorm = 0, kLinear, kConv, kScan, kGatedNorm, kSiluMul, kKvWrite, kAttention, kRotary, kNumKernels
+  kRmsNorm = 0, kLinear, kConv, kScan, kGatedNorm, kSiluMul, kKvWrite, kAttention, kRotary, kLinearF16, kNumKernels
 };
 
 enum Op : int64_t { kOpEmbed = 1, kOpCall = 2 };
@@ -124,7 +125,8 @@ using W = void*;
 int call(int64_t kernel, const void* fn, Args a, int64_t nargs) {
   switch (kernel) {
     case kRmsNorm: return invoke<I, L, L, P, L, P, L, F, W, L, P, F, I, W, L>(fn, a, nargs);
-    case kLinear: return invoke<L, L, L, P, L, P, P, W, L>(fn, a, nargs);
+    case kLinear:
+    case kLinearF16: return invoke<L, L, L, P, L, P, P, W, L>(fn, a, nargs);
     case kConv: return invoke<I, I, L, P, P, P, L, W, L, P, P, I, W, L, L, L>(fn, a, nargs);
     case kScan:
       return invoke<I, I, L, P, P, P, L, P, L, P, L, P, L, P, P, P, I, I, F, F, W, L, W, L, L, L, L, L>(fn, a, nargs);
@@ -143,6 +145,9 @@ int call(int64_t kernel, const void* fn, Args a, int64_t nargs) {
 extern "C" {
 
 int hs_program_step_fields() { return kNumStepFields; }
+
+// The number of kernels a program calls (KERNELS in kernels/program.py, in this order).
+int hs_program_kernels() { return kNumKernels; }
 
 // Runs the program code[0:n] with the per-step values step[0:kNumStepFields] and the kernel
 // addresses kernels[0:kNumKernels]. Returns 0; or the failing op's return code (>0) with its index in

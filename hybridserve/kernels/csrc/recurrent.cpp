@@ -9,6 +9,7 @@
 // Plain C ABI (loaded with ctypes); OpenMP threads come from the process's OpenMP runtime, which
 // is the one torch uses (same soname), so torch.set_num_threads applies.
 
+#include "isa_level.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -1,0 +1,169 @@
+"""Convert a benchmark checkpoint (make_bench_model.py) to GGUF, so llama.cpp can run it as a peer.
+
+The checkpoint has no tokenizer, and llama.cpp's converter needs one whose size is the model's vocab.
+This script gives it one: the shipped model's byte-level BPE tokenizer (hybridserve/default_model),
+grown with extra merges to exactly ``vocab_size`` tokens. The converter recognises a BPE
+pre-tokenizer by hashing its output on a test string; the grown tokenizer's hash is unknown to it,
+so it is mapped to ``--pre`` (default ``gpt-2``: the byte-level GPT-2 split, which is what that
+tokenizer uses). The converter also reads ``layer_types`` as "mamba"/"attention" (the names of the
+published Granite-4.0-H configs), whereas transformers now writes "linear_attention"/"full_attention";
+a staged copy of the checkpoint (links to the weights, a rewritten config.json, the tokenizer files)
+is what gets converted, so the checkpoint folder itself only gains the GGUF files.
+
+    python benchmarks/make_gguf.py /tmp/bench-granite-100m --llama-cpp /work/llama.cpp --outtype bf16 f32
+
+writes /tmp/bench-granite-100m/model-bf16.gguf and model-f32.gguf. Run it with a Python that has
+torch, transformers, tokenizers and numpy (the converter's own needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_TOKENIZER = os.path.join(REPO, "hybridserve", "default_model", "tokenizer.json")
+# the converter's names for the layer kinds, from the names transformers writes now
+LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention"}
+
+
+def grow_tokenizer(tok: dict, size: int) -> dict:
+    """Add BPE merges to a tokenizer.json dict until its vocab has ``size`` entries.
+
+    Each new token joins two of the most frequent merged tokens (the earliest merges), taken in a
+    growing square (pairs among the first k, then k+1, ...), so the result is deterministic and
+    every new token is reachable by one merge of two tokens already in the vocab."""
+    model = tok["model"]
+    vocab: dict[str, int] = model["vocab"]
+    merges = model["merges"]
+    if len(vocab) > size:
+        raise ValueError(f"base tokenizer has {len(vocab)} tokens, more than the model's {size}")
+    as_pairs = bool(merges) and isinstance(merges[0], list)
+    frequent = [a + b for a, b in (m if as_pairs else m.split(" ") for m in merges)]
+    next_id = max(vocab.values()) + 1
+
+    def add(a: str, b: str) -> None:
+        nonlocal next_id
+        if len(vocab) < size and a + b not in vocab:
+            vocab[a + b] = next_id
+            merges.append([a, b] if as_pairs else f"{a} {b}")
+            next_id += 1
+
+    for k, newest in enumerate(frequent):
+        for older in frequent[:k]:
+            add(older, newest)
+            add(newest, older)
+        add(newest, newest)
+        if len(vocab) == size:
+            return tok
+    raise ValueError(f"could not grow the tokenizer to {size} tokens")
+
+
+def special_tokens(tok: dict, config: dict) -> dict[str, str]:
+    """tokenizer_config.json entries naming the checkpoint's bos/eos/pad ids by their token text."""
+    by_id = {t["id"]: t["content"] for t in tok.get("added_tokens", [])}
+    out = {}
+    for key in ("bos", "eos", "pad"):
+        token_id = config.get(f"{key}_token_id")
+        if token_id in by_id:
+            out[f"{key}_token"] = by_id[token_id]
+    return out
+
+
+def write_tokenizer(folder: str, config: dict, base: str) -> int:
+    """Write tokenizer.json and tokenizer_config.json for ``config``'s vocab into ``folder``; return the
+    vocab size, checked by loading the result with the tokenizers library."""
+    from tokenizers import Tokenizer
+
+    with open(base) as f:
+        tok = grow_tokenizer(json.load(f), config["vocab_size"])
+    text = json.dumps(tok, ensure_ascii=False)
+    size = Tokenizer.from_str(text).get_vocab_size()
+    if size != config["vocab_size"]:
+        raise ValueError(f"grown tokenizer has {size} tokens, the model {config['vocab_size']}")
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write(text)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
+                   "clean_up_tokenization_spaces": False, **special_tokens(tok, config)}, f, indent=2)
+    return size
+
+
+def converter_config(config: dict) -> dict:
+    """The checkpoint's config with ``layer_types`` in the converter's names."""
+    out = dict(config)
+    if "layer_types" in out:
+        out["layer_types"] = [LAYER_KINDS.get(kind, kind) for kind in out["layer_types"]]
+    return out
+
+
+def stage(model: str, folder: str, base_tokenizer: str) -> int:
+    """Fill ``folder`` with what the converter reads: links to the checkpoint's files, a rewritten
+    config.json and the tokenizer files. Returns the tokenizer's size."""
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    for name in os.listdir(model):
+        if name.endswith((".safetensors", ".safetensors.index.json")) or name == "generation_config.json":
+            os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(folder, name))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(converter_config(config), f, indent=2)
+    return write_tokenizer(folder, config, base_tokenizer)
+
+
+def load_converter(llama_cpp: str, pre: str):
+    """Import llama.cpp's convert_hf_to_gguf from ``llama_cpp`` (the source folder) with the BPE
+    pre-tokenizer check falling back to ``pre`` for a hash it does not know; return its main()."""
+    sys.path.insert(0, os.path.join(llama_cpp, "gguf-py"))
+    sys.path.insert(0, llama_cpp)
+    import convert_hf_to_gguf
+    from conversion.base import TextModel
+
+    original = TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return original(self, tokenizer)
+        except NotImplementedError:
+            print(f"make_gguf: unknown BPE pre-tokenizer hash, written as {pre!r}", file=sys.stderr)
+            return pre
+
+    TextModel.get_vocab_base_pre = get_vocab_base_pre
+    return convert_hf_to_gguf.main
+
+
+def convert(main, staged: str, outfile: str, outtype: str) -> None:
+    """Run the converter's main() on the staged folder."""
+    argv = sys.argv
+    sys.argv = ["convert_hf_to_gguf.py", staged, "--outfile", outfile, "--outtype", outtype]
+    try:
+        main()
+    finally:
+        sys.argv = argv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="checkpoint folder (from make_bench_model.py)")
+    parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_SRC", "/work/llama.cpp"),
+                        help="llama.cpp source folder (holds convert_hf_to_gguf.py and gguf-py)")
+    parser.add_argument("--outtype", nargs="+", default=["bf16", "f32"], choices=["f32", "f16", "bf16", "q8_0"])
+    parser.add_argument("--out-dir", default=None, help="where model-<outtype>.gguf go (default: the checkpoint)")
+    parser.add_argument("--pre", default="gpt-2", help="llama.cpp pre-tokenizer name for an unknown hash")
+    parser.add_argument("--base-tokenizer", default=BASE_TOKENIZER, help="tokenizer.json to grow")
+    a = parser.parse_args()
+    out_dir = a.out_dir or a.model
+    main_fn = load_converter(os.path.abspath(a.llama_cpp), a.pre)
+    with tempfile.TemporaryDirectory(prefix="make_gguf-") as staged:
+        size = stage(a.model, staged, a.base_tokenizer)
+        print(f"make_gguf: tokenizer of {size} tokens staged in {staged}")
+        for outtype in a.outtype:
+            outfile = os.path.join(out_dir, f"model-{outtype}.gguf")
+            convert(main_fn, staged, outfile, outtype)
+            print(f"make_gguf: wrote {outfile}")
+
+
+if __name__ == "__main__":
+    main()

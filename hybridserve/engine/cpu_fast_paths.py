@@ -1,0 +1,109 @@
+"""The CPU fast paths an engine runs with: the ISA level, the compiled kernels, the packed linears
+and the decode program, each with the reason when it is off.
+
+The engine sets them up at start (:func:`prepare_model`, :func:`attach_decode_program`), logs one
+WARNING line naming every fast path that is off and why (:meth:`CpuFastPaths.log`), and
+``hybridserve env --model`` prints :meth:`CpuFastPaths.as_dict`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridserve.config import EngineConfig
+from hybridserve.kernels import enable_cpu_kernels, gemm, isa, unavailable_reason
+from hybridserve.kernels.program import build_decode_program
+from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CpuFastPaths:
+    """What runs fast on this CPU for one engine, and why the rest does not."""
+
+    isa: str  # the ISA level in force
+    kernels: bool = False
+    kernels_reason: str | None = None
+    packed_linears: int = 0  # linears and expert projections on hybridserve's kernels
+    onednn_linears: int = 0  # bf16 linears on oneDNN's prepacked matmul
+    torch_16bit_linears: int = 0  # 16-bit linears left on torch's matmul
+    decode_captured: bool = False
+    decode_reason: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """The JSON form (``hybridserve env``)."""
+        return {"cpu_isa": self.isa, "kernels": {"on": self.kernels, "reason": self.kernels_reason},
+                "linears": {"hybridserve_kernel": self.packed_linears, "onednn_prepacked": self.onednn_linears,
+                            "torch_16bit": self.torch_16bit_linears},
+                "decode": {"captured": self.decode_captured, "reason": self.decode_reason}}
+
+    def off(self) -> list[str]:
+        """One phrase per fast path that is off, with its reason."""
+        out = []
+        if not self.kernels:
+            out.append(f"compiled CPU kernels off ({self.kernels_reason})")
+        if self.torch_16bit_linears:
+            out.append(f"{self.torch_16bit_linears} 16-bit linear layers on torch's matmul "
+                       f"({'slow on this CPU' if not isa.at_least('avx512') else 'not packed'})")
+        if not self.decode_captured:
+            out.append(f"decode program off ({self.decode_reason})")
+        return out + self.notes
+
+    def log(self) -> None:
+        """One WARNING line when a fast path is off, else one INFO line."""
+        off = self.off()
+        if off:
+            logger.warning("CPU fast paths at ISA %s: %s", self.isa, "; ".join(off))
+        else:
+            logger.info("CPU fast paths at ISA %s: kernels, %d packed linears, decode program", self.isa,
+                        self.packed_linears)
+
+
+def _count_16bit_linears(model: nn.Module) -> int:
+    """16-bit ``nn.Linear`` layers left unpacked (those whose weight their layer reads itself, with
+    ``prepack = False``, go through ``layers/dense.py`` in float32 and are not counted)."""
+    return sum(1 for m in model.modules() if type(m) is nn.Linear and m.weight.dtype in gemm.DTYPES
+               and getattr(m, "prepack", True))
+
+
+def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
+    """Cap the ISA, switch the model's layers to the compiled kernels and pack its 16-bit linears."""
+    level = isa.set_cap(config.cpu_isa)
+    isa.cap_torch(config.cpu_isa)  # effective only if torch has not dispatched a CPU kernel yet
+    report = CpuFastPaths(isa=level)
+    if config.cpu_isa != "auto" and not isa.torch_capability_within(level):
+        report.notes.append(f"ATen runs at {torch.backends.cpu.get_cpu_capability()} above the cap {level} "
+                            "(it was fixed before the engine started; pass --cpu-isa on the command line or set "
+                            "ATEN_CPU_CAPABILITY before importing torch)")
+    if not config.cpu_kernels:
+        report.kernels_reason = "--no-cpu-kernels"
+    else:
+        report.kernels = enable_cpu_kernels(model)
+        if not report.kernels:
+            report.kernels_reason = unavailable_reason() or "a kernel library did not load"
+    if report.kernels:
+        report.packed_linears = pack_kernel_linear_layers(model)
+    if config.cpu_weight_prepack:
+        report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take
+    if report.packed_linears or report.onednn_linears:
+        copy_remaining_parameters(model)  # lets the checkpoint's memory map go
+    report.torch_16bit_linears = _count_16bit_linears(model)
+    return report
+
+
+def attach_decode_program(runner, model: nn.Module, caches: dict, config: EngineConfig,
+                          report: CpuFastPaths) -> None:
+    """Build the model's decode program into ``runner`` where it can be, recording why not otherwise."""
+    if not report.kernels:
+        report.decode_reason = f"the compiled CPU kernels are off ({report.kernels_reason})"
+    elif not config.cpu_decode_program:
+        report.decode_reason = "--no-cpu-decode-program"
+    else:
+        runner.decode_program, report.decode_reason = build_decode_program(model, caches, config.max_num_seqs)
+        report.decode_captured = runner.decode_program is not None

@@ -1,0 +1,74 @@
+"""``hybridserve env``: the machine, versions, the CPU ISA in force and each kernel's variant; with
+``--model``, also the fast paths an engine of that model runs with (the decode program and why not)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="machine, versions, CPU ISA and kernel variants (and a model's fast paths)",
+                       description="Report the CPU, its features and the ISA level in force, torch / transformers / "
+                                   "hybridserve versions, the kernel cache folder and, per op, the kernel variant "
+                                   "used or why it falls back. With --model, an engine is started with the given "
+                                   "flags and its fast paths are reported too (decode program captured, and why not).")
+    p.add_argument("--model", default=None, help="checkpoint directory: also report this model's fast paths")
+    add_engine_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run, cache_memory="64MiB")
+
+
+def model_fast_paths(args: argparse.Namespace) -> dict:
+    """Start an engine on ``args.model`` and return its fast-path report."""
+    from hybridserve.config import EngineConfig
+    from hybridserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=args.model, enable_progress_bar=False, **engine_kwargs(args)))
+    report = engine.cpu_fast_paths.as_dict() if engine.cpu_fast_paths is not None else {
+        "decode": {"captured": False, "reason": f"the engine runs on {engine.device}, not the CPU"}}
+    return {"model": args.model, "architecture": type(engine.model).__name__,
+            "dtypes": engine.dtypes.as_names(), **report}
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridserve.kernels import isa
+    from hybridserve.kernels.report import environment
+
+    isa.set_cap(args.cpu_isa)
+    logging.getLogger("hybridserve").setLevel(logging.ERROR)  # the report says what the log would
+    report = environment()
+    if args.model is not None:
+        report["model"] = model_fast_paths(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def print_report(report: dict) -> None:
+    cpu, isa_, kernels = report["cpu"], report["isa"], report["kernels"]
+    have = [f for f, on in cpu["features"].items() if on]
+    print(f"CPU: {cpu['model']} ({cpu['arch']}); features: {', '.join(have) or 'none of those checked'}")
+    print(f"ISA in force: {isa_['in_force']} (best {cpu['best_isa']}, cap {isa_['cap']}); ATen: "
+          f"{isa_['aten_cpu_capability']}; oneDNN cap: {isa_['onednn_max_cpu_isa'] or 'none'}; "
+          f"oneDNN bf16: {isa_['onednn_bf16']}")
+    versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+    print(f"versions: {versions}; threads {report['threads']}")
+    compiler = kernels["compiler_version"] or kernels["compiler"] or "none"
+    print(f"compiler: {compiler}; kernel cache: {kernels['cache_dir']}")
+    for op, row in kernels["ops"].items():
+        reason = f" ({row['fallback_reason']})" if row["fallback_reason"] else ""
+        print(f"  {op:18s} {row['variant']}{reason}")
+    model = report.get("model")
+    if model is not None:
+        print(f"model: {model['model']} ({model['architecture']}, {model['dtypes']})")
+        decode = model["decode"]
+        print(f"  decode program: {'captured' if decode['captured'] else 'off'}"
+              + (f" ({decode['reason']})" if decode["reason"] else ""))
+        if "linears" in model:
+            print("  linears: " + ", ".join(f"{k} {v}" for k, v in model["linears"].items()))

@@ -1,0 +1,209 @@
+"""The CPU's instruction-set features, the ISA level the kernels run at, and the cap on it.
+
+Levels, each a superset of the one before:
+
+* ``generic``: no x86 extension assumed; the kernels' portable paths (also every non-x86 CPU).
+* ``avx2``: AVX2, FMA and F16C (x86-64-v3 machines: Haswell, Zen 1-3 and later).
+* ``avx512``: AVX-512 F, BW, VL and DQ (Skylake-SP, Zen 4 and later).
+* ``avx512_bf16``: ``avx512`` plus AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later).
+
+The level in force is the highest one this CPU supports, lowered by the cap (``EngineConfig.cpu_isa``,
+``--cpu-isa``), so that a machine can run, and test, every variant below its best. Each kernel library
+is compiled per level with that level's explicit ``-m`` flags (never ``-march=native``) and cached
+under a key naming the level (``kernels/build.py``), so a binary never runs on a CPU without what it
+was built for. The cap also lowers oneDNN's and ATen's ISA (``ONEDNN_MAX_CPU_ISA``,
+``ATEN_CPU_CAPABILITY``) when it is set before torch first dispatches a CPU kernel (the CLI does).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
+CPU_ISA_CHOICES = ("auto", *LEVELS)
+
+#: the /proc/cpuinfo flags each level needs (on top of the level below)
+_LEVEL_FLAGS = {
+    "generic": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512_bf16": ("avx512_bf16",),
+}
+#: compiler flags each level adds (on top of the level below); generic passes none
+_COMPILER_FLAGS = {
+    "generic": (),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"),
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"),
+    "avx512_bf16": ("-mavx512bf16",),
+}
+#: the features reported by ``hybridserve env`` (level features plus AMX and AVX-NE-CONVERT)
+REPORTED_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                     "avx512_vnni", "amx_tile", "amx_bf16", "avx_ne_convert")
+#: oneDNN's and ATen's names for the cap of each level
+_ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16"}
+_ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What this CPU is and which of the features that matter here it has."""
+
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    model: str  # the model name, as /proc/cpuinfo gives it where it can
+    features: frozenset[str]
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch.lower() in ("x86_64", "amd64", "i386", "i686")
+
+    def supports(self, level: str) -> bool:
+        """Whether this CPU runs code built for ``level``."""
+        check_level(level)
+        if level == "generic":
+            return True
+        if not self.is_x86:
+            return False
+        needed = [f for lv in LEVELS[:LEVELS.index(level) + 1] for f in _LEVEL_FLAGS[lv]]
+        return all(f in self.features for f in needed)
+
+    @property
+    def best_level(self) -> str:
+        """The highest level this CPU supports."""
+        return [lv for lv in LEVELS if self.supports(lv)][-1]
+
+
+def check_level(level: str) -> str:
+    """``level`` when it names a level, else ValueError naming the allowed ones."""
+    if level not in LEVELS:
+        raise ValueError(f"cpu_isa level {level!r} is not valid; allowed values: {', '.join(LEVELS)}")
+    return level
+
+
+def _proc_cpuinfo() -> tuple[str, set[str]]:
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and not model:
+                    model = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _torch_features() -> set[str]:
+    """The features torch's cpuinfo reports, where /proc/cpuinfo is not available."""
+    import torch
+
+    found = set()
+    probes = {"avx2": "_is_avx2_supported", "avx512f": "_is_avx512_supported",
+              "avx512_bf16": "_is_avx512_bf16_supported", "amx_tile": "_is_amx_tile_supported"}
+    for name, fn in probes.items():
+        probe = getattr(torch.cpu, fn, None)
+        if probe is not None and probe():
+            found.add(name)
+    if "avx2" in found:
+        found |= {"fma", "f16c"}  # every AVX2 CPU has them
+    if "avx512f" in found:
+        found |= {"avx512bw", "avx512vl", "avx512dq"}  # torch's AVX-512 check requires them
+    return found
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This CPU (read once)."""
+    arch = platform.machine() or "unknown"
+    model, flags = _proc_cpuinfo()
+    if not flags and arch.lower() in ("x86_64", "amd64"):
+        flags = _torch_features()
+    return CpuInfo(arch=arch, model=model or platform.processor() or arch,
+                   features=frozenset(f for f in flags if f in REPORTED_FEATURES))
+
+
+_state_lock = threading.Lock()
+_cap = "auto"
+_in_force: str | None = None  # level_in_force(), computed once per cap (it is read on every kernel call)
+
+
+def set_cap(cap: str) -> str:
+    """Cap the level the kernels run at (``auto``: no cap) for this process; returns the level in force.
+
+    A cap above what the CPU supports changes nothing (the CPU's best level stays in force)."""
+    global _cap, _in_force
+    if cap != "auto":
+        check_level(cap)
+    with _state_lock:
+        _cap, _in_force = cap, None
+    return level_in_force()
+
+
+def cap() -> str:
+    """The cap set by :func:`set_cap` (``auto`` when none)."""
+    return _cap
+
+
+def level_in_force() -> str:
+    """The level the kernels are built for and run at now: the CPU's best, lowered by the cap."""
+    global _in_force
+    level = _in_force
+    if level is None:
+        best = cpu_info().best_level
+        level = best if _cap == "auto" else LEVELS[min(LEVELS.index(best), LEVELS.index(_cap))]
+        _in_force = level
+    return level
+
+
+def runnable_levels() -> tuple[str, ...]:
+    """Every level this CPU runs, lowest first (what the kernel tests cover)."""
+    return tuple(lv for lv in LEVELS if cpu_info().supports(lv))
+
+
+def compiler_flags(level: str) -> list[str]:
+    """The ``-m`` flags of code built for ``level`` (none for generic, so non-x86 compilers take them)."""
+    check_level(level)
+    return [f for lv in LEVELS[:LEVELS.index(level) + 1] for f in _COMPILER_FLAGS[lv]]
+
+
+def at_least(level: str) -> bool:
+    """Whether the level in force is ``level`` or above."""
+    return LEVELS.index(level_in_force()) >= LEVELS.index(check_level(level))
+
+
+def cap_torch(cap: str) -> None:
+    """Set oneDNN's and ATen's ISA caps for ``cap`` (nothing for ``auto``), unless already set in the
+    environment. They take effect only before torch first dispatches a CPU kernel: the CLI calls this
+    before it imports torch; :func:`torch_isa_report` says what is in force."""
+    if cap == "auto":
+        return
+    level = check_level(cap)
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[level])
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", _ATEN_CAPABILITY[level])
+
+
+def torch_isa_report() -> dict[str, str | None]:
+    """ATen's CPU capability in force and the oneDNN cap set in the environment."""
+    import torch
+
+    return {"aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")}
+
+
+def torch_capability_within(level: str) -> bool:
+    """Whether ATen's CPU capability in force is no higher than ``level`` allows."""
+    import torch
+
+    order = ["DEFAULT", "AVX2", "AVX512"]
+    have = torch.backends.cpu.get_cpu_capability().upper()
+    allowed = _ATEN_CAPABILITY[check_level(level)].upper()
+    return have not in order or order.index(have) <= order.index(allowed)

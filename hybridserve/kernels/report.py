@@ -1,0 +1,86 @@
+"""What the CPU kernels are on this machine: the CPU, the ISA in force, and each op's variant (or why
+it falls back to plain PyTorch). ``hybridserve env`` prints it."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+from hybridserve.kernels import build, isa
+
+#: op -> (library, what the op is)
+OPS = {
+    "linear_bf16": ("gemm", "bf16 linear layers and MoE experts"),
+    "linear_f16": ("gemm", "fp16 linear layers and MoE experts"),
+    "rms_norm": ("pointwise", "RMS norm (with the residual add)"),
+    "gated_rms_norm": ("pointwise", "Mamba2 gated group RMS norm"),
+    "silu_mul": ("pointwise", "silu(a) * b"),
+    "rotary": ("pointwise", "RoPE"),
+    "argmax_logsumexp": ("pointwise", "greedy sampling"),
+    "causal_conv1d": ("recurrent", "causal depthwise conv with state"),
+    "mamba2_scan": ("recurrent", "Mamba2 state update / scan"),
+    "kv_write": ("attention", "KV cache write"),
+    "paged_attention": ("attention", "paged attention"),
+    "decode_program": ("program", "a decode step as one C++ call"),
+}
+
+
+def _variant(op: str, library: str, level: str) -> str:
+    if op == "linear_bf16":
+        from hybridserve.kernels import gemm
+
+        if gemm.uses_bf16_dot():
+            return "avx512_bf16: AVX-512 BF16 dot products"
+        return f"{level}: weights widened to float32 in registers"
+    if op == "linear_f16":
+        return f"{level}: weights widened to float32 in registers"
+    return f"{level}: compiled"
+
+
+def op_variants() -> dict[str, dict[str, str | None]]:
+    """Per op: the variant in use at the level in force, or the plain-PyTorch fallback and why."""
+    level = isa.level_in_force()
+    libraries = {lib for lib, _ in OPS.values()}
+    loaded = build.load_libraries(sorted(libraries), level)
+    out = {}
+    for op, (library, what) in OPS.items():
+        if loaded.get(library) is not None:
+            out[op] = {"what": what, "variant": _variant(op, library, level), "fallback_reason": None}
+        else:
+            out[op] = {"what": what, "variant": "plain PyTorch",
+                       "fallback_reason": build.unavailable_reason(library, level) or "not built"}
+    return out
+
+
+def compiler_version(compiler: str | None) -> str | None:
+    """The first line of ``compiler --version``."""
+    if compiler is None:
+        return None
+    try:
+        proc = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.splitlines()[0] if proc.stdout else None
+
+
+def environment() -> dict:
+    """The machine, library versions, ISA and kernel facts (``hybridserve env``)."""
+    import torch
+    import transformers
+
+    import hybridserve
+
+    info = isa.cpu_info()
+    compiler = build.find_compiler()
+    return {
+        "cpu": {"model": info.model, "arch": info.arch, "python_platform": platform.platform(),
+                "features": {f: f in info.features for f in isa.REPORTED_FEATURES},
+                "best_isa": info.best_level},
+        "isa": {"in_force": isa.level_in_force(), "cap": isa.cap(), **isa.torch_isa_report(),
+                "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())},
+        "versions": {"hybridserve": hybridserve.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "threads": torch.get_num_threads(),
+        "kernels": {"compiler": compiler, "compiler_version": compiler_version(compiler),
+                    "cache_dir": str(build.cache_dir()), "ops": op_variants()},
+    }

@@ -1,0 +1,158 @@
+"""CPU feature detection, the ISA levels and their cap (``hybridserve.kernels.isa``), and libraries
+built and cached per level (``kernels/build.py``): a library built for another feature set than the
+one asked for, or for one this CPU lacks, is never loaded."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hybridserve.kernels import _abi, build, isa
+
+OK_SOURCE = '#include "isa_level.h"\nextern "C" int hs_answer(void) { return 7; }\n'
+needs_compiler = pytest.mark.skipif(build.find_compiler() is None, reason="no C++ compiler")
+
+AVX2 = {"avx2", "fma", "f16c"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def cpu(features, arch="x86_64"):
+    return isa.CpuInfo(arch=arch, model="test", features=frozenset(features))
+
+
+@pytest.mark.parametrize("features,best", [
+    (set(), "generic"),
+    ({"avx2", "fma"}, "generic"),  # no F16C: not the avx2 level
+    (AVX2, "avx2"),
+    (AVX2 | {"avx512f"}, "avx2"),  # AVX-512 F alone is not the avx512 level
+    (AVX512, "avx512"),
+    (AVX512 | {"avx512_bf16", "amx_bf16"}, "avx512_bf16"),
+    (AVX2 | {"avx512_bf16"}, "avx2"),  # BF16 without the AVX-512 base
+])
+def test_best_level_of_a_feature_set(features, best):
+    assert cpu(features).best_level == best
+    assert cpu(features).supports("generic")
+
+
+def test_non_x86_cpus_run_the_generic_level_only():
+    arm = cpu(AVX512 | {"avx512_bf16"}, arch="aarch64")  # flags of another ISA mean nothing there
+    assert arm.best_level == "generic" and not arm.supports("avx2")
+
+
+def test_compiler_flags_are_explicit_per_level():
+    assert isa.compiler_flags("generic") == []  # a non-x86 compiler takes a generic build
+    avx2, avx512, bf16 = (isa.compiler_flags(lv) for lv in ("avx2", "avx512", "avx512_bf16"))
+    assert {"-mavx2", "-mfma", "-mf16c"} <= set(avx2) and not any("avx512" in f for f in avx2)
+    assert set(avx2) < set(avx512) < set(bf16) and "-mavx512bf16" in bf16 and "-mavx512bf16" not in avx512
+    for level in isa.LEVELS:
+        assert not any(f.startswith("-march") for f in build.flags("pointwise", level))  # never -march=native
+
+
+def test_unknown_levels_are_refused_with_the_allowed_values():
+    with pytest.raises(ValueError, match="allowed values: generic, avx2, avx512, avx512_bf16"):
+        isa.set_cap("sse9")
+    from hybridserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"cpu_isa='avx3'.*auto, generic, avx2"):
+        EngineConfig(model="x", cpu_isa="avx3")
+    assert EngineConfig(model="x", cpu_isa="AVX2").cpu_isa == "avx2"
+
+
+def test_cap_lowers_the_level_in_force_and_never_raises_it():
+    previous = isa.cap()
+    best = isa.cpu_info().best_level
+    try:
+        assert isa.set_cap("generic") == "generic"
+        assert isa.set_cap("avx512_bf16") == best  # a cap above the CPU changes nothing
+        assert isa.set_cap("auto") == best
+    finally:
+        isa.set_cap(previous)
+
+
+def test_cap_torch_sets_onednn_and_aten_caps(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    isa.cap_torch("auto")
+    import os
+
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ
+    isa.cap_torch("avx2")
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2" and os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+
+
+def test_this_cpu_is_detected():
+    info = isa.cpu_info()
+    assert info.best_level in isa.LEVELS and info.supports(info.best_level)
+    assert isa.runnable_levels()[0] == "generic" and isa.runnable_levels()[-1] == info.best_level
+    if info.is_x86:
+        import torch
+
+        assert ("avx2" in info.features) == torch.cpu._is_avx2_supported()
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """Empty memo dicts, an empty kernel cache dir and a source dir with ``ok.cpp``; returns the cache."""
+    cache = tmp_path / "kernel-cache"
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "ok.cpp").write_text(OK_SOURCE)
+    (src / "isa_level.h").write_text((build.SOURCE_DIR / "isa_level.h").read_text())
+    monkeypatch.setattr(build, "SOURCE_DIR", src)
+    monkeypatch.setenv("HYBRIDSERVE_KERNEL_CACHE", str(cache))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(build, "_failures", {})
+    monkeypatch.setattr(_abi, "_bound", {})
+    return cache
+
+
+@needs_compiler
+def test_each_level_has_its_own_cached_library_reporting_its_level(fresh):
+    compiler = build.find_compiler()
+    paths = {lv: build.library_path("ok", lv, compiler) for lv in isa.LEVELS}
+    assert len(set(paths.values())) == len(isa.LEVELS)  # the level is part of the key
+    assert all(f"ok-{lv}-" in paths[lv].name for lv in isa.LEVELS)
+    for level in isa.runnable_levels():
+        lib = build.load_library("ok", level)
+        assert lib is not None and lib.hs_answer() == 7
+        assert lib.hs_built_isa_level() == isa.LEVELS.index(level)  # the compiler applied that level's flags
+        assert lib._name == str(paths[level])
+
+
+@needs_compiler
+def test_a_library_built_for_another_feature_set_is_not_loaded(fresh):
+    """A cache shared between hosts holds a library built for other features under this host's key
+    (a copied file, say): its own report of the level it was built for refuses it."""
+    compiler = build.find_compiler()
+    built_for_avx2 = build.build_library("ok", "avx2")  # building needs no CPU support
+    wrong = build.library_path("ok", "generic", compiler)
+    shutil.copy(built_for_avx2, wrong)
+    assert build.load_library("ok", "generic") is None
+    assert "built for level 1, not generic" in build.unavailable_reason("ok", "generic")
+
+
+@needs_compiler
+def test_a_level_this_cpu_lacks_is_never_loaded(fresh):
+    missing = [lv for lv in isa.LEVELS if not isa.cpu_info().supports(lv)]
+    if not missing:
+        pytest.skip(f"this CPU runs every level ({isa.cpu_info().best_level})")
+    level = missing[-1]
+    target = build.build_library("ok", level)  # e.g. AVX-512 BF16 code, compiled here but never run
+    assert target.exists()
+    assert build.load_library("ok", level) is None
+    assert "cannot run code built for" in build.unavailable_reason("ok", level)
+
+
+@needs_compiler
+def test_bind_follows_the_level_in_force(fresh):
+    previous = isa.cap()
+    try:
+        libs = {}
+        for level in isa.runnable_levels():
+            isa.set_cap(level)
+            libs[level] = _abi.bind("ok", {"hs_answer": []})
+            assert libs[level].hs_built_isa_level() == isa.LEVELS.index(level)
+        assert len({id(lib) for lib in libs.values()}) == len(libs)
+    finally:
+        isa.set_cap(previous)
