@@ -35,7 +35,8 @@ def grow_tokenizer(tok: dict, size: int) -> dict:
 
     Each new token joins two of the most frequent merged tokens (the earliest merges), taken in a
     growing square (pairs among the first k, then k+1, ...), so the result is deterministic and
-    every new token is reachable by one merge of two tokens already in the vocab."""
+    every new token is one merge of two tokens already in the vocab. Many of them never come out of
+    real text (they span a pre-tokenizer split); the benchmarks feed token ids and do not need them to."""
     model = tok["model"]
     vocab: dict[str, int] = model["vocab"]
     merges = model["merges"]
@@ -134,10 +135,10 @@ def load_converter(llama_cpp: str, pre: str):
     return convert_hf_to_gguf.main
 
 
-def convert(main, staged: str, outfile: str, outtype: str) -> None:
-    """Run the converter's main() on the staged folder."""
+def convert(main, staged: str, outfile: str, outtype: str, name: str) -> None:
+    """Run the converter's main() on the staged folder, naming the model ``name`` in the GGUF."""
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", staged, "--outfile", outfile, "--outtype", outtype]
+    sys.argv = ["convert_hf_to_gguf.py", staged, "--outfile", outfile, "--outtype", outtype, "--model-name", name]
     try:
         main()
     finally:
@@ -161,7 +162,7 @@ def main() -> None:
         print(f"make_gguf: tokenizer of {size} tokens staged in {staged}")
         for outtype in a.outtype:
             outfile = os.path.join(out_dir, f"model-{outtype}.gguf")
-            convert(main_fn, staged, outfile, outtype)
+            convert(main_fn, staged, outfile, outtype, os.path.basename(os.path.abspath(a.model)))
             print(f"make_gguf: wrote {outfile}")
 
 

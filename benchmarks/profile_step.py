@@ -21,6 +21,7 @@ import time
 KERNEL_NAMES = {"hs_rms_norm": "rms_norm", "hs_linear_bf16": "linear", "hs_causal_conv1d": "causal_conv1d",
                 "hs_mamba2_scan": "mamba2_scan", "hs_gated_rms_norm": "gated_rms_norm", "hs_silu_mul": "silu_mul",
                 "hs_kv_write": "kv_write", "hs_paged_attention": "paged_attention", "hs_rotary": "rotary",
+                "hs_linear_f16": "linear",
                 "embedding": "embedding"}
 
 
@@ -111,7 +112,9 @@ def main() -> None:
     parts["other in model forward"] = per.get("model forward", 0.0) - model_inner
     forward = per.get("model forward", 0.0) + per.get("decode program", 0.0)
     if program is not None:  # its kernels, under the names of their Python entry points
-        in_program = {KERNEL_NAMES[name]: secs / steps for name, secs in program.kernel_seconds().items()}
+        in_program: dict[str, float] = {}
+        for name, secs in program.kernel_seconds().items():
+            in_program[KERNEL_NAMES[name]] = in_program.get(KERNEL_NAMES[name], 0.0) + secs / steps
         for name, secs in in_program.items():
             parts[name] = parts.get(name, 0.0) + secs
         parts["other in decode program"] = per.get("decode program", 0.0) - sum(in_program.values())

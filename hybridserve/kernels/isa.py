@@ -63,15 +63,15 @@ class CpuInfo:
     def is_x86(self) -> bool:
         return self.arch.lower() in ("x86_64", "amd64", "i386", "i686")
 
+    def missing(self, level: str) -> list[str]:
+        """The features ``level`` needs that this CPU lacks (every one of them off x86)."""
+        check_level(level)
+        needed = [f for lv in LEVELS[:LEVELS.index(level) + 1] for f in _LEVEL_FLAGS[lv]]
+        return needed if not self.is_x86 else [f for f in needed if f not in self.features]
+
     def supports(self, level: str) -> bool:
         """Whether this CPU runs code built for ``level``."""
-        check_level(level)
-        if level == "generic":
-            return True
-        if not self.is_x86:
-            return False
-        needed = [f for lv in LEVELS[:LEVELS.index(level) + 1] for f in _LEVEL_FLAGS[lv]]
-        return all(f in self.features for f in needed)
+        return not self.missing(level)
 
     @property
     def best_level(self) -> str:

@@ -156,3 +156,23 @@ def test_bind_follows_the_level_in_force(fresh):
         assert len({id(lib) for lib in libs.values()}) == len(libs)
     finally:
         isa.set_cap(previous)
+
+
+@needs_compiler
+@pytest.mark.skipif(not isa.cpu_info().is_x86, reason="the x86 levels build only for x86")
+def test_every_level_of_every_library_compiles(monkeypatch, tmp_path):
+    """The variants this CPU cannot run still compile (they are tested where they run): an edit that
+    breaks the AVX-512 code is caught on an AVX2 machine too. Levels this CPU runs are built and tested
+    by the kernel tests."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybridserve.kernels import LIBRARIES
+
+    monkeypatch.setenv("HYBRIDSERVE_KERNEL_CACHE", str(tmp_path))
+    levels = [lv for lv in isa.LEVELS if not isa.cpu_info().supports(lv)]
+    if not levels:
+        pytest.skip("this CPU runs every level: the kernel tests build and run them all")
+    jobs = [(name, lv) for name in LIBRARIES + ["probe"] for lv in levels]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        built = list(pool.map(lambda job: build.build_library(*job), jobs))
+    assert all(path.exists() and path.stat().st_size > 0 for path in built)

@@ -152,14 +152,16 @@ void attention_one_query(int64_t L, const int64_t* table, const AT* qrow, const 
     const int64_t row = rows[j];
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const CT* vr = v_cache + row + kvh * g.head_stride;
-      if (nv > 0) {  // the value row converted once for its R query heads
-        v16f vv[kMaxVecs];
-        for (int64_t i = 0; i < nv; ++i) vv[i] = load16(vr + 16 * i);
+      if (nv > 0) {  // the value row converted once for its R query heads (register-wide vectors)
+        constexpr int64_t W = kNativeLanes;
+        const int64_t nn = Dh / W;
+        vnf vv[kMaxVecs * 16 / W];
+        for (int64_t i = 0; i < nn; ++i) vv[i] = loadn(vr + W * i);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t hq = kvh * R + r;
           const float pj = sc[hq * n + j];
           float* ah = acc + hq * Dh;
-          for (int64_t i = 0; i < nv; ++i) *reinterpret_cast<v16f*>(ah + 16 * i) += pj * vv[i];
+          for (int64_t i = 0; i < nn; ++i) *reinterpret_cast<vnf*>(ah + W * i) += pj * vv[i];
         }
         continue;
       }
@@ -198,19 +200,17 @@ void attention_rows4(int64_t nrows, const AT* const* qrows, AT* const* orows, co
   }
   float* srow[4] = {sc, sc + nk, sc + 2 * nk, sc + 3 * nk};
   int64_t j = jb0;
+  constexpr int KW = 16 / kNativeLanes;  // register-wide vectors per 16 keys (lane arithmetic as 16 lanes)
   for (; j + 16 <= jb1; j += 16) {  // scores: 4 rows x 16 keys per pass over head_dim
-    v16f s0{}, s1{}, s2{}, s3{};
+    vnf s[4][KW] = {};
     for (int64_t d = 0; d < Dh; ++d) {
-      const v16f k = load16(kt + d * nk + j);
-      s0 += qv[0][d] * k;
-      s1 += qv[1][d] * k;
-      s2 += qv[2][d] * k;
-      s3 += qv[3][d] * k;
+      for (int u = 0; u < KW; ++u) {
+        const vnf k = loadn(kt + d * nk + j + u * kNativeLanes);
+        for (int a = 0; a < 4; ++a) s[a][u] += qv[a][d] * k;
+      }
     }
-    *reinterpret_cast<v16f*>(srow[0] + j) = s0;
-    *reinterpret_cast<v16f*>(srow[1] + j) = s1;
-    *reinterpret_cast<v16f*>(srow[2] + j) = s2;
-    *reinterpret_cast<v16f*>(srow[3] + j) = s3;
+    for (int a = 0; a < 4; ++a)
+      for (int u = 0; u < KW; ++u) *reinterpret_cast<vnf*>(srow[a] + j + u * kNativeLanes) = s[a][u];
   }
   for (; j < jb1; ++j) {
     for (int a = 0; a < 4; ++a) {
@@ -238,23 +238,17 @@ void attention_rows4(int64_t nrows, const AT* const* qrows, AT* const* orows, co
     for (int64_t jj = jb0; jj < lo[a]; ++jj) sr[jj] = 0.0f;
     for (int64_t jj = hi[a]; jj < jb1; ++jj) sr[jj] = 0.0f;
   }
-  v16f acc[4][NV];
-  for (int a = 0; a < 4; ++a)
-    for (int i = 0; i < NV; ++i) acc[a][i] = v16f{};
-  for (int64_t jj = jb0; jj < jb1; ++jj) {  // weighted values: 4 rows x head_dim per key
-    const float p0 = srow[0][jj], p1 = srow[1][jj], p2 = srow[2][jj], p3 = srow[3][jj];
-    const float* vj = vf + jj * Dh;
-    for (int i = 0; i < NV; ++i) {
-      const v16f v = load16(vj + 16 * i);
-      acc[0][i] += p0 * v;
-      acc[1][i] += p1 * v;
-      acc[2][i] += p2 * v;
-      acc[3][i] += p3 * v;
+  // weighted values: 4 rows x one register-wide slice of head_dim at a time, over every key (the
+  // same sums in the same order as all of head_dim at once; 4 accumulators stay in registers)
+  for (int i = 0; i < Dh / kNativeLanes; ++i) {
+    vnf acc[4] = {};
+    for (int64_t jj = jb0; jj < jb1; ++jj) {
+      const vnf v = loadn(vf + jj * Dh + kNativeLanes * i);
+      for (int a = 0; a < 4; ++a) acc[a] += srow[a][jj] * v;
     }
+    for (int64_t a = 0; a < nrows; ++a)
+      for (int e = 0; e < kNativeLanes; ++e) orows[a][kNativeLanes * i + e] = from_f32<AT>(acc[a][e]);
   }
-  for (int64_t a = 0; a < nrows; ++a)
-    for (int i = 0; i < NV; ++i)
-      for (int e = 0; e < 16; ++e) orows[a][16 * i + e] = from_f32<AT>(acc[a][i][e]);
 }
 
 // Work item: one sequence and one KV head. Its keys are gathered once, dequantized and transposed

@@ -272,15 +272,20 @@ constexpr auto vrows_table(std::integer_sequence<int, R...>) {
   return std::array<VRowsFn<W>, sizeof...(R)>{vrows<W, R + 1>...};
 }
 
-// x (M, K) in W's dtype, row stride xs -> float32 rows of Kp (the pad column 0), into `xf`.
+// x (M, K) in W's dtype, row stride xs -> float32 rows of stride fs (the pad column K of an odd K
+// is 0), into `xf`.
 template <typename W>
-void widen_rows(int64_t M, int64_t K, int64_t Kp, const W* x, int64_t xs, float* xf) {
+void widen_rows(int64_t M, int64_t K, int64_t fs, const W* x, int64_t xs, float* xf) {
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
   for (int64_t r = 0; r < M; ++r) {
-    for (int64_t k = 0; k < K; ++k) xf[r * Kp + k] = widen_scalar(x[r * xs + k]);
-    if (Kp > K) xf[r * Kp + K] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) xf[r * fs + k] = widen_scalar(x[r * xs + k]);
+    if (K % 2 != 0) xf[r * fs + K] = 0.0f;
   }
 }
+
+// A row stride (floats) for the float32 copy of rows of Kp values: a power-of-two row size gets one
+// cache line more, so that the rows of a tile do not all fall into the same L1 sets.
+inline int64_t float_stride(int64_t Kp) { return (Kp * 4) % 4096 == 0 ? Kp + 16 : Kp; }
 
 // The vector path: out (M, N) = x (M, K) @ W.T + bias, W packed in panels of Kp = K rounded up to even.
 template <typename W>
@@ -289,10 +294,11 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
   if (M < 0 || N < 1 || K < 1) return 1;
   if (M == 0) return 0;
   const int64_t Kp = K + (K & 1), K2 = Kp / 2, pe = Kp * kPanel, panels = (N + kPanel - 1) / kPanel;
+  const int64_t fs = float_stride(Kp);
   static thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < M * Kp) scratch.resize(M * Kp);
+  if (static_cast<int64_t>(scratch.size()) < M * fs) scratch.resize(M * fs);
   float* xf = scratch.data();
-  widen_rows(M, K, Kp, x, xs, xf);
+  widen_rows(M, K, fs, x, xs, xf);
   static constexpr auto table = vrows_table<W>(std::make_integer_sequence<int, kMaxRows>{});
   // Rows in blocks whose float32 copy stays in L2 (~192 KiB) while every panel passes over it.
   const int64_t block = std::max<int64_t>(kMaxRows, (192 * 1024 / (4 * Kp)) / kMaxRows * kMaxRows);
@@ -307,7 +313,7 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
       for (int64_t m0 = b0; m0 < b0 + rows; m0 += kMaxRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, b0 + rows - m0));
         // narrower row tiles take at least as many panels, so a tail tile covers this group too
-        table[mr - 1](np, K2, xf + m0 * Kp, Kp, packed + g * group * pe, pe, bias, out + m0 * os, os,
+        table[mr - 1](np, K2, xf + m0 * fs, fs, packed + g * group * pe, pe, bias, out + m0 * os, os,
                       g * group * kPanel, N);
       }
     }

@@ -226,24 +226,25 @@ void mamba2_scan_head(int64_t t0, int64_t t1, int64_t h, const AT* x, int64_t x_
       xdt[q] = xv[q] * dtv;
       acc[q] = 0.0f;
     }
-    if constexpr (PT > 0 && PT % 16 == 0) {
-      // x*dt and the accumulators stay in vector registers across the n loop.
-      constexpr int NV = PT / 16;
-      v16f xd[NV], ac[NV];
+    if constexpr (PT > 0 && PT % kNativeLanes == 0) {
+      // x*dt and the accumulators stay in vector registers across the n loop (register-wide vectors:
+      // 16 lanes on AVX-512, 8 below).
+      constexpr int NV = PT / kNativeLanes;
+      vnf xd[NV], ac[NV];
       for (int i = 0; i < NV; ++i) {
-        xd[i] = *reinterpret_cast<const v16f*>(xdt + 16 * i);
-        ac[i] = v16f{};
+        xd[i] = *reinterpret_cast<const vnf*>(xdt + kNativeLanes * i);
+        ac[i] = vnf{};
       }
       for (int64_t n = 0; n < N; ++n) {
         const float bn = to_f32(bt[n]), cn = to_f32(ct[n]);
-        v16f* row = reinterpret_cast<v16f*>(hT + n * PT);
+        vnf* row = reinterpret_cast<vnf*>(hT + n * PT);
         for (int i = 0; i < NV; ++i) {
-          const v16f v = row[i] * decay + xd[i] * bn;
+          const vnf v = row[i] * decay + xd[i] * bn;
           row[i] = v;
           ac[i] += v * cn;
         }
       }
-      for (int i = 0; i < NV; ++i) *reinterpret_cast<v16f*>(acc + 16 * i) = ac[i];
+      for (int i = 0; i < NV; ++i) *reinterpret_cast<vnf*>(acc + kNativeLanes * i) = ac[i];
     } else {
       for (int64_t n = 0; n < N; ++n) {
         const float bn = to_f32(bt[n]), cn = to_f32(ct[n]);

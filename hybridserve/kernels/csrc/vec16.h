@@ -27,6 +27,26 @@ inline v16f load16(const BF16* p) {
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
+// The widest float vector the build's ISA holds in one register: GCC spills 16-float vectors to the
+// stack on AVX2 and below, so loops that only need some vector width (no 16-lane shuffles) use this.
+#if defined(__AVX512F__)
+constexpr int kNativeLanes = 16;
+#else
+constexpr int kNativeLanes = 8;
+#endif
+typedef float vnf __attribute__((vector_size(4 * kNativeLanes), aligned(4)));
+typedef uint16_t vnu16 __attribute__((vector_size(2 * kNativeLanes), aligned(2)));
+typedef uint32_t vnu32 __attribute__((vector_size(4 * kNativeLanes)));
+typedef _Float16 vnh __attribute__((vector_size(2 * kNativeLanes), aligned(2)));
+
+// kNativeLanes values of each storage dtype as float32 (as load16, a native vector at a time).
+inline vnf loadn(const float* p) { return *reinterpret_cast<const vnf*>(p); }
+inline vnf loadn(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const vnh*>(p), vnf); }
+inline vnf loadn(const BF16* p) {
+  const vnu32 bits = __builtin_convertvector(*reinterpret_cast<const vnu16*>(p), vnu32) << 16;
+  return reinterpret_cast<const vnf&>(bits);
+}
+
 inline float hsum(v16f v) {  // pairwise: 16 -> 8 -> 4 -> 1
   const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
