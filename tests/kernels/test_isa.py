@@ -176,3 +176,58 @@ def test_every_level_of_every_library_compiles(monkeypatch, tmp_path):
     with ThreadPoolExecutor(max_workers=2) as pool:
         built = list(pool.map(lambda job: build.build_library(*job), jobs))
     assert all(path.exists() and path.stat().st_size > 0 for path in built)
+
+
+@needs_compiler
+@pytest.mark.skipif(isa.cpu_info().supports("avx512"), reason="this CPU runs the 16-lane builds themselves")
+@pytest.mark.parametrize("width", [16])
+def test_the_16_lane_vector_code_gives_the_8_lane_bits(monkeypatch, tmp_path, width):
+    """The AVX-512 builds' float32 vector code (16-lane linear tiles, 16-lane scan and attention
+    loops) does the same lane arithmetic as the AVX2 builds' 8-lane code: built here at the avx2 level
+    with 16-lane vectors (slow, spilled, but the same operations), every output equals the 8-lane
+    build's bit for bit. So the code that only AVX-512 CPUs run is checked on this one too."""
+    import torch
+
+    from hybridserve.kernels import gemm, recurrent
+    from tests.kernels.helpers import assert_bits_equal
+    from tests.kernels.test_attention_kernels import AttnCase
+
+    if isa.level_in_force() != "avx2":
+        pytest.skip(f"compares against the avx2 build; the level in force is {isa.level_in_force()}")
+    g = torch.Generator().manual_seed(0)
+
+    def run_all():
+        out = {}
+        for dtype in (torch.bfloat16, torch.float16):
+            for M, N, K in ((1, 70, 96), (13, 50, 333), (37, 40, 64)):
+                x = torch.randn(M, K, generator=g).to(dtype)
+                w = torch.randn(N, K, generator=g).to(dtype)
+                b = torch.randn(N, generator=g).to(dtype)
+                out[f"linear {dtype} {M}x{N}x{K}"] = gemm.linear(x, gemm.pack(w), N, b)
+        T, H, P, N = 40, 4, 64, 16
+        states = torch.randn(3, H, P, N, generator=g)
+        xs, dt = torch.randn(T, H * P, generator=g), torch.randn(T, H, generator=g)
+        B, C = torch.randn(T, N, generator=g), torch.randn(T, N, generator=g)
+        y = torch.empty(T, H * P)
+        assert recurrent.mamba2_scan(states, xs, dt, -torch.rand(H, generator=g), B, C, torch.rand(H, generator=g),
+                                     torch.rand(H, generator=g), True, (0.0, float("inf")),
+                                     torch.tensor([0, 25, 40]), torch.tensor([2, 0]), y)
+        out["scan y"], out["scan state"] = y, states
+        for cache_dtype in (torch.bfloat16, torch.float32):  # decode rows and prefill chunks together
+            case = AttnCase(torch.bfloat16, cache_dtype, rep=2, q_lens=[1, 9, 1, 20], seq_lens=[37, 20, 70, 33], bs=8,
+                            Dh=64, seed=3)
+            assert case.run()
+            out[f"attention {cache_dtype}"] = case.out.clone()
+        return out
+
+    g.manual_seed(0)
+    eight = run_all()
+    monkeypatch.setenv("HYBRIDSERVE_KERNEL_CACHE", str(tmp_path))
+    for name in ("gemm", "recurrent", "attention"):
+        monkeypatch.setitem(build.EXTRA_FLAGS, name, build.EXTRA_FLAGS.get(name, []) + [f"-DHS_VECTOR_LANES={width}"])
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(_abi, "_bound", {})
+    g.manual_seed(0)
+    sixteen = run_all()
+    for key in eight:
+        assert_bits_equal(sixteen[key], eight[key], key)

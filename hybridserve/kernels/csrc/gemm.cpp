@@ -162,13 +162,14 @@ int dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
 
 // ---- the float32 vector path (every level) ----
 
-#if defined(__AVX512F__)
+#if defined(HS_VECTOR_LANES)  // a test build: the other width's code on this CPU (kernels/test_isa.py)
+constexpr int kLanes = HS_VECTOR_LANES;
+#elif defined(__AVX512F__)
 constexpr int kLanes = 16;  // float32 lanes of one vector
-constexpr int kRegisters = 32;
 #else
 constexpr int kLanes = 8;
-constexpr int kRegisters = 16;
 #endif
+constexpr int kRegisters = kLanes == 16 ? 32 : 16;
 constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
 constexpr int kMaxRows = kLanes == 16 ? 8 : 4;  // rows of a tile
 

@@ -29,7 +29,9 @@ typedef float v4f __attribute__((vector_size(16)));
 
 // The widest float vector the build's ISA holds in one register: GCC spills 16-float vectors to the
 // stack on AVX2 and below, so loops that only need some vector width (no 16-lane shuffles) use this.
-#if defined(__AVX512F__)
+#if defined(HS_VECTOR_LANES)  // a test build: the other width's code on this CPU (kernels/test_isa.py)
+constexpr int kNativeLanes = HS_VECTOR_LANES;
+#elif defined(__AVX512F__)
 constexpr int kNativeLanes = 16;
 #else
 constexpr int kNativeLanes = 8;
