@@ -33,5 +33,7 @@ def pytest_report_header(config):
     from hybridserve.kernels import isa
 
     info = isa.cpu_info()
+    top = isa.LEVELS.index(isa.level_in_force())
+    tested = [lv for lv in isa.runnable_levels() if isa.LEVELS.index(lv) <= top]
     return (f"cpu: {info.model} ({info.arch}); ISA level in force: {isa.level_in_force()} "
-            f"(best {info.best_level}, cap {isa.cap()}); kernel variants tested: {', '.join(isa.runnable_levels())}")
+            f"(best {info.best_level}, cap {isa.cap()}); kernel variants tested: {', '.join(tested)}")
