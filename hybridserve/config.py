@@ -1,6 +1,6 @@
 """Engine options: one validated dataclass, dtype resolution and the config fingerprint.
 
-The four dtype knobs follow DESIGN.md exactly:
+The four dtype knobs (docs/dtypes.md):
 
 * ``dtype``: weights and activations; ``auto`` is the checkpoint's ``dtype``/``torch_dtype``
   (float32 when absent).
@@ -167,7 +167,7 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolve_dtypes(self, hf_config: Any) -> ResolvedDtypes:
-        """Resolve every ``auto`` against the checkpoint's config (DESIGN.md's table)."""
+        """Resolve every ``auto`` against the checkpoint's config (docs/dtypes.md)."""
         model = MODEL_DTYPES[self.dtype] if self.dtype != "auto" else checkpoint_dtype(hf_config)
         kv = model if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
         conv = model if self.mamba_cache_dtype == "auto" else STATE_DTYPES[self.mamba_cache_dtype]

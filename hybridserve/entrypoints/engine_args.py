@@ -10,7 +10,7 @@ from hybridserve.kernels.isa import CPU_ISA_CHOICES
 
 
 def add_dtype_args(parser: argparse.ArgumentParser) -> None:
-    """The four dtype flags (DESIGN.md's table)."""
+    """The four dtype flags (docs/dtypes.md)."""
     parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
                         help="weights and activations (auto: the checkpoint's dtype)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],

@@ -16,9 +16,8 @@ def unavailable_reason() -> str | None:
     from hybridserve.kernels import build, isa
 
     level = isa.level_in_force()
-    reasons = [f"{name}: {build.unavailable_reason(name, level)}" for name in LIBRARIES
-               if build.unavailable_reason(name, level) is not None]
-    return "; ".join(reasons) or None
+    reasons = {name: build.unavailable_reason(name, level) for name in LIBRARIES}
+    return "; ".join(f"{name}: {why}" for name, why in reasons.items() if why is not None) or None
 
 
 def enable_cpu_kernels(model: "nn.Module") -> bool:

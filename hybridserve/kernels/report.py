@@ -25,7 +25,7 @@ OPS = {
 }
 
 
-def _variant(op: str, library: str, level: str) -> str:
+def _variant(op: str, level: str) -> str:
     if op == "linear_bf16":
         from hybridserve.kernels import gemm
 
@@ -45,7 +45,7 @@ def op_variants() -> dict[str, dict[str, str | None]]:
     out = {}
     for op, (library, what) in OPS.items():
         if loaded.get(library) is not None:
-            out[op] = {"what": what, "variant": _variant(op, library, level), "fallback_reason": None}
+            out[op] = {"what": what, "variant": _variant(op, level), "fallback_reason": None}
         else:
             out[op] = {"what": what, "variant": "plain PyTorch",
                        "fallback_reason": build.unavailable_reason(library, level) or "not built"}

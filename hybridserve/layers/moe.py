@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from hybridserve.kernels import gemm
+
 
 def softmax_topk(router_logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the softmax over experts. router_logits: (T, E) -> index (T, k), weight (T, k) float32."""
@@ -84,8 +86,6 @@ class FusedExperts(nn.Module):
 
     def packable(self) -> bool:
         """Whether the CPU linear kernels take every expert weight (bf16/fp16 on the CPU)."""
-        from hybridserve.kernels import gemm
-
         return self.packed is None and all(gemm.packable(w) for w in self.expert_weights())
 
     def expert_weights(self) -> list[torch.Tensor]:
@@ -110,8 +110,6 @@ class FusedExperts(nn.Module):
         """h (n, in) through projection ``name`` of expert e -> (n, out)."""
         if self.packed is None:
             return nn.functional.linear(h, getattr(self, name)[e])
-        from hybridserve.kernels import gemm
-
         y = gemm.linear(h, self.packed[name][e], self._out_features[name], None)
         if y is None:
             raise TypeError(f"packed experts take {self.packed[name][e].dtype} CPU input, got {h.dtype} on {h.device}")
