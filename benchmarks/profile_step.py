@@ -4,11 +4,13 @@ rest (Python and small PyTorch ops), averaged over decode steps (or for the firs
     python benchmarks/profile_step.py --model /tmp/bench-granite-100m --requests 32 --prompt-len 128
     python benchmarks/profile_step.py --model DIR --prefill          # the first (prefill) step instead
     python benchmarks/profile_step.py --model DIR --no-cpu-kernels   # the plain-PyTorch paths
-    python benchmarks/profile_step.py --model DIR --no-cpu-decode-program   # decode through the modules
+    python benchmarks/profile_step.py --model DIR --enforce-eager    # decode through the modules
 
 Each component is timed by wrapping its Python entry point with ``time.perf_counter``, so the
-numbers add up to the step time; the wrappers cost a few microseconds per call. Decode steps that run
-as the decode program (``kernels/program.py``) are timed per kernel inside the program instead.
+numbers add up to the step time; the wrappers cost a few microseconds per call. Decode steps replayed
+from their capture (``engine/decode_capture.py``) are timed per kernel inside the replay instead, and
+the last line gives the host time of a step: what is left once the kernels, the LM head and sampling
+are taken out (Python, and the small PyTorch ops around them).
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import argparse
 import collections
 import time
 
-# kernels called inside the decode program -> the names of their Python entry points
-KERNEL_NAMES = {"hs_rms_norm": "rms_norm", "hs_linear_bf16": "linear", "hs_causal_conv1d": "causal_conv1d",
-                "hs_mamba2_scan": "mamba2_scan", "hs_gated_rms_norm": "gated_rms_norm", "hs_silu_mul": "silu_mul",
-                "hs_kv_write": "kv_write", "hs_paged_attention": "paged_attention", "hs_rotary": "rotary",
-                "hs_linear_f16": "linear",
-                "embedding": "embedding"}
+
+def entry_point(kernel: str) -> str:
+    """The name of a replayed kernel's Python entry point (``hs_linear_bf16`` -> ``linear``)."""
+    name = kernel.removeprefix("hs_")
+    return "linear" if name.startswith("linear_") else name
 
 
 def main() -> None:
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill", action="store_true", help="time the first step (prefill) instead")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
-    parser.add_argument("--no-cpu-decode-program", dest="cpu_decode_program", action="store_false")
+    parser.add_argument("--enforce-eager", action="store_true", help="no captured decode steps")
     a = parser.parse_args()
 
     import torch
@@ -51,7 +52,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, cache_memory="4GiB", max_num_seqs=a.requests,
                                     max_num_batched_tokens=2048, max_model_len=a.prompt_len + a.steps + 16,
                                     enable_progress_bar=False, cpu_kernels=a.cpu_kernels,
-                                    cpu_decode_program=a.cpu_decode_program))
+                                    enforce_eager=a.enforce_eager))
     vocab = engine.hf_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
@@ -90,16 +91,17 @@ def main() -> None:
     time_linear(packed_linear.PackedLinear)
     time_linear(packed_linear.KernelLinear)
     for module, names in ((recurrent, ("mamba2_scan", "causal_conv1d")), (attention, ("paged_attention", "kv_write")),
-                          (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul"))):
+                          (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul", "gather_rows", "rotary"))):
         for name in names:
             timed(module, name, name)
     timed(llm_engine, "sample", "sampling")
     timed(engine.model, "forward", "model forward")
     timed(engine.runner, "run", "runner")
-    program = engine.runner.decode_program
-    if program is not None:
-        timed(program, "run", "decode program")
-        program.start_profiling()
+    captured = engine.runner.captured_decode
+    if captured is not None:
+        timed(captured, "run", "captured replay")
+        for graph in captured.graphs.values():
+            graph.start_profiling()
 
     steps = 1 if a.prefill else a.steps
     start = time.perf_counter()
@@ -107,26 +109,30 @@ def main() -> None:
         engine.step()
     total = (time.perf_counter() - start) / steps
     per = {k: v / steps for k, v in spent.items()}
-    parts = {k: v for k, v in per.items() if k not in ("model forward", "runner", "decode program")}
+    parts = {k: v for k, v in per.items() if k not in ("model forward", "runner", "captured replay")}
     model_inner = sum(v for k, v in parts.items() if k not in ("lm_head", "sampling"))
     parts["other in model forward"] = per.get("model forward", 0.0) - model_inner
-    forward = per.get("model forward", 0.0) + per.get("decode program", 0.0)
-    if program is not None:  # its kernels, under the names of their Python entry points
-        in_program: dict[str, float] = {}
-        for name, secs in program.kernel_seconds().items():
-            in_program[KERNEL_NAMES[name]] = in_program.get(KERNEL_NAMES[name], 0.0) + secs / steps
-        for name, secs in in_program.items():
+    forward = per.get("model forward", 0.0) + per.get("captured replay", 0.0)
+    in_replay: dict[str, float] = {}
+    if captured is not None:  # its kernels, under the names of their Python entry points
+        for graph in captured.graphs.values():
+            for name, secs in graph.kernel_seconds().items():
+                in_replay[entry_point(name)] = in_replay.get(entry_point(name), 0.0) + secs / steps
+        for name, secs in in_replay.items():
             parts[name] = parts.get(name, 0.0) + secs
-        parts["other in decode program"] = per.get("decode program", 0.0) - sum(in_program.values())
+        parts["other in captured replay"] = per.get("captured replay", 0.0) - sum(in_replay.values())
     parts["other in runner"] = per.get("runner", 0.0) - forward - per.get("lm_head", 0.0)
     parts["other in engine step"] = total - per.get("runner", 0.0) - per.get("sampling", 0.0)
     kind = "prefill step" if a.prefill else f"decode step ({a.requests} sequences)"
-    mode = "decode program" if program is not None and not a.prefill else "modules"
+    mode = "captured replay" if captured is not None and not a.prefill else "modules"
     print(f"{kind}: {total * 1e3:.1f} ms (cpu kernels {'on' if engine.cpu_kernels else 'off'}, {mode})")
     for name, secs in sorted(parts.items(), key=lambda kv: -kv[1]):
         if abs(secs) < 5e-6:
-            continue  # a part this step does not have (the model's forward under the decode program, say)
-        print(f"  {name:<24}{secs * 1e3:8.2f} ms  {100 * secs / total:5.1f}%")
+            continue  # a part this step does not have (the model's forward under a replay, say)
+        print(f"  {name:<26}{secs * 1e3:8.2f} ms  {100 * secs / total:5.1f}%")
+    kernels = sum(in_replay.values()) + sum(per.get(k, 0.0) for k in parts if k not in in_replay
+                                            and not k.startswith("other"))
+    print(f"host time per step (outside kernels, LM head and sampling): {(total - kernels) * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

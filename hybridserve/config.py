@@ -105,7 +105,7 @@ class ResolvedDtypes:
 
 
 # EngineConfig fields that change speed or output, never results: left out of the fingerprint.
-NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "cpu_decode_program")
+NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "enforce_eager")
 # (cpu_isa and cpu_kernels stay in it: the kernel variants round in their own orders.)
 
 
@@ -133,7 +133,7 @@ class EngineConfig:
     enable_progress_bar: bool = True
     cpu_weight_prepack: bool = True
     cpu_kernels: bool = True
-    cpu_decode_program: bool = True
+    enforce_eager: bool = False
     cpu_isa: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -151,7 +151,7 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         if not 1 <= self.block_size <= 64:
             raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
-        for name in ("cpu_weight_prepack", "cpu_kernels", "cpu_decode_program", "enable_progress_bar"):
+        for name in ("cpu_weight_prepack", "cpu_kernels", "enforce_eager", "enable_progress_bar"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

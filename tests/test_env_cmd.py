@@ -1,5 +1,6 @@
 """``hybridserve env``: the machine, the ISA in force and each op's kernel variant; with a model, its
-fast paths (the decode program captured, or why not). Also the engine's ``cpu_isa`` cap end to end."""
+fast paths (decode captured, or why not) and the kernel fallbacks of a short generation. Also the
+engine's ``cpu_isa`` cap end to end."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_env_reports_the_cpu_versions_and_every_op(capsys):
     assert report["isa"]["in_force"] == isa.level_in_force()
     assert report["versions"]["torch"] == torch.__version__
     ops = report["kernels"]["ops"]
-    assert {"linear_bf16", "linear_f16", "mamba2_scan", "paged_attention", "decode_program"} <= set(ops)
+    assert {"linear_bf16", "linear_f16", "mamba2_scan", "paged_attention", "graph_replay"} <= set(ops)
     for row in ops.values():  # a variant, or the fallback with its reason
         assert (row["fallback_reason"] is None) != (row["variant"] == "plain PyTorch")
 
@@ -46,14 +47,18 @@ def test_env_follows_the_isa_cap(capsys):
 
 
 @needs_compiler
-def test_env_with_a_model_reports_its_decode_program(capsys, ckpt_dir):
+def test_env_with_a_model_reports_its_capture_and_fallbacks(capsys, ckpt_dir):
     covered = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
     report = _env(capsys, "--model", covered, "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32")
     assert report["model"]["decode"] == {"captured": True, "reason": None}
+    assert report["model"]["kernel_fallbacks"] == []
     assert report["model"]["linears"]["torch_16bit"] == 0 and report["model"]["linears"]["hybridserve_kernel"] > 0
-    uncovered = make(ckpt_dir, "mamba2", dtype=torch.bfloat16)
-    decode = _env(capsys, "--model", uncovered, "--dtype", "bfloat16")["model"]["decode"]
-    assert decode["captured"] is False and "has no decode program" in decode["reason"]
+    eager = _env(capsys, "--model", covered, "--dtype", "bfloat16", "--enforce-eager")["model"]
+    assert eager["decode"] == {"captured": False, "reason": "--enforce-eager"}
+    fp8 = _env(capsys, "--model", covered, "--dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3")["model"]
+    assert fp8["decode"]["captured"] is False and "aten." in fp8["decode"]["reason"]  # the operators, named
+    ops = {row["op"] for row in fp8["kernel_fallbacks"]}
+    assert {"kv_write", "paged_attention"} <= ops and all(row["calls"] > 0 for row in fp8["kernel_fallbacks"])
 
 
 @needs_compiler

@@ -171,6 +171,7 @@ class CachePool:
         self._live_slots = _IdHeap([], largest_first=True)  # max live slot id = state region top
         self.layer_caches: dict[int, LayerCache] = {}
         self.stats = {"compactions": 0, "moved_bytes": 0}
+        self.padding: tuple[int | None, int | None] = (None, None)  # (page, slot) for padded rows
         self._build_views()
 
     # ----------------------------------------------------------------- views
@@ -235,6 +236,28 @@ class CachePool:
         for b in pages:
             self._live_pages.push(b)
         return Allocation(pages, slots, relocation)
+
+    def reserve_padding(self) -> tuple[int | None, int | None]:
+        """Take one KV page and one state slot (None where the layout has none) for the padded rows of
+        captured decode steps, on a pool nothing else has allocated from yet. They are the highest page
+        and the lowest slot, which compaction never moves, so their ids stay valid for the pool's life."""
+        if self._live_pages or self._live_slots:
+            raise RuntimeError("padding is reserved before any allocation")
+        got = self.allocate(1 if self.layout.has_kv else 0, 1 if self.layout.has_state else 0)
+        page = got.pages[0] if got.pages else None
+        slot = got.slots[0] if got.slots else None
+        assert page in (None, self.num_pages - 1) and slot in (None, 0)
+        self.padding = (page, slot)
+        return page, slot
+
+    def release_padding(self) -> None:
+        """Return the padding reservation to the pool."""
+        page, slot = self.padding
+        if page is not None:
+            self.free_pages([page])
+        if slot is not None:
+            self.free_slot(slot)
+        self.padding = (None, None)
 
     def allocate_pages(self, n: int) -> list[int]:
         """Hand out ``n`` KV pages in place (no compaction) or raise :class:`OutOfCacheError`."""
@@ -346,8 +369,14 @@ class CachePool:
         return len(self._live_slots)
 
     def used_bytes(self) -> int:
-        """Bytes held by live pages and slots."""
-        return self.num_live_pages * self.layout.page_bytes + self.num_live_slots * self.layout.slot_bytes
+        """Bytes held by live pages and slots (the padding reservation aside: :meth:`reserved_bytes`)."""
+        return (self.num_live_pages * self.layout.page_bytes + self.num_live_slots * self.layout.slot_bytes
+                - self.reserved_bytes())
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the page and slot reserved for padded rows (:meth:`reserve_padding`)."""
+        page, slot = self.padding
+        return (page is not None) * self.layout.page_bytes + (slot is not None) * self.layout.slot_bytes
 
     def usage(self) -> float:
         """Fraction of the pool held by live pages and slots."""

@@ -1,7 +1,7 @@
 """The CPU fast paths an engine runs with: the ISA level, the compiled kernels, the packed linears
-and the decode program, each with the reason when it is off.
+and the captured decode steps, each with the reason when it is off.
 
-The engine sets them up at start (:func:`prepare_model`, :func:`attach_decode_program`), logs one
+The engine sets them up at start (:func:`prepare_model`, :func:`attach_captured_decode`), logs one
 WARNING line naming every fast path that is off and why (:meth:`CpuFastPaths.log`), and
 ``hybridserve env --model`` prints :meth:`CpuFastPaths.as_dict`.
 """
@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from hybridserve.config import EngineConfig
+from hybridserve.engine.decode_capture import try_capture
 from hybridserve.kernels import enable_cpu_kernels, gemm, isa, unavailable_reason
-from hybridserve.kernels.program import build_decode_program
 from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
+from hybridserve.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class CpuFastPaths:
             out.append(f"{self.torch_16bit_linears} 16-bit linear layers on torch's matmul "
                        f"({'slow on this CPU' if not isa.at_least('avx512') else 'not packed'})")
         if not self.decode_captured:
-            out.append(f"decode program off ({self.decode_reason})")
+            out.append(f"decode not captured ({self.decode_reason})")
         return out + self.notes
 
     def log(self) -> None:
@@ -61,7 +62,7 @@ class CpuFastPaths:
         if off:
             logger.warning("CPU fast paths at ISA %s: %s", self.isa, "; ".join(off))
         else:
-            logger.info("CPU fast paths at ISA %s: kernels, %d packed linears, decode program", self.isa,
+            logger.info("CPU fast paths at ISA %s: kernels, %d packed linears, captured decode", self.isa,
                         self.packed_linears)
 
 
@@ -97,13 +98,20 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
     return report
 
 
-def attach_decode_program(runner, model: nn.Module, caches: dict, config: EngineConfig,
-                          report: CpuFastPaths) -> None:
-    """Build the model's decode program into ``runner`` where it can be, recording why not otherwise."""
+def attach_captured_decode(runner, model: nn.Module, pool, config: EngineConfig, max_model_len: int,
+                           report: CpuFastPaths) -> None:
+    """Capture the model's decode steps into ``runner`` where they can be, recording why not otherwise.
+    With the kernels on, RoPE tables for every position up to ``max_model_len`` are made first (eager
+    steps gather from them too)."""
+    if report.kernels:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.make_table(max_model_len, dtype)
     if not report.kernels:
         report.decode_reason = f"the compiled CPU kernels are off ({report.kernels_reason})"
-    elif not config.cpu_decode_program:
-        report.decode_reason = "--no-cpu-decode-program"
+    elif config.enforce_eager:
+        report.decode_reason = "--enforce-eager"
     else:
-        runner.decode_program, report.decode_reason = build_decode_program(model, caches, config.max_num_seqs)
-        report.decode_captured = runner.decode_program is not None
+        runner.captured_decode, report.decode_reason = try_capture(model, pool, config.max_num_seqs, max_model_len)
+        report.decode_captured = runner.captured_decode is not None

@@ -14,7 +14,7 @@ from hybridserve.cache.manager import CacheManager
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
-from hybridserve.engine.cpu_fast_paths import attach_decode_program, prepare_model
+from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import fork_children, wants_fork
 from hybridserve.engine.model_runner import ModelRunner
@@ -56,10 +56,11 @@ class LLMEngine:
         self.cache = CacheManager(self.pool)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
-        if self.cpu_fast_paths is not None:
-            attach_decode_program(self.runner, self.model, self.pool.layer_caches, config, self.cpu_fast_paths)
-            self.cpu_fast_paths.log()
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
+        if self.cpu_fast_paths is not None:
+            attach_captured_decode(self.runner, self.model, self.pool, config, self.max_model_len,
+                                   self.cpu_fast_paths)
+            self.cpu_fast_paths.log()
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.generator = torch.Generator().manual_seed(config.seed)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.pool import CachePool
+from hybridserve.engine.decode_capture import CapturedDecode
 from hybridserve.engine.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.engine.scheduler import ScheduledSeq
-from hybridserve.kernels.program import Program
 from hybridserve.models.base import CausalLM
 
 
@@ -38,7 +38,7 @@ class ModelRunner:
         self.block_size = pool.layout.block_size
         self.has_kv = pool.layout.has_kv
         self.has_state = pool.layout.has_state
-        self.decode_program: Program | None = None  # set by the engine when the model has one
+        self.captured_decode: CapturedDecode | None = None  # set by the engine when the model's decode is captured
 
     def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
         if not items:
@@ -93,13 +93,12 @@ class ModelRunner:
                 if last > start:
                     prompt_rows.extend(range(offset, offset + last - start))
                     prompt_seqs.append((item, start, last - start))
-        program = self.decode_program
-        if program is not None and not prefills and len(decodes) <= program.max_rows:
-            group = self._group(decodes, 0)  # every sequence decodes one token
-            hidden = program.run(_int_tensor(input_ids, self.device), group.cu_seqlens_q, group.state_indices,
-                                 group.seq_lens if self.has_kv else None, group.block_tables,
-                                 _int_tensor(slot_mapping, self.device) if self.has_kv else None,
-                                 _int_tensor(positions, self.device) if program.rotary is not None else None)
+        captured = self.captured_decode
+        if captured is not None and not prefills and len(decodes) <= captured.max_rows:
+            seqs = [item.seq for item in decodes]  # every sequence decodes one token
+            hidden = captured.run(input_ids, positions, slot_mapping, [s.num_computed_tokens + 1 for s in seqs],
+                                  [s.block_table for s in seqs] if self.has_kv else [],
+                                  [s.state_slot for s in seqs] if self.has_state else [])
         else:
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,

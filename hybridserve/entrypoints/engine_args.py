@@ -40,9 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                         help="on the CPU, use the plain-PyTorch recurrent-layer paths instead of the compiled "
                              "C++ kernels (built on first use with the system compiler)")
-    parser.add_argument("--no-cpu-decode-program", dest="cpu_decode_program", action="store_false",
-                        help="on the CPU, run decode steps through the model's modules instead of as one "
-                             "compiled call sequence (same results, slower)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every step through the model's modules, without replaying captured decode "
+                             "steps (same results, slower)")
     parser.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISA_CHOICES),
                         help="cap the CPU instruction set of the compiled kernels, oneDNN and ATen (auto: the "
                              "best this CPU has); a lower level runs, and tests, that level's kernel variants")
@@ -50,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
-                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "cpu_decode_program", "cpu_isa")
+                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """``hybridserve env``: the machine, versions, the CPU ISA in force and each kernel's variant; with
-``--model``, also the fast paths an engine of that model runs with (the decode program and why not)."""
+``--model``, also the fast paths an engine of that model runs with (decode captured, and why not) and
+the kernel fallbacks of a short generation (prefill and decode steps)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Report the CPU, its features and the ISA level in force, torch / transformers / "
                                    "hybridserve versions, the kernel cache folder and, per op, the kernel variant "
                                    "used or why it falls back. With --model, an engine is started with the given "
-                                   "flags and its fast paths are reported too (decode program captured, and why not).")
+                                   "flags and its fast paths are reported too (decode captured, and why not), with the "
+                                   "calls a short generation ran in plain PyTorch (kernel fallbacks).")
     p.add_argument("--model", default=None, help="checkpoint directory: also report this model's fast paths")
     add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -23,15 +25,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def model_fast_paths(args: argparse.Namespace) -> dict:
-    """Start an engine on ``args.model`` and return its fast-path report."""
+    """Start an engine on ``args.model``, run a short generation (two sequences: prefill, then decode
+    steps) and return its fast-path report with the kernel fallbacks counted meanwhile."""
     from hybridserve.config import EngineConfig
     from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.kernels import fallbacks
+    from hybridserve.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, enable_progress_bar=False, **engine_kwargs(args)))
     report = engine.cpu_fast_paths.as_dict() if engine.cpu_fast_paths is not None else {
         "decode": {"captured": False, "reason": f"the engine runs on {engine.device}, not the CPU"}}
+    before = fallbacks.counts()
+    vocab = engine.hf_config.vocab_size
+    for i, length in enumerate((5, 9)):
+        engine.add_request(f"env-{i}", [(7 * t + i) % vocab for t in range(length)],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    declined = [{"op": op, "reason": reason, "calls": n - before.get((op, reason), 0)}
+                for (op, reason), n in sorted(fallbacks.counts().items()) if n > before.get((op, reason), 0)]
     return {"model": args.model, "architecture": type(engine.model).__name__,
-            "dtypes": engine.dtypes.as_names(), **report}
+            "dtypes": engine.dtypes.as_names(), **report, "kernel_fallbacks": declined}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +82,10 @@ def print_report(report: dict) -> None:
     if model is not None:
         print(f"model: {model['model']} ({model['architecture']}, {model['dtypes']})")
         decode = model["decode"]
-        print(f"  decode program: {'captured' if decode['captured'] else 'off'}"
+        print(f"  decode: {'captured' if decode['captured'] else 'eager'}"
               + (f" ({decode['reason']})" if decode["reason"] else ""))
+        declined = model.get("kernel_fallbacks", [])
+        print("  kernel fallbacks: " + ("; ".join(f"{d['op']} ({d['reason']}) x{d['calls']}" for d in declined)
+                                        if declined else "none"))
         if "linears" in model:
             print("  linears: " + ", ".join(f"{k} {v}" for k, v in model["linears"].items()))

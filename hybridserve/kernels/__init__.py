@@ -8,7 +8,7 @@ if TYPE_CHECKING:  # torch is imported only when kernels are used (the CLI caps 
     from torch import nn
 
 
-LIBRARIES = ["recurrent", "attention", "pointwise", "gemm", "program"]
+LIBRARIES = ["recurrent", "attention", "pointwise", "gemm", "graph"]
 
 
 def unavailable_reason() -> str | None:

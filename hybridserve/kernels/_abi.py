@@ -1,9 +1,15 @@
-"""Calling the compiled kernels through ctypes: library binding and argument checks."""
+"""Calling the compiled kernels: library binding from each library's registry, and argument checks.
+
+A library's registry (``csrc/registry.h``) lists its kernels with their signatures, derived by the
+compiler from their one declaration in ``csrc/kernels.h``. :func:`bind` reads it and sets every
+function's ctypes argument types from it, so the C signatures are written nowhere in Python. Every
+call goes through a :class:`Kernel`, which checks the argument count and, while a decode step is
+being captured (``kernels/graph.py``), records the call.
+"""
 
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
 
 import torch
 
@@ -12,21 +18,67 @@ from hybridserve.kernels.build import load_library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 I64, PTR, INT, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+CTYPES = {"i": INT, "l": I64, "f": F32, "p": PTR, "w": PTR}  # registry.h's signature characters
 
-_bound: dict[tuple[str, str], ctypes.CDLL | None] = {}  # (name, ISA level) -> bound library
+_bound: dict[tuple[str, str], "KernelLibrary | None"] = {}  # (name, ISA level) -> bound library
+recorder = None  # the capture in progress (kernels/graph.py sets it), or None
 
 
-def bind(name: str, signatures: dict[str, Sequence]) -> ctypes.CDLL | None:
-    """Library ``name`` built for the ISA level in force (built on first use), with each function's
-    argtypes set; None if unavailable."""
+class Kernel:
+    """One registered C function: ``kernel(*args)`` calls it (its return code), recording the call
+    while a capture is in progress."""
+
+    __slots__ = ("name", "signature", "address", "invoker", "_fn")
+
+    def __init__(self, name: str, signature: str, address: int, invoker: int) -> None:
+        self.name, self.signature, self.address, self.invoker = name, signature, address, invoker
+        fn = ctypes.CFUNCTYPE(INT, *(CTYPES[c] for c in signature))(address)
+        self._fn = fn
+
+    def __call__(self, *args) -> int:
+        if len(args) != len(self.signature):
+            raise TypeError(f"{self.name} takes {len(self.signature)} arguments ({self.signature}), got {len(args)}")
+        if recorder is not None:
+            recorder.record(self, args)
+        return self._fn(*args)
+
+    def __repr__(self) -> str:
+        return f"Kernel({self.name}, {self.signature})"
+
+
+class KernelLibrary:
+    """A loaded kernel library: its registered kernels as attributes (``lib.hs_rms_norm(...)``)."""
+
+    def __init__(self, name: str, cdll: ctypes.CDLL) -> None:
+        self.name = name
+        self.cdll = cdll
+        self.kernels: dict[str, Kernel] = {}
+        cdll.hs_registry_size.restype = INT
+        cdll.hs_registry_entry.restype = INT
+        cdll.hs_registry_entry.argtypes = [INT] + [ctypes.POINTER(ctypes.c_void_p)] * 4
+        for i in range(cdll.hs_registry_size()):
+            fields = [ctypes.c_void_p() for _ in range(4)]
+            if cdll.hs_registry_entry(i, *(ctypes.byref(f) for f in fields)) != 0:
+                raise RuntimeError(f"library {name}: registry entry {i} unreadable")
+            fn_name = ctypes.cast(fields[0], ctypes.c_char_p).value.decode()
+            signature = ctypes.cast(fields[1], ctypes.c_char_p).value.decode()
+            if any(c not in CTYPES for c in signature):
+                raise RuntimeError(f"library {name}: {fn_name} has an unknown signature {signature!r}")
+            self.kernels[fn_name] = Kernel(fn_name, signature, fields[2].value, fields[3].value)
+        self.__dict__.update(self.kernels)
+
+    def __getattr__(self, item: str):
+        raise AttributeError(f"kernel library {self.name!r} registers no {item!r} (it has {sorted(self.kernels)})")
+
+
+def bind(name: str) -> KernelLibrary | None:
+    """Library ``name`` built for the ISA level in force (built on first use), its kernels bound from
+    its registry; None if unavailable."""
     key = (name, isa.level_in_force())
     lib = _bound.get(key)
     if lib is None and key not in _bound:
-        lib = load_library(name, key[1])
-        if lib is not None:
-            for fn, argtypes in signatures.items():
-                getattr(lib, fn).restype = INT
-                getattr(lib, fn).argtypes = list(argtypes)
+        cdll = load_library(name, key[1])
+        lib = KernelLibrary(name, cdll) if cdll is not None else None
         _bound[key] = lib
     return lib
 

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.kernels._abi import DTYPE_CODES, F32, I64, INT, PTR, bind, check, index_ok, rows_ok
-
-_SIGNATURES = {
-    "hs_kv_write": [INT, INT, I64, PTR, PTR, I64, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, I64, F32, F32],
-    "hs_paged_attention": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, I64, I64, I64, I64, PTR, I64,
-                           I64, I64, I64, F32, F32, F32, I64],
-}
+from hybridserve.kernels._abi import DTYPE_CODES, bind, check, index_ok, rows_ok
 
 
 def _library():
-    return bind("attention", _SIGNATURES)
+    return bind("attention")
 
 
 def available() -> bool:

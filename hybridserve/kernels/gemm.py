@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.kernels._abi import I64, PTR, bind, check
+from hybridserve.kernels._abi import bind, check
 
 PANEL = 16  # output columns per packed panel (kPanel in csrc/gemm.cpp)
 DTYPES = (torch.bfloat16, torch.float16)  # weight (and activation) dtypes the kernels take
 
-_SIGNATURES = {
-    "hs_gemm_supported": [],
-    "hs_pack_bf16": [I64, I64, PTR, I64, PTR],
-    "hs_pack_f16": [I64, I64, PTR, I64, PTR],
-    "hs_linear_bf16": [I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64],
-    "hs_linear_f16": [I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64],
-}
 _PACK = {torch.bfloat16: "hs_pack_bf16", torch.float16: "hs_pack_f16"}
 LINEAR = {torch.bfloat16: "hs_linear_bf16", torch.float16: "hs_linear_f16"}  # C function per dtype
 
 
 def _library():
     """The bound library for the ISA level in force, or None."""
-    return bind("gemm", _SIGNATURES)
+    return bind("gemm")
 
 
 def packed_numel(out_features: int, in_features: int) -> int:

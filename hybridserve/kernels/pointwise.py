@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.kernels._abi import DTYPE_CODES, F32, I64, INT, PTR, bind, check, rows_ok
+from hybridserve.kernels._abi import DTYPE_CODES, bind, check, index_ok, rows_ok
 
-_SIGNATURES = {
-    "hs_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, F32, PTR, I64, PTR, F32, INT, PTR, I64],
-    "hs_gated_rms_norm": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64, F32, INT, PTR, I64],
-    "hs_silu_mul": [INT, I64, I64, PTR, I64, PTR, I64, PTR, I64],
-    "hs_argmax_logsumexp": [INT, I64, I64, PTR, I64, PTR, PTR, PTR],
-    "hs_rotary": [INT, I64, I64, I64, I64, PTR, I64, PTR, PTR, I64],
-}
 MAX_ROTARY = 1024  # kMaxRotary in csrc/pointwise.cpp
 _MAX_ROW = 8192
 
 
 def _library():
-    return bind("pointwise", _SIGNATURES)
+    return bind("pointwise")
 
 
 def available() -> bool:
@@ -141,6 +134,21 @@ def covers_rotary(rotary_dim: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``rotary`` takes ``rotary_dim`` of ``head_dim`` features in ``dtype``."""
     return (_library() is not None and dtype in DTYPE_CODES and rotary_dim >= 2 and rotary_dim % 2 == 0
             and rotary_dim <= min(head_dim, MAX_ROTARY))
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
+    """``table[ids] * scale`` (rounded to the table's dtype as PyTorch rounds it) for a row-major CPU
+    table (num_rows, D) and ids (T,) int64: token embeddings and per-position tables. Raises for an id
+    outside the table; None when not covered."""
+    lib = _library()
+    if (lib is None or table.dim() != 2 or table.stride(1) != 1 or table.dtype not in DTYPE_CODES
+            or table.device.type != "cpu" or ids.dim() != 1 or not index_ok(ids)):
+        return None
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=table.dtype)  # (T, D)
+    check(lib.hs_gather_rows(DTYPE_CODES[table.dtype], ids.shape[0], ids.data_ptr(), table.data_ptr(),
+                             table.stride(0), table.shape[0], table.shape[1], float(scale), out.data_ptr(),
+                             out.stride(0)), "hs_gather_rows (an id outside the table)")
+    return out
 
 
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -15,10 +15,6 @@ import torch
 
 from hybridserve.kernels._abi import (
     DTYPE_CODES,
-    F32,
-    I64,
-    INT,
-    PTR,
     bind,
     check,
     float_param_ok,
@@ -29,15 +25,10 @@ from hybridserve.kernels._abi import (
 
 MAX_CONV_WIDTH = 16  # kMaxTaps in csrc/recurrent.cpp
 
-_SIGNATURES = {
-    "hs_causal_conv1d": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, PTR, INT, PTR, I64, I64, I64],
-    "hs_mamba2_scan": [INT, INT, I64, PTR, PTR, PTR, I64, PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, INT, INT,
-                       F32, F32, PTR, I64, PTR, I64, I64, I64, I64, I64],
-}
 
 
 def _library():
-    return bind("recurrent", _SIGNATURES)
+    return bind("recurrent")
 
 
 def available() -> bool:

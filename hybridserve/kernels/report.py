@@ -21,7 +21,7 @@ OPS = {
     "mamba2_scan": ("recurrent", "Mamba2 state update / scan"),
     "kv_write": ("attention", "KV cache write"),
     "paged_attention": ("attention", "paged attention"),
-    "decode_program": ("program", "a decode step as one C++ call"),
+    "graph_replay": ("graph", "captured decode steps replayed in one C++ call"),
 }
 
 

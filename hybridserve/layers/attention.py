@@ -9,6 +9,8 @@ from hybridserve.cache.pool import LayerCache
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.kernels import attention as attention_kernels
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import apply_rotary
 from hybridserve.ops.paged_attention import paged_attention, write_kv_cache
@@ -23,6 +25,8 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Forwa
     """
     if not (use_cpu_kernels and attention_kernels.kv_write(k, v, cache.k, cache.v, batch.slot_mapping,
                                                             cache.k_scale, cache.v_scale)):
+        if use_cpu_kernels:
+            fallbacks.record("kv_write", fallbacks.describe(k, cache.k))
         write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, Dh)
     for group in batch.groups:
@@ -30,6 +34,8 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Forwa
                 q[group.tokens], cache.k, cache.v, group.block_tables, group.seq_lens, group.cu_seqlens_q, scale,
                 cache.k_scale, cache.v_scale, sliding_window, out[group.tokens]):
             continue
+        if use_cpu_kernels:
+            fallbacks.record("paged_attention", fallbacks.describe(q, cache.k))
         out[group.tokens] = paged_attention(
             q[group.tokens], cache.k, cache.v, group.block_tables, group.seq_lens, group.cu_seqlens_q,
             scale, cache.k_scale, cache.v_scale, sliding_window)
@@ -71,43 +77,14 @@ class Attention(nn.Module):
         self.spec = LayerCacheSpec(layer_index, "attention",
                                    attention=dtypes.attention(num_kv_heads, head_dim, sliding_window))
 
-    def emit_decode(self, program, h: torch.Tensor, out: torch.Tensor, cache: LayerCache,
-                    rotary_emb: nn.Module | None = None) -> None:
-        """Add this layer's decode (one token per sequence) to a decode program
-        (``kernels.program.ProgramBuilder``), as the CPU-kernel path of :meth:`forward` runs it:
-        h (rows, hidden) -> out (rows, hidden); ``cache``: this layer's ``LayerCache``; ``rotary_emb``:
-        the model's ``RotaryEmbedding`` when q and k are rotated."""
-        from hybridserve.kernels.program import Step, Unsupported
-        from hybridserve.layers.packed_linear import emit_linear
-
-        Hq, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-        geom = attention_kernels.cache_geometry(cache.k, cache.v)
-        if not self.use_cpu_kernels or self.output_gate or self.qk_norm:
-            raise Unsupported("attention with output gates or q/k norms has no decode program")
-        if geom is None or cache.k.dtype not in attention_kernels.DTYPE_CODES or cache.k.shape[2:] != (Hkv, Dh):
-            raise Unsupported(f"attention layer {self.layer_index}: a {cache.k.dtype} KV cache has no CPU kernel")
-        dtype = h.dtype
-        q_width, kv_width = Hq * Dh, Hkv * Dh
-        qkv = program.scratch("attention.qkv", q_width + 2 * kv_width, dtype)  # (rows, (Hq + 2 Hkv) * Dh)
-        attn = program.scratch("attention.out", q_width, dtype)  # (rows, Hq * Dh)
-        q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
-        emit_linear(program, self.q_proj, h, q)
-        emit_linear(program, self.k_proj, h, k)
-        emit_linear(program, self.v_proj, h, v)
-        if rotary_emb is not None:
-            program.rotary(q, Hq, Dh, rotary_emb)
-            program.rotary(k, Hkv, Dh, rotary_emb)
-        act, ct = program.dtype_code(dtype), program.dtype_code(cache.k.dtype)
-        (q_ptr, q_s), (k_ptr, k_s), (v_ptr, v_s) = program.rows(q), program.rows(k), program.rows(v)
-        program.call("hs_kv_write", [act, ct, Step.ROWS, Step.SLOT_MAPPING, k_ptr, k_s, v_ptr, v_s,
-                                     program.ptr(cache.k), program.ptr(cache.v), *geom, Hkv, Dh, cache.k_scale,
-                                     cache.v_scale])
-        attn_ptr, attn_s = program.rows(attn)
-        program.call("hs_paged_attention", [
-            act, ct, Step.ROWS, Step.CU_SEQLENS, Step.SEQ_LENS, Step.BLOCK_TABLES, Step.BLOCK_TABLE_STRIDE, q_ptr, q_s,
-            program.ptr(cache.k), program.ptr(cache.v), *geom, attn_ptr, attn_s, Hq, Hkv, Dh, self.scale, cache.k_scale,
-            cache.v_scale, int(self.sliding_window or 0)])
-        emit_linear(program, self.o_proj, attn, out)
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on x (T, H, Dh): in place by the CPU kernel where it covers the call, else ``apply_rotary``."""
+        t, heads, dh = x.shape
+        if self.use_cpu_kernels:
+            if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
+                return x
+            fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
+        return apply_rotary(x, *rope)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -122,7 +99,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window,
                            self.use_cpu_kernels)
         out = out.reshape(t, self.num_heads * self.head_dim)

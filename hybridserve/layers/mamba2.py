@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.norms import GatedRMSNorm
@@ -112,6 +111,8 @@ class Mamba2Mixer(nn.Module):
                     return
                 # the state was checked above and the other arguments are built here: a decline is a bug
                 raise RuntimeError("the CPU conv kernel ran but the scan kernel declined the same group")
+        if self.use_cpu_kernels:
+            fallbacks.record("mamba2_conv_scan", fallbacks.describe(xbc, ssm_states))
         weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         A = -torch.exp(self.A_log.float())  # (H,)
         if decode:
@@ -131,56 +132,6 @@ class Mamba2Mixer(nn.Module):
             self.D, self.dt_bias, True, dt_limit, g.cu_seqlens_q, read_slots(ssm_states, idx))
         write_slots(ssm_states, idx, ssm_final)
         y[g.tokens] = y_p
-
-    def emit_decode(self, program, h: torch.Tensor, out: torch.Tensor, cache) -> None:
-        """Add this mixer's decode (one token per sequence) to a decode program
-        (``kernels.program.ProgramBuilder``), as the CPU-kernel path of :meth:`forward` runs it:
-        h (rows, hidden) -> out (rows, hidden); ``cache``: this layer's ``LayerCache``."""
-        from hybridserve.kernels.program import Step, Unsupported
-        from hybridserve.layers.packed_linear import emit_linear
-
-        conv_states, ssm_states = cache.state["conv"], cache.state["ssm"]
-        dtype = h.dtype
-        conv_w, conv_b, A32, D32, dt_bias32 = self._kernel_params()
-        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
-        norm = self.norm
-        if not self.use_cpu_kernels or self.proj_multipliers is not None or norm is None or self.norm_before_gate:
-            raise Unsupported("this Mamba2 variant (kernels off, projection multipliers, or no gated norm "
-                              "after the gate) has no decode program")
-        if (not recurrent_kernels.conv_supported(conv_states, conv_w, conv_b, dtype, self.activation)
-                or not recurrent_kernels.scan_state_supported(ssm_states, dtype) or H % G != 0
-                or not pointwise_kernels.covers_gated_norm(norm.weight, dtype, self.intermediate, norm.group_size)):
-            raise Unsupported(f"Mamba2 layer {self.layer_index}: its state or parameters are not kernel-covered")
-        inter, conv_dim = self.intermediate, self.conv_dim
-        proj = program.scratch("mamba2.proj", self.in_proj.out_features, dtype)  # (rows, inter + conv_dim + H)
-        conv_out = program.scratch("mamba2.conv", conv_dim, dtype)  # (rows, conv_dim)
-        y = program.scratch("mamba2.y", H * P, torch.float32)  # (rows, H * P)
-        gated = program.scratch("mamba2.gated", inter, dtype)  # (rows, inter)
-        emit_linear(program, self.in_proj, h, proj)
-        act, st = program.dtype_code(dtype), program.dtype_code(conv_states.dtype)
-        xbc_ptr, xbc_s = program.rows(proj[:, inter:inter + conv_dim])
-        conv_ptr, conv_s = program.rows(conv_out)
-        (xs_ptr, xs_s), (b_ptr, b_s), (c_ptr, c_s) = (program.rows(t) for t in torch.split(
-            conv_out, [inter, G * N, G * N], dim=-1))  # x, B, C of the conv output, as the module splits it
-        program.call("hs_causal_conv1d", [act, st, Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES, xbc_ptr, xbc_s,
-                                          program.ptr(conv_states), conv_states.stride(0), program.ptr(conv_w),
-                                          program.ptr(conv_b),
-                                          int(self.activation == "silu"), conv_ptr, conv_s, conv_dim,
-                                          conv_w.shape[0]])
-        lo, hi = self.decode_time_step_limit
-        dt_ptr, dt_s = program.rows(proj[:, inter + conv_dim:])
-        y_ptr, y_s = program.rows(y)
-        program.call("hs_mamba2_scan", [
-            act, program.dtype_code(ssm_states.dtype), Step.ROWS, Step.CU_SEQLENS, Step.STATE_INDICES,
-            xs_ptr, xs_s, b_ptr, b_s, c_ptr, c_s, dt_ptr, dt_s, program.ptr(A32),
-            program.ptr(D32), program.ptr(dt_bias32), 1, int(lo > 0.0 or hi != math.inf), lo, hi,
-            program.ptr(ssm_states), ssm_states.stride(0), y_ptr, y_s, H, P, G, N])
-        gate_ptr, gate_s = program.rows(proj[:, :inter])
-        gated_ptr, gated_s = program.rows(gated)
-        program.call("hs_gated_rms_norm", [act, Step.ROWS, inter, y_ptr, y_s, gate_ptr, gate_s,
-                                           program.ptr(norm.weight), norm.group_size, norm.eps,
-                                           int(self.norm_in_float32), gated_ptr, gated_s])
-        emit_linear(program, self.out_proj, gated, out)
 
     def _kernel_params(self) -> tuple[torch.Tensor, ...]:
         """The float32 parameters the CPU kernels take: conv weight (K, conv_dim) tap-major, conv bias or
@@ -204,6 +155,10 @@ class Mamba2Mixer(nn.Module):
                                                    self.norm_in_float32)
             if out is not None:
                 return out
+        if self.use_cpu_kernels:
+            plain_gate = self.norm is None or self.norm_before_gate
+            fallbacks.record("gated_rms_norm", "no gated norm after the gate" if plain_gate
+                             else fallbacks.describe(y, gate))
         if self.norm is None:
             return (y * nn.functional.silu(gate)).to(dtype)
         if self.norm_before_gate:

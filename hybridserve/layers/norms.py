@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 
 
@@ -24,6 +25,7 @@ class RMSNorm(nn.Module):
             out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered)
             if out is not None:
                 return out
+            fallbacks.record("rms_norm", fallbacks.describe(x, self.weight))
         return self._forward_torch(x)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, scale: float = 1.0
@@ -33,24 +35,9 @@ class RMSNorm(nn.Module):
             out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered, residual, scale)
             if out is not None:
                 return out
+            fallbacks.record("rms_norm", fallbacks.describe(x, residual, self.weight))
         x = x + residual * scale if scale != 1.0 else x + residual
         return x, self._forward_torch(x)
-
-    def emit(self, program, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
-             scale: float = 1.0) -> None:
-        """Add this norm to a decode program (``kernels.program.ProgramBuilder``): ``out = norm(x)``, or
-        with ``residual`` first ``x += residual * scale`` in place, as :meth:`add_and_norm`. All (rows, D)."""
-        from hybridserve.kernels.program import Step, Unsupported
-
-        D = x.shape[1]
-        if not self.use_cpu_kernels or not pointwise_kernels.covers_norm_weight(self.weight, x.dtype, D):
-            raise Unsupported(f"RMSNorm over {D} features in {x.dtype} has no CPU kernel here")
-        x_ptr, xs = program.rows(x)
-        out_ptr, os_ = program.rows(out)
-        h_ptr, hs = program.rows(residual) if residual is not None else (None, 0)
-        program.call("hs_rms_norm", [program.dtype_code(x.dtype), Step.ROWS, D, x_ptr, xs, h_ptr, hs, scale,
-                                     x_ptr if residual is not None else None, xs if residual is not None else 0,
-                                     program.ptr(self.weight), self.eps, int(self.zero_centered), out_ptr, os_])
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -67,34 +67,6 @@ class KernelLinear(_PackedWeightLinear):
                             f"features, got {x.dtype} {tuple(x.shape)} on {x.device}")
         return y
 
-    def emit(self, program, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Add ``out = x @ W.T + b`` to a decode program (``kernels.program.ProgramBuilder``); x, out: (rows, width)
-        in the weight's dtype, column slices of wider buffers allowed."""
-        from hybridserve.kernels.program import Step, Unsupported
-
-        dtype = self.packed_weight.dtype
-        bias_ok = self.bias is None or (self.bias.dtype == dtype and self.bias.is_contiguous()
-                                         and self.bias.shape == (self.out_features,))
-        if (x.dtype != dtype or out.dtype != dtype or x.shape[1] != self.in_features
-                or out.shape[1] != self.out_features or not bias_ok):
-            raise Unsupported(f"KernelLinear {self.in_features}->{self.out_features} ({dtype}) cannot take "
-                              f"{x.dtype} {tuple(x.shape)} -> {out.dtype} {tuple(out.shape)}")
-        x_ptr, xs = program.rows(x)
-        out_ptr, os_ = program.rows(out)
-        program.call(gemm.LINEAR[dtype], [Step.ROWS, self.out_features, self.in_features, x_ptr, xs,
-                                          program.ptr(self.packed_weight), program.ptr(self.bias), out_ptr, os_])
-
-
-def emit_linear(program, layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
-    """Add linear ``layer`` to a decode program: only :class:`KernelLinear` layers can be."""
-    from hybridserve.kernels.program import Unsupported
-
-    if not isinstance(layer, KernelLinear):
-        weight = getattr(layer, "weight", None)
-        what = f"{weight.dtype} {type(layer).__name__}" if weight is not None else type(layer).__name__
-        raise Unsupported(f"{what} layers have no decode-program kernel (packed bf16/fp16 linears only)")
-    layer.emit(program, x, out)
-
 
 def _packable_linears(model: nn.Module):
     """(parent, name, linear) for every bf16 or fp16 CPU ``nn.Linear`` that may be packed."""

@@ -7,6 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
+
 
 def rope_parameters(config: Any) -> dict:
     """The config's RoPE parameters as one dict (``rope_type``, ``rope_theta``, ...)."""
@@ -22,7 +25,13 @@ def rope_parameters(config: Any) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes ``(cos, sin)`` of shape ``(T, rotary_dim)`` for positions, HF's half-rotation layout."""
+    """Computes ``(cos, sin)`` of shape ``(T, rotary_dim)`` for positions, HF's half-rotation layout.
+
+    With the CPU kernels on and a table made (:meth:`make_table`), the rows are gathered from
+    ``(cos, sin)`` precomputed for every position up to the engine's longest sequence.
+    """
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
@@ -52,7 +61,24 @@ class RotaryEmbedding(nn.Module):
         inv_freq, _ = self._inv_freq(rope_parameters(self.config))
         self.inv_freq = inv_freq.to(self.inv_freq.device)
 
+    def make_table(self, max_positions: int, dtype: torch.dtype) -> None:
+        """Precompute ``(cos, sin)`` (max_positions, rotary_dim) in ``dtype`` for positions 0..max_positions-1."""
+        positions = torch.arange(max_positions, dtype=torch.int64, device=self.inv_freq.device)
+        self.tables = {**getattr(self, "tables", {}), dtype: self._compute(positions, dtype)}
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) int64 -> (cos, sin), each (T, rotary_dim) in ``dtype``."""
+        if self.use_cpu_kernels:
+            table = getattr(self, "tables", {}).get(dtype)
+            if table is not None:
+                cos, sin = (pointwise_kernels.gather_rows(t, positions) for t in table)
+                if cos is not None and sin is not None:
+                    return cos, sin
+            fallbacks.record("rope_table", "no table for " + str(dtype).removeprefix("torch.") if table is None
+                             else fallbacks.describe(positions))
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, rotary_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, rotary_dim)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

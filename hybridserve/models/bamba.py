@@ -10,11 +10,12 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import RopeDecoderLM, emit_decoder
+from hybridserve.models.base import RopeDecoderLM
 
 ATTENTION_KINDS = ("full_attention", "attention")
 
@@ -46,17 +47,23 @@ class BambaDecoderLayer(nn.Module):
         self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                                      getattr(config, "mlp_bias", False))
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) residual stream; pending: the previous layer's MLP output, not yet added (or
+        None). Returns (x, this layer's MLP output): ``x + mlp`` is the next norm's fused residual add."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
         h = self.self_attn(h, rope, batch) if self.is_attention else self.mamba(h, batch)
         x, h = self.pre_ff_layernorm.add_and_norm(x, h)  # x = x + h, then the norm
-        return x + self.feed_forward(h)
+        return x, self.feed_forward(h)
 
 
 class BambaModel(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         kinds = config.layers_block_type
         self.layers = nn.ModuleList(BambaDecoderLayer(config, i, kinds[i], dtypes)
                                     for i in range(config.num_hidden_layers))
@@ -67,18 +74,10 @@ class BambaModel(nn.Module):
 
 class BambaForCausalLM(RopeDecoderLM):
     final_norm = "final_layernorm"
+    fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__(config)
         self.model = BambaModel(config, dtypes)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def build_decode_program(self, program, caches: dict) -> torch.Tensor:
-        """Add a whole decode step (embedding to final norm) to ``program`` (a ``ProgramBuilder``), the
-        same kernel calls as :meth:`forward` makes with the CPU kernels; returns the output buffer.
-        Each layer's ``x + feed_forward(h)`` is the residual add of the next norm (the same rounding)."""
-        m = self.model
-        layers = [(layer.input_layernorm, layer.self_attn if layer.is_attention else layer.mamba,
-                   layer.pre_ff_layernorm, layer.feed_forward, 1.0) for layer in m.layers]
-        return emit_decoder(program, caches, m.embed_tokens, layers, m.final_layernorm, rotary_emb=m.rotary_emb)

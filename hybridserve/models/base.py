@@ -9,8 +9,6 @@ from torch import nn
 
 from hybridserve.cache.spec import LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
-from hybridserve.kernels.program import Unsupported
-from hybridserve.layers.attention import Attention
 
 
 def merge_specs(specs: list[LayerCacheSpec]) -> list[LayerCacheSpec]:
@@ -73,44 +71,26 @@ class CausalLM(nn.Module):
 
 
 class RopeDecoderLM(CausalLM):
-    """A decoder whose ``self.model`` has ``embed_tokens``, ``rotary_emb``, ``layers`` (each called as
-    ``layer(x, rope, batch)``) and a final norm named by ``final_norm``."""
+    """A decoder whose ``self.model`` has ``embed_tokens``, ``rotary_emb``, ``layers`` and a final norm
+    named by ``final_norm``. Each layer is called as ``layer(x, rope, batch) -> x``; or, with
+    ``fused_residual``, as ``layer(x, pending, rope, batch) -> (x, pending)``, its last residual add
+    left pending for the next norm to fuse (``RMSNorm.add_and_norm``, the same rounding)."""
 
     final_norm = "norm"
+    fused_residual = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         rope = self.model.rotary_emb(positions, x.dtype)  # (cos, sin), each (T, rotary_dim)
+        norm = getattr(self.model, self.final_norm)
+        if not self.fused_residual:
+            for layer in self.model.layers:
+                x = layer(x, rope, batch)
+            return norm(x)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return getattr(self.model, self.final_norm)(x)
-
-def emit_decoder(program, caches: dict, embedding: nn.Embedding, layers: list[tuple], final_norm: nn.Module,
-                 embedding_scale: float = 1.0, rotary_emb: nn.Module | None = None) -> torch.Tensor:
-    """Add a pre-norm hybrid decoder's decode step to ``program`` (a ``kernels.program.ProgramBuilder``):
-    ``x = embedding(ids) * embedding_scale``; per layer ``x += mixer(input_norm(x)) * s`` then
-    ``x += mlp(post_norm(x)) * s``; ``final_norm(x)``. Each residual add is fused into the norm after it,
-    as the modules do. ``layers``: ``(input_norm, mixer, post_norm, mlp, s)`` per layer, the mixer a
-    ``Mamba2Mixer`` or an ``Attention`` (rotated by ``rotary_emb`` when given). Returns the output buffer."""
-    if not layers:
-        raise Unsupported("a model without layers has no decode program")
-    hidden, dtype = embedding.embedding_dim, embedding.weight.dtype
-    x = program.buffer(hidden, dtype)  # (rows, hidden) the residual stream, updated in place
-    h = program.buffer(hidden, dtype)  # (rows, hidden) the normed input of a mixer or MLP
-    mixed = program.buffer(hidden, dtype)  # (rows, hidden) a mixer's output
-    mlp_out = program.buffer(hidden, dtype)  # (rows, hidden) an MLP's output, added by the next norm
-    out = program.buffer(hidden, dtype)  # (rows, hidden) the final norm's output
-    program.embed(embedding.weight, x, embedding_scale)
-    for i, (input_norm, mixer, post_norm, mlp, scale) in enumerate(layers):
-        input_norm.emit(program, x, h, *((mlp_out, scale) if i else ()))
-        if isinstance(mixer, Attention):
-            mixer.emit_decode(program, h, mixed, caches[mixer.layer_index], rotary_emb)
-        else:
-            mixer.emit_decode(program, h, mixed, caches[mixer.layer_index])
-        post_norm.emit(program, x, h, mixed, scale)
-        mlp.emit_decode(program, h, mlp_out)
-    final_norm.emit(program, x, out, mlp_out, layers[-1][4])
-    return out
+            x, pending = layer(x, pending, rope, batch)
+        return norm(x) if pending is None else norm.add_and_norm(x, pending)[1]
 
 
 def _resolve(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:

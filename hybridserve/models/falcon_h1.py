@@ -16,6 +16,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import paged_attend
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.norms import RMSNorm
@@ -109,7 +110,7 @@ class FalconH1DecoderLayer(nn.Module):
 class FalconH1Model(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(FalconH1DecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
@@ -126,7 +127,7 @@ class FalconH1ForCausalLM(CausalLM):
         self.logits_scale = float(config.lm_head_multiplier)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids) * self.model.embedding_multiplier  # (T, hidden)
+        x = self.model.embed_tokens(input_ids, self.model.embedding_multiplier)  # (T, hidden)
         rope = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, batch)

@@ -18,16 +18,15 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
-from hybridserve.kernels.program import Unsupported
 from hybridserve.layers import dense
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.moe import FusedExperts
 from hybridserve.layers.norms import RMSNorm
-from hybridserve.layers.packed_linear import emit_linear
 from hybridserve.layers.rotary import RotaryEmbedding
-from hybridserve.models.base import CausalLM, emit_decoder
+from hybridserve.models.base import CausalLM
 
 MAMBA_KINDS = ("linear_attention", "mamba")
 
@@ -48,15 +47,6 @@ class GraniteMoeHybridMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)  # (T, I) each
         return self.output_linear(self.act_and_mul(gate, up))
-
-    def emit_decode(self, program, x: torch.Tensor, out: torch.Tensor) -> None:
-        """Add this MLP (x (rows, hidden) -> out (rows, hidden)) to a decode program."""
-        inter = self.output_linear.in_features
-        gate_up = program.scratch("mlp.gate_up", 2 * inter, x.dtype)  # (rows, 2 I): [gate, up]
-        act = program.scratch("mlp.act", inter, x.dtype)  # (rows, I)
-        emit_linear(program, self.input_linear, x, gate_up)
-        self.act_and_mul.emit(program, gate_up[:, :inter], gate_up[:, inter:], act)
-        emit_linear(program, self.output_linear, act, out)
 
 
 class GraniteMoeHybridRouter(nn.Module):
@@ -132,7 +122,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 class GraniteMoeHybridModel(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         kinds = config.layers_block_type
         self.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(config, i, kinds[i], dtypes)
                                     for i in range(config.num_hidden_layers))
@@ -158,7 +148,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         self.logits_scaling = float(config.logits_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids) * self.model.embedding_multiplier  # (T, hidden)
+        x = self.model.embed_tokens(input_ids, self.model.embedding_multiplier)  # (T, hidden)
         rope = self.model.rotary_emb(positions, x.dtype) if self.model.rotary_emb is not None else None
         pending = None
         for layer in self.model.layers:
@@ -166,16 +156,6 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         if pending is None:
             return self.model.norm(x)
         return self.model.norm.add_and_norm(x, pending, self.model.layers[-1].residual_multiplier)[1]
-
-    def build_decode_program(self, program, caches: dict) -> torch.Tensor:
-        """Add a whole decode step (embedding to final norm) to ``program`` (a ``ProgramBuilder``), the
-        same kernel calls as :meth:`forward` makes with the CPU kernels; returns the output buffer."""
-        m = self.model
-        if any(layer.has_experts for layer in m.layers):
-            raise Unsupported("Granite-4.0-H with experts has no decode program")
-        layers = [(layer.input_layernorm, layer.mamba if layer.is_mamba else layer.self_attn,
-                   layer.post_attention_layernorm, layer.shared_mlp, layer.residual_multiplier) for layer in m.layers]
-        return emit_decoder(program, caches, m.embed_tokens, layers, m.norm, m.embedding_multiplier, m.rotary_emb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (N, hidden) -> logits (N, vocab) float32, divided by ``logits_scaling`` as HF does."""

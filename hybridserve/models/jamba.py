@@ -11,6 +11,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
@@ -65,7 +66,7 @@ class JambaDecoderLayer(nn.Module):
 class JambaModel(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(JambaDecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -18,6 +18,7 @@ from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import RopeDecoderLM
@@ -109,7 +110,7 @@ class Lfm2DecoderLayer(nn.Module):
 class Lfm2Model(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)

@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.base import CausalLM
@@ -37,7 +38,7 @@ class MambaBlock(nn.Module):
 class MambaBackbone(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes, bcdt_norm: str | None, norm_eps: float) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(MambaBlock(config, i, dtypes, bcdt_norm, norm_eps)
                                     for i in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)

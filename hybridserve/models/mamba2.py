@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.base import CausalLM
@@ -36,7 +37,7 @@ class Mamba2Block(nn.Module):
 class Mamba2Backbone(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Mamba2Block(config, i, dtypes) for i in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 

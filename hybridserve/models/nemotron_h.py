@@ -16,6 +16,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import PlainMLP
 from hybridserve.layers.moe import FusedExperts, stack_expert_weights
@@ -139,7 +140,7 @@ class NemotronHBlock(nn.Module):
 class NemotronHModel(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = Embedding(config.vocab_size, config.hidden_size)
         kinds = config.layers_block_type
         self.layers = nn.ModuleList(NemotronHBlock(config, i, kinds[i], dtypes) for i in range(len(kinds)))
         self.norm_f = NemotronHRMSNorm(config.hidden_size, config.layer_norm_epsilon)

@@ -11,6 +11,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
@@ -83,7 +84,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 class Qwen3NextModel(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

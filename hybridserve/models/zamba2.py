@@ -25,6 +25,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.forward_batch import ForwardBatch
 from hybridserve.layers.attention import paged_attend
+from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.norms import RMSNorm
@@ -159,7 +160,7 @@ class Zamba2HybridLayer(nn.Module):
 class Zamba2Model(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         layers: list[nn.Module] = []
         self.first_use: dict[int, int] = {}  # hybrid layer index -> layer index of its block's first use
         block_owner: dict[int, int] = {}  # block id -> layer index of its first use

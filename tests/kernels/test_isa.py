@@ -10,7 +10,8 @@ import pytest
 
 from hybridserve.kernels import _abi, build, isa
 
-OK_SOURCE = '#include "isa_level.h"\nextern "C" int hs_answer(void) { return 7; }\n'
+OK_SOURCE = ('#include "isa_level.h"\n#include "registry.h"\nextern "C" int hs_answer(void) { return 7; }\n'
+             'HS_REGISTRY(HS_KERNEL(hs_answer))\n')
 needs_compiler = pytest.mark.skipif(build.find_compiler() is None, reason="no C++ compiler")
 
 AVX2 = {"avx2", "fma", "f16c"}
@@ -98,7 +99,8 @@ def fresh(monkeypatch, tmp_path):
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "ok.cpp").write_text(OK_SOURCE)
-    (src / "isa_level.h").write_text((build.SOURCE_DIR / "isa_level.h").read_text())
+    for header in ("isa_level.h", "registry.h", "kernels.h"):
+        (src / header).write_text((build.SOURCE_DIR / header).read_text())
     monkeypatch.setattr(build, "SOURCE_DIR", src)
     monkeypatch.setenv("HYBRIDSERVE_KERNEL_CACHE", str(cache))
     monkeypatch.setattr(build, "_loaded", {})
@@ -151,8 +153,9 @@ def test_bind_follows_the_level_in_force(fresh):
         libs = {}
         for level in isa.runnable_levels():
             isa.set_cap(level)
-            libs[level] = _abi.bind("ok", {"hs_answer": []})
-            assert libs[level].hs_built_isa_level() == isa.LEVELS.index(level)
+            libs[level] = _abi.bind("ok")
+            assert libs[level].hs_answer() == 7  # bound from the library's registry
+            assert libs[level].cdll.hs_built_isa_level() == isa.LEVELS.index(level)
         assert len({id(lib) for lib in libs.values()}) == len(libs)
     finally:
         isa.set_cap(previous)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from hybridserve.engine.async_engine import AsyncEngine
 from hybridserve.engine.metrics import Histogram
+from hybridserve.kernels import fallbacks
 
 PREFIX = "hybridserve:"
 
 
 def _label(model_name: str) -> str:
-    escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'model_name="{escaped}"'
+    return f'model_name="{_escape(model_name)}"'
 
 
 def _num(value: float) -> str:
@@ -32,6 +32,18 @@ def _histogram(lines: list[str], name: str, help_text: str, label: str, hist: Hi
     lines += [f"{PREFIX}{name}_sum{{{label}}} {_num(total)}", f"{PREFIX}{name}_count{{{label}}} {count}"]
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _kernel_fallbacks(lines: list[str], label: str) -> None:
+    name = f"{PREFIX}kernel_fallbacks_total"
+    lines += [f"# HELP {name} Calls a layer ran in plain PyTorch while its CPU kernels were on, by op and reason.",
+              f"# TYPE {name} counter"]
+    for (op, reason), count in sorted(fallbacks.counts().items()):
+        lines.append(f'{name}{{{label},op="{_escape(op)}",reason="{_escape(reason)}"}} {count}')
+
+
 def render_metrics(engine: AsyncEngine, model_name: str) -> str:
     snap = engine.snapshot
     label = _label(model_name)
@@ -47,6 +59,7 @@ def render_metrics(engine: AsyncEngine, model_name: str) -> str:
     _scalar(lines, "generation_tokens_total", "counter", "Tokens generated.", label, snap.generation_tokens)
     _scalar(lines, "num_preemptions_total", "counter", "Sequences preempted (their cache freed, to be recomputed).",
             label, snap.num_preemptions)
+    _kernel_fallbacks(lines, label)
     _histogram(lines, "time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
                label, engine.ttft)
     _histogram(lines, "inter_token_latency_seconds", "Seconds between successive tokens of a request.",

@@ -6,6 +6,7 @@
 // bfloat16 or float16). Math is float32; the output is rounded to the query dtype.
 
 #include "isa_level.h"
+#include "registry.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -408,3 +409,5 @@ int hs_paged_attention(int act_dtype, int cache_dtype, int64_t num_seqs, const i
 }
 
 }  // extern "C"
+
+HS_REGISTRY(HS_KERNEL(hs_kv_write) HS_KERNEL(hs_paged_attention))

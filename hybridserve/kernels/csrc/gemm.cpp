@@ -30,6 +30,7 @@
 // benchmark model's layers.
 
 #include "isa_level.h"
+#include "registry.h"
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -374,3 +375,5 @@ int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs
 }
 
 }  // extern "C"
+
+HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16) HS_KERNEL(hs_linear_f16))

@@ -6,6 +6,7 @@
 // it in that dtype. Rows are (T, width) with a row stride in elements; parallel over rows.
 
 #include "isa_level.h"
+#include "registry.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -298,4 +299,28 @@ int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
   });
 }
 
+// Row gather: out row t = table row ids[t], times scale when scale != 1 (rounded to the dtype as
+// ``table[ids] * scale`` is in PyTorch: the product in float32, then rounded). Token embeddings and
+// per-position RoPE tables. Returns 1, writing nothing, when an id is outside [0, num_rows).
+int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, int64_t table_stride, int64_t num_rows,
+                   int64_t D, float scale, void* out, int64_t os) {
+  for (int64_t t = 0; t < T; ++t)
+    if (ids[t] < 0 || ids[t] >= num_rows) return 1;
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using T_ = decltype(tag);
+    for (int64_t t = 0; t < T; ++t) {
+      const T_* src = static_cast<const T_*>(table) + ids[t] * table_stride;
+      T_* dst = static_cast<T_*>(out) + t * os;
+      if (scale == 1.0f) {
+        std::memcpy(dst, src, D * sizeof(T_));
+      } else {
+        for (int64_t d = 0; d < D; ++d) dst[d] = from_f32<T_>(to_f32(src[d]) * scale);
+      }
+    }
+  });
+}
+
 }  // extern "C"
+
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_rotary)
+            HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))

@@ -10,6 +10,7 @@
 // is the one torch uses (same soname), so torch.set_num_threads applies.
 
 #include "isa_level.h"
+#include "registry.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -429,3 +430,5 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 }
 
 }  // extern "C"
+
+HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan))

@@ -1,0 +1,127 @@
+"""Decode steps replayed from captures of the model's own forward, one per batch-size bucket.
+
+At engine start the model's eager forward runs once per bucket (1, 2, 4, ... up to
+``max_num_seqs`` sequences of one token each) over static input buffers (token ids, positions,
+state slots, block tables, context lengths, KV write slots) and is recorded as a kernel graph
+(``kernels/graph.py``). A decode step of ``n`` sequences then fills the buffers' first ``n`` rows,
+points the rest of its bucket at a reserved padding page and slot, and replays the bucket's graph:
+the kernel calls the eager forward makes, without the Python between them. A model whose forward
+runs anything but kernels is not captured; the reason names the operators, and it runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridserve.cache.pool import CachePool
+from hybridserve.engine.forward_batch import ForwardBatch, SeqGroup
+from hybridserve.kernels.graph import CaptureError, Graph, capture, module_regions, tensor_region
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Powers of two below ``max_rows``, then ``max_rows``."""
+    sizes = []
+    n = 1
+    while n < max_rows:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_rows]
+
+
+class CapturedDecode:
+    """The captured decode graphs of one model and pool; :meth:`run` replays one step."""
+
+    def __init__(self, model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int) -> None:
+        self.model = model
+        self.max_rows = max_rows
+        self.block_size = pool.layout.block_size
+        self.has_kv, self.has_state = pool.layout.has_kv, pool.layout.has_state
+        self.pad_page, self.pad_slot = pool.reserve_padding()
+        width = -(-max_model_len // self.block_size) if self.has_kv else 1
+        i64 = dict(dtype=torch.int64)
+        self.input_ids = torch.zeros(max_rows, **i64)  # (rows,)
+        self.positions = torch.zeros(max_rows, **i64)
+        self.cu_seqlens = torch.arange(max_rows + 1, **i64)  # one token per sequence
+        self.seq_lens = torch.ones(max_rows, **i64)  # context length after the step
+        self.block_tables = torch.full((max_rows, width), self.pad_page or 0, **i64)  # (rows, width)
+        self.state_indices = torch.full((max_rows,), self.pad_slot or 0, **i64)
+        self.slot_mapping = torch.full((max_rows,), (self.pad_page or 0) * self.block_size, **i64)
+        self._inputs = (self.input_ids, self.positions, self.cu_seqlens, self.seq_lens, self.block_tables,
+                        self.state_indices, self.slot_mapping)
+        self._pool = pool
+        self.graphs: dict[int, Graph] = {}
+        self.arena: torch.Tensor | None = None
+
+    def _batch(self, rows: int) -> ForwardBatch:
+        group = SeqGroup(0, rows, self.cu_seqlens[:rows + 1], self.seq_lens[:rows],
+                         self.block_tables[:rows] if self.has_kv else None,
+                         self.state_indices[:rows] if self.has_state else None)
+        return ForwardBatch(slot_mapping=self.slot_mapping[:rows] if self.has_kv else None, decode=group,
+                            prefill=None, caches=self._pool.layer_caches)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every bucket (raises :class:`CaptureError` with the reason when the model cannot be)."""
+        statics = module_regions(self.model) + [tensor_region(t) for t in self._inputs]
+        statics.append(tensor_region(self._pool.buffer))
+        for rows in bucket_sizes(self.max_rows):
+            def forward(rows=rows):
+                return self.model(self.input_ids[:rows], self.positions[:rows], self._batch(rows))
+
+            forward()  # eagerly first: a layer's lazily derived parameters exist before the capture
+            statics = module_regions(self.model) + statics
+            self.graphs[rows] = capture(forward, statics)
+        self.arena = torch.empty(max(g.arena_bytes for g in self.graphs.values()), dtype=torch.uint8)
+        for graph in self.graphs.values():
+            graph.place(self.arena)
+        largest = self.graphs[self.max_rows]
+        logger.info("decode captured for %d bucket sizes up to %d sequences: %d kernel calls a step, %.1f MiB of "
+                    "temporaries", len(self.graphs), self.max_rows, largest.num_calls, self.arena.numel() / 2**20)
+
+    def bucket(self, rows: int) -> int | None:
+        """The bucket a step of ``rows`` sequences replays, or None when it is larger than any."""
+        return next((b for b in self.graphs if b >= rows), None)
+
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
+            block_tables: list[list[int]], state_slots: list[int]) -> torch.Tensor:
+        """One decode step of ``len(input_ids)`` sequences; returns their final hidden states (rows,
+        hidden), a view of the graph's output (overwritten by the next step)."""
+        rows = len(input_ids)
+        size = self.bucket(rows)
+        if size is None:
+            raise ValueError(f"a captured decode step takes 1 to {self.max_rows} sequences, got {rows}")
+        pad = size - rows
+        self.input_ids[:size] = torch.tensor(input_ids + [0] * pad)
+        if self.has_kv:
+            self.positions[:size] = torch.tensor(positions + [0] * pad)
+            self.seq_lens[:size] = torch.tensor(seq_lens + [1] * pad)
+            self.slot_mapping[:size] = torch.tensor(slot_mapping + [self.pad_page * self.block_size] * pad)
+            width = max(len(t) for t in block_tables)
+            flat = [p for t in block_tables for p in t + [self.pad_page] * (width - len(t))]
+            self.block_tables[:rows, :width] = torch.tensor(flat).view(rows, width)
+            self.block_tables[rows:size, 0] = self.pad_page
+        else:
+            self.positions[:size] = torch.tensor(positions + [0] * pad)
+        if self.has_state:
+            self.state_indices[:size] = torch.tensor(state_slots + [self.pad_slot] * pad)
+        return self.graphs[size].replay()[:rows]
+
+
+def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int
+                ) -> tuple[CapturedDecode | None, str | None]:
+    """The model's captured decode steps and None, or None and the reason it cannot be captured."""
+    captured = CapturedDecode(model, pool, max_rows, max_model_len)
+    try:
+        captured.capture_all()
+    except CaptureError as exc:
+        pool.release_padding()
+        return None, str(exc)
+    except (RuntimeError, ValueError) as exc:  # a kernel rejected the capture run's arguments
+        pool.release_padding()
+        logger.exception("decode capture failed")
+        return None, f"the capture run failed: {exc}"
+    return captured, None

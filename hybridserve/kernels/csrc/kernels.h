@@ -1,0 +1,64 @@
+// Every exported CPU kernel, declared once. Each library includes this header, so its compiler checks
+// every definition against the declaration here; the library's registry (registry.h) derives the
+// argument types Python binds (kernels/_abi.py) and the replay's argument unpacking from these same
+// declarations, so a kernel's C signature is written in this one place.
+//
+// Conventions: dtype codes as in dtypes.h (0 float32, 1 bfloat16, 2 float16); strides in elements;
+// every kernel returns 0, or a positive code when it rejects its arguments.
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+// ---- pointwise.cpp: row-wise ops, each rounded as the PyTorch code it replaces
+int hs_rms_norm(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* h, int64_t hs, float scale,
+                void* x_out, int64_t xos, const void* w, float eps, int zero_centered, void* out, int64_t os);
+int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
+                      const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os);
+int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
+                int64_t os);
+int hs_rotary(int act_dtype, int64_t T, int64_t H, int64_t Dh, int64_t R, void* x, int64_t xs, const void* cos,
+              const void* sin, int64_t cs);
+int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, int64_t table_stride, int64_t num_rows,
+                   int64_t D, float scale, void* out, int64_t os);
+int hs_argmax_logsumexp(int dtype, int64_t N, int64_t V, const void* x, int64_t xs, int64_t* idx, float* lse,
+                        float* mx);
+
+// ---- attention.cpp: paged KV cache
+int hs_kv_write(int act_dtype, int cache_dtype, int64_t T, const int64_t* slot_mapping, const void* k,
+                int64_t k_stride, const void* v, int64_t v_stride, void* k_cache, void* v_cache, int64_t block_size,
+                int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t Hkv, int64_t Dh,
+                float k_scale, float v_scale);
+int hs_paged_attention(int act_dtype, int cache_dtype, int64_t num_seqs, const int64_t* cu_q,
+                       const int64_t* seq_lens, const int64_t* block_tables, int64_t bt_stride, const void* q,
+                       int64_t q_stride, const void* k_cache, const void* v_cache, int64_t block_size,
+                       int64_t block_stride, int64_t token_stride, int64_t head_stride, void* out, int64_t out_stride,
+                       int64_t Hq, int64_t Hkv, int64_t Dh, float scale, float k_scale, float v_scale,
+                       int64_t sliding_window);
+
+// ---- recurrent.cpp: state-space layers over pooled state slots
+int hs_causal_conv1d(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                     const int64_t* slots, const void* x, int64_t x_stride, void* states, int64_t slot_stride,
+                     const float* weight_t, const float* bias, int act_silu, void* out, int64_t out_stride,
+                     int64_t D, int64_t K);
+int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                   const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
+                   const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,
+                   const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
+                   void* states, int64_t slot_stride, float* y, int64_t y_stride, int64_t H, int64_t P,
+                   int64_t G, int64_t N);
+
+// ---- gemm.cpp: 16-bit linears over packed weights
+int hs_gemm_supported();
+int hs_pack_bf16(int64_t N, int64_t K, const uint16_t* w, int64_t ws, uint16_t* out);
+int hs_pack_f16(int64_t N, int64_t K, const _Float16* w, int64_t ws, _Float16* out);
+int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
+                   const uint16_t* bias, uint16_t* out, int64_t os);
+int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs, const _Float16* packed,
+                  const _Float16* bias, _Float16* out, int64_t os);
+
+// ---- graph.cpp: replay of a captured list of kernel calls
+int hs_graph_run(const int64_t* ops, int64_t num_ops, const int64_t* args, int64_t* failed_op, int64_t* nanoseconds);
+
+}  // extern "C"

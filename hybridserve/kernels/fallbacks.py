@@ -1,0 +1,57 @@
+"""Loud fallbacks: every call a layer sends to plain PyTorch while its CPU kernels are on is counted
+here by op and reason, and the first of each kind is logged. ``hybridserve env --model`` and the
+server's ``/metrics`` (``hybridserve:kernel_fallbacks_total{op,reason}``) report the counts; tests
+assert that supported configurations have none."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_counts: Counter[tuple[str, str]] = Counter()
+
+
+def describe(*tensors: torch.Tensor | None) -> str:
+    """A short, low-cardinality reason from the inputs a kernel declined: their dtypes and whether
+    each has contiguous rows (``bfloat16 strided``, say)."""
+    parts = []
+    for t in tensors:
+        if t is None:
+            continue
+        rows = t.dim() >= 1 and (t.stride(-1) == 1 or t.shape[-1] == 1)
+        parts.append(f"{str(t.dtype).removeprefix('torch.')} {'rows' if rows else 'strided'}"
+                     + ("" if t.device.type == "cpu" else f" on {t.device.type}"))
+    return ", ".join(parts) or "not covered"
+
+
+def record(op: str, reason: str) -> None:
+    """Count one declined call of ``op``; the first of each (op, reason) is logged as a WARNING."""
+    with _lock:
+        _counts[(op, reason)] += 1
+        first = _counts[(op, reason)] == 1
+    if first:
+        logger.warning("CPU kernel %s declined a call (%s): running it in plain PyTorch (counted in "
+                       "hybridserve:kernel_fallbacks_total)", op, reason)
+
+
+def counts() -> dict[tuple[str, str], int]:
+    """(op, reason) -> declined calls so far in this process."""
+    with _lock:
+        return dict(_counts)
+
+
+def total() -> int:
+    with _lock:
+        return sum(_counts.values())
+
+
+def reset() -> None:
+    """Forget the counts (tests)."""
+    with _lock:
+        _counts.clear()

@@ -1,0 +1,216 @@
+"""Captured decode steps (``engine/decode_capture.py``): the model's forward recorded per batch-size
+bucket and replayed in one C++ call.
+
+Replay must be bit-identical to the eager forward it records: greedy and seeded sampling give the
+same tokens and the very same logprobs with capture on and off (``enforce_eager``), across steps
+whose batch size changes (padded to their bucket), mixed prefill/decode steps (which run eagerly) and
+mixed cache dtypes. A model whose forward runs anything but kernels is not captured, with the
+operators named; it still generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.config import EngineConfig
+from hybridserve.entrypoints.cli import build_parser
+from hybridserve.entrypoints.engine_args import engine_kwargs
+from hybridserve.kernels import gemm
+from tests.checkpoints import make
+from tests.kernels.helpers import needs_compiler
+
+needs_bf16_kernel = pytest.mark.skipif(not gemm.available(),
+                                       reason="the linear kernels did not build: no capture")
+
+# Lengths and budgets such that steps mix prefill chunks with decodes, sequences finish at different
+# steps (so decode-only steps shrink), and a late request joins while others decode.
+PROMPT_LENGTHS = (3, 11, 25, 6)
+MAX_TOKENS = (12, 7, 16, 9)
+
+
+def _llm(path, captured, **options):
+    return LLM(path, dtype="bfloat16", enforce_eager=not captured, cache_memory="16MiB",
+               max_num_batched_tokens=24, max_num_seqs=3, enable_progress_bar=False, **options)
+
+
+def count_replays(llm, monkeypatch) -> dict:
+    """A counter of the decode steps ``llm`` replays from its captures (``runs["replays"]``)."""
+    runs = {"replays": 0}
+    captured = llm.engine.runner.captured_decode
+    if captured is not None:
+        real = captured.run
+
+        def counted(*args, **kwargs):
+            runs["replays"] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(captured, "run", counted)
+    return runs
+
+
+def _run(path, captured, params_of, monkeypatch=None, **options):
+    """Outputs of the four prompts, and how many steps were replays (when counted)."""
+    llm = _llm(path, captured, **options)
+    runs = count_replays(llm, monkeypatch) if monkeypatch is not None else {"replays": 0}
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 128, (n,), generator=g).tolist()} for n in PROMPT_LENGTHS]
+    outs = llm.generate(prompts, [params_of(i) for i in range(len(prompts))])
+    assert llm.engine.pool.used_bytes() == 0
+    return [o.outputs[0] for o in outs], runs["replays"], llm
+
+
+def _assert_identical(a_outs, b_outs):
+    for i, (a, b) in enumerate(zip(a_outs, b_outs)):
+        assert a.token_ids == b.token_ids, f"prompt {i}: tokens differ"
+        assert a.cumulative_logprob == b.cumulative_logprob, f"prompt {i}: cumulative logprob differs"
+        for step, (la, lb) in enumerate(zip(a.logprobs, b.logprobs)):
+            assert {t: (lp.logprob, lp.rank) for t, lp in la.items()} == \
+                   {t: (lp.logprob, lp.rank) for t, lp in lb.items()}, f"prompt {i} step {step}"
+
+
+CACHE_SETTINGS = {
+    "model dtypes": {},
+    "f32 ssm, f16 conv, f16 kv": dict(mamba_ssm_cache_dtype="float32", mamba_cache_dtype="float16",
+                                      kv_cache_dtype="float16"),
+    "f32 kv and states": dict(mamba_ssm_cache_dtype="float32", mamba_cache_dtype="float32",
+                              kv_cache_dtype="float32"),
+}
+
+
+# Granite-4.0-H dense: NoPE, embedding multiplier 3, residual multiplier 0.7, two SSM groups; with
+# RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections.
+MODELS = {"granite": ("granitemoehybrid_dense", {}),
+          "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
+          "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5})}
+
+
+@needs_compiler
+@needs_bf16_kernel
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("setting", list(CACHE_SETTINGS))
+def test_replay_is_bit_identical_to_eager(ckpt_dir, monkeypatch, setting, model):
+    family, overrides = MODELS[model]
+    path = make(ckpt_dir, family, dtype=torch.bfloat16, **overrides)
+    opts = CACHE_SETTINGS[setting]
+
+    def greedy(i):
+        return SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], logprobs=4, ignore_eos=True)
+
+    replayed, runs, llm = _run(path, True, greedy, monkeypatch, **opts)
+    assert llm.engine.runner.captured_decode is not None
+    assert sorted(llm.engine.runner.captured_decode.graphs) == [1, 2, 3]
+    assert runs >= 8, f"only {runs} steps were replays"
+    eager, _, llm_off = _run(path, False, greedy, **opts)
+    assert llm_off.engine.runner.captured_decode is None
+    _assert_identical(replayed, eager)
+
+
+@needs_compiler
+@needs_bf16_kernel
+@pytest.mark.parametrize("model", list(MODELS))
+def test_replay_against_hf(ckpt_dir, monkeypatch, model):
+    """bf16 model with float32 SSM state, decode steps replayed, against HF transformers in
+    float32 on the same weights: any divergence is a near-tie (``compare``), and the logprob error is
+    no larger than that of the plain-PyTorch bf16 run (``cpu_kernels=False``) on the same checkpoint."""
+    from tests.hf_reference import compare, hf_greedy
+
+    family, overrides = MODELS[model]
+    path32 = make(ckpt_dir, family, **overrides)
+    path16 = make(ckpt_dir, family, dtype=torch.bfloat16, **overrides)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (6, 11, 25)]
+    ref = hf_greedy(path32, prompts, 12)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    errors = {}
+    for name, options in (("replay", {}), ("torch", {"cpu_kernels": False})):
+        llm = LLM(path16, dtype="bfloat16", mamba_ssm_cache_dtype="float32", cache_memory="16MiB",
+                  enable_progress_bar=False, **options)
+        runs = count_replays(llm, monkeypatch)
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert (runs["replays"] > 0) == (name == "replay")
+        cmp = compare([o.token_ids for o in outs], [o.logprobs for o in outs], ref)
+        assert cmp.compared_tokens >= 6, (name, cmp.diverged_at)
+        errors[name] = cmp.mean_abs_error
+    assert errors["replay"] <= 1.25 * errors["torch"] + 1e-3, errors
+
+
+@needs_compiler
+@needs_bf16_kernel
+def test_replay_with_seeded_sampling(ckpt_dir):
+    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+
+    def sampled(i):
+        return SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS[i], logprobs=2,
+                              ignore_eos=True)
+
+    _assert_identical(_run(path, True, sampled)[0], _run(path, False, sampled)[0])
+
+
+@needs_compiler
+@needs_bf16_kernel
+@pytest.mark.parametrize("family, dtype, options, reason", [
+    ("granitemoehybrid", torch.bfloat16, {}, "PyTorch operators outside the kernels: "),
+    ("granitemoehybrid_dense", torch.bfloat16, {"kv_cache_dtype": "fp8_e4m3"}, "aten."),
+    ("granitemoehybrid_dense", torch.float32, {}, "aten.linear"),
+])
+def test_uncovered_models_run_eagerly(ckpt_dir, caplog, family, dtype, options, reason):
+    """The reason names the operators the forward runs outside the kernels, in one WARNING line."""
+    path = make(ckpt_dir, family, dtype=dtype)
+    with caplog.at_level("WARNING", logger="hybridserve.engine.cpu_fast_paths"):
+        llm = LLM(path, cache_memory="16MiB", max_num_seqs=3, enable_progress_bar=False, **options)
+    assert llm.engine.runner.captured_decode is None
+    assert reason in llm.engine.cpu_fast_paths.decode_reason
+    assert llm.engine.pool.padding == (None, None)  # the padding reservation went back to the pool
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and reason in warnings[0].getMessage(), caplog.text  # one line, the real reason
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@needs_compiler
+@needs_bf16_kernel
+def test_no_capture_with_kernels_off(ckpt_dir):
+    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+    llm = LLM(path, cpu_kernels=False, cache_memory="16MiB", enable_progress_bar=False)
+    assert llm.engine.runner.captured_decode is None
+    assert "kernels are off" in llm.engine.cpu_fast_paths.decode_reason
+
+
+@needs_compiler
+@needs_bf16_kernel
+def test_padding_is_reserved_and_not_counted_as_used(ckpt_dir):
+    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+    pool = _llm(path, True).engine.pool
+    page, slot = pool.padding
+    assert page == pool.num_pages - 1 and slot == 0  # the ids compaction never moves
+    assert pool.used_bytes() == 0 and pool.reserved_bytes() == pool.layout.page_bytes + pool.layout.slot_bytes
+    assert pool.allocate(1, 1).pages != [page]
+
+
+@needs_compiler
+@needs_bf16_kernel
+def test_run_rejects_too_many_sequences(ckpt_dir):
+    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+    captured = _llm(path, True).engine.runner.captured_decode
+    assert captured is not None and captured.max_rows == 3 and captured.bucket(2) == 2
+    with pytest.raises(ValueError, match="1 to 3 sequences, got 4"):
+        captured.run([5] * 4, [0] * 4, [0] * 4, [1] * 4, [[0]] * 4, [0] * 4)
+
+
+@pytest.mark.parametrize("value", ["no", 0])
+def test_option_is_validated(value):
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(model="x", enforce_eager=value)
+
+
+def test_default_and_cli_flag():
+    assert EngineConfig(model="x").enforce_eager is False
+    parser = build_parser()
+    for command in (["generate", "d"], ["serve", "d"]):
+        assert engine_kwargs(parser.parse_args(command))["enforce_eager"] is False
+        assert engine_kwargs(parser.parse_args([*command, "--enforce-eager"]))["enforce_eager"] is True
+
+
+def test_fingerprint_ignores_the_option():
+    assert EngineConfig(model="x").fingerprint() == EngineConfig(model="x", enforce_eager=True).fingerprint()
