@@ -81,6 +81,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return out if residual is None else (x_new, out)
 
 
+def rms_norm_stream(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    round_input: bool = True):
+    """RMS norm over a float32 residual stream, normed output in ``weight``'s dtype (Mamba2 with
+    ``residual_in_fp32``). With ``residual`` (T, D) in weight's dtype: ``x = x.float() + residual``
+    (x float32, or weight's dtype for the first layer) and returns (new x float32, normed), else
+    returns normed. ``round_input``: the norm of ``x.to(dtype)`` (a layer's norm) rather than of the
+    float32 x with the weight widened (a final norm). None when not covered."""
+    lib = _library()
+    dtype = weight.dtype
+    if (lib is None or x.dim() != 2 or x.dtype not in (torch.float32, dtype) or dtype not in DTYPE_CODES
+            or not covers_norm_weight(weight, dtype, x.shape[-1]) or not rows_ok(x)
+            or (residual is None and x.dtype != torch.float32)):
+        return None
+    T, D = x.shape
+    if residual is not None and (residual.shape != x.shape or residual.dtype != dtype or not rows_ok(residual)):
+        return None
+    out = torch.empty(T, D, dtype=dtype)
+    x_new = torch.empty(T, D, dtype=torch.float32) if residual is not None else None
+    check(lib.hs_rms_norm_stream(DTYPE_CODES[dtype], DTYPE_CODES[x.dtype], T, D, x.data_ptr(), x.stride(0),
+                                 None if residual is None else residual.data_ptr(),
+                                 0 if residual is None else residual.stride(0),
+                                 None if x_new is None else x_new.data_ptr(), 0 if x_new is None else D,
+                                 weight.data_ptr(), float(eps), int(round_input), out.data_ptr(), D),
+          "hs_rms_norm_stream")
+    return out if residual is None else (x_new, out)
+
+
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
                    norm_in_float32: bool) -> torch.Tensor | None:
     """Mamba2's gated group norm: y (T, D) float32, gate (T, D) -> (T, D) in gate's dtype, as

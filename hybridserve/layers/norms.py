@@ -39,6 +39,20 @@ class RMSNorm(nn.Module):
         x = x + residual * scale if scale != 1.0 else x + residual
         return x, self._forward_torch(x)
 
+    def add_and_norm_float32(self, x: torch.Tensor, residual: torch.Tensor, norm_rounded: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float32 residual stream: ``x = x.float() + residual``, then the norm of ``x.to(dtype)``
+        (``norm_rounded``, a layer's norm) or of the float32 x cast to ``dtype`` after (a final norm),
+        ``dtype`` the weight's. Returns (new x float32, normed in dtype)."""
+        if self.use_cpu_kernels and not self.zero_centered:
+            out = pointwise_kernels.rms_norm_stream(x, self.weight, self.eps, residual, norm_rounded)
+            if out is not None:
+                return out
+            fallbacks.record("rms_norm_stream", fallbacks.describe(x, residual, self.weight))
+        dtype = self.weight.dtype
+        x = x.float() + residual
+        return x, (self._forward_torch(x.to(dtype)) if norm_rounded else self._forward_torch(x).to(dtype))
+
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()

@@ -32,9 +32,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             getattr(config, "mlp_bias", False))
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden); pending: the previous MLP's output, not yet added (or None). Returns (x, this
+        layer's MLP output), its residual add fused into the next norm."""
+        x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add_and_norm(x, pending)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, rope, batch))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -47,6 +51,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(RopeDecoderLM):
+    fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:

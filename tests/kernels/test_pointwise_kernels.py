@@ -303,3 +303,22 @@ def test_rotary_declines_uncovered_calls():
     assert not pointwise.rotary(x, 1, 64, c, c)  # heads x head_dim != width
     assert not pointwise.rotary(x[:, ::2], 1, 64, c, c)  # strided rows
     assert not pointwise.rotary(x.to(torch.int32), 2, 64, c, c)
+
+
+@pytest.mark.parametrize("norm_rounded", [True, False], ids=["layer_norm", "final_norm"])
+@pytest.mark.parametrize("stream_dtype", ["model", "float32"])  # the first layer adds to the embeddings
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_float32_stream_norm_matches_torch(dtype, stream_dtype, norm_rounded):
+    """Mamba2's residual_in_fp32: x.float() + h in float32, then the norm of its rounding (a layer's)
+    or of the float32 sum (the final norm), against the module's PyTorch path."""
+    D = 100
+    norm = _norm(D, dtype, seed=7)
+    x = _acts((5, D), torch.float32 if stream_dtype == "float32" else dtype, seed=8)
+    h = _acts((5, D), dtype, seed=9, wide_extra=12)
+    expected_x, expected = norm.add_and_norm_float32(x, h, norm_rounded)  # kernels off: PyTorch
+    got = pointwise.rms_norm_stream(x, norm.weight, norm.eps, h, norm_rounded)
+    assert got is not None
+    assert_bits_equal(got[0], expected_x, "x.float() + h")
+    assert_matches_torch(got[1], expected, "normed")
+    final = pointwise.rms_norm_stream(expected_x, norm.weight, norm.eps, None, round_input=False)
+    assert_matches_torch(final, norm._forward_torch(expected_x).to(dtype), "norm of the float32 stream")

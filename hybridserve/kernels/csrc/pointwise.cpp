@@ -71,6 +71,41 @@ void rms_norm_impl(int64_t T, int64_t D, const AT* x, int64_t xs, const AT* h, i
   }
 }
 
+// RMS norm over a float32 residual stream (Mamba2's residual_in_fp32), activations in AT:
+//   with h: x_out = float(x) + float(h) (one float32 add), x of dtype XT (the first layer's bf16
+//   embeddings, or the float32 stream);
+//   round_input = 1: out = round(w * round(norm(round(sum))))  (the norm of sum.to(AT), as a layer's norm)
+//   round_input = 0: out = round(w * norm(sum))                (the norm of the float32 sum, weight widened)
+template <typename AT, typename XT>
+void rms_norm_stream_impl(int64_t T, int64_t D, const XT* x, int64_t xs, const AT* h, int64_t hs, float* x_out,
+                          int64_t xos, const AT* w, float eps, int round_input, AT* out, int64_t os) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const XT* xr = x + t * xs;
+    AT* outr = out + t * os;
+    float v[8192];
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < D; ++d) {
+      float sum = to_f32(xr[d]);
+      if (h != nullptr) {
+        sum += to_f32(h[t * hs + d]);
+        x_out[t * xos + d] = sum;
+      }
+      v[d] = round_input ? round_to<AT>(sum) : sum;
+      ss += v[d] * v[d];
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    if (round_input) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(to_f32(w[d]) * round_to<AT>(v[d] * inv));
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(to_f32(w[d]) * (v[d] * inv));
+    }
+  }
+}
+
 // Mamba2's gated group norm of y (float32) with gate (act dtype), groups of G along the row:
 //   norm_in_f32 = 0: v = round(y) * silu(gate); out = round(w * round(groupnorm(v)))
 //   norm_in_f32 = 1: v = y * silu(gate);        out = round(w * groupnorm(v))
@@ -299,6 +334,18 @@ int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
   });
 }
 
+int hs_rms_norm_stream(int act_dtype, int x_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* h,
+                       int64_t hs, float* x_out, int64_t xos, const void* w, float eps, int round_input, void* out,
+                       int64_t os) {
+  if (D > 8192) return 1;
+  return dispatch_dtype_pair(act_dtype, x_dtype, [&](auto a, auto xt) {
+    using AT = decltype(a);
+    using XT = decltype(xt);
+    rms_norm_stream_impl<AT, XT>(T, D, static_cast<const XT*>(x), xs, static_cast<const AT*>(h), hs, x_out, xos,
+                                 static_cast<const AT*>(w), eps, round_input, static_cast<AT*>(out), os);
+  });
+}
+
 // Row gather: out row t = table row ids[t], times scale when scale != 1 (rounded to the dtype as
 // ``table[ids] * scale`` is in PyTorch: the product in float32, then rounded). Token embeddings and
 // per-position RoPE tables. Returns 1, writing nothing, when an id is outside [0, num_rows).
@@ -322,5 +369,5 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_rotary)
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))
