@@ -1,7 +1,8 @@
-"""Build the ~100M-parameter Mamba2/attention hybrid used by the speed benchmarks.
+"""Build the ~100M-parameter checkpoints used by the speed benchmarks.
 
-Granite-4.0-H layout (GraniteMoeHybridForCausalLM, dense shared MLP) by default, since vLLM's CPU
-build implements it natively; ``--arch bamba`` gives the same dimensions in Bamba's layout.
+Granite-4.0-H layout (GraniteMoeHybridForCausalLM: Mamba2 and attention, dense shared MLP) by
+default, since vLLM's CPU build implements it natively; ``--arch bamba`` gives the same dimensions in
+Bamba's layout; ``--arch mamba2`` a pure Mamba2 (Mamba2ForCausalLM, 20 layers of the same mixer).
 
 Random weights with a scaled LM head (peaky logits, stable greedy decoding), saved in bf16.
 
@@ -40,22 +41,35 @@ def bamba_config():
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def mamba2_config():
+    from transformers import Mamba2Config
+
+    return Mamba2Config(
+        vocab_size=32000, hidden_size=768, num_hidden_layers=20, num_heads=24, head_dim=64, state_size=64,
+        n_groups=1, conv_kernel=4, expand=2, chunk_size=128, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+CONFIGS = {"granite": granite_config, "bamba": bamba_config, "mamba2": mamba2_config}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", default="granite", choices=["granite", "bamba"])
+    parser.add_argument("--arch", default="granite", choices=list(CONFIGS))
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
-    config = granite_config() if args.arch == "granite" else bamba_config()
+    config = CONFIGS[args.arch]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
-        final_norm = model.model.norm if hasattr(model.model, "norm") else model.model.final_layernorm
+        base = model.backbone if hasattr(model, "backbone") else model.model
+        final_norm = next(getattr(base, n) for n in ("norm", "final_layernorm", "norm_f") if hasattr(base, n))
         final_norm.weight.mul_(8.0)  # tied head: sharpen logits through the final norm
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16

@@ -16,7 +16,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineConfig
 from hybridserve.entrypoints.cli import build_parser
 from hybridserve.entrypoints.engine_args import engine_kwargs
-from hybridserve.kernels import gemm
+from hybridserve.kernels import fallbacks, gemm
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
 
@@ -80,13 +80,17 @@ CACHE_SETTINGS = {
 
 # Granite-4.0-H dense: NoPE, embedding multiplier 3, residual multiplier 0.7, two SSM groups; with
 # RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections; pure
-# Mamba2; Llama (attention only).
+# Mamba2; Llama (attention only); Granite-4.0-H with experts; Nemotron-H (Mamba2, attention, relu2
+# MLP and MoE layers), also with its latent expert projection.
 MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
           "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5}),
           "mamba2": ("mamba2", {}),  # a float32 residual stream (residual_in_fp32) between bf16 layers
           "mamba2 bf16 stream": ("mamba2", {"residual_in_fp32": False}),
-          "llama": ("llama", {})}
+          "llama": ("llama", {}),
+          "granite moe": ("granitemoehybrid", {}),  # routed experts plus the shared MLP
+          "nemotron-h": ("nemotron_h", {}),  # relu2 MLP, grouped sigmoid routing, float32 norm weights
+          "nemotron-h latent": ("nemotron_h_latent", {})}
 
 
 @needs_compiler
@@ -101,7 +105,9 @@ def test_replay_is_bit_identical_to_eager(ckpt_dir, monkeypatch, setting, model)
     def greedy(i):
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], logprobs=4, ignore_eos=True)
 
+    declined_before = fallbacks.total()
     replayed, runs, llm = _run(path, True, greedy, monkeypatch, **opts)
+    assert fallbacks.total() == declined_before, fallbacks.counts()  # every call on its kernel, prefill too
     assert llm.engine.runner.captured_decode is not None
     assert sorted(llm.engine.runner.captured_decode.graphs) == [1, 2, 3]
     assert runs >= 8, f"only {runs} steps were replays"
@@ -154,7 +160,7 @@ def test_replay_with_seeded_sampling(ckpt_dir):
 @needs_compiler
 @needs_bf16_kernel
 @pytest.mark.parametrize("family, dtype, options, reason", [
-    ("granitemoehybrid", torch.bfloat16, {}, "PyTorch operators outside the kernels: "),
+    ("zamba2", torch.bfloat16, {}, "PyTorch operators outside the kernels: "),
     ("granitemoehybrid_dense", torch.bfloat16, {"kv_cache_dtype": "fp8_e4m3"}, "aten."),
     ("granitemoehybrid_dense", torch.float32, {}, "aten.linear"),
 ])

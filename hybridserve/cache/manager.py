@@ -6,9 +6,19 @@ pages or a slot and rewrites their block tables and slot ids when the pool moves
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from hybridserve.cache.capacity import fits, pages_for
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
-from hybridserve.engine.sequence import Sequence
+
+
+class CacheHolder(Protocol):
+    """What the manager needs of a sequence: its block table, its state slot and how many of its
+    tokens are in the cache (``engine.Sequence`` is one)."""
+
+    block_table: list[int]
+    state_slot: int | None
+    num_computed_tokens: int
 
 
 class CacheManager:
@@ -17,22 +27,22 @@ class CacheManager:
     def __init__(self, pool: CachePool) -> None:
         self.pool = pool
         self.block_size = pool.layout.block_size
-        self._holders: dict[int, Sequence] = {}  # id(seq) -> seq, for every sequence holding anything
+        self._holders: dict[int, CacheHolder] = {}  # id(seq) -> seq, for every sequence holding anything
 
     def pages_for(self, num_tokens: int) -> int:
         """KV pages needed to hold ``num_tokens`` tokens (0 for a model without attention)."""
         return pages_for(self.pool.layout, num_tokens)
 
-    def needs(self, seq: Sequence, num_new_tokens: int) -> tuple[int, int]:
+    def needs(self, seq: CacheHolder, num_new_tokens: int) -> tuple[int, int]:
         """(pages, slots) still to be granted for ``seq`` to run ``num_new_tokens`` more tokens."""
         pages = max(0, self.pages_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
         slots = 1 if self.pool.layout.has_state and seq.state_slot is None else 0
         return pages, slots
 
-    def can_grant(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         return self.pool.can_allocate(*self.needs(seq, num_new_tokens))
 
-    def grant(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
 
         The pool may compact to make room; the moved holdings of other sequences are rewritten here.
@@ -45,7 +55,7 @@ class CacheManager:
         self.allocate_for(seq, pages, slots)
         return True
 
-    def allocate_for(self, seq: Sequence, pages: int, slots: int) -> Allocation:
+    def allocate_for(self, seq: CacheHolder, pages: int, slots: int) -> Allocation:
         """Give ``seq`` ``pages`` more KV pages and, with ``slots=1``, its state slot.
 
         Every allocation for a sequence goes through here (never ``pool.allocate*`` directly): the pool
@@ -69,7 +79,7 @@ class CacheManager:
             if seq.state_slot is not None and seq.state_slot in moves.slots:
                 seq.state_slot = moves.slots[seq.state_slot]
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: CacheHolder) -> None:
         """Return everything ``seq`` holds to the pool."""
         if seq.block_table:
             self.pool.free_pages(seq.block_table)

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from hybridserve.cache.pool import CachePool
-from hybridserve.engine.forward_batch import ForwardBatch, SeqGroup
+from hybridserve.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.kernels.graph import CaptureError, Graph, capture, module_regions, tensor_region
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ class CapturedDecode:
         self.slot_mapping = torch.full((max_rows,), (self.pad_page or 0) * self.block_size, **i64)
         self._inputs = (self.input_ids, self.positions, self.cu_seqlens, self.seq_lens, self.block_tables,
                         self.state_indices, self.slot_mapping)
+        # numpy views of the same memory: filling them from Python lists is cheaper than torch ops
+        self._np = {name: getattr(self, name).numpy() for name in
+                    ("input_ids", "positions", "seq_lens", "block_tables", "state_indices", "slot_mapping")}
+        self._tables_written: list[list[int] | None] = [None] * max_rows  # each row's block table as written
         self._pool = pool
         self.graphs: dict[int, Graph] = {}
         self.arena: torch.Tensor | None = None
@@ -94,21 +98,36 @@ class CapturedDecode:
         size = self.bucket(rows)
         if size is None:
             raise ValueError(f"a captured decode step takes 1 to {self.max_rows} sequences, got {rows}")
-        pad = size - rows
-        self.input_ids[:size] = torch.tensor(input_ids + [0] * pad)
+        np_ = self._np
+        np_["input_ids"][:rows] = input_ids
+        np_["input_ids"][rows:size] = 0
+        np_["positions"][:rows] = positions
+        np_["positions"][rows:size] = 0
         if self.has_kv:
-            self.positions[:size] = torch.tensor(positions + [0] * pad)
-            self.seq_lens[:size] = torch.tensor(seq_lens + [1] * pad)
-            self.slot_mapping[:size] = torch.tensor(slot_mapping + [self.pad_page * self.block_size] * pad)
-            width = max(len(t) for t in block_tables)
-            flat = [p for t in block_tables for p in t + [self.pad_page] * (width - len(t))]
-            self.block_tables[:rows, :width] = torch.tensor(flat).view(rows, width)
-            self.block_tables[rows:size, 0] = self.pad_page
-        else:
-            self.positions[:size] = torch.tensor(positions + [0] * pad)
+            np_["seq_lens"][:rows] = seq_lens
+            np_["seq_lens"][rows:size] = 1
+            np_["slot_mapping"][:rows] = slot_mapping
+            np_["slot_mapping"][rows:size] = self.pad_page * self.block_size
+            self._write_block_tables(block_tables, rows, size)
         if self.has_state:
-            self.state_indices[:size] = torch.tensor(state_slots + [self.pad_slot] * pad)
+            np_["state_indices"][:rows] = state_slots
+            np_["state_indices"][rows:size] = self.pad_slot
         return self.graphs[size].replay()[:rows]
+
+    def _write_block_tables(self, block_tables: list[list[int]], rows: int, size: int) -> None:
+        """Rows [0, rows) get their sequences' tables (only those that changed since written: a table
+        grows a page every block_size tokens); padded rows [rows, size) the padding page. Entries past
+        a table's length are never read (the kernels stop at the context length)."""
+        tables, written = self._np["block_tables"], self._tables_written
+        for r, table in enumerate(block_tables):
+            if written[r] != table:
+                tables[r, :len(table)] = table
+                written[r] = list(table)
+        pad = [self.pad_page]
+        for r in range(rows, size):
+            if written[r] != pad:
+                tables[r, 0] = self.pad_page
+                written[r] = pad
 
 
 def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int

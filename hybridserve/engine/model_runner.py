@@ -8,8 +8,8 @@ import torch
 
 from hybridserve.cache.pool import CachePool
 from hybridserve.engine.decode_capture import CapturedDecode
-from hybridserve.engine.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.engine.scheduler import ScheduledSeq
+from hybridserve.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.models.base import CausalLM
 
 

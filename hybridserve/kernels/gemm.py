@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.kernels._abi import bind, check
+from hybridserve.kernels._abi import DTYPE_CODES, bind, check, index_ok, rows_ok
 
 PANEL = 16  # output columns per packed panel (kPanel in csrc/gemm.cpp)
 DTYPES = (torch.bfloat16, torch.float16)  # weight (and activation) dtypes the kernels take
@@ -88,3 +88,88 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     if rc != 0:
         check(rc, fn)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+MOE_ACTIVATIONS = {"silu": 0, "relu2": 1}  # Activation in csrc/gemm.cpp: silu gated, relu2 not gated
+
+
+def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_table: torch.Tensor,
+                down_table: torch.Tensor, intermediate: int, gated: bool, act: str,
+                shared: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The experts of an MoE block over their packed weights: each token's k experts (``index`` (T, k)
+    int64, ``weight`` (T, k) float32 or x's dtype), ``up(x) -> act -> down`` per expert, summed in
+    float32 by weight and rounded to x's dtype, plus ``shared`` (T, H) when given (rounded again).
+    ``up_table``/``down_table``: (E,) int64 addresses of each expert's packed ``gate_up``/``up`` and
+    ``down`` weights. Gated experts take silu, non-gated relu2. None when not covered."""
+    lib = _library()
+    code = MOE_ACTIVATIONS.get(act)
+    T, k = index.shape if index.dim() == 2 else (0, 0)
+    if (lib is None or code is None or gated != (act == "silu") or x.dtype not in DTYPES or x.dim() != 2
+            or not rows_ok(x) or not index_ok(index) or index.shape[0] != x.shape[0] or weight.shape != index.shape
+            or not weight.is_contiguous() or weight.dtype not in (torch.float32, x.dtype)
+            or not (index_ok(up_table) and index_ok(down_table)) or up_table.shape != down_table.shape):
+        return None
+    if shared is not None and (shared.shape != x.shape or shared.dtype != x.dtype or not rows_ok(shared)):
+        return None
+    H = x.shape[1]
+    out = torch.empty(T, H, dtype=x.dtype)
+    check(lib.hs_moe_experts(DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], T, H, intermediate, up_table.numel(), k,
+                             x.data_ptr(), x.stride(0), index.data_ptr(), weight.data_ptr(), up_table.data_ptr(),
+                             down_table.data_ptr(), int(gated), code, None if shared is None else shared.data_ptr(),
+                             0 if shared is None else shared.stride(0), out.data_ptr(), H),
+          "hs_moe_experts (an expert index outside the block)")
+    return out
+
+
+ROUTER_MODES = {"topk_then_softmax": 0, "softmax_then_topk": 1}
+
+
+def router_topk(logits: torch.Tensor, k: int, mode: str, normalize: bool = False,
+                weight_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Top-k routing of logits (T, E): ``topk_then_softmax`` (the k largest logits, softmax over them)
+    or ``softmax_then_topk`` (optionally renormalized). Returns (index (T, k) int64 by descending
+    score, weight (T, k) in ``weight_dtype``), computed in float32; None when not covered."""
+    lib = _library()
+    if (lib is None or logits.dim() != 2 or not rows_ok(logits) or logits.dtype not in DTYPE_CODES
+            or weight_dtype not in DTYPE_CODES or not 1 <= k <= min(64, logits.shape[1]) or mode not in ROUTER_MODES):
+        return None
+    T, E = logits.shape
+    index = torch.empty(T, k, dtype=torch.int64)
+    weight = torch.empty(T, k, dtype=weight_dtype)
+    check(lib.hs_router_topk(DTYPE_CODES[logits.dtype], DTYPE_CODES[weight_dtype], T, E, k, logits.data_ptr(),
+                             logits.stride(0), ROUTER_MODES[mode], int(normalize), index.data_ptr(), weight.data_ptr()),
+          "hs_router_topk")
+    return index, weight
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """``(x.float() @ weight.T).to(out_dtype)``, sums in float32: routers' logits. x (M, K) float32 or
+    16-bit; weight (N, K) contiguous float32. None when not covered."""
+    lib = _library()
+    if (lib is None or x.dim() != 2 or not rows_ok(x) or x.dtype not in DTYPE_CODES or weight.dtype != torch.float32
+            or weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[1]
+            or out_dtype not in DTYPE_CODES):
+        return None
+    M, N = x.shape[0], weight.shape[0]
+    out = torch.empty(M, N, dtype=out_dtype)
+    check(lib.hs_linear_f32(DTYPE_CODES[x.dtype], DTYPE_CODES[out_dtype], M, N, x.shape[1], x.data_ptr(), x.stride(0),
+                            weight.data_ptr(), out.data_ptr(), N), "hs_linear_f32")
+    return out
+
+
+def router_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
+                           normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V3-style routing of float32 logits (T, E) with a float32 correction ``bias`` (E,):
+    (index (T, k) int64, weight (T, k) float32) as Nemotron-H's router computes them. None when not
+    covered."""
+    lib = _library()
+    if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not rows_ok(logits)
+            or bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (logits.shape[1],)):
+        return None
+    T, E = logits.shape
+    index = torch.empty(T, k, dtype=torch.int64)
+    weight = torch.empty(T, k, dtype=torch.float32)
+    check(lib.hs_router_grouped_sigmoid(T, E, k, logits.data_ptr(), logits.stride(0), bias.data_ptr(), n_group,
+                                        topk_group, int(normalize), float(scale), index.data_ptr(), weight.data_ptr()),
+          "hs_router_grouped_sigmoid")
+    return index, weight

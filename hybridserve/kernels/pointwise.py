@@ -53,9 +53,11 @@ def covers_gated_norm(weight: torch.Tensor, dtype: torch.dtype, width: int, grou
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
-             residual: torch.Tensor | None = None, scale: float = 1.0):
+             residual: torch.Tensor | None = None, scale: float = 1.0, weight_in_float32: bool = False):
     """``RMSNorm`` of x (..., D). With ``residual`` (x's shape), first x = x + residual * scale (each
-    op rounded to x's dtype) and returns (new x, normed); else returns normed. None when not covered."""
+    op rounded to x's dtype) and returns (new x, normed); else returns normed. ``weight_in_float32``:
+    the weight multiplies the float32 normalized value, rounded once after (Nemotron-H's norm). None
+    when not covered."""
     lib = _library()
     if x.dim() < 1 or not covers_norm_weight(weight, x.dtype, x.shape[-1]):
         return None
@@ -76,7 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     check(lib.hs_rms_norm(act, x2.shape[0], D, x2.data_ptr(), x2.stride(0),
                           None if h2 is None else h2.data_ptr(), 0 if h2 is None else h2.stride(0), float(scale),
                           None if n2 is None else n2.data_ptr(), 0 if n2 is None else n2.stride(0),
-                          weight.data_ptr(), float(eps), int(zero_centered), o2.data_ptr(), o2.stride(0)),
+                          weight.data_ptr(), float(eps), 2 if weight_in_float32 else int(zero_centered), o2.data_ptr(),
+                          o2.stride(0)),
           "hs_rms_norm")
     return out if residual is None else (x_new, out)
 
@@ -161,6 +164,37 @@ def covers_rotary(rotary_dim: int, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``rotary`` takes ``rotary_dim`` of ``head_dim`` features in ``dtype``."""
     return (_library() is not None and dtype in DTYPE_CODES and rotary_dim >= 2 and rotary_dim % 2 == 0
             and rotary_dim <= min(head_dim, MAX_ROTARY))
+
+
+def _binary_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if a.shape != b.shape or a.dtype != b.dtype or a.dtype not in DTYPE_CODES or a.dim() < 1:
+        return None
+    a2, b2 = _rows(a), _rows(b)
+    return None if a2 is None or b2 is None else (a2, b2)
+
+
+def add(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
+    """``a + b * scale`` for a, b of one shape and dtype, each op rounded to it. None when not covered."""
+    lib, rows = _library(), _binary_rows(a, b)
+    if lib is None or rows is None:
+        return None
+    (a2, b2), out = rows, torch.empty(a.shape, dtype=a.dtype)
+    o2 = out.view(-1, a.shape[-1])
+    check(lib.hs_add(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
+                     b2.stride(0), float(scale), o2.data_ptr(), o2.stride(0)), "hs_add")
+    return out
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor | None:
+    """``relu(x) ** 2`` (ACT2FN["relu2"]), rounded as PyTorch rounds it. None when not covered."""
+    lib, x2 = _library(), _rows(x)
+    if lib is None or x2 is None or x.dtype not in DTYPE_CODES:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    o2 = out.view(-1, x.shape[-1])
+    check(lib.hs_relu2(DTYPE_CODES[x.dtype], x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), o2.data_ptr(),
+                       o2.stride(0)), "hs_relu2")
+    return out
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:

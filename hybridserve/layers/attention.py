@@ -7,7 +7,7 @@ from torch import nn
 
 from hybridserve.cache.pool import LayerCache
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import attention as attention_kernels
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels

@@ -8,7 +8,7 @@ from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers import dense
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen

@@ -46,13 +46,21 @@ class GatedMLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """``down(act(up(x)))`` (Nemotron-H uses relu^2 here)."""
+    """``down(act(up(x)))`` (Nemotron-H uses relu^2 here, which has a CPU kernel)."""
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = ACT2FN[act]
+        self.act, self.act_fn = act, ACT2FN[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.up_proj(x)))
+        h = self.up_proj(x)
+        if self.use_cpu_kernels:
+            out = pointwise_kernels.relu2(h) if self.act == "relu2" else None
+            if out is not None:
+                return self.down_proj(out)
+            fallbacks.record("activation", f"{self.act}: no kernel" if self.act != "relu2" else fallbacks.describe(h))
+        return self.down_proj(self.act_fn(h))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from hybridserve.kernels import gemm
+from hybridserve.kernels import fallbacks, gemm
 
 
 def softmax_topk(router_logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,8 +77,10 @@ class FusedExperts(nn.Module):
         else:
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, d_in))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_in, intermediate_size))
-        self.act_fn = ACT2FN[act]
+        self.act, self.act_fn = act, ACT2FN[act]
+        self.intermediate_size = intermediate_size
         self.packed: dict[str, list[torch.Tensor]] | None = None  # parameter name -> packed weight per expert
+        self.tables: dict[str, torch.Tensor] = {}  # parameter name -> (E,) int64 addresses of the packed weights
         self._out_features: dict[str, int] = {}
 
     def _projections(self) -> tuple[str, ...]:
@@ -104,6 +106,7 @@ class FusedExperts(nn.Module):
             self._out_features[name] = param.shape[1]
             setattr(self, name, nn.Parameter(param.new_empty(0, *param.shape[1:]), requires_grad=False))
         self.packed = packed
+        self.tables = {name: torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64) for name, ws in packed.items()}
         return sum(len(ps) for ps in packed.values())
 
     def _linear(self, h: torch.Tensor, name: str, e: int) -> torch.Tensor:
@@ -115,8 +118,22 @@ class FusedExperts(nn.Module):
             raise TypeError(f"packed experts take {self.packed[name][e].dtype} CPU input, got {h.dtype} on {h.device}")
         return y
 
-    def forward(self, x: torch.Tensor, topk_index: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        """x: (T, H); topk_index, topk_weight: (T, k) -> (T, H) in x's dtype."""
+    def forward(self, x: torch.Tensor, topk_index: torch.Tensor, topk_weight: torch.Tensor,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, H); topk_index, topk_weight: (T, k) -> (T, H) in x's dtype, plus ``shared`` (T, H)
+        when given (a shared expert's output, added after the rounding)."""
+        if self.packed is not None:  # packed for the CPU kernels: one call for the whole block
+            up, down = self._projections()
+            out = gemm.moe_experts(x, topk_index, topk_weight, self.tables[up], self.tables[down],
+                                   self.intermediate_size, self.gated, self.act, shared)
+            if out is not None:
+                return out
+            fallbacks.record("moe_experts", f"{self.act}, " + fallbacks.describe(x, topk_weight))
+        out = self._forward_torch(x, topk_index, topk_weight)
+        return out if shared is None else out + shared
+
+    def _forward_torch(self, x: torch.Tensor, topk_index: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        """The experts one at a time, over the tokens routed to each."""
         out = torch.zeros(x.shape[0], self.down_proj.shape[1], dtype=torch.float32, device=x.device)  # (T, H)
         flat_expert = topk_index.reshape(-1)  # (T*k,)
         order = flat_expert.argsort(stable=True)

@@ -13,6 +13,7 @@ class RMSNorm(nn.Module):
     """``weight * x / rms(x)``; the normalization runs in float32, the result is cast back first."""
 
     use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+    weight_in_float32 = False  # the weight multiplies the float32 normalized value (a subclass's rounding)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
@@ -22,7 +23,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_kernels:
-            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered)
+            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered,
+                                             weight_in_float32=self.weight_in_float32)
             if out is not None:
                 return out
             fallbacks.record("rms_norm", fallbacks.describe(x, self.weight))
@@ -32,7 +34,8 @@ class RMSNorm(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x = x + residual * scale`` (in x's dtype), then the norm; returns (new x, normed)."""
         if self.use_cpu_kernels:
-            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered, residual, scale)
+            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered, residual, scale,
+                                             self.weight_in_float32)
             if out is not None:
                 return out
             fallbacks.record("rms_norm", fallbacks.describe(x, residual, self.weight))
@@ -44,7 +47,7 @@ class RMSNorm(nn.Module):
         """A float32 residual stream: ``x = x.float() + residual``, then the norm of ``x.to(dtype)``
         (``norm_rounded``, a layer's norm) or of the float32 x cast to ``dtype`` after (a final norm),
         ``dtype`` the weight's. Returns (new x float32, normed in dtype)."""
-        if self.use_cpu_kernels and not self.zero_centered:
+        if self.use_cpu_kernels and not self.zero_centered and not self.weight_in_float32:
             out = pointwise_kernels.rms_norm_stream(x, self.weight, self.eps, residual, norm_rounded)
             if out is not None:
                 return out

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import LayerCacheSpec
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 
 
 def merge_specs(specs: list[LayerCacheSpec]) -> list[LayerCacheSpec]:

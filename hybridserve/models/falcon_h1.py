@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.attention import paged_attend
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer

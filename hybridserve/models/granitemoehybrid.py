@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
 from hybridserve.layers import dense
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
@@ -57,11 +58,29 @@ class GraniteMoeHybridRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(config.num_local_experts, config.hidden_size))
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> topk_index (T, k), topk_weight (T, k) in x's dtype."""
+        if self.use_cpu_kernels:
+            routed = self._forward_kernels(x)
+            if routed is not None:
+                return routed
+            fallbacks.record("router_topk", fallbacks.describe(x, self.weight))
         logits = dense.linear(x, self.weight).float()  # (T, E)
         top_logits, index = logits.topk(self.top_k, dim=-1)
         return index, top_logits.softmax(-1).to(x.dtype)
+
+
+    def _forward_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The logits as ``dense.linear`` gives them (float32 sums of the float32 weight, rounded to x's
+        dtype), then top-k and the softmax over it."""
+        if getattr(self, "_weight32_key", None) != self.weight.data_ptr():  # a float32 copy, made once
+            self._weight32 = self.weight.detach().float().contiguous()
+            self._weight32_key = self.weight.data_ptr()
+        logits = gemm.linear_f32(x, self._weight32, x.dtype)  # (T, E)
+        return None if logits is None else gemm.router_topk(logits, self.top_k, "topk_then_softmax",
+                                                            weight_dtype=x.dtype)
 
 
 class GraniteMoeHybridMoE(nn.Module):
@@ -71,9 +90,10 @@ class GraniteMoeHybridMoE(nn.Module):
         self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act, gated=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, hidden) -> the experts' output, plus ``shared`` (the shared MLP's) when given."""
         index, weight = self.router(x)
-        return self.experts(x, index, weight)
+        return self.experts(x, index, weight, shared)
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
@@ -115,7 +135,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_and_norm(x, h, rm)
         mlp = self.shared_mlp(h)
         if self.has_experts:
-            mlp = self.block_sparse_moe(h) + mlp
+            mlp = self.block_sparse_moe(h, mlp)  # experts + shared, rounded as block_sparse_moe(h) + mlp
         return x, mlp
 
 

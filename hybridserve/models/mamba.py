@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.norms import RMSNorm

@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
@@ -30,7 +32,9 @@ KINDS = ("linear_attention", "full_attention", "mlp", "moe")
 class NemotronHRMSNorm(RMSNorm):
     """RMS norm whose weight multiply stays in float32; only the product is cast back (as HF does)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight_in_float32 = True
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
@@ -54,8 +58,15 @@ class NemotronHTopkRouter(nn.Module):
         # A persistent buffer in HF; a (frozen) parameter here so the strict loader loads it.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> topk_index (T, k), topk_weight (T, k) float32."""
+        if self.use_cpu_kernels:
+            routed = self._forward_kernels(x)
+            if routed is not None:
+                return routed
+            fallbacks.record("router_grouped_sigmoid", fallbacks.describe(x, self.weight))
         t = x.shape[0]
         scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
         choice = scores + self.e_score_correction_bias.float()
@@ -72,7 +83,22 @@ class NemotronHTopkRouter(nn.Module):
         return index, weight * self.routed_scaling_factor
 
 
+    def _forward_kernels(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (self.weight.data_ptr(), self.e_score_correction_bias.data_ptr())
+        if getattr(self, "_float32_key", None) != key:  # float32 copies, made once
+            self._weight32 = self.weight.detach().float().contiguous()
+            self._bias32 = self.e_score_correction_bias.detach().float().contiguous()
+            self._float32_key = key
+        logits = gemm.linear_f32(x, self._weight32)  # (T, E) float32
+        if logits is None:
+            return None
+        return gemm.router_grouped_sigmoid(logits, self._bias32, self.top_k, self.n_group, self.topk_group,
+                                           self.norm_topk_prob, self.routed_scaling_factor)
+
+
 class NemotronHMoE(nn.Module):
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         latent = getattr(config, "moe_latent_size", None)
@@ -89,11 +115,16 @@ class NemotronHMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         index, weight = self.gate(x)
-        h = self.fc1_latent_proj(x) if self.has_latent else x  # (T, latent or hidden)
-        h = self.experts(h, index, weight)
-        if self.has_latent:
-            h = self.fc2_latent_proj(h)
-        return h + self.shared_experts(x)
+        shared = self.shared_experts(x)
+        if not self.has_latent:
+            return self.experts(x, index, weight, shared)  # experts + shared, rounded as experts(x) + shared
+        h = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), index, weight))  # through the latent
+        if self.use_cpu_kernels:
+            out = pointwise_kernels.add(h, shared)
+            if out is not None:
+                return out
+            fallbacks.record("add", fallbacks.describe(h, shared))
+        return h + shared
 
 
 def _mixer(config: Any, index: int, kind: str, dtypes: CacheDtypes) -> nn.Module:
@@ -126,15 +157,18 @@ class NemotronHBlock(nn.Module):
         self.norm = NemotronHRMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer = _mixer(config, index, kind, dtypes)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.norm(x)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden); pending: the previous mixer's output, not yet added (or None). Returns (x,
+        this mixer's output), ``x + h`` fused into the next norm (the same rounding)."""
+        x, h = (x, self.norm(x)) if pending is None else self.norm.add_and_norm(x, pending)
         if self.kind == "linear_attention":
             h = self.mixer(h, batch)
         elif self.kind == "full_attention":
             h = self.mixer(h, None, batch)  # no positional encoding
         else:
             h = self.mixer(h)
-        return x + h
+        return x, h
 
 
 class NemotronHModel(nn.Module):
@@ -165,6 +199,7 @@ class NemotronHForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embeddings(input_ids)  # (T, hidden)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.norm_f(x)
+            x, pending = layer(x, pending, batch)
+        return self.model.norm_f(x) if pending is None else self.model.norm_f.add_and_norm(x, pending)[1]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
-from hybridserve.engine.forward_batch import ForwardBatch
+from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet

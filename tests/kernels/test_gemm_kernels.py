@@ -167,3 +167,68 @@ def test_shared_weights_share_one_packed_copy():
     model = nn.ModuleDict({"a": shared, "b": other})
     assert pack_kernel_linear_layers(model) == 2
     assert model["a"].packed_weight.data_ptr() == model["b"].packed_weight.data_ptr()
+
+
+def _experts(E, H, I, gated, dtype, seed):
+    from hybridserve.layers.moe import FusedExperts
+
+    torch.manual_seed(seed)
+    block = FusedExperts(E, H, I, "silu" if gated else "relu2", gated=gated)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    block = block.to(dtype)
+    reference = FusedExperts(E, H, I, block.act, gated=gated).to(dtype)
+    reference.load_state_dict(block.state_dict())
+    assert block.pack(gemm.pack) == 2 * E
+    return block, reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("gated", [True, False], ids=["silu_gated", "relu2"])
+@pytest.mark.parametrize("T", [1, 5, 32])
+def test_moe_experts_kernel_matches_the_expert_loop(T, gated, dtype):
+    """One call for the whole block against FusedExperts' per-expert loop over the same packed linears:
+    relu2 bit for bit (the same roundings in the same order); silu within an ulp (its exp differs)."""
+    E, H, I, k = 6, 48, 40, 2
+    block, _ = _experts(E, H, I, gated, dtype, seed=T)
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])  # (T, k) distinct experts
+    weight = torch.rand(T, k, generator=g)
+    shared = torch.randn(T, H, generator=g).to(dtype)
+    got = gemm.moe_experts(x, index, weight, block.tables["gate_up_proj" if gated else "up_proj"],
+                           block.tables["down_proj"], I, gated, block.act, shared)
+    expected = block._forward_torch(x, index, weight) + shared
+    assert got is not None and got.shape == (T, H) and got.dtype == dtype
+    if gated:
+        assert_within_ulps(got, expected, dtype, ulps=2, what="moe experts")
+    else:
+        assert_bits_equal(got, expected, "moe experts")
+    assert torch.equal(block(x, index, weight, shared), got)  # the layer takes the kernel
+
+
+def test_moe_experts_rejects_bad_indices_and_declines_other_activations():
+    block, _ = _experts(4, 16, 8, True, torch.bfloat16, seed=0)
+    x = torch.randn(2, 16).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="an expert index outside the block"):
+        gemm.moe_experts(x, torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2), block.tables["gate_up_proj"],
+                         block.tables["down_proj"], 8, True, "silu")
+    assert gemm.moe_experts(x, torch.tensor([[0, 1], [1, 2]]), torch.ones(2, 2), block.tables["gate_up_proj"],
+                            block.tables["down_proj"], 8, True, "gelu") is None
+
+
+@pytest.mark.parametrize("mode", ["topk_then_softmax", "softmax_then_topk"])
+def test_router_topk_matches_torch(mode):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 12, generator=g).to(torch.bfloat16)
+    index, weight = gemm.router_topk(logits, 3, mode, normalize=True)
+    f = logits.float()
+    if mode == "topk_then_softmax":
+        top, expected_index = f.topk(3, dim=-1)
+        expected = top.softmax(-1)
+    else:
+        expected, expected_index = f.softmax(-1).topk(3, dim=-1)
+        expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(weight, expected, rtol=2e-6, atol=1e-7)

@@ -383,7 +383,8 @@ def test_metrics(server):
     for name, kind in [("num_requests_running", "gauge"), ("num_requests_waiting", "gauge"),
                        ("cache_usage_perc", "gauge"), ("prompt_tokens_total", "counter"),
                        ("generation_tokens_total", "counter"), ("num_preemptions_total", "counter"),
-                       ("time_to_first_token_seconds", "histogram"), ("inter_token_latency_seconds", "histogram")]:
+                       ("time_to_first_token_seconds", "histogram"), ("inter_token_latency_seconds", "histogram"),
+                       ("kernel_fallbacks_total", "counter")]:
         assert f"# TYPE hybridserve:{name} {kind}" in text
     m = server.metrics()
     assert m["hybridserve:prompt_tokens_total"] > 0 and m["hybridserve:generation_tokens_total"] > 0

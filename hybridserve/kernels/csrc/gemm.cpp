@@ -32,10 +32,14 @@
 #include "isa_level.h"
 #include "registry.h"
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <cstdint>
 #include <utility>
 #include <vector>
+
+#include "dtypes.h"
+#include "vecmath.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -376,4 +380,239 @@ int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16) HS_KERNEL(hs_linear_f16))
+// ---- Mixture-of-experts blocks over packed expert weights (layers/moe.py: FusedExperts)
+
+namespace {
+
+enum Activation : int { kSilu = 0, kRelu2 = 1 };
+
+// x (n, K) @ W.T -> out (n, N) through the packed 16-bit kernel of storage type T.
+template <typename T>
+int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packed, T* out) {
+  if constexpr (std::is_same_v<T, BF16>) {
+    return hs_linear_bf16(n, N, K, reinterpret_cast<const uint16_t*>(x), K, static_cast<const uint16_t*>(packed),
+                          nullptr, reinterpret_cast<uint16_t*>(out), N);
+  } else {
+    return hs_linear_f16(n, N, K, x, K, static_cast<const _Float16*>(packed), nullptr, out, N);
+  }
+}
+
+template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v)); }
+
+// Each expert's tokens (in token order), through up (gated: [gate, up] rows) -> activation -> down,
+// each linear rounded to T; every token then sums, in float32 and in expert order, its experts'
+// outputs times their weights, as FusedExperts.forward's index_add_ does, rounded to T at the end (plus
+// `shared`, rounded again, when given).
+template <typename T, typename WT>
+int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, const T* x, int64_t xs,
+                     const int64_t* index, const WT* weight, const int64_t* up, const int64_t* down, int gated, int act,
+                     const T* shared, int64_t ss, T* out, int64_t os) {
+  for (int64_t a = 0; a < T_ * k; ++a)
+    if (index[a] < 0 || index[a] >= E) return 1;
+  const int64_t up_rows = gated ? 2 * I : I;
+  std::vector<std::vector<int64_t>> assigned(E);  // per expert: flat (token * k + j), in order
+  for (int64_t a = 0; a < T_ * k; ++a) assigned[index[a]].push_back(a);
+  std::vector<float> acc(T_ * H, 0.0f);
+  std::vector<T> xb, hb, ab, yb;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& rows = assigned[e];
+    const int64_t n = static_cast<int64_t>(rows.size());
+    if (n == 0) continue;
+    xb.resize(n * H);
+    hb.resize(n * up_rows);
+    ab.resize(n * I);
+    yb.resize(n * H);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(&xb[r * H], x + (rows[r] / k) * xs, H * sizeof(T));
+    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data()) != 0) return 1;
+    for (int64_t r = 0; r < n; ++r) {
+      const T* hr = &hb[r * up_rows];
+      for (int64_t i = 0; i < I; ++i) {
+        if (gated) {  // act(gate) * up, each rounded to T
+          ab[r * I + i] = from_f32<T>(rnd<T>(silu(to_f32(hr[i]))) * to_f32(hr[I + i]));
+        } else {  // relu(u) ** 2
+          const float u = to_f32(hr[i]) > 0.0f ? to_f32(hr[i]) : 0.0f;
+          ab[r * I + i] = from_f32<T>(u * u);
+        }
+      }
+    }
+    if (packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), yb.data()) != 0) return 1;
+    for (int64_t r = 0; r < n; ++r) {
+      const float w = to_f32(weight[rows[r]]);
+      float* dst = &acc[(rows[r] / k) * H];
+      const T* yr = &yb[r * H];
+      for (int64_t d = 0; d < H; ++d) {
+        float product = to_f32(yr[d]) * w;
+        asm("" : "+x"(product));  // rounded on its own, as PyTorch's product: no fused multiply-add
+        dst[d] += product;
+      }
+    }
+  }
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t d = 0; d < H; ++d) {
+      const float v = acc[t * H + d];
+      out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(v) + to_f32(shared[t * ss + d]) : v);
+    }
+  return 0;
+}
+
+// The k largest of v[0, n) as torch.topk picks them on the CPU (ATen's topk loop: std::partial_sort
+// when k * 64 <= n, else std::nth_element and, when sorted, std::sort of the first k - 1), so that
+// ties between equal scores resolve to the same experts. idx[0, k) gets their indices.
+void torch_topk(const float* v, int64_t n, int64_t k, bool sorted, int64_t* idx,
+                std::vector<std::pair<float, int64_t>>& queue) {
+  queue.resize(n);
+  for (int64_t i = 0; i < n; ++i) queue[i] = {v[i], i};
+  auto larger = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || (x.first > y.first);
+  };
+  if (k * 64 <= n) {
+    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
+  } else {
+    std::nth_element(queue.begin(), queue.begin() + k - 1, queue.end(), larger);
+    if (sorted) std::sort(queue.begin(), queue.begin() + k - 1, larger);
+  }
+  for (int64_t j = 0; j < k; ++j) idx[j] = queue[j].second;
+}
+
+// Router top-k over logits (T, E): mode 0 (Granite-4.0-H): the k largest logits, softmax over them;
+// mode 1: softmax over all E, the k largest, with normalize = 1 divided by their sum. index (T, k)
+// int64 by descending score; weight (T, k) in weight_dtype. All in float32.
+template <typename LT, typename WT>
+void router_topk_impl(int64_t T_, int64_t E, int64_t k, const LT* logits, int64_t ls, int mode, int normalize,
+                      int64_t* index, WT* weight) {
+  std::vector<float> s(E);
+  std::vector<int64_t> order(E);
+  std::vector<std::pair<float, int64_t>> queue;
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t e = 0; e < E; ++e) s[e] = to_f32(logits[t * ls + e]);
+    if (mode == 1) {
+      float mx = s[0];
+      for (int64_t e = 1; e < E; ++e) mx = s[e] > mx ? s[e] : mx;
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (s[e] = exp_f32(s[e] - mx));
+      for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+    }
+    torch_topk(s.data(), E, k, true, order.data(), queue);
+    float w[64];
+    float total = 0.0f;
+    if (mode == 0) {
+      const float mx = s[order[0]];
+      for (int64_t j = 0; j < k; ++j) total += (w[j] = exp_f32(s[order[j]] - mx));
+      for (int64_t j = 0; j < k; ++j) w[j] /= total;
+    } else {
+      for (int64_t j = 0; j < k; ++j) total += (w[j] = s[order[j]]);
+      if (normalize)
+        for (int64_t j = 0; j < k; ++j) w[j] /= total;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      index[t * k + j] = order[j];
+      weight[t * k + j] = from_f32<WT>(w[j]);
+    }
+  }
+}
+
+// DeepSeek-V3-style routing (Nemotron-H): scores = sigmoid(logits); experts chosen by score + bias
+// among the topk_group best of n_group groups (a group's score: the sum of its two best); weights
+// are the chosen scores (renormalized with normalize, + 1e-20), times scale. All in float32.
+void router_grouped_sigmoid_impl(int64_t T_, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,
+                                 int64_t n_group, int64_t topk_group, int normalize, float scale, int64_t* index,
+                                 float* weight) {
+  const int64_t per = E / n_group;
+  std::vector<float> score(E), choice(E), group_score(n_group);
+  std::vector<int64_t> order(std::max(E, n_group));
+  std::vector<std::pair<float, int64_t>> queue;
+  for (int64_t t = 0; t < T_; ++t) {
+    for (int64_t e = 0; e < E; ++e) {
+      score[e] = 1.0f / (1.0f + exp_f32(-logits[t * ls + e]));
+      choice[e] = score[e] + bias[e];
+    }
+    for (int64_t g = 0; g < n_group; ++g) {  // the sum of its two best (topk(2) sorted, then summed)
+      int64_t two[2];
+      torch_topk(&choice[g * per], per, 2, true, two, queue);
+      group_score[g] = choice[g * per + two[0]] + choice[g * per + two[1]];
+    }
+    torch_topk(group_score.data(), n_group, topk_group, false, order.data(), queue);
+    std::vector<bool> keep(n_group, false);
+    for (int64_t j = 0; j < topk_group; ++j) keep[order[j]] = true;
+    for (int64_t e = 0; e < E; ++e)
+      if (!keep[e / per]) choice[e] = -INFINITY;
+    torch_topk(choice.data(), E, k, false, order.data(), queue);
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; ++j) total += score[order[j]];
+    for (int64_t j = 0; j < k; ++j) {
+      index[t * k + j] = order[j];
+      const float w = normalize ? score[order[j]] / (total + 1e-20f) : score[order[j]];
+      weight[t * k + j] = w * scale;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out (M, N) = x (M, K) @ w (N, K).T, x float32 or 16-bit (widened), w float32, the float32 sums
+// rounded to out_dtype: routers' logits.
+int hs_linear_f32(int x_dtype, int out_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs,
+                  const float* w, void* out, int64_t os) {
+  return dispatch_dtype_pair(x_dtype, out_dtype, [&](auto tag, auto otag) {
+    using XT = decltype(tag);
+    using OT = decltype(otag);
+#pragma omp parallel for schedule(static) if (M * N * K >= (1 << 20))
+    for (int64_t m = 0; m < M; ++m) {
+      std::vector<float> xr(K);
+      for (int64_t kk = 0; kk < K; ++kk) xr[kk] = to_f32(static_cast<const XT*>(x)[m * xs + kk]);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* wr = w + n * K;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t kk = 0; kk < K; ++kk) s += xr[kk] * wr[kk];
+        static_cast<OT*>(out)[m * os + n] = from_f32<OT>(s);
+      }
+    }
+  });
+}
+
+int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,
+                              int64_t n_group, int64_t topk_group, int normalize, float scale, int64_t* index,
+                              float* weight) {
+  if (n_group < 1 || E % n_group != 0 || E / n_group < 2 || topk_group < 1 || topk_group > n_group || k < 1 ||
+      k > topk_group * (E / n_group))
+    return 1;
+  router_grouped_sigmoid_impl(T, E, k, logits, ls, bias, n_group, topk_group, normalize, scale, index, weight);
+  return 0;
+}
+
+int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const void* x,
+                   int64_t xs, const int64_t* index, const void* weight, const int64_t* up, const int64_t* down,
+                   int gated, int act, const void* shared, int64_t ss, void* out, int64_t os) {
+  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1) return 1;
+  int rc = 2;
+  auto run = [&](auto t) {
+    using AT = decltype(t);
+    rc = dispatch_dtype(weight_dtype, [&](auto w) {
+      using W = decltype(w);
+      rc = moe_experts_impl<AT, W>(T, H, I, E, k, static_cast<const AT*>(x), xs, index, static_cast<const W*>(weight),
+                                   up, down, gated, act, static_cast<const AT*>(shared), ss, static_cast<AT*>(out), os);
+    }) == 0 ? rc : 2;
+  };
+  if (dtype == kBF16) run(BF16{});
+  else if (dtype == kF16) run(_Float16{});
+  return rc;
+}
+
+int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int64_t k, const void* logits, int64_t ls,
+                   int mode, int normalize, int64_t* index, void* weight) {
+  if (k < 1 || k > E || k > 64 || (mode != 0 && mode != 1)) return 1;
+  return dispatch_dtype_pair(logits_dtype, weight_dtype, [&](auto l, auto w) {
+    using LT = decltype(l);
+    using WT = decltype(w);
+    router_topk_impl<LT, WT>(T, E, k, static_cast<const LT*>(logits), ls, mode, normalize, index, static_cast<WT*>(weight));
+  });
+}
+
+}  // extern "C"
+
+HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
+            HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
+            HS_KERNEL(hs_router_grouped_sigmoid))

@@ -21,6 +21,9 @@ int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64
                       const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os);
 int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
                 int64_t os);
+int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, float scale,
+           void* out, int64_t os);
+int hs_relu2(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, void* out, int64_t os);
 int hs_rotary(int act_dtype, int64_t T, int64_t H, int64_t Dh, int64_t R, void* x, int64_t xs, const void* cos,
               const void* sin, int64_t cs);
 int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, int64_t table_stride, int64_t num_rows,
@@ -63,5 +66,17 @@ int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs
 
 // ---- graph.cpp: replay of a captured list of kernel calls
 int hs_graph_run(const int64_t* ops, int64_t num_ops, const int64_t* args, int64_t* failed_op, int64_t* nanoseconds);
+
+// ---- gemm.cpp: mixture-of-experts blocks over packed expert weights
+int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const void* x,
+                   int64_t xs, const int64_t* index, const void* weight, const int64_t* up, const int64_t* down,
+                   int gated, int act, const void* shared, int64_t ss, void* out, int64_t os);
+int hs_linear_f32(int x_dtype, int out_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs,
+                  const float* w, void* out, int64_t os);
+int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,
+                              int64_t n_group, int64_t topk_group, int normalize, float scale, int64_t* index,
+                              float* weight);
+int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int64_t k, const void* logits, int64_t ls,
+                   int mode, int normalize, int64_t* index, void* weight);
 
 }  // extern "C"

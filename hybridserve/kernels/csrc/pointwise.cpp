@@ -30,6 +30,7 @@ template <typename T> inline float round_to(float v) { return to_f32(from_f32<T>
 // out = norm(x) * w, where norm(x) = x * rsqrt(mean(x^2) + eps).
 //   zero_centered = 0: round(w * round(norm(x)))          (RMSNorm: weight * xf.to(dtype))
 //   zero_centered = 1: round(norm(x) * (1 + w))           (RMSNorm with gamma - 1 weights)
+//   zero_centered = 2: round(w * norm(x))                 (the weight multiply in float32: Nemotron-H)
 // With add: first x = round(x + round(h * scale)) (round(x + h) when scale == 1), written to x_out.
 template <typename AT>
 void rms_norm_impl(int64_t T, int64_t D, const AT* x, int64_t xs, const AT* h, int64_t hs, float scale, AT* x_out,
@@ -61,9 +62,12 @@ void rms_norm_impl(int64_t T, int64_t D, const AT* x, int64_t xs, const AT* h, i
       }
     }
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
-    if (zero_centered) {
+    if (zero_centered == 1) {
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(v[d] * inv * (1.0f + to_f32(w[d])));
+    } else if (zero_centered == 2) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(to_f32(w[d]) * (v[d] * inv));
     } else {
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) outr[d] = from_f32<AT>(to_f32(w[d]) * round_to<AT>(v[d] * inv));
@@ -346,6 +350,42 @@ int hs_rms_norm_stream(int act_dtype, int x_dtype, int64_t T, int64_t D, const v
   });
 }
 
+// out = round(a + round(b * scale)) (round(a + b) when scale == 1), as ``a + b * scale`` in PyTorch.
+int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, float scale,
+           void* out, int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* ar = static_cast<const AT*>(a) + t * as;
+      const AT* br = static_cast<const AT*>(b) + t * bs;
+      AT* o = static_cast<AT*>(out) + t * os;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        const float add = scale == 1.0f ? to_f32(br[d]) : round_to<AT>(to_f32(br[d]) * scale);
+        o[d] = from_f32<AT>(to_f32(ar[d]) + add);
+      }
+    }
+  });
+}
+
+// out = relu(x) ** 2, rounded once to the dtype (ACT2FN["relu2"]: relu is exact, the square rounded).
+int hs_relu2(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, void* out, int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* xr = static_cast<const AT*>(x) + t * xs;
+      AT* o = static_cast<AT*>(out) + t * os;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) {
+        const float r = to_f32(xr[d]) > 0.0f ? to_f32(xr[d]) : 0.0f;
+        o[d] = from_f32<AT>(r * r);
+      }
+    }
+  });
+}
+
 // Row gather: out row t = table row ids[t], times scale when scale != 1 (rounded to the dtype as
 // ``table[ids] * scale`` is in PyTorch: the product in float32, then rounded). Token embeddings and
 // per-position RoPE tables. Returns 1, writing nothing, when an id is outside [0, num_rows).
@@ -369,5 +409,5 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_rotary)
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))
