@@ -81,7 +81,8 @@ CACHE_SETTINGS = {
 # Granite-4.0-H dense: NoPE, embedding multiplier 3, residual multiplier 0.7, two SSM groups; with
 # RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections; pure
 # Mamba2; Llama (attention only); Granite-4.0-H with experts; Nemotron-H (Mamba2, attention, relu2
-# MLP and MoE layers), also with its latent expert projection.
+# MLP and MoE layers), also with its latent expert projection; Mamba, FalconMamba and Jamba (Mamba1);
+# Falcon-H1; Zamba2.
 MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
           "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5}),
@@ -90,7 +91,12 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "llama": ("llama", {}),
           "granite moe": ("granitemoehybrid", {}),  # routed experts plus the shared MLP
           "nemotron-h": ("nemotron_h", {}),  # relu2 MLP, grouped sigmoid routing, float32 norm weights
-          "nemotron-h latent": ("nemotron_h_latent", {})}
+          "nemotron-h latent": ("nemotron_h_latent", {}),
+          "mamba": ("mamba", {}),  # Mamba1 selective scan, float32 residual stream
+          "falcon-mamba": ("falcon_mamba", {}),  # weightless dt/B/C norms
+          "jamba": ("jamba", {}),  # Mamba1 with weighted dt/B/C norms, attention, softmax-routed experts
+          "falcon-h1": ("falcon_h1", {}),  # attention beside Mamba2, every muP multiplier
+          "zamba2": ("zamba2", {})}  # shared attention blocks over concat(x, embeddings), gelu MLP, adapters
 
 
 @needs_compiler
@@ -160,7 +166,7 @@ def test_replay_with_seeded_sampling(ckpt_dir):
 @needs_compiler
 @needs_bf16_kernel
 @pytest.mark.parametrize("family, dtype, options, reason", [
-    ("zamba2", torch.bfloat16, {}, "PyTorch operators outside the kernels: "),
+    ("qwen3_next", torch.bfloat16, {}, "PyTorch operators outside the kernels: "),
     ("granitemoehybrid_dense", torch.bfloat16, {"kv_cache_dtype": "fp8_e4m3"}, "aten."),
     ("granitemoehybrid_dense", torch.float32, {}, "aten.linear"),
 ])

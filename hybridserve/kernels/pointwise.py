@@ -130,6 +130,32 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     return out
 
 
+def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``gelu(a) * b`` (the exact, erf gelu) for a, b (T, D) in one dtype, each op rounded to it. None
+    when not covered."""
+    lib, rows = _library(), _binary_rows(a, b)
+    if lib is None or rows is None:
+        return None
+    (a2, b2), out = rows, torch.empty(a.shape, dtype=a.dtype)
+    o2 = out.view(-1, a.shape[-1])
+    check(lib.hs_gelu_mul(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
+                          b2.stride(0), o2.data_ptr(), o2.stride(0)), "hs_gelu_mul")
+    return out
+
+
+def concat_cols(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``torch.cat([a, b], dim=-1)`` for a (T, Da), b (T, Db) of one dtype. None when not covered."""
+    lib = _library()
+    if (lib is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or a.dtype != b.dtype
+            or a.dtype not in DTYPE_CODES or not rows_ok(a) or not rows_ok(b)):
+        return None
+    T, Da, Db = a.shape[0], a.shape[1], b.shape[1]
+    out = torch.empty(T, Da + Db, dtype=a.dtype)
+    check(lib.hs_concat_cols(DTYPE_CODES[a.dtype], T, Da, a.data_ptr(), a.stride(0), Db, b.data_ptr(), b.stride(0),
+                             out.data_ptr(), Da + Db), "hs_concat_cols")
+    return out
+
+
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``silu(a) * b`` for a, b (T, D) in one dtype (each op rounded to it). None when not covered."""
     lib = _library()
@@ -182,6 +208,22 @@ def add(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor | 
     o2 = out.view(-1, a.shape[-1])
     check(lib.hs_add(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
                      b2.stride(0), float(scale), o2.data_ptr(), o2.stride(0)), "hs_add")
+    return out
+
+
+def scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor | None:
+    """``x * factor``, a Python float or a (D,) tensor in x's dtype (one factor per column), rounded to
+    x's dtype as PyTorch rounds it. None when not covered."""
+    lib, x2 = _library(), _rows(x)
+    cols = factor if isinstance(factor, torch.Tensor) else None
+    cols_ok = cols is None or (cols.dtype == x.dtype and cols.shape == (x.shape[-1],) and cols.is_contiguous())
+    if lib is None or x2 is None or x.dtype not in DTYPE_CODES or not cols_ok:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    o2 = out.view(-1, x.shape[-1])
+    check(lib.hs_scale(DTYPE_CODES[x.dtype], x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0),
+                       0.0 if cols is not None else float(factor), None if cols is None else cols.data_ptr(),
+                       o2.data_ptr(), o2.stride(0)), "hs_scale")
     return out
 
 

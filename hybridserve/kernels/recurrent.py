@@ -24,6 +24,7 @@ from hybridserve.kernels._abi import (
 )
 
 MAX_CONV_WIDTH = 16  # kMaxTaps in csrc/recurrent.cpp
+MAX_MAMBA1_STATE = 256  # kMaxStateN in csrc/recurrent.cpp
 
 
 
@@ -109,4 +110,33 @@ def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
                              dt.data_ptr(), dt.stride(0), A.data_ptr(), ptr(D), ptr(dt_bias), int(dt_softplus),
                              int(lo > 0.0 or hi != math.inf), lo, hi, ssm_states.data_ptr(), ssm_states.stride(0),
                              y.data_ptr(), y.stride(0), H, P, G, N), "hs_mamba2_scan")
+    return True
+
+
+def mamba1_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                dt_softplus: bool, cu_seqlens: torch.Tensor, state_indices: torch.Tensor, y: torch.Tensor) -> bool:
+    """Mamba1 selective scan over packed sequences, continuing each slot's state (updated in place):
+    ``y = (h . C + D * x) * silu(z)`` per token and channel. ssm_states: (num_slots, Dm, N) pool view;
+    x, dt (raw, before bias and softplus), z: (T, Dm); B, C: (T, N), all in one activation dtype with
+    contiguous rows; A: (Dm, N), D, dt_bias: (Dm,) float32 contiguous (D, dt_bias, z may be None); y:
+    (T, Dm) rows in the activation dtype. Returns False, doing nothing, when not covered."""
+    lib = _library()
+    if (lib is None or ssm_states.dim() != 3 or ssm_states.device.type != "cpu" or x.dtype not in DTYPE_CODES
+            or ssm_states.dtype not in DTYPE_CODES or ssm_states.stride()[1:] != (ssm_states.shape[2], 1)):
+        return False
+    _, Dm, N = ssm_states.shape
+    tensors = [t for t in (x, dt, B, C, y, z) if t is not None]
+    if (N > MAX_MAMBA1_STATE or not all(rows_ok(t) and t.dtype == x.dtype for t in tensors)
+            or x.shape[1] != Dm or dt.shape[1] != Dm
+            or B.shape[1] != N or C.shape[1] != N or y.shape[1] != Dm or (z is not None and z.shape[1] != Dm)
+            or A.shape != (Dm, N) or not all(float_param_ok(t) for t in (A, D, dt_bias))
+            or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return False
+    check(lib.hs_mamba1_scan(DTYPE_CODES[x.dtype], DTYPE_CODES[ssm_states.dtype], state_indices.numel(),
+                             cu_seqlens.data_ptr(), state_indices.data_ptr(), x.data_ptr(), x.stride(0), dt.data_ptr(),
+                             dt.stride(0), A.data_ptr(), B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0), ptr(D),
+                             ptr(z), 0 if z is None else z.stride(0), ptr(dt_bias), int(dt_softplus),
+                             ssm_states.data_ptr(), ssm_states.stride(0), y.data_ptr(), y.stride(0), Dm, N),
+          "hs_mamba1_scan")
     return True

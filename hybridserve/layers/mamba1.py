@@ -8,6 +8,9 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers import dense
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -74,11 +77,18 @@ class Mamba1Mixer(nn.Module):
         dt = dense.linear(ts, self.dt_proj.weight)  # (T, inter); the bias is added in the op
         return dt, B, C
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
         conv_states, ssm_states = cache.state["conv"], cache.state["ssm"]
         xs, gate = self.in_proj(x).chunk(2, dim=-1)  # (T, inter) each
+        if self.use_cpu_kernels:
+            out = self._forward_kernels(x, xs, gate, batch, conv_states, ssm_states)
+            if out is not None:
+                return out
+            fallbacks.record("mamba1_conv_scan", fallbacks.describe(xs, ssm_states))
         weight = self.conv1d.weight.squeeze(1)  # (inter, K)
         conv_out = torch.empty_like(xs)  # (T, inter)
         if batch.decode is not None:
@@ -107,3 +117,49 @@ class Mamba1Mixer(nn.Module):
                                                     read_slots(ssm_states, idx))
             write_slots(ssm_states, idx, ssm_final)
         return self.out_proj(y.to(x.dtype))
+
+    def _forward_kernels(self, x: torch.Tensor, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+                         conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor | None:
+        """The CPU-kernel path, per sequence group: conv, x_proj, the dt/B/C norms, dt_proj (float32
+        sums, rounded as ``dense.linear``), the scan into y in x's dtype; None when a kernel declines
+        before any state changed."""
+        conv_w, conv_b, A, D, dt_bias, dt_w32, ones = self._kernel_params(x.dtype)
+        if (not recurrent_kernels.conv_supported(conv_states, conv_w, conv_b, x.dtype, self.activation)
+                or ssm_states.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+            return None
+        y = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype)  # (T, inter)
+        for g in batch.groups:
+            conv_out = recurrent_kernels.causal_conv1d(xs[g.tokens], conv_states, conv_w, conv_b, g.cu_seqlens_q,
+                                                       g.state_indices, self.activation)  # (n, inter)
+            if conv_out is None:
+                return None
+            ts, B, C = torch.split(self.x_proj(conv_out), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+            if self.bcdt_norm == "weighted":
+                ts, B, C = self.dt_layernorm(ts), self.b_layernorm(B), self.c_layernorm(C)
+            elif self.bcdt_norm == "weightless":  # x / rms(x): a norm whose float32 weight multiply is by 1
+                ts, B, C = (pointwise_kernels.rms_norm(t, ones[:t.shape[1]], self.norm_eps, weight_in_float32=True)
+                            for t in (ts, B, C))
+            dt = None if ts is None else gemm.linear_f32(ts, dt_w32, x.dtype)  # (n, inter) raw, no bias
+            if dt is None or B is None or C is None or not recurrent_kernels.mamba1_scan(
+                    ssm_states, conv_out, dt, A, B, C, D, gate[g.tokens], dt_bias, True, g.cu_seqlens_q,
+                    g.state_indices, y[g.tokens]):
+                raise RuntimeError("the Mamba1 conv kernel ran but a later kernel declined the same group")
+        return self.out_proj(y)
+
+    def _kernel_params(self, dtype: torch.dtype) -> tuple:
+        """float32 parameters the kernels take, cached (rebuilt when a parameter's storage changes): the
+        conv weight (K, inter) tap-major and bias, A = -exp(A_log) (inter, N), D, dt_bias, the dt_proj
+        weight, and ones in ``dtype`` for the weightless norms."""
+        params = (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_proj.bias, self.dt_proj.weight)
+        key = (dtype, *(None if p is None else p.data_ptr() for p in params))
+        if getattr(self, "_kernel_params_key", None) != key:
+            bias = self.conv1d.bias
+            width = max(self.dt_rank, self.d_state)
+            self._kernel_params_cache = (
+                self.conv1d.weight.detach().squeeze(1).t().float().contiguous(),
+                None if bias is None else bias.detach().float().contiguous(),
+                -torch.exp(self.A_log.detach().float()).contiguous(), self.D.detach().float().contiguous(),
+                self.dt_proj.bias.detach().float().contiguous(), self.dt_proj.weight.detach().float().contiguous(),
+                torch.ones(width, dtype=dtype))
+            self._kernel_params_key = key
+        return self._kernel_params_cache

@@ -11,6 +11,7 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.layers.elementwise import scale
 from hybridserve.layers.norms import GatedRMSNorm
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
@@ -80,8 +81,11 @@ class Mamba2Mixer(nn.Module):
         cache = batch.caches[self.layer_index]
         conv_states, ssm_states = cache.state["conv"], cache.state["ssm"]
         proj = self.in_proj(x)  # (T, inter + conv_dim + H)
-        if self.proj_multipliers is not None:
-            proj = proj * self.proj_scale.to(proj.dtype)
+        if self.proj_multipliers is not None:  # proj * proj_scale.to(dtype), the scales cast once
+            key = (self.proj_scale.data_ptr(), proj.dtype)
+            if getattr(self, "_proj_scale_key", None) != key:
+                self._proj_scale_cast, self._proj_scale_key = self.proj_scale.to(proj.dtype), key
+            proj = scale(proj, self._proj_scale_cast, self.use_cpu_kernels)
         gate, xbc, dt = torch.split(proj, [self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         H, P = self.num_heads, self.head_dim
         y = torch.empty(x.shape[0], H, P, dtype=torch.float32, device=x.device)  # (T, H, P)

@@ -9,9 +9,11 @@ from transformers.activations import ACT2FN
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 
+ACT_MUL_KERNELS = {"silu": "silu_mul", "gelu": "gelu_mul"}  # activation -> its kernel in kernels/pointwise.py
+
 
 class ActAndMul(nn.Module):
-    """``act(gate) * up``, each op rounded to the activation dtype as in PyTorch (silu has a CPU kernel)."""
+    """``act(gate) * up``, each op rounded to the activation dtype as in PyTorch (silu and gelu have CPU kernels)."""
 
     use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
@@ -23,10 +25,11 @@ class ActAndMul(nn.Module):
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: (T, I) -> (T, I)."""
         if self.use_cpu_kernels:
-            out = pointwise_kernels.silu_mul(gate, up) if self.act == "silu" else None
+            kernel = ACT_MUL_KERNELS.get(self.act)
+            out = getattr(pointwise_kernels, kernel)(gate, up) if kernel is not None else None
             if out is not None:
                 return out
-            fallbacks.record("act_and_mul", f"{self.act}: no kernel" if self.act != "silu"
+            fallbacks.record("act_and_mul", f"{self.act}: no kernel" if kernel is None
                              else fallbacks.describe(gate, up))
         return self.act_fn(gate) * up
 

@@ -15,7 +15,10 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import paged_attend
+from hybridserve.layers.elementwise import add, scale
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP
@@ -51,24 +54,37 @@ class FalconH1Attention(nn.Module):
         """x: (T, hidden) -> (T, hidden)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, Dh)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim) * self.key_multiplier  # (T, Hkv, Dh)
+        k = scale(self.k_proj(x), self.key_multiplier, self.use_cpu_kernels).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self._rotate(q, rope), self._rotate(k, rope)
         out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale,
                            use_cpu_kernels=self.use_cpu_kernels)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on x (T, H, Dh): in place by the CPU kernel where it covers the call, else ``apply_rotary``."""
+        t, heads, dh = x.shape
+        if self.use_cpu_kernels:
+            if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
+                return x
+            fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
+        return apply_rotary(x, *rope)
+
+
 class FalconH1MLP(GatedMLP):
     """``down(up(x) * act(gate(x) * m_gate)) * m_down``."""
+
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any) -> None:
         super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.act_and_mul(self.gate_proj(x) * self.gate_multiplier, self.up_proj(x))  # product commutes
-        return self.down_proj(y) * self.down_multiplier
+        kernels = self.use_cpu_kernels
+        y = self.act_and_mul(scale(self.gate_proj(x), self.gate_multiplier, kernels), self.up_proj(x))
+        return scale(self.down_proj(y), self.down_multiplier, kernels)
 
 
 def falcon_h1_mixer(config: Any, index: int, dtypes: CacheDtypes) -> Mamba2Mixer:
@@ -99,12 +115,18 @@ class FalconH1DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        m = self.mamba(h * self.ssm_in_multiplier, batch) * self.ssm_out_multiplier
-        a = self.self_attn(h * self.attention_in_multiplier, rope, batch) * self.attn_out_multiplier
-        x = x + (m + a)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden); pending: the previous MLP's output, not yet added (or None). Returns (x, this
+        layer's MLP output), each residual add fused into the next norm (the same rounding)."""
+        k = self.use_cpu_kernels
+        x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add_and_norm(x, pending)
+        m = scale(self.mamba(scale(h, self.ssm_in_multiplier, k), batch), self.ssm_out_multiplier, k)
+        a = scale(self.self_attn(scale(h, self.attention_in_multiplier, k), rope, batch), self.attn_out_multiplier, k)
+        x, h = self.pre_ff_layernorm.add_and_norm(x, add(m, a, k))  # x + (m + a)
+        return x, self.feed_forward(h)
 
 
 class FalconH1Model(nn.Module):
@@ -129,6 +151,8 @@ class FalconH1ForCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids, self.model.embedding_multiplier)  # (T, hidden)
         rope = self.model.rotary_emb(positions, x.dtype)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, rope, batch)
-        return self.model.final_layernorm(x)
+            x, pending = layer(x, pending, rope, batch)
+        norm = self.model.final_layernorm
+        return norm(x) if pending is None else norm.add_and_norm(x, pending)[1]

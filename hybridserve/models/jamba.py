@@ -10,6 +10,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba1 import Mamba1Mixer
@@ -29,10 +30,20 @@ class JambaSparseMoe(nn.Module):
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act, gated=True)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        index, weight = softmax_topk(self.router(x), self.top_k, normalize=False)  # (T, k) each
-        return self.experts(x, index, weight.to(x.dtype))
+        logits = self.router(x)  # (T, E)
+        routed = None
+        if self.use_cpu_kernels:
+            routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", weight_dtype=x.dtype)
+            if routed is None:
+                fallbacks.record("router_topk", fallbacks.describe(logits))
+        if routed is None:
+            index, weight = softmax_topk(logits, self.top_k, normalize=False)  # (T, k) each
+            routed = index, weight.to(x.dtype)
+        return self.experts(x, *routed)
 
 
 class JambaDecoderLayer(nn.Module):
@@ -56,11 +67,14 @@ class JambaDecoderLayer(nn.Module):
         else:
             self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden); pending: the previous feed-forward's output, not yet added (or None). Returns
+        (x, this layer's feed-forward output), each residual add fused into the next norm."""
+        x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add_and_norm(x, pending)
         h = self.self_attn(h, None, batch) if self.is_attention else self.mamba(h, batch)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        x, h = self.pre_ff_layernorm.add_and_norm(x, h)
+        return x, self.feed_forward(h)
 
 
 class JambaModel(nn.Module):
@@ -87,6 +101,8 @@ class JambaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        pending = None
         for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.final_layernorm(x)
+            x, pending = layer(x, pending, batch)
+        norm = self.model.final_layernorm
+        return norm(x) if pending is None else norm.add_and_norm(x, pending)[1]

@@ -29,10 +29,18 @@ class MambaBlock(nn.Module):
             conv_bias=config.use_conv_bias, proj_bias=config.use_bias, activation=config.hidden_act,
             bcdt_norm=bcdt_norm, norm_eps=norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.mixer(self.norm(x.to(self.norm.weight.dtype)), batch)
-        residual = x.float() if self.residual_in_fp32 else x
-        return residual + h
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) residual stream (float32 with ``residual_in_fp32`` after the first layer);
+        pending: the previous mixer's output, not yet added (or None). Returns (x, this mixer's
+        output): ``x + h`` is the next norm's fused residual add."""
+        if pending is None:
+            h = self.norm(x)
+        elif self.residual_in_fp32:
+            x, h = self.norm.add_and_norm_float32(x, pending)  # x = x.float() + pending
+        else:
+            x, h = self.norm.add_and_norm(x, pending)
+        return x, self.mixer(h, batch)
 
 
 class MambaBackbone(nn.Module):
@@ -58,6 +66,12 @@ class MambaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.backbone.embeddings(input_ids)  # (T, hidden)
+        pending = None
         for layer in self.backbone.layers:
-            x = layer(x, batch)
-        return self.backbone.norm_f(x).to(self.backbone.norm_f.weight.dtype)
+            x, pending = layer(x, pending, batch)
+        norm = self.backbone.norm_f
+        if pending is None:
+            return norm(x)
+        if self.backbone.layers[-1].residual_in_fp32:
+            return norm.add_and_norm_float32(x, pending, norm_rounded=False)[1]
+        return norm.add_and_norm(x, pending)[1]

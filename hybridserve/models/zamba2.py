@@ -24,7 +24,10 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import paged_attend
+from hybridserve.layers.elementwise import add
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
@@ -74,20 +77,30 @@ class Zamba2Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
         """x: (T, 2 * hidden) -> (T, hidden)."""
-        t = x.shape[0]
+        t, kernels = x.shape[0], self.use_cpu_kernels
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_adapter:
-            q = q + self.linear_q_adapter_list[self.use](x)
-            k = k + self.linear_k_adapter_list[self.use](x)
-            v = v + self.linear_v_adapter_list[self.use](x)
+            q = add(q, self.linear_q_adapter_list[self.use](x), kernels)
+            k = add(k, self.linear_k_adapter_list[self.use](x), kernels)
+            v = add(v, self.linear_v_adapter_list[self.use](x), kernels)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, Dh)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, Dh)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = self._rotate(q, rope), self._rotate(k, rope)
         out = paged_attend(q, k, v, batch, batch.caches[self.cache_index], self.scale,
                            use_cpu_kernels=self.use_cpu_kernels)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on x (T, H, Dh): in place by the CPU kernel where it covers the call, else ``apply_rotary``."""
+        t, heads, dh = x.shape
+        if self.use_cpu_kernels:
+            if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
+                return x
+            fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
+        return apply_rotary(x, *rope)
 
 
 class Zamba2MLP(nn.Module):
@@ -103,8 +116,11 @@ class Zamba2MLP(nn.Module):
         self.gate_up_proj_adapter_list = _adapter_list(len(config.hybrid_layer_ids), block_id,
                                                        config.num_mem_blocks, hidden, config.adapter_rank, 2 * inter)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[self.use](x)  # (T, 2 * inter)
+        gate_up = add(self.gate_up_proj(x), self.gate_up_proj_adapter_list[self.use](x),
+                      self.use_cpu_kernels)  # (T, 2 * inter)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_and_mul(gate, up))
 
@@ -119,8 +135,15 @@ class Zamba2AttentionDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.attention_hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, original: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(torch.cat([x, original], dim=-1))  # (T, 2 * hidden)
+        joined = pointwise_kernels.concat_cols(x, original) if self.use_cpu_kernels else None
+        if joined is None:
+            if self.use_cpu_kernels:
+                fallbacks.record("concat_cols", fallbacks.describe(x, original))
+            joined = torch.cat([x, original], dim=-1)
+        h = self.input_layernorm(joined)  # (T, 2 * hidden)
         h = self.self_attn(h, rope, batch)
         return self.feed_forward(self.pre_ff_layernorm(h))
 
@@ -139,9 +162,12 @@ class Zamba2MambaDecoderLayer(nn.Module):
             norm_in_float32=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, shared: torch.Tensor | None = None) -> torch.Tensor:
-        h = x if shared is None else x + shared
-        return x + self.mamba(self.input_layernorm(h), batch)
+        kernels = self.use_cpu_kernels
+        h = x if shared is None else add(x, shared, kernels)
+        return add(x, self.mamba(self.input_layernorm(h), batch), kernels)
 
 
 class Zamba2HybridLayer(nn.Module):

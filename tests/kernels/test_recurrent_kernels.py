@@ -403,3 +403,48 @@ def test_scan_declines_uncovered_calls(change):
     assert case.run(**over) is False
     assert_bits_equal(case.pool.buf, case.pool.before, "state pool")
     assert torch.equal(case.y, y_before)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mamba1 selective scan
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_gate", [True, False], ids=["gate", "nogate"])
+@pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
+def test_mamba1_scan_matches_ref(act_dtype, state_dtype, with_gate):
+    """Varlen (decode rows of one token among prefills), non-consecutive slots in a strided pool:
+    outputs and final states against the token-by-token reference."""
+    from hybridserve.ops.selective_scan import selective_scan_varlen_ref
+
+    g = torch.Generator().manual_seed(5)
+    lens, slots, Dm, N = [1, 7, 1, 12], [6, 1, 3, 0], 24, 16
+    T = sum(lens)
+    wide = torch.randn(T, 4 * Dm, generator=g).to(act_dtype)  # x, dt, z as column slices of one tensor
+    x, dt, z = wide[:, :Dm], wide[:, Dm:2 * Dm] * 0.5, wide[:, 2 * Dm:3 * Dm]
+    B, C = (torch.randn(T, N, generator=g).to(act_dtype) for _ in range(2))
+    A = -torch.rand(Dm, N, generator=g) - 0.1
+    D, dt_bias = torch.randn(Dm, generator=g), torch.randn(Dm, generator=g) * 0.3
+    pool = Pool(8, Dm * N + 5, state_dtype, seed=6)
+    states = pool.view(2, (Dm, N))
+    index = torch.tensor(slots, dtype=torch.int64)
+    y = torch.full((T, Dm), float("nan")).to(act_dtype)
+    gate = z if with_gate else None
+    assert recurrent.mamba1_scan(states, x, dt, A, B, C, D, gate, dt_bias, True, cu(lens), index, y)
+    copy, expected_states = pool.expected_view(2, (Dm, N))
+    y_ref, final = selective_scan_varlen_ref(x, dt, A, B, C, D, gate, dt_bias, True, cu(lens),
+                                             expected_states[index].float())
+    _assert_output_close(y, y_ref.to(act_dtype), act_dtype, "mamba1 y")
+    expected_states[index] = final.to(state_dtype)
+    if state_dtype == torch.float32:
+        torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="mamba1 states")
+
+
+def test_mamba1_scan_declines_uncovered_calls():
+    states = torch.zeros(2, 8, 300)  # d_state above the kernel's longest row
+    x = torch.zeros(1, 8)
+    assert not recurrent.mamba1_scan(states, x, x, torch.zeros(8, 300), torch.zeros(1, 300), torch.zeros(1, 300),
+                                     None, None, None, True, cu([1]), torch.tensor([0]), torch.zeros(1, 8))

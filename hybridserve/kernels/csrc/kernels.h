@@ -23,6 +23,12 @@ int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
                 int64_t os);
 int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, float scale,
            void* out, int64_t os);
+int hs_scale(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, float scale, const void* cols, void* out,
+             int64_t os);
+int hs_gelu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
+                int64_t os);
+int hs_concat_cols(int dtype, int64_t T, int64_t Da, const void* a, int64_t as, int64_t Db, const void* b, int64_t bs,
+                   void* out, int64_t os);
 int hs_relu2(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, void* out, int64_t os);
 int hs_rotary(int act_dtype, int64_t T, int64_t H, int64_t Dh, int64_t R, void* x, int64_t xs, const void* cos,
               const void* sin, int64_t cs);
@@ -54,6 +60,11 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
                    const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
                    void* states, int64_t slot_stride, float* y, int64_t y_stride, int64_t H, int64_t P,
                    int64_t G, int64_t N);
+
+int hs_mamba1_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+                   const void* x, int64_t xs, const void* dt, int64_t dts, const float* A, const void* B, int64_t bs,
+                   const void* C, int64_t cs, const float* D, const void* z, int64_t zs, const float* dt_bias,
+                   int dt_softplus, void* states, int64_t slot_stride, void* y, int64_t ys, int64_t Dm, int64_t N);
 
 // ---- gemm.cpp: 16-bit linears over packed weights
 int hs_gemm_supported();

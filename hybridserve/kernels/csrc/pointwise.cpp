@@ -369,6 +369,60 @@ int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const
   });
 }
 
+// out = round(x * scale) with scale a scalar (cols == null) or per column (cols (D,) in the dtype):
+// ``x * s`` and ``x * v`` in PyTorch.
+int hs_scale(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, float scale, const void* cols, void* out,
+             int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    const AT* v = static_cast<const AT*>(cols);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* xr = static_cast<const AT*>(x) + t * xs;
+      AT* o = static_cast<AT*>(out) + t * os;
+      if (v != nullptr) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(to_f32(xr[d]) * to_f32(v[d]));
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(to_f32(xr[d]) * scale);
+      }
+    }
+  });
+}
+
+// out = round(round(gelu(a)) * b), gelu the exact (erf) one: ``gelu(a) * b`` in PyTorch.
+int hs_gelu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
+                int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* ar = static_cast<const AT*>(a) + t * as;
+      const AT* br = static_cast<const AT*>(b) + t * bs;
+      AT* o = static_cast<AT*>(out) + t * os;
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = to_f32(ar[d]);
+        const float g = round_to<AT>(0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)));
+        o[d] = from_f32<AT>(g * to_f32(br[d]));
+      }
+    }
+  });
+}
+
+// out (T, Da + Db) = [a (T, Da), b (T, Db)] along the rows: ``torch.cat([a, b], dim=-1)``.
+int hs_concat_cols(int dtype, int64_t T, int64_t Da, const void* a, int64_t as, int64_t Db, const void* b, int64_t bs,
+                   void* out, int64_t os) {
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    for (int64_t t = 0; t < T; ++t) {
+      AT* o = static_cast<AT*>(out) + t * os;
+      std::memcpy(o, static_cast<const AT*>(a) + t * as, Da * sizeof(AT));
+      std::memcpy(o + Da, static_cast<const AT*>(b) + t * bs, Db * sizeof(AT));
+    }
+  });
+}
+
 // out = relu(x) ** 2, rounded once to the dtype (ACT2FN["relu2"]: relu is exact, the square rounded).
 int hs_relu2(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, void* out, int64_t os) {
   return dispatch_dtype(act_dtype, [&](auto tag) {
@@ -409,5 +463,6 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_rotary)
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_scale)
+            HS_KERNEL(hs_gelu_mul) HS_KERNEL(hs_concat_cols) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))

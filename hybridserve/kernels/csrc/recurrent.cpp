@@ -22,6 +22,8 @@
 
 namespace {
 
+constexpr int64_t kMaxStateN = 256;  // the longest Mamba1 state row (d_state) hs_mamba1_scan takes
+
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch: beta 1, threshold 20
 
 
@@ -386,9 +388,67 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
   }
 }
 
+// Mamba1 selective scan, one (sequence, channel) per iteration: the channel's state row h (N,) in
+// float32 through the sequence's tokens, stored back in the state dtype at its end.
+//   dt = softplus(dt_raw + dt_bias); h = exp(dt * A) * h + (dt * x) * B; y = (h . C + D * x) * silu(z)
+template <typename AT, typename ST>
+void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x, int64_t xs,
+                      const AT* dt, int64_t dts, const float* A, const AT* Bm, int64_t bs, const AT* Cm, int64_t cs,
+                      const float* D, const AT* z, int64_t zs, const float* dt_bias, int dt_softplus, ST* states,
+                      int64_t slot_stride, AT* y, int64_t ys, int64_t Dm, int64_t N) {
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t d = 0; d < Dm; ++d) {
+      ST* st = states + slots[s] * slot_stride + d * N;
+      const float* a = A + d * N;
+      float h[kMaxStateN];
+      for (int64_t n = 0; n < N; ++n) h[n] = to_f32(st[n]);
+      for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+        float dtv = to_f32(dt[t * dts + d]) + (dt_bias != nullptr ? dt_bias[d] : 0.0f);
+        if (dt_softplus) dtv = softplus(dtv);
+        const float xv = to_f32(x[t * xs + d]);
+        const float dx = dtv * xv;
+        const AT* Br = Bm + t * bs;
+        const AT* Cr = Cm + t * cs;
+        float acc = 0.0f;
+        for (int64_t n = 0; n < N; ++n) {
+          h[n] = std::exp(dtv * a[n]) * h[n] + dx * to_f32(Br[n]);
+          acc += h[n] * to_f32(Cr[n]);
+        }
+        float out = acc + (D != nullptr ? D[d] * xv : 0.0f);
+        if (z != nullptr) {
+          const float zv = to_f32(z[t * zs + d]);
+          out *= zv / (1.0f + std::exp(-zv));
+        }
+        y[t * ys + d] = from_f32<AT>(out);
+      }
+      for (int64_t n = 0; n < N; ++n) st[n] = from_f32<ST>(h[n]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Mamba1 selective scan, varlen (Mamba, FalconMamba, Jamba). x, dt (raw, before bias and softplus),
+// z: (T, Dm) rows; B, C: (T, N) rows; all act dtype with their own strides; A: (Dm, N) float32 (A =
+// -exp(A_log)); D, dt_bias: (Dm,) float32 or null; z null for no gate; states: slot s at states +
+// slots[s] * slot_stride, (Dm, N) contiguous, state dtype; y: (T, Dm) act dtype rows.
+int hs_mamba1_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+                   const void* x, int64_t xs, const void* dt, int64_t dts, const float* A, const void* B, int64_t bs,
+                   const void* C, int64_t cs, const float* D, const void* z, int64_t zs, const float* dt_bias,
+                   int dt_softplus, void* states, int64_t slot_stride, void* y, int64_t ys, int64_t Dm, int64_t N) {
+  if (N < 1 || N > kMaxStateN) return 1;
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
+    using AT = decltype(act);
+    using ST = decltype(state);
+    mamba1_scan_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), xs, static_cast<const AT*>(dt), dts,
+                             A, static_cast<const AT*>(B), bs, static_cast<const AT*>(C), cs, D,
+                             static_cast<const AT*>(z), zs, dt_bias, dt_softplus, static_cast<ST*>(states), slot_stride,
+                             static_cast<AT*>(y), ys, Dm, N);
+  });
+}
 
 // Causal depthwise conv, varlen. x, out: (T, D) rows with strides x_stride / out_stride (elements),
 // act dtype; states: slot s at states + slots[s] * slot_stride, (D, K-1) contiguous, state dtype;
@@ -431,4 +491,4 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan))
+HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan))

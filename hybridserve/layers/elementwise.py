@@ -1,0 +1,29 @@
+"""Element-wise glue between layers (scalar and per-column multipliers, sums), on the CPU kernels
+when they are on, each rounded to the activation dtype as the PyTorch expression is."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
+
+
+def scale(x: torch.Tensor, factor: float | torch.Tensor, use_cpu_kernels: bool) -> torch.Tensor:
+    """``x * factor``: a Python float, or a (D,) tensor in x's dtype scaling each column."""
+    if use_cpu_kernels:
+        out = pointwise_kernels.scale(x, factor)
+        if out is not None:
+            return out
+        fallbacks.record("scale", fallbacks.describe(x))
+    return x * factor
+
+
+def add(a: torch.Tensor, b: torch.Tensor, use_cpu_kernels: bool) -> torch.Tensor:
+    """``a + b``."""
+    if use_cpu_kernels:
+        out = pointwise_kernels.add(a, b)
+        if out is not None:
+            return out
+        fallbacks.record("add", fallbacks.describe(a, b))
+    return a + b
