@@ -117,7 +117,7 @@ def main() -> None:
     steps = 1 if a.prefill else a.steps
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        engine.step(finished_only=True)  # as LLM.generate steps
     total = (time.perf_counter() - start) / steps
     per = {k: v / steps for k, v in spent.items()}
     parts = {k: v for k, v in per.items() if k not in ("model forward", "runner", "captured replay")}

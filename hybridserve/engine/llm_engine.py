@@ -108,8 +108,10 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -------------------------------------------------------------------- step
-    def step(self) -> list[RequestOutput]:
-        """Run one batched forward; return outputs of the requests that advanced or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one batched forward; return outputs of the requests that advanced or finished (with
+        ``finished_only``, of those that finished: what a caller waiting for whole results needs,
+        without a snapshot of every running request each step)."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -138,7 +140,13 @@ class LLMEngine:
             for row, seq in enumerate(seqs):
                 self._append_token(seq, row, result)
                 touched[seq.request_id] = None
+        if finished_only:
+            return [self._output(rid) for rid in touched if self._finished(rid)]
         return [self._output(rid) for rid in touched]
+
+    def _finished(self, request_id: str) -> bool:
+        group = self._seqs[request_id]
+        return len(group) == group[0].params.n and all(seq.is_finished for seq in group)
 
     def _record_prompt_logprobs(self, logits) -> None:
         all_lp = torch.log_softmax(logits.prompt_logits, dim=-1)  # (R, V)
@@ -219,7 +227,7 @@ class LLMEngine:
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in group]
         parent = group[0]
-        finished = len(group) == parent.params.n and all(seq.is_finished for seq in group)
+        finished = self._finished(request_id)
         if finished:
             del self._seqs[request_id]
         return RequestOutput(request_id, parent.prompt, list(parent.prompt_token_ids),

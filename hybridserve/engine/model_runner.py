@@ -63,9 +63,34 @@ class ModelRunner:
         return SeqGroup(token_start, token_start + sum(it.num_tokens for it in items), cu_seqlens,
                         _int_tensor(seq_lens, self.device), block_tables, state_indices)
 
+    def _replay(self, scheduled: list[ScheduledSeq]) -> StepLogits | None:
+        """A decode-only step of sequences that sample now and want no prompt logprobs, replayed from
+        its capture; None for any other step (it runs the general path)."""
+        captured = self.captured_decode
+        if captured is None or len(scheduled) > captured.max_rows:
+            return None
+        seqs = [item.seq for item in scheduled]
+        if any(item.num_tokens != 1 for item in scheduled) or any(
+                s.num_computed_tokens + 1 != s.num_tokens or s.wants_prompt_logprobs for s in seqs):
+            return None
+        input_ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        positions = [s.num_computed_tokens for s in seqs]
+        bs = self.block_size
+        if self.has_kv:
+            slot_mapping = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+            tables = [s.block_table for s in seqs]
+        else:
+            slot_mapping, tables = [], []
+        hidden = captured.run(input_ids, positions, slot_mapping, [p + 1 for p in positions], tables,
+                              [s.state_slot for s in seqs] if self.has_state else [])
+        return StepLogits(list(scheduled), list(scheduled), self.model.sampling_logits(hidden), [], None)
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """One forward over every scheduled sequence (decodes first, then prefill chunks)."""
+        replayed = self._replay(scheduled)
+        if replayed is not None:
+            return replayed
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         order = decodes + prefills
@@ -99,7 +124,7 @@ class ModelRunner:
             hidden = captured.run(input_ids, positions, slot_mapping, [s.num_computed_tokens + 1 for s in seqs],
                                   [s.block_table for s in seqs] if self.has_kv else [],
                                   [s.state_slot for s in seqs] if self.has_state else [])
-        else:
+        else:  # prefill chunks, or a decode step larger than the largest capture
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                 decode=self._group(decodes, 0),

@@ -54,8 +54,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits (for
     greedy rows without logprobs straight from lower-precision logits, with no float32 copy)."""
-    fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None  # as of logits.float()
+    fused = pointwise_kernels.argmax_logsumexp(logits, with_max=True) if use_cpu_kernels else None
     only_greedy_ids = all(p.greedy and p.logprobs is None for p in params)
+    if fused is not None and only_greedy_ids:  # the sampled logit is each row's maximum: no torch op needed
+        idx, lse, mx = fused
+        sampled = (mx.numpy() - lse.numpy()).tolist()  # float32 subtraction, as sampled_logit - lse below
+        return SampleResult(idx.tolist(), sampled, [0] * len(params), [[] for _ in params], [[] for _ in params])
     if logits.dtype != torch.float32 and (fused is None or not only_greedy_ids):
         logits = logits.float()  # exact; sampling, ranks and top-k below work in float32
     chosen = fused[0] if fused is not None else logits.argmax(dim=-1)  # (N,)

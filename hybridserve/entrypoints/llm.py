@@ -85,7 +85,7 @@ class LLM:
             bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

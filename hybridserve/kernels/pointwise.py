@@ -8,6 +8,7 @@ compiled library); callers then take the PyTorch path.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridserve.kernels._abi import DTYPE_CODES, bind, check, index_ok, rows_ok
@@ -254,10 +255,10 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> t
     return out
 
 
-def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def argmax_logsumexp(logits: torch.Tensor, with_max: bool = False) -> tuple[torch.Tensor, ...] | None:
     """Per row of logits (N, V) in float32, bfloat16 or float16: the first index of the maximum (N,)
-    int64 and ``logsumexp`` (N,) float32, as of ``logits.float()``. None when not covered (including
-    any row with NaN or inf)."""
+    int64 and ``logsumexp`` (N,) float32, as of ``logits.float()``, and with ``with_max`` the maximum
+    (N,) float32 too. None when not covered (including any row with NaN or inf)."""
     lib = _library()
     if lib is None or logits.dtype not in DTYPE_CODES or not rows_ok(logits) or logits.shape[1] == 0:
         return None
@@ -267,6 +268,6 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     mx = torch.empty(N, dtype=torch.float32)
     check(lib.hs_argmax_logsumexp(DTYPE_CODES[logits.dtype], N, V, logits.data_ptr(), logits.stride(0),
                                   idx.data_ptr(), lse.data_ptr(), mx.data_ptr()), "hs_argmax_logsumexp")
-    if not bool(torch.isfinite(mx).all()):
+    if not np.isfinite(mx.numpy()).all():
         return None
-    return idx, lse
+    return (idx, lse, mx) if with_max else (idx, lse)

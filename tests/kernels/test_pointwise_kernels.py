@@ -259,6 +259,24 @@ def test_sampler_with_kernel_matches_torch_path():
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_greedy_sampler_without_logprobs_reads_the_kernels_maximum(dtype):
+    """Every row greedy without logprobs: the sampled logprob is the kernel's row maximum minus its
+    logsumexp (float32), exactly what the gathered logit gives."""
+    from hybridserve.engine.sampler import sample
+    from hybridserve.sampling_params import SamplingParams
+
+    logits = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(4)) * 3.0).to(dtype)
+    params = [SamplingParams(temperature=0)] * 5
+    fused = sample(logits, params, [None] * 5, torch.Generator(), use_cpu_kernels=True)
+    plain = sample(logits, params, [None] * 5, torch.Generator(), use_cpu_kernels=False)
+    assert fused.token_ids == plain.token_ids == logits.float().argmax(-1).tolist()
+    idx, lse = pointwise.argmax_logsumexp(logits)
+    expected = (logits.float().gather(1, idx[:, None])[:, 0] - lse).tolist()
+    assert fused.sampled_logprobs == expected and fused.sampled_ranks == [0] * 5
+    torch.testing.assert_close(torch.tensor(fused.sampled_logprobs), torch.tensor(plain.sampled_logprobs))
+
+
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("logprobs", [None, 2])
 def test_sampler_takes_model_dtype_logits_as_their_float32(kernels, logprobs):
