@@ -228,6 +228,18 @@ def scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a * b`` element by element for a, b of one shape and dtype, rounded to it. None when not covered."""
+    lib, rows = _library(), _binary_rows(a, b)
+    if lib is None or rows is None:
+        return None
+    (a2, b2), out = rows, torch.empty(a.shape, dtype=a.dtype)
+    o2 = out.view(-1, a.shape[-1])
+    check(lib.hs_mul(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
+                     b2.stride(0), o2.data_ptr(), o2.stride(0)), "hs_mul")
+    return out
+
+
 def relu2(x: torch.Tensor) -> torch.Tensor | None:
     """``relu(x) ** 2`` (ACT2FN["relu2"]), rounded as PyTorch rounds it. None when not covered."""
     lib, x2 = _library(), _rows(x)

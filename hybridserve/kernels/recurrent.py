@@ -51,13 +51,14 @@ def conv_supported(conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torc
 
 
 def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor, state_indices: torch.Tensor, activation: str | None) -> torch.Tensor | None:
+                  cu_seqlens: torch.Tensor, state_indices: torch.Tensor, activation: str | None,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Varlen causal depthwise conv continuing each sequence's conv state (updated in place).
 
     x: (T, D) packed tokens; conv_states: (num_slots, D, K-1) pool view; weight_t: (K, D) float32
     contiguous (the conv weight transposed, tap-major); bias: (D,) float32 or None; cu_seqlens:
-    (S+1,) int64; state_indices: (S,) int64.
-    Returns (T, D) in x.dtype, or None when the kernel does not cover this call.
+    (S+1,) int64; state_indices: (S,) int64; out: (T, D) rows in x.dtype to write into, or None.
+    Returns (T, D) in x.dtype (``out`` when given), or None when the kernel does not cover this call.
     """
     lib = _library()
     if (lib is None or not rows_ok(x) or not conv_supported(conv_states, weight_t, bias, x.dtype, activation)
@@ -65,7 +66,10 @@ def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Te
         return None
     K, D = weight_t.shape
     act, st = DTYPE_CODES[x.dtype], DTYPE_CODES[conv_states.dtype]
-    out = torch.empty(x.shape[0], D, dtype=x.dtype)  # (T, D)
+    if out is None:
+        out = torch.empty(x.shape[0], D, dtype=x.dtype)  # (T, D)
+    elif out.shape != (x.shape[0], D) or out.dtype != x.dtype or not rows_ok(out):
+        return None
     check(lib.hs_causal_conv1d(act, st, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
                                x.data_ptr(), x.stride(0), conv_states.data_ptr(), conv_states.stride(0),
                                weight_t.data_ptr(), ptr(bias), int(activation == "silu"), out.data_ptr(),

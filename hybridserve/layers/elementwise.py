@@ -19,6 +19,16 @@ def scale(x: torch.Tensor, factor: float | torch.Tensor, use_cpu_kernels: bool) 
     return x * factor
 
 
+def mul(a: torch.Tensor, b: torch.Tensor, use_cpu_kernels: bool) -> torch.Tensor:
+    """``a * b``, element by element."""
+    if use_cpu_kernels:
+        out = pointwise_kernels.mul(a, b)
+        if out is not None:
+            return out
+        fallbacks.record("mul", fallbacks.describe(a, b))
+    return a * b
+
+
 def add(a: torch.Tensor, b: torch.Tensor, use_cpu_kernels: bool) -> torch.Tensor:
     """``a + b``."""
     if use_cpu_kernels:

@@ -17,8 +17,12 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
+from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import RopeDecoderLM
@@ -49,9 +53,10 @@ class Lfm2MLP(nn.Module):
         self.w1 = nn.Linear(config.hidden_size, size, bias=False)
         self.w3 = nn.Linear(config.hidden_size, size, bias=False)
         self.w2 = nn.Linear(size, config.hidden_size, bias=False)
+        self.act_and_mul = ActAndMul("silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act_and_mul(self.w1(x), self.w3(x)))
 
 
 class Lfm2ShortConv(nn.Module):
@@ -66,10 +71,17 @@ class Lfm2ShortConv(nn.Module):
         self.out_proj = nn.Linear(hidden, hidden, bias=config.conv_bias)
         self.spec = LayerCacheSpec(layer_index, "short_conv", state=(dtypes.conv_state("conv", (hidden, kernel - 1)),))
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         conv_states = batch.caches[self.layer_index].state["conv"]  # (slots, hidden, K-1)
         b, c, h = self.in_proj(x).chunk(3, dim=-1)  # (T, hidden) each
+        if self.use_cpu_kernels:
+            out = self._forward_kernels(b, c, h, batch, conv_states)
+            if out is not None:
+                return out
+            fallbacks.record("short_conv", fallbacks.describe(b, conv_states))
         bx = b * h  # (T, hidden)
         weight = self.conv.weight.squeeze(1)  # (hidden, K)
         y = torch.empty_like(bx)  # (T, hidden)
@@ -86,6 +98,30 @@ class Lfm2ShortConv(nn.Module):
             y[g.tokens] = y_p
         return self.out_proj(c * y)
 
+    def _forward_kernels(self, b: torch.Tensor, c: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
+                         conv_states: torch.Tensor) -> torch.Tensor | None:
+        """``out_proj(c * conv(b * h))`` on the CPU kernels, per sequence group; None when declined
+        before any state changed."""
+        bias = self.conv.bias
+        key = (self.conv.weight.data_ptr(), None if bias is None else bias.data_ptr())
+        if getattr(self, "_conv_key", None) != key:  # float32 tap-major weight and bias, made once
+            self._conv_params = (self.conv.weight.detach().squeeze(1).t().float().contiguous(),
+                                 None if bias is None else bias.detach().float().contiguous())
+            self._conv_key = key
+        weight_t, bias32 = self._conv_params
+        bx = pointwise_kernels.mul(b, h)  # (T, hidden)
+        if bx is None or not recurrent_kernels.conv_supported(conv_states, weight_t, bias32, bx.dtype, None):
+            return None
+        y = torch.empty_like(bx)  # (T, hidden)
+        for g in batch.groups:
+            if recurrent_kernels.causal_conv1d(bx[g.tokens], conv_states, weight_t, bias32, g.cu_seqlens_q,
+                                               g.state_indices, None, out=y[g.tokens]) is None:
+                raise RuntimeError("the short conv kernel declined a group after another ran")
+        out = pointwise_kernels.mul(c, y)
+        if out is None:
+            raise RuntimeError("the short conv's gate kernel declined after the conv ran")
+        return self.out_proj(out)
+
 
 class Lfm2DecoderLayer(nn.Module):
     def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
@@ -101,10 +137,14 @@ class Lfm2DecoderLayer(nn.Module):
         self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        h = self.operator_norm(x)
-        x = x + (self.self_attn(h, rope, batch) if self.is_attention else self.conv(h, batch))
-        return x + self.feed_forward(self.ffn_norm(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden); pending: the previous feed-forward's output, not yet added (or None). Returns
+        (x, this layer's feed-forward output), each residual add fused into the next norm."""
+        x, h = (x, self.operator_norm(x)) if pending is None else self.operator_norm.add_and_norm(x, pending)
+        x, h = self.ffn_norm.add_and_norm(x, self.self_attn(h, rope, batch) if self.is_attention
+                                          else self.conv(h, batch))
+        return x, self.feed_forward(h)
 
 
 class Lfm2Model(nn.Module):
@@ -118,6 +158,7 @@ class Lfm2Model(nn.Module):
 
 class Lfm2ForCausalLM(RopeDecoderLM):
     final_norm = "embedding_norm"
+    fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     # HF's attention names -> layers.attention.Attention's
     checkpoint_renames = [(r"\.self_attn\.q_layernorm\.", ".self_attn.q_norm."),

@@ -369,6 +369,22 @@ int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const
   });
 }
 
+// out = round(a * b), element by element: ``a * b`` in PyTorch.
+int hs_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
+           int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* ar = static_cast<const AT*>(a) + t * as;
+      const AT* br = static_cast<const AT*>(b) + t * bs;
+      AT* o = static_cast<AT*>(out) + t * os;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(to_f32(ar[d]) * to_f32(br[d]));
+    }
+  });
+}
+
 // out = round(x * scale) with scale a scalar (cols == null) or per column (cols (D,) in the dtype):
 // ``x * s`` and ``x * v`` in PyTorch.
 int hs_scale(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, float scale, const void* cols, void* out,
@@ -463,6 +479,6 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_scale)
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
             HS_KERNEL(hs_gelu_mul) HS_KERNEL(hs_concat_cols) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))
