@@ -82,7 +82,7 @@ CACHE_SETTINGS = {
 # RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections; pure
 # Mamba2; Llama (attention only); Granite-4.0-H with experts; Nemotron-H (Mamba2, attention, relu2
 # MLP and MoE layers), also with its latent expert projection; Mamba, FalconMamba and Jamba (Mamba1);
-# Falcon-H1; Zamba2; LFM2.
+# Falcon-H1; Zamba2; LFM2; MiniMax.
 MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
           "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5}),
@@ -97,7 +97,8 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "jamba": ("jamba", {}),  # Mamba1 with weighted dt/B/C norms, attention, softmax-routed experts
           "falcon-h1": ("falcon_h1", {}),  # attention beside Mamba2, every muP multiplier
           "zamba2": ("zamba2", {}),  # shared attention blocks over concat(x, embeddings), gelu MLP, adapters
-          "lfm2": ("lfm2", {})}  # gated short convolutions, attention with q/k norms
+          "lfm2": ("lfm2", {}),  # gated short convolutions, attention with q/k norms
+          "minimax": ("minimax", {})}  # lightning (decayed linear) attention, sliding-window attention, MoE
 
 
 @needs_compiler

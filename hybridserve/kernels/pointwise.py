@@ -228,6 +228,31 @@ def scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def silu(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x)`` rounded to x's dtype. None when not covered."""
+    lib, x2 = _library(), _rows(x)
+    if lib is None or x2 is None or x.dtype not in DTYPE_CODES:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    o2 = out.view(-1, x.shape[-1])
+    check(lib.hs_silu_or_sigmoid_mul(DTYPE_CODES[x.dtype], 0, x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0),
+                                     None, 0, o2.data_ptr(), o2.stride(0)), "hs_silu_or_sigmoid_mul")
+    return out
+
+
+def sigmoid_mul(gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``sigmoid(gate) * b`` for gate, b of one shape and dtype, each op rounded to it. None when not covered."""
+    lib, rows = _library(), _binary_rows(gate, b)
+    if lib is None or rows is None:
+        return None
+    (g2, b2), out = rows, torch.empty(gate.shape, dtype=gate.dtype)
+    o2 = out.view(-1, gate.shape[-1])
+    check(lib.hs_silu_or_sigmoid_mul(DTYPE_CODES[gate.dtype], 1, g2.shape[0], g2.shape[1], g2.data_ptr(),
+                                     g2.stride(0), b2.data_ptr(), b2.stride(0), o2.data_ptr(), o2.stride(0)),
+          "hs_silu_or_sigmoid_mul")
+    return out
+
+
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a * b`` element by element for a, b of one shape and dtype, rounded to it. None when not covered."""
     lib, rows = _library(), _binary_rows(a, b)

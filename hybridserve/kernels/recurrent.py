@@ -144,3 +144,26 @@ def mamba1_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
                              ssm_states.data_ptr(), ssm_states.stride(0), y.data_ptr(), y.stride(0), Dm, N),
           "hs_mamba1_scan")
     return True
+
+
+def linear_attention(states: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int, decay: torch.Tensor,
+                     cu_seqlens: torch.Tensor, state_indices: torch.Tensor, y: torch.Tensor) -> bool:
+    """Decayed linear attention over packed sequences (MiniMax), continuing each slot's state (updated
+    in place): ``S = exp(-decay) S + k v^T``, ``y = q S`` per token and head. states: (num_slots, H, D, D)
+    pool view; qkv: (T, H * 3D) rows, per head ``[q | k | v]``; decay: (H,) float32; y: (T, H * D) rows in
+    qkv's dtype. Returns False, doing nothing, when not covered."""
+    lib = _library()
+    H, D = num_heads, head_dim
+    if (lib is None or states.dim() != 4 or tuple(states.shape[1:]) != (H, D, D) or states.dtype not in DTYPE_CODES
+            or states.stride()[1:] != (D * D, D, 1) or states.device.type != "cpu" or qkv.dtype not in DTYPE_CODES
+            or not rows_ok(qkv) or qkv.shape[1] != 3 * H * D or not rows_ok(y) or y.dtype != qkv.dtype
+            or y.shape != (qkv.shape[0], H * D) or not float_param_ok(decay) or decay.shape != (H,)
+            or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return False
+    item = qkv.element_size()
+    check(lib.hs_linear_attention(DTYPE_CODES[qkv.dtype], DTYPE_CODES[states.dtype], state_indices.numel(),
+                                  cu_seqlens.data_ptr(), state_indices.data_ptr(), qkv.data_ptr(),
+                                  qkv.data_ptr() + D * item, qkv.data_ptr() + 2 * D * item, qkv.stride(0), 3 * D,
+                                  decay.data_ptr(), states.data_ptr(), states.stride(0), y.data_ptr(), y.stride(0),
+                                  H, D, D), "hs_linear_attention")
+    return True

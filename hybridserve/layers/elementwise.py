@@ -37,3 +37,14 @@ def add(a: torch.Tensor, b: torch.Tensor, use_cpu_kernels: bool) -> torch.Tensor
             return out
         fallbacks.record("add", fallbacks.describe(a, b))
     return a + b
+
+
+def scaled_sum(a: torch.Tensor, alpha: float, b: torch.Tensor, beta: float, use_cpu_kernels: bool) -> torch.Tensor:
+    """``a * alpha + b * beta``, each product rounded, then the sum (MiniMax's residual mixing)."""
+    if use_cpu_kernels:
+        left = pointwise_kernels.scale(a, alpha)
+        out = None if left is None else pointwise_kernels.add(left, b, beta)
+        if out is not None:
+            return out
+        fallbacks.record("scaled_sum", fallbacks.describe(a, b))
+    return a * alpha + b * beta

@@ -22,7 +22,11 @@ from transformers.activations import ACT2FN
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.attention import Attention
+from hybridserve.layers.elementwise import scaled_sum
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
@@ -57,7 +61,7 @@ class LightningAttention(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.block_size = config.block_size
         inner = self.num_heads * self.head_dim
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act, self.act_fn = config.hidden_act, ACT2FN[config.hidden_act]
         self.norm = RMSNorm(inner)  # HF uses the default eps (1e-6) here, not rms_norm_eps
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * inner, bias=False)
         self.out_proj = nn.Linear(inner, config.hidden_size, bias=False)
@@ -73,10 +77,17 @@ class LightningAttention(nn.Module):
         rate = slope_rates(self.num_heads, self.layer_index, self.num_layers)
         self.slope_rate = rate.to(self.slope_rate.device)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         t, H, D = x.shape[0], self.num_heads, self.head_dim
         states = batch.caches[self.layer_index].state["kv_state"]  # (slots, H, D, D)
+        if self.use_cpu_kernels:
+            out = self._forward_kernels(x, batch, states)
+            if out is not None:
+                return out
+            fallbacks.record("linear_attention", fallbacks.describe(x, states))
         qkv = self.act_fn(self.qkv_proj(x)).view(t, H, 3 * D)  # per head: [q | k | v]
         q, k, v = torch.split(qkv, D, dim=-1)  # (T, H, D) each
         y = torch.empty(t, H, D, dtype=torch.float32, device=x.device)  # (T, H, D)
@@ -95,6 +106,26 @@ class LightningAttention(nn.Module):
         y = torch.sigmoid(self.output_gate(x)) * y
         return self.out_proj(y)
 
+    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch, states: torch.Tensor) -> torch.Tensor | None:
+        """The CPU-kernel path: silu(qkv_proj(x)), the decayed recurrence per group into y in x's dtype,
+        the norm, the sigmoid gate, out_proj; None when declined before any state changed."""
+        if self.act != "silu":
+            return None
+        qkv = pointwise_kernels.silu(self.qkv_proj(x))  # (T, H * 3D), per head [q | k | v]
+        if qkv is None:
+            return None
+        y = torch.empty(x.shape[0], self.num_heads * self.head_dim, dtype=x.dtype)  # (T, H*D)
+        for i, g in enumerate(batch.groups):
+            if not recurrent_kernels.linear_attention(states, qkv[g.tokens], self.num_heads, self.head_dim,
+                                                      self.slope_rate, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
+                if i == 0:
+                    return None
+                raise RuntimeError("the linear attention kernel declined a group after another ran")
+        gated = pointwise_kernels.sigmoid_mul(self.output_gate(x), self.norm(y))
+        if gated is None:
+            raise RuntimeError("the sigmoid gate kernel declined after the recurrence ran")
+        return self.out_proj(gated)
+
 
 class MiniMaxSparseMoeBlock(nn.Module):
     """Softmax top-k router (renormalized weights) over gated experts."""
@@ -106,9 +137,17 @@ class MiniMaxSparseMoeBlock(nn.Module):
         self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        index, weight = softmax_topk(self.gate(x), self.top_k, normalize=True)  # (T, k) each
-        return self.experts(x, index, weight)
+        logits = self.gate(x)  # (T, E)
+        routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", normalize=True) \
+            if self.use_cpu_kernels else None
+        if routed is None:
+            if self.use_cpu_kernels:
+                fallbacks.record("router_topk", fallbacks.describe(logits))
+            routed = softmax_topk(logits, self.top_k, normalize=True)  # (T, k) each
+        return self.experts(x, *routed)
 
 
 class MiniMaxDecoderLayer(nn.Module):
@@ -129,11 +168,14 @@ class MiniMaxDecoderLayer(nn.Module):
         self.mlp_alpha, self.mlp_beta = config.mlp_alpha_factor, config.mlp_beta_factor
         self.mlp = MiniMaxSparseMoeBlock(config)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
+        k = self.use_cpu_kernels
         h = self.input_layernorm(x)  # the residual branch is the normalized input, as in HF
         a = self.self_attn(h, batch) if self.is_linear else self.self_attn(h, rope, batch)
-        h = self.post_attention_layernorm(h * self.attn_alpha + a * self.attn_beta)
-        return h * self.mlp_alpha + self.mlp(h) * self.mlp_beta
+        h = self.post_attention_layernorm(scaled_sum(h, self.attn_alpha, a, self.attn_beta, k))
+        return scaled_sum(h, self.mlp_alpha, self.mlp(h), self.mlp_beta, k)
 
 
 class MiniMaxModel(nn.Module):

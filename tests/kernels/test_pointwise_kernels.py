@@ -340,3 +340,43 @@ def test_float32_stream_norm_matches_torch(dtype, stream_dtype, norm_rounded):
     assert_matches_torch(got[1], expected, "normed")
     final = pointwise.rms_norm_stream(expected_x, norm.weight, norm.eps, None, round_input=False)
     assert_matches_torch(final, norm._forward_torch(expected_x).to(dtype), "norm of the float32 stream")
+
+
+# element-wise glue: each against the PyTorch expression it replaces (bit for bit where no
+# transcendental is involved; gelu, silu and sigmoid within an ulp of their float32 value)
+EXACT_ELEMENTWISE = {
+    "add": (lambda a, b: pointwise.add(a, b), lambda a, b: a + b),
+    "add_scaled": (lambda a, b: pointwise.add(a, b, 0.37), lambda a, b: a + b * 0.37),
+    "mul": (pointwise.mul, lambda a, b: a * b),
+    "scale": (lambda a, b: pointwise.scale(a, 1.7), lambda a, b: a * 1.7),
+    "scale_columns": (lambda a, b: pointwise.scale(a, b[0].contiguous()), lambda a, b: a * b[0]),
+    "relu2": (lambda a, b: pointwise.relu2(a), lambda a, b: torch.square(F.relu(a))),
+    "concat": (pointwise.concat_cols, lambda a, b: torch.cat([a, b], dim=-1)),
+}
+ROUGH_ELEMENTWISE = {
+    "gelu_mul": (pointwise.gelu_mul, lambda a, b: F.gelu(a) * b),
+    "silu": (lambda a, b: pointwise.silu(a), lambda a, b: F.silu(a)),
+    "sigmoid_mul": (pointwise.sigmoid_mul, lambda a, b: torch.sigmoid(a) * b),
+}
+
+
+@pytest.mark.parametrize("op", list(EXACT_ELEMENTWISE) + list(ROUGH_ELEMENTWISE))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_elementwise_kernels_match_torch(dtype, op):
+    a = _acts((7, 100), dtype, seed=11, wide_extra=10)  # a column slice: rows with a stride
+    b = _acts((7, 100), dtype, seed=12)
+    kernel, torch_fn = {**EXACT_ELEMENTWISE, **ROUGH_ELEMENTWISE}[op]
+    got, expected = kernel(a, b), torch_fn(a, b)
+    assert got is not None and got.dtype == expected.dtype and got.shape == expected.shape, op
+    if op in EXACT_ELEMENTWISE:
+        assert_bits_equal(got, expected, op)
+    else:
+        assert_within_ulps(got, expected, dtype, ulps=2, atol=1e-6, what=op)
+
+
+def test_elementwise_kernels_decline_mismatched_inputs():
+    a = torch.zeros(3, 8, dtype=torch.bfloat16)
+    assert pointwise.add(a, torch.zeros(3, 8)) is None  # dtypes differ
+    assert pointwise.mul(a, torch.zeros(3, 4, dtype=torch.bfloat16)) is None  # shapes differ
+    assert pointwise.scale(a, torch.ones(4, dtype=torch.bfloat16)) is None  # a column factor per column
+    assert pointwise.concat_cols(a, torch.zeros(2, 8, dtype=torch.bfloat16)) is None  # rows differ

@@ -448,3 +448,30 @@ def test_mamba1_scan_declines_uncovered_calls():
     x = torch.zeros(1, 8)
     assert not recurrent.mamba1_scan(states, x, x, torch.zeros(8, 300), torch.zeros(1, 300), torch.zeros(1, 300),
                                      None, None, None, True, cu([1]), torch.tensor([0]), torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
+def test_linear_attention_matches_ref(act_dtype, state_dtype):
+    """MiniMax's decayed linear attention: interleaved [q | k | v] heads, varlen, strided pool slots."""
+    from hybridserve.ops.linear_attention import linear_attention_varlen_ref
+
+    g = torch.Generator().manual_seed(8)
+    lens, slots, H, D = [1, 9, 1, 4], [3, 0, 5, 1], 3, 16
+    T = sum(lens)
+    qkv = (torch.randn(T, H * 3 * D, generator=g) * 0.5).to(act_dtype)
+    q, k, v = qkv.view(T, H, 3 * D).split(D, dim=-1)
+    decay = torch.rand(H, generator=g) * 0.5
+    pool = Pool(6, H * D * D + 3, state_dtype, seed=9)
+    states = pool.view(1, (H, D, D))
+    index = torch.tensor(slots, dtype=torch.int64)
+    y = torch.full((T, H * D), float("nan")).to(act_dtype)
+    assert recurrent.linear_attention(states, qkv, H, D, decay, cu(lens), index, y)
+    copy, expected_states = pool.expected_view(1, (H, D, D))
+    y_ref, final = linear_attention_varlen_ref(q, k, v, decay, cu(lens), expected_states[index].float())
+    _assert_output_close(y, y_ref.reshape(T, H * D).to(act_dtype), act_dtype, "linear attention y")
+    expected_states[index] = final.to(state_dtype)
+    if state_dtype == torch.float32:
+        torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="linear attention states")

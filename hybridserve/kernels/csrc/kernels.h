@@ -23,6 +23,8 @@ int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
                 int64_t os);
 int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, float scale,
            void* out, int64_t os);
+int hs_silu_or_sigmoid_mul(int act_dtype, int act, int64_t T, int64_t D, const void* x, int64_t xs, const void* b,
+                           int64_t bs, void* out, int64_t os);
 int hs_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
            int64_t os);
 int hs_scale(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, float scale, const void* cols, void* out,
@@ -67,6 +69,11 @@ int hs_mamba1_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
                    const void* x, int64_t xs, const void* dt, int64_t dts, const float* A, const void* B, int64_t bs,
                    const void* C, int64_t cs, const float* D, const void* z, int64_t zs, const float* dt_bias,
                    int dt_softplus, void* states, int64_t slot_stride, void* y, int64_t ys, int64_t Dm, int64_t N);
+
+int hs_linear_attention(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                        const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
+                        int64_t head_stride, const float* decay, void* states, int64_t slot_stride, void* y,
+                        int64_t ys, int64_t H, int64_t Dk, int64_t Dv);
 
 // ---- gemm.cpp: 16-bit linears over packed weights
 int hs_gemm_supported();

@@ -369,6 +369,29 @@ int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const
   });
 }
 
+// act = 0: out = round(silu(x)); act = 1: out = round(round(sigmoid(x)) * b) (``sigmoid(x) * b``).
+int hs_silu_or_sigmoid_mul(int act_dtype, int act, int64_t T, int64_t D, const void* x, int64_t xs, const void* b,
+                           int64_t bs, void* out, int64_t os) {
+  if (act != 0 && act != 1) return 1;
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* xr = static_cast<const AT*>(x) + t * xs;
+      AT* o = static_cast<AT*>(out) + t * os;
+      if (act == 0) {
+        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(silu(to_f32(xr[d])));
+      } else {
+        const AT* br = static_cast<const AT*>(b) + t * bs;
+        for (int64_t d = 0; d < D; ++d) {
+          const float g = round_to<AT>(1.0f / (1.0f + exp_f32(-to_f32(xr[d]))));
+          o[d] = from_f32<AT>(g * to_f32(br[d]));
+        }
+      }
+    }
+  });
+}
+
 // out = round(a * b), element by element: ``a * b`` in PyTorch.
 int hs_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
            int64_t os) {
@@ -480,5 +503,6 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 }  // extern "C"
 
 HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
+            HS_KERNEL(hs_silu_or_sigmoid_mul)
             HS_KERNEL(hs_gelu_mul) HS_KERNEL(hs_concat_cols) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))

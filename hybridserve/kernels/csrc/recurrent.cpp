@@ -427,9 +427,64 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
   }
 }
 
+// Decayed linear attention (MiniMax's lightning attention), one (sequence, head) per iteration: the
+// head's state S (Dk, Dv) in float32 through the sequence's tokens, stored back at its end.
+//   S = exp(-decay) * S + k v^T;  y = q S
+template <typename AT, typename ST>
+void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* q,
+                           const AT* k, const AT* v, int64_t row_stride, int64_t head_stride, const float* decay,
+                           ST* states, int64_t slot_stride, AT* y, int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
+#pragma omp parallel
+  {
+    std::vector<float> S(Dk * Dv), out(Dv);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < H; ++h) {
+        ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
+        const float f = std::exp(-decay[h]);
+        for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+          const AT* qr = q + t * row_stride + h * head_stride;
+          const AT* kr = k + t * row_stride + h * head_stride;
+          const AT* vr = v + t * row_stride + h * head_stride;
+          for (int64_t j = 0; j < Dv; ++j) out[j] = 0.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            const float ki = to_f32(kr[i]), qi = to_f32(qr[i]);
+            float* Si = &S[i * Dv];
+            for (int64_t j = 0; j < Dv; ++j) {
+              Si[j] = f * Si[j] + ki * to_f32(vr[j]);
+              out[j] += qi * Si[j];
+            }
+          }
+          AT* yr = y + t * ys + h * Dv;
+          for (int64_t j = 0; j < Dv; ++j) yr[j] = from_f32<AT>(out[j]);
+        }
+        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = from_f32<ST>(S[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Decayed linear attention, varlen (MiniMax). q, k, v: token t, head h at base + t * row_stride +
+// h * head_stride (act dtype; interleaved [q | k | v] heads of one projection, say); decay: (H,)
+// float32 rates; states: slot s at states + slots[s] * slot_stride, (H, Dk, Dv) contiguous, state
+// dtype; y: (T, H * Dv) act dtype rows.
+int hs_linear_attention(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                        const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
+                        int64_t head_stride, const float* decay, void* states, int64_t slot_stride, void* y,
+                        int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
+    using AT = decltype(act);
+    using ST = decltype(state);
+    linear_attention_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(q), static_cast<const AT*>(k),
+                                  static_cast<const AT*>(v), row_stride, head_stride, decay, static_cast<ST*>(states),
+                                  slot_stride, static_cast<AT*>(y), ys, H, Dk, Dv);
+  });
+}
 
 // Mamba1 selective scan, varlen (Mamba, FalconMamba, Jamba). x, dt (raw, before bias and softplus),
 // z: (T, Dm) rows; B, C: (T, N) rows; all act dtype with their own strides; A: (Dm, N) float32 (A =
@@ -491,4 +546,5 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan))
+HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
+            HS_KERNEL(hs_linear_attention))
