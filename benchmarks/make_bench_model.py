@@ -2,7 +2,9 @@
 
 Granite-4.0-H layout (GraniteMoeHybridForCausalLM: Mamba2 and attention, dense shared MLP) by
 default, since vLLM's CPU build implements it natively; ``--arch bamba`` gives the same dimensions in
-Bamba's layout; ``--arch mamba2`` a pure Mamba2 (Mamba2ForCausalLM, 20 layers of the same mixer).
+Bamba's layout; ``--arch mamba2`` a pure Mamba2 (Mamba2ForCausalLM, 20 layers of the same mixer);
+``--arch qwen3_next`` a Qwen3-Next-like model (gated delta net layers, one gated attention layer in
+four, 16 routed experts top-2 plus a shared expert in every layer).
 
 Random weights with a scaled LM head (peaky logits, stable greedy decoding), saved in bf16.
 
@@ -50,7 +52,20 @@ def mamba2_config():
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-CONFIGS = {"granite": granite_config, "bamba": bamba_config, "mamba2": mamba2_config}
+def qwen3_next_config():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=32000, hidden_size=768, num_hidden_layers=8,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, partial_rotary_factor=0.25,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
+        shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True, intermediate_size=1024,
+        max_position_embeddings=8192, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+CONFIGS = {"granite": granite_config, "bamba": bamba_config, "mamba2": mamba2_config, "qwen3_next": qwen3_next_config}
 
 
 def main() -> None:
@@ -70,7 +85,10 @@ def main() -> None:
                 p.normal_(0.0, 0.02)
         base = model.backbone if hasattr(model, "backbone") else model.model
         final_norm = next(getattr(base, n) for n in ("norm", "final_layernorm", "norm_f") if hasattr(base, n))
-        final_norm.weight.mul_(8.0)  # tied head: sharpen logits through the final norm
+        if config.model_type == "qwen3_next":  # its norm weights are stored as gamma - 1 (zeros at init)
+            final_norm.weight.add_(7.0)
+        else:
+            final_norm.weight.mul_(8.0)  # tied head: sharpen logits through the final norm
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(args.path)

@@ -253,6 +253,33 @@ def sigmoid_mul(gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def norm_then_gate(x: torch.Tensor, weight: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor | None:
+    """Qwen3-Next's gated norm of rows x (T, D) with gate z (T, D): ``weight * norm(x)`` (rounded), then
+    times ``silu(z)`` in float32, rounded. None when not covered."""
+    lib, rows = _library(), _binary_rows(x, z)
+    if lib is None or rows is None or not covers_norm_weight(weight, x.dtype, x.shape[-1]):
+        return None
+    (x2, z2), out = rows, torch.empty(x.shape, dtype=x.dtype)
+    o2 = out.view(-1, x.shape[-1])
+    check(lib.hs_norm_then_gate(DTYPE_CODES[x.dtype], x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0),
+                                weight.data_ptr(), float(eps), z2.data_ptr(), z2.stride(0), o2.data_ptr(),
+                                o2.stride(0)), "hs_norm_then_gate")
+    return out
+
+
+def row_sigmoid_gate(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """``sigmoid(gate) * x`` for gate (T, 1) and x (T, D) of one dtype (each op rounded to it): a shared
+    expert's scalar gate. None when not covered."""
+    lib, x2 = _library(), _rows(x)
+    if (lib is None or x2 is None or x.dim() != 2 or gate.dim() != 2 or gate.shape != (x.shape[0], 1)
+            or gate.dtype != x.dtype or x.dtype not in DTYPE_CODES):
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    check(lib.hs_row_sigmoid_gate(DTYPE_CODES[x.dtype], x.shape[0], x.shape[1], gate.data_ptr(), gate.stride(0),
+                                  x2.data_ptr(), x2.stride(0), out.data_ptr(), out.stride(0)), "hs_row_sigmoid_gate")
+    return out
+
+
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a * b`` element by element for a, b of one shape and dtype, rounded to it. None when not covered."""
     lib, rows = _library(), _binary_rows(a, b)

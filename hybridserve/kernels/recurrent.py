@@ -167,3 +167,48 @@ def linear_attention(states: torch.Tensor, qkv: torch.Tensor, num_heads: int, he
                                   decay.data_ptr(), states.data_ptr(), states.stride(0), y.data_ptr(), y.stride(0),
                                   H, D, D), "hs_linear_attention")
     return True
+
+
+def gdn_split(qkvz: torch.Tensor, num_k_heads: int, head_k_dim: int, group_v: int
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gated delta net's projection (T, Hk (2 Dk + 2 R Dv)), per key head ``[q | k | v | z]``,
+    split into the conv input ``[all q | all k | all v]`` and z (T, Hk R Dv), both contiguous;
+    ``group_v`` = R Dv. None when not covered."""
+    lib = _library()
+    Hk, Dk = num_k_heads, head_k_dim
+    if (lib is None or qkvz.dim() != 2 or not rows_ok(qkvz) or qkvz.dtype not in DTYPE_CODES
+            or qkvz.shape[1] != Hk * (2 * Dk + 2 * group_v)):
+        return None
+    T = qkvz.shape[0]
+    mixed = torch.empty(T, 2 * Hk * Dk + Hk * group_v, dtype=qkvz.dtype)
+    z = torch.empty(T, Hk * group_v, dtype=qkvz.dtype)
+    check(lib.hs_gdn_split(DTYPE_CODES[qkvz.dtype], T, Hk, Dk, group_v, qkvz.data_ptr(), qkvz.stride(0),
+                           mixed.data_ptr(), z.data_ptr()), "hs_gdn_split")
+    return mixed, z
+
+
+def gated_delta_rule(states: torch.Tensor, conv_out: torch.Tensor, ba: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, use_qk_l2norm: bool, cu_seqlens: torch.Tensor,
+                     state_indices: torch.Tensor, out: torch.Tensor, num_k_heads: int) -> bool:
+    """Qwen3-Next's gated delta rule over packed sequences, continuing each slot's state (updated in
+    place). states: (num_slots, Hv, Dk, Dv) pool view; conv_out: (T, 2 Hk Dk + Hv Dv) rows; ba: (T, 2 Hv)
+    rows (per key head ``[b | a]``); A_log, dt_bias: (Hv,) float32; out: (T, Hv Dv) rows in the
+    activation dtype. Returns False, doing nothing, when not covered."""
+    lib = _library()
+    if (lib is None or states.dim() != 4 or states.device.type != "cpu" or states.dtype not in DTYPE_CODES
+            or conv_out.dtype not in DTYPE_CODES):
+        return False
+    _, Hv, Dk, Dv = states.shape
+    Hk = num_k_heads
+    if (Hk < 1 or Hv % Hk or Dv > 1024 or states.stride()[1:] != (Dk * Dv, Dv, 1) or not rows_ok(conv_out)
+            or conv_out.shape[1] != 2 * Hk * Dk + Hv * Dv or not rows_ok(ba) or ba.shape[1] != 2 * Hv
+            or ba.dtype != conv_out.dtype or not rows_ok(out) or out.dtype != conv_out.dtype
+            or out.shape != (conv_out.shape[0], Hv * Dv) or not float_param_ok(A_log) or not float_param_ok(dt_bias)
+            or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return False
+    check(lib.hs_gated_delta_rule(DTYPE_CODES[conv_out.dtype], DTYPE_CODES[states.dtype], state_indices.numel(),
+                                  cu_seqlens.data_ptr(), state_indices.data_ptr(), conv_out.data_ptr(),
+                                  conv_out.stride(0), ba.data_ptr(), ba.stride(0), A_log.data_ptr(), dt_bias.data_ptr(),
+                                  int(use_qk_l2norm), states.data_ptr(), states.stride(0), out.data_ptr(),
+                                  out.stride(0), Hk, Hv, Dk, Dv), "hs_gated_delta_rule")
+    return True

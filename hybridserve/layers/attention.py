@@ -102,7 +102,11 @@ class Attention(nn.Module):
             q, k = self._rotate(q, rope), self._rotate(k, rope)
         out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window,
                            self.use_cpu_kernels)
-        out = out.reshape(t, self.num_heads * self.head_dim)
         if self.output_gate:
-            out = out * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+            gated = pointwise_kernels.sigmoid_mul(gate, out) if self.use_cpu_kernels else None
+            if gated is None:
+                if self.use_cpu_kernels:
+                    fallbacks.record("sigmoid_mul", fallbacks.describe(gate, out))
+                gated = out * torch.sigmoid(gate)  # (T, Hq, Dh)
+            out = gated
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

@@ -9,6 +9,9 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
 
@@ -80,10 +83,17 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(t, self.num_v_heads, Dv), b.reshape(t, self.num_v_heads),
                 a.reshape(t, self.num_v_heads))
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
         conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
+        if self.use_cpu_kernels:
+            y = self._forward_kernels(x, batch, conv_states, rec_states)
+            if y is not None:
+                return y
+            fallbacks.record("gated_delta_net", fallbacks.describe(x, rec_states))
         t = x.shape[0]
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self._project(x)
@@ -119,3 +129,36 @@ class GatedDeltaNet(nn.Module):
             out[grp.tokens] = out_p
         y = self.norm(out.to(x.dtype).reshape(t * Hv, Dv), z.reshape(t * Hv, Dv))  # (T*Hv, Dv)
         return self.out_proj(y.reshape(t, Hv * Dv))
+
+    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+                         rec_states: torch.Tensor) -> torch.Tensor | None:
+        """The CPU-kernel path: the projections split into the conv input and z, the conv, the gated
+        delta rule per group into (T, Hv Dv) in x's dtype, the gated norm, out_proj; None when declined
+        before any state changed."""
+        t, Hk, Hv, Dk, Dv = x.shape[0], self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        key = (self.conv1d.weight.data_ptr(), self.A_log.data_ptr(), self.dt_bias.data_ptr())
+        if getattr(self, "_kernel_key", None) != key:  # float32 parameters the kernels take, made once
+            self._kernel_params = (self.conv1d.weight.detach().squeeze(1).t().float().contiguous(),
+                                   self.A_log.detach().float().contiguous(), self.dt_bias.detach().float().contiguous())
+            self._kernel_key = key
+        conv_w, A_log, dt_bias = self._kernel_params
+        split = recurrent_kernels.gdn_split(self.in_proj_qkvz(x), Hk, Dk, (Hv // Hk) * Dv)
+        if split is None or not recurrent_kernels.conv_supported(conv_states, conv_w, None, x.dtype, self.activation):
+            return None
+        mixed, z = split  # (T, conv_dim), (T, Hv Dv)
+        ba = self.in_proj_ba(x)  # (T, 2 Hv), per key head [b | a]
+        out = torch.empty(t, Hv * Dv, dtype=x.dtype)
+        for i, g in enumerate(batch.groups):
+            conv_out = recurrent_kernels.causal_conv1d(mixed[g.tokens], conv_states, conv_w, None, g.cu_seqlens_q,
+                                                       g.state_indices, self.activation)
+            if conv_out is None or not recurrent_kernels.gated_delta_rule(
+                    rec_states, conv_out, ba[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q, g.state_indices,
+                    out[g.tokens], Hk):
+                if i == 0 and conv_out is None:
+                    return None
+                raise RuntimeError("a gated delta net kernel declined after another ran")
+        y = pointwise_kernels.norm_then_gate(out.view(t * Hv, Dv), self.norm.weight, self.norm.eps,
+                                             z.view(t * Hv, Dv))
+        if y is None:
+            raise RuntimeError("the gated norm kernel declined after the recurrence ran")
+        return self.out_proj(y.view(t, Hv * Dv))

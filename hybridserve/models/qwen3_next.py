@@ -10,6 +10,8 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet
@@ -32,9 +34,18 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        index, weight = softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)  # (T, k)
+        logits = self.gate(x)  # (T, E)
+        if self.use_cpu_kernels:
+            routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", self.norm_topk_prob)
+            shared = pointwise_kernels.row_sigmoid_gate(self.shared_expert_gate(x), self.shared_expert(x))
+            if routed is not None and shared is not None:
+                return self.experts(x, *routed, shared)  # routed + shared, each rounded
+            fallbacks.record("qwen3_next_moe", fallbacks.describe(logits, x))
+        index, weight = softmax_topk(logits, self.top_k, self.norm_topk_prob)  # (T, k)
         routed = self.experts(x, index, weight)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared
@@ -74,11 +85,14 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered=True)
 
-    def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden); pending: the previous MLP's output, not yet added (or None). Returns (x, this
+        layer's MLP output), each residual add fused into the next norm."""
+        x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add_and_norm(x, pending)
         h = self.linear_attn(h, batch) if self.kind == "linear_attention" else self.self_attn(h, rope, batch)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, h)
+        return x, self.mlp(h)
 
 
 class Qwen3NextModel(nn.Module):
@@ -92,6 +106,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(RopeDecoderLM):
+    fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: Any, dtypes: CacheDtypes) -> None:

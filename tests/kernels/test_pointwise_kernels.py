@@ -380,3 +380,20 @@ def test_elementwise_kernels_decline_mismatched_inputs():
     assert pointwise.mul(a, torch.zeros(3, 4, dtype=torch.bfloat16)) is None  # shapes differ
     assert pointwise.scale(a, torch.ones(4, dtype=torch.bfloat16)) is None  # a column factor per column
     assert pointwise.concat_cols(a, torch.zeros(2, 8, dtype=torch.bfloat16)) is None  # rows differ
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_norm_then_gate_and_row_gate_match_torch(dtype):
+    from hybridserve.layers.gated_deltanet import NormThenGateRMSNorm
+
+    norm = NormThenGateRMSNorm(24, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(24, generator=torch.Generator().manual_seed(1)) + 0.5)
+    norm = norm.to(dtype)
+    x, z = _acts((9, 24), dtype, seed=13), _acts((9, 24), dtype, seed=14, wide_extra=8)
+    got = pointwise.norm_then_gate(x, norm.weight, norm.eps, z)
+    assert_matches_torch(got, norm(x, z), "norm then gate")
+    gate, h = _acts((9, 1), dtype, seed=15), _acts((9, 40), dtype, seed=16)
+    got = pointwise.row_sigmoid_gate(gate, h)
+    assert got is not None
+    assert_within_ulps(got, torch.sigmoid(gate) * h, dtype, ulps=2, atol=1e-6, what="row sigmoid gate")

@@ -475,3 +475,42 @@ def test_linear_attention_matches_ref(act_dtype, state_dtype):
         torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
     else:
         assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="linear attention states")
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
+def test_gated_delta_rule_matches_ref(act_dtype, state_dtype):
+    """Qwen3-Next: two value heads per key head, l2-normalized q/k, varlen, strided pool slots; the
+    projection split into the conv input and z as ``GatedDeltaNet._project`` does."""
+    from hybridserve.ops.gated_delta import gated_delta_rule_varlen_ref
+
+    g = torch.Generator().manual_seed(10)
+    lens, slots, Hk, Hv, Dk, Dv = [1, 8, 1, 3], [4, 0, 2, 5], 2, 4, 16, 8
+    T, R = sum(lens), Hv // Hk
+    qkvz = torch.randn(T, Hk * (2 * Dk + 2 * R * Dv), generator=g).to(act_dtype)
+    mixed, z = recurrent.gdn_split(qkvz, Hk, Dk, R * Dv)
+    grouped = qkvz.view(T, Hk, 2 * Dk + 2 * R * Dv)
+    q, k, v, zz = torch.split(grouped, [Dk, Dk, R * Dv, R * Dv], dim=-1)
+    assert torch.equal(mixed, torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1))
+    assert torch.equal(z, zz.reshape(T, -1))
+    ba = torch.randn(T, 2 * Hv, generator=g).to(act_dtype)
+    A_log, dt_bias = torch.randn(Hv, generator=g) * 0.5, torch.randn(Hv, generator=g) * 0.5
+    pool = Pool(6, Hv * Dk * Dv + 5, state_dtype, seed=11)
+    states = pool.view(3, (Hv, Dk, Dv))
+    index = torch.tensor(slots, dtype=torch.int64)
+    out = torch.full((T, Hv * Dv), float("nan")).to(act_dtype)
+    assert recurrent.gated_delta_rule(states, mixed, ba, A_log, dt_bias, True, cu(lens), index, out, Hk)
+    b, a = torch.split(ba.view(T, Hk, 2 * R), [R, R], dim=-1)
+    beta = b.reshape(T, Hv).float().sigmoid()
+    decay = -A_log.exp() * torch.nn.functional.softplus(a.reshape(T, Hv).float() + dt_bias)
+    copy, expected_states = pool.expected_view(3, (Hv, Dk, Dv))
+    qm, km, vm = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    y_ref, final = gated_delta_rule_varlen_ref(qm.reshape(T, Hk, Dk), km.reshape(T, Hk, Dk), vm.reshape(T, Hv, Dv),
+                                               decay, beta, cu(lens), expected_states[index].float(),
+                                               use_qk_l2norm=True)
+    _assert_output_close(out, y_ref.reshape(T, Hv * Dv).to(act_dtype), act_dtype, "gated delta out")
+    expected_states[index] = final.to(state_dtype)
+    if state_dtype == torch.float32:
+        torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="gated delta states")

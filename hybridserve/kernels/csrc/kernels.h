@@ -25,6 +25,10 @@ int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const
            void* out, int64_t os);
 int hs_silu_or_sigmoid_mul(int act_dtype, int act, int64_t T, int64_t D, const void* x, int64_t xs, const void* b,
                            int64_t bs, void* out, int64_t os);
+int hs_norm_then_gate(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* w, float eps,
+                      const void* z, int64_t zs, void* out, int64_t os);
+int hs_row_sigmoid_gate(int act_dtype, int64_t T, int64_t D, const void* g, int64_t gs, const void* x, int64_t xs,
+                        void* out, int64_t os);
 int hs_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
            int64_t os);
 int hs_scale(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, float scale, const void* cols, void* out,
@@ -74,6 +78,13 @@ int hs_linear_attention(int act_dtype, int state_dtype, int64_t num_seqs, const 
                         const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
                         int64_t head_stride, const float* decay, void* states, int64_t slot_stride, void* y,
                         int64_t ys, int64_t H, int64_t Dk, int64_t Dv);
+
+int hs_gated_delta_rule(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                        const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
+                        const float* A_log, const float* dt_bias, int l2norm, void* states, int64_t slot_stride,
+                        void* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+int hs_gdn_split(int dtype, int64_t T, int64_t Hk, int64_t Dk, int64_t RDv, const void* qkvz, int64_t qs, void* mixed,
+                 void* z);
 
 // ---- gemm.cpp: 16-bit linears over packed weights
 int hs_gemm_supported();

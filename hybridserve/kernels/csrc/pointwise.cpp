@@ -392,6 +392,45 @@ int hs_silu_or_sigmoid_mul(int act_dtype, int act, int64_t T, int64_t D, const v
   });
 }
 
+// Qwen3-Next's gated norm: y = round(w * round(norm(x))); out = round(y * silu(z)) (silu in float32).
+int hs_norm_then_gate(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* w, float eps,
+                      const void* z, int64_t zs, void* out, int64_t os) {
+  if (D > 8192) return 1;
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* xr = static_cast<const AT*>(x) + t * xs;
+      const AT* zr = static_cast<const AT*>(z) + t * zs;
+      const AT* wr = static_cast<const AT*>(w);
+      AT* o = static_cast<AT*>(out) + t * os;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < D; ++d) ss += to_f32(xr[d]) * to_f32(xr[d]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+      for (int64_t d = 0; d < D; ++d) {
+        const float y = round_to<AT>(to_f32(wr[d]) * round_to<AT>(to_f32(xr[d]) * inv));
+        o[d] = from_f32<AT>(y * silu(to_f32(zr[d])));
+      }
+    }
+  });
+}
+
+// out row t = round(round(sigmoid(g[t])) * x row t), g one value per row (stride gs): a shared expert's
+// scalar gate.
+int hs_row_sigmoid_gate(int act_dtype, int64_t T, int64_t D, const void* g, int64_t gs, const void* x, int64_t xs,
+                        void* out, int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    for (int64_t t = 0; t < T; ++t) {
+      const float gate = round_to<AT>(1.0f / (1.0f + exp_f32(-to_f32(static_cast<const AT*>(g)[t * gs]))));
+      const AT* xr = static_cast<const AT*>(x) + t * xs;
+      AT* o = static_cast<AT*>(out) + t * os;
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(gate * to_f32(xr[d]));
+    }
+  });
+}
+
 // out = round(a * b), element by element: ``a * b`` in PyTorch.
 int hs_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
            int64_t os) {
@@ -503,6 +542,6 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 }  // extern "C"
 
 HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
-            HS_KERNEL(hs_silu_or_sigmoid_mul)
+            HS_KERNEL(hs_silu_or_sigmoid_mul) HS_KERNEL(hs_norm_then_gate) HS_KERNEL(hs_row_sigmoid_gate)
             HS_KERNEL(hs_gelu_mul) HS_KERNEL(hs_concat_cols) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))

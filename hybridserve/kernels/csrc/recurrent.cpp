@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstring>
 #include <vector>
 
 #include "dtypes.h"
@@ -465,9 +466,115 @@ void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const in
   }
 }
 
+// Qwen3-Next's gated delta rule, one (sequence, value head) per iteration: the head's state S (Dk,
+// Dv) in float32 through the sequence's tokens, stored back at its end. Value head h reads key head
+// h / R (R = Hv / Hk). Per token, from the conv output [q (Hk Dk) | k (Hk Dk) | v (Hv Dv)] and the
+// b, a projection (per key head [b (R) | a (R)]):
+//   beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); q, k l2-normalized (eps 1e-6), q *= Dk^-1/2
+//   S *= exp(g); u = beta * (v - S^T k); S += k u^T; out = S^T q
+template <typename AT, typename ST>
+void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* conv, int64_t cs,
+                      const AT* ba, int64_t bas, const float* A_log, const float* dt_bias, int l2norm, ST* states,
+                      int64_t slot_stride, AT* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+  const int64_t R = Hv / Hk;
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
+#pragma omp parallel
+  {
+    std::vector<float> S(Dk * Dv), q(Dk), k(Dk), u(Dv);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < Hv; ++h) {
+        const int64_t kh = h / R, r = h % R;
+        ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
+        for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
+        const float A = std::exp(A_log[h]);
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+          const AT* row = conv + t * cs;
+          float qq = 0.0f, kk = 0.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            q[i] = to_f32(row[kh * Dk + i]);
+            k[i] = to_f32(row[Hk * Dk + kh * Dk + i]);
+            qq += q[i] * q[i];
+            kk += k[i] * k[i];
+          }
+          const float qn = l2norm ? 1.0f / std::sqrt(qq + 1e-6f) : 1.0f, kn = l2norm ? 1.0f / std::sqrt(kk + 1e-6f) : 1.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            q[i] = q[i] * qn * qscale;
+            k[i] = k[i] * kn;
+          }
+          const AT* bar = ba + t * bas + kh * 2 * R;
+          const float beta = 1.0f / (1.0f + std::exp(-to_f32(bar[r])));
+          const float decay = std::exp(-A * softplus(to_f32(bar[R + r]) + dt_bias[h]));
+          const AT* v = row + 2 * Hk * Dk + h * Dv;
+          for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            float* Si = &S[i * Dv];
+            for (int64_t j = 0; j < Dv; ++j) {
+              Si[j] *= decay;
+              u[j] += Si[j] * k[i];
+            }
+          }
+          for (int64_t j = 0; j < Dv; ++j) u[j] = beta * (to_f32(v[j]) - u[j]);
+          AT* o = out + t * os + h * Dv;
+          float acc[1024];
+          for (int64_t j = 0; j < Dv; ++j) acc[j] = 0.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            float* Si = &S[i * Dv];
+            for (int64_t j = 0; j < Dv; ++j) {
+              Si[j] += k[i] * u[j];
+              acc[j] += Si[j] * q[i];
+            }
+          }
+          for (int64_t j = 0; j < Dv; ++j) o[j] = from_f32<AT>(acc[j]);
+        }
+        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = from_f32<ST>(S[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Qwen3-Next's gated delta rule, varlen (see gated_delta_impl). conv: (T, 2 Hk Dk + Hv Dv) rows (the
+// conv output), ba: (T, 2 Hv) rows, both act dtype; A_log, dt_bias: (Hv,) float32; states: slot s at
+// states + slots[s] * slot_stride, (Hv, Dk, Dv) contiguous; out: (T, Hv Dv) act dtype rows.
+int hs_gated_delta_rule(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                        const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
+                        const float* A_log, const float* dt_bias, int l2norm, void* states, int64_t slot_stride,
+                        void* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+  if (Hk < 1 || Hv % Hk != 0 || Dv > 1024) return 1;
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
+    using AT = decltype(act);
+    using ST = decltype(state);
+    gated_delta_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(conv), cs, static_cast<const AT*>(ba),
+                             bas, A_log, dt_bias, l2norm, static_cast<ST*>(states), slot_stride, static_cast<AT*>(out),
+                             os, Hk, Hv, Dk, Dv);
+  });
+}
+
+// The gated delta net's projection split (per key head [q (Dk) | k (Dk) | v (R Dv) | z (R Dv)]) into
+// the conv input [all q | all k | all v] (T, 2 Hk Dk + Hk R Dv) and z (T, Hk R Dv), both contiguous.
+int hs_gdn_split(int dtype, int64_t T, int64_t Hk, int64_t Dk, int64_t RDv, const void* qkvz, int64_t qs, void* mixed,
+                 void* z) {
+  return dispatch_dtype(dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    const int64_t group = 2 * Dk + 2 * RDv, width = 2 * Hk * Dk + Hk * RDv;
+    for (int64_t t = 0; t < T; ++t) {
+      const AT* src = static_cast<const AT*>(qkvz) + t * qs;
+      AT* m = static_cast<AT*>(mixed) + t * width;
+      AT* zr = static_cast<AT*>(z) + t * Hk * RDv;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const AT* g = src + h * group;
+        std::memcpy(m + h * Dk, g, Dk * sizeof(AT));
+        std::memcpy(m + Hk * Dk + h * Dk, g + Dk, Dk * sizeof(AT));
+        std::memcpy(m + 2 * Hk * Dk + h * RDv, g + 2 * Dk, RDv * sizeof(AT));
+        std::memcpy(zr + h * RDv, g + 2 * Dk + RDv, RDv * sizeof(AT));
+      }
+    }
+  });
+}
 
 // Decayed linear attention, varlen (MiniMax). q, k, v: token t, head h at base + t * row_stride +
 // h * head_stride (act dtype; interleaved [q | k | v] heads of one projection, say); decay: (H,)
@@ -547,4 +654,4 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 }  // extern "C"
 
 HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
-            HS_KERNEL(hs_linear_attention))
+            HS_KERNEL(hs_linear_attention) HS_KERNEL(hs_gated_delta_rule) HS_KERNEL(hs_gdn_split))
