@@ -135,10 +135,11 @@ def load_converter(llama_cpp: str, pre: str):
     return convert_hf_to_gguf.main
 
 
-def convert(main, staged: str, outfile: str, outtype: str, name: str) -> None:
+def convert(main, staged: str, outfile: str, outtype: str, name: str, extra: list[str]) -> None:
     """Run the converter's main() on the staged folder, naming the model ``name`` in the GGUF."""
     argv = sys.argv
-    sys.argv = ["convert_hf_to_gguf.py", staged, "--outfile", outfile, "--outtype", outtype, "--model-name", name]
+    sys.argv = ["convert_hf_to_gguf.py", staged, "--outfile", outfile, "--outtype", outtype, "--model-name", name,
+                *extra]
     try:
         main()
     finally:
@@ -154,6 +155,9 @@ def main() -> None:
     parser.add_argument("--out-dir", default=None, help="where model-<outtype>.gguf go (default: the checkpoint)")
     parser.add_argument("--pre", default="gpt-2", help="llama.cpp pre-tokenizer name for an unknown hash")
     parser.add_argument("--base-tokenizer", default=BASE_TOKENIZER, help="tokenizer.json to grow")
+    parser.add_argument("--no-mtp", action="store_true",
+                        help="pass --no-mtp to the converter (a checkpoint without multi-token-prediction layers, "
+                             "such as a Qwen3-Next-like bench model)")
     a = parser.parse_args()
     out_dir = a.out_dir or a.model
     main_fn = load_converter(os.path.abspath(a.llama_cpp), a.pre)
@@ -162,7 +166,8 @@ def main() -> None:
         print(f"make_gguf: tokenizer of {size} tokens staged in {staged}")
         for outtype in a.outtype:
             outfile = os.path.join(out_dir, f"model-{outtype}.gguf")
-            convert(main_fn, staged, outfile, outtype, os.path.basename(os.path.abspath(a.model)))
+            convert(main_fn, staged, outfile, outtype, os.path.basename(os.path.abspath(a.model)),
+                    ["--no-mtp"] if a.no_mtp else [])
             print(f"make_gguf: wrote {outfile}")
 
 
