@@ -156,8 +156,10 @@ def test_replay_against_hf(ckpt_dir, monkeypatch, model):
 
 @needs_compiler
 @needs_bf16_kernel
-def test_replay_with_seeded_sampling(ckpt_dir):
-    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_replay_with_seeded_sampling(ckpt_dir, model):
+    family, overrides = MODELS[model]
+    path = make(ckpt_dir, family, dtype=torch.bfloat16, **overrides)
 
     def sampled(i):
         return SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS[i], logprobs=2,

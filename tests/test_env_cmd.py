@@ -12,7 +12,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.entrypoints.cli import main
 from hybridserve.kernels import build, gemm, isa
-from tests.checkpoints import make
+from tests.checkpoints import BUILDERS, make
 
 needs_compiler = pytest.mark.skipif(build.find_compiler() is None, reason="no C++ compiler")
 
@@ -81,3 +81,15 @@ def test_engine_capped_to_generic_matches_the_level_in_force(ckpt_dir):
     finally:
         isa.set_cap(previous)
     assert outs["generic"] == outs["auto"]
+
+
+@needs_compiler
+@pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build")
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_env_reports_every_family_captured_without_fallbacks(capsys, ckpt_dir, family):
+    """The acceptance check: a bf16 checkpoint of every family with a float32 SSM state has its decode
+    captured, and a short generation (prefill and decode) sends no call to plain PyTorch."""
+    path = make(ckpt_dir, family, dtype=torch.bfloat16)
+    model = _env(capsys, "--model", path, "--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32")["model"]
+    assert model["decode"] == {"captured": True, "reason": None}
+    assert model["kernel_fallbacks"] == []
