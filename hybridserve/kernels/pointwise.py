@@ -1,5 +1,8 @@
-"""Python entry points of the C++ row-wise kernels (``csrc/pointwise.cpp``) for the CPU: RMS norm
-(optionally fused with the residual add before it), Mamba2's gated group RMS norm, and silu(a) * b.
+"""Python entry points of the C++ row-wise kernels (``csrc/pointwise.cpp``) for the CPU: RMS norms
+(optionally fused with the residual add before them; over a float32 residual stream; the families'
+roundings), the gated group norms of Mamba2 and Qwen3-Next, the activations (silu(a) * b, gelu(a) * b,
+silu, relu2, sigmoid gates), element-wise glue (add, mul, scale, concat), row gathers (embeddings,
+RoPE tables), RoPE, and the sampler's argmax + logsumexp.
 
 Each reproduces the rounding of the PyTorch code it replaces and returns None, doing nothing, when
 the call is one it does not cover (not on the CPU, a dtype or layout it does not take, or no
@@ -134,14 +137,9 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
 def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``gelu(a) * b`` (the exact, erf gelu) for a, b (T, D) in one dtype, each op rounded to it. None
     when not covered."""
-    lib, rows = _library(), _binary_rows(a, b)
-    if lib is None or rows is None:
-        return None
-    (a2, b2), out = rows, torch.empty(a.shape, dtype=a.dtype)
-    o2 = out.view(-1, a.shape[-1])
-    check(lib.hs_gelu_mul(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
-                          b2.stride(0), o2.data_ptr(), o2.stride(0)), "hs_gelu_mul")
-    return out
+    return _elementwise(a, b, lambda lib, code, a2, b2, o2: check(lib.hs_gelu_mul(
+        code, a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0), o2.data_ptr(),
+        o2.stride(0)), "hs_gelu_mul"))
 
 
 def concat_cols(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
@@ -200,16 +198,29 @@ def _binary_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return None if a2 is None or b2 is None else (a2, b2)
 
 
+def _elementwise(a: torch.Tensor, b: torch.Tensor | None, call) -> torch.Tensor | None:
+    """Run a row-wise kernel over a (and b, of a's shape and dtype) into a new tensor like a:
+    ``call(lib, code, a_rows, b_rows, out_rows)`` makes the kernel's call. None when not covered."""
+    lib, a2 = _library(), _rows(a)
+    if lib is None or a2 is None or a.dtype not in DTYPE_CODES:
+        return None
+    b2 = None
+    if b is not None:
+        rows = _binary_rows(a, b)
+        if rows is None:
+            return None
+        b2 = rows[1]
+    out = torch.empty(a.shape, dtype=a.dtype)
+    o2 = out.view(-1, a.shape[-1])
+    call(lib, DTYPE_CODES[a.dtype], a2, b2, o2)
+    return out
+
+
 def add(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
     """``a + b * scale`` for a, b of one shape and dtype, each op rounded to it. None when not covered."""
-    lib, rows = _library(), _binary_rows(a, b)
-    if lib is None or rows is None:
-        return None
-    (a2, b2), out = rows, torch.empty(a.shape, dtype=a.dtype)
-    o2 = out.view(-1, a.shape[-1])
-    check(lib.hs_add(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
-                     b2.stride(0), float(scale), o2.data_ptr(), o2.stride(0)), "hs_add")
-    return out
+    return _elementwise(a, b, lambda lib, code, a2, b2, o2: check(lib.hs_add(
+        code, a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0), float(scale),
+        o2.data_ptr(), o2.stride(0)), "hs_add"))
 
 
 def scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor | None:
@@ -230,27 +241,16 @@ def scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor | None:
 
 def silu(x: torch.Tensor) -> torch.Tensor | None:
     """``silu(x)`` rounded to x's dtype. None when not covered."""
-    lib, x2 = _library(), _rows(x)
-    if lib is None or x2 is None or x.dtype not in DTYPE_CODES:
-        return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    o2 = out.view(-1, x.shape[-1])
-    check(lib.hs_silu_or_sigmoid_mul(DTYPE_CODES[x.dtype], 0, x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0),
-                                     None, 0, o2.data_ptr(), o2.stride(0)), "hs_silu_or_sigmoid_mul")
-    return out
+    return _elementwise(x, None, lambda lib, code, x2, _, o2: check(lib.hs_silu_or_sigmoid_mul(
+        code, 0, x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), None, 0, o2.data_ptr(), o2.stride(0)),
+        "hs_silu_or_sigmoid_mul"))
 
 
 def sigmoid_mul(gate: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``sigmoid(gate) * b`` for gate, b of one shape and dtype, each op rounded to it. None when not covered."""
-    lib, rows = _library(), _binary_rows(gate, b)
-    if lib is None or rows is None:
-        return None
-    (g2, b2), out = rows, torch.empty(gate.shape, dtype=gate.dtype)
-    o2 = out.view(-1, gate.shape[-1])
-    check(lib.hs_silu_or_sigmoid_mul(DTYPE_CODES[gate.dtype], 1, g2.shape[0], g2.shape[1], g2.data_ptr(),
-                                     g2.stride(0), b2.data_ptr(), b2.stride(0), o2.data_ptr(), o2.stride(0)),
-          "hs_silu_or_sigmoid_mul")
-    return out
+    return _elementwise(gate, b, lambda lib, code, g2, b2, o2: check(lib.hs_silu_or_sigmoid_mul(
+        code, 1, g2.shape[0], g2.shape[1], g2.data_ptr(), g2.stride(0), b2.data_ptr(), b2.stride(0), o2.data_ptr(),
+        o2.stride(0)), "hs_silu_or_sigmoid_mul"))
 
 
 def norm_then_gate(x: torch.Tensor, weight: torch.Tensor, eps: float, z: torch.Tensor) -> torch.Tensor | None:
@@ -282,26 +282,15 @@ def row_sigmoid_gate(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None
 
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a * b`` element by element for a, b of one shape and dtype, rounded to it. None when not covered."""
-    lib, rows = _library(), _binary_rows(a, b)
-    if lib is None or rows is None:
-        return None
-    (a2, b2), out = rows, torch.empty(a.shape, dtype=a.dtype)
-    o2 = out.view(-1, a.shape[-1])
-    check(lib.hs_mul(DTYPE_CODES[a.dtype], a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(),
-                     b2.stride(0), o2.data_ptr(), o2.stride(0)), "hs_mul")
-    return out
+    return _elementwise(a, b, lambda lib, code, a2, b2, o2: check(lib.hs_mul(
+        code, a2.shape[0], a2.shape[1], a2.data_ptr(), a2.stride(0), b2.data_ptr(), b2.stride(0), o2.data_ptr(),
+        o2.stride(0)), "hs_mul"))
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor | None:
     """``relu(x) ** 2`` (ACT2FN["relu2"]), rounded as PyTorch rounds it. None when not covered."""
-    lib, x2 = _library(), _rows(x)
-    if lib is None or x2 is None or x.dtype not in DTYPE_CODES:
-        return None
-    out = torch.empty(x.shape, dtype=x.dtype)
-    o2 = out.view(-1, x.shape[-1])
-    check(lib.hs_relu2(DTYPE_CODES[x.dtype], x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), o2.data_ptr(),
-                       o2.stride(0)), "hs_relu2")
-    return out
+    return _elementwise(x, None, lambda lib, code, x2, _, o2: check(lib.hs_relu2(
+        code, x2.shape[0], x2.shape[1], x2.data_ptr(), x2.stride(0), o2.data_ptr(), o2.stride(0)), "hs_relu2"))
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:

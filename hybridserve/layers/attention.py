@@ -16,6 +16,17 @@ from hybridserve.layers.rotary import apply_rotary
 from hybridserve.ops.paged_attention import paged_attention, write_kv_cache
 
 
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], use_cpu_kernels: bool) -> torch.Tensor:
+    """RoPE on x (T, H, Dh) with (cos, sin): in place by the CPU kernel where it covers the call, else
+    ``apply_rotary`` (a new tensor)."""
+    t, heads, dh = x.shape
+    if use_cpu_kernels:
+        if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
+            return x
+        fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
+    return apply_rotary(x, *rope)
+
+
 def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
                  scale: float, sliding_window: int | None = None, use_cpu_kernels: bool = False) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend each group (decode, prefill) to its context.
@@ -77,15 +88,6 @@ class Attention(nn.Module):
         self.spec = LayerCacheSpec(layer_index, "attention",
                                    attention=dtypes.attention(num_kv_heads, head_dim, sliding_window))
 
-    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """RoPE on x (T, H, Dh): in place by the CPU kernel where it covers the call, else ``apply_rotary``."""
-        t, heads, dh = x.shape
-        if self.use_cpu_kernels:
-            if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
-                return x
-            fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
-        return apply_rotary(x, *rope)
-
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
@@ -99,7 +101,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = self._rotate(q, rope), self._rotate(k, rope)
+            q, k = rotate(q, rope, self.use_cpu_kernels), rotate(k, rope, self.use_cpu_kernels)
         out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window,
                            self.use_cpu_kernels)
         if self.output_gate:

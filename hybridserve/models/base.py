@@ -93,6 +93,31 @@ class RopeDecoderLM(CausalLM):
         return norm(x) if pending is None else norm.add_and_norm(x, pending)[1]
 
 
+def norm_with_pending(norm: nn.Module, x: torch.Tensor, pending: torch.Tensor | None, float32_stream: bool,
+                      final: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm after a residual add left pending (Mamba and Mamba2 blocks): ``x + pending`` fused into
+    the norm, the residual stream in float32 with ``float32_stream`` (``residual_in_fp32``), the final
+    norm then over the float32 sum. Returns (new x, normed); with no pending add, (x, norm(x))."""
+    if pending is None:
+        return x, norm(x)
+    if float32_stream:
+        return norm.add_and_norm_float32(x, pending, norm_rounded=not final)
+    return norm.add_and_norm(x, pending)
+
+
+class NormMixerBlock(nn.Module):
+    """A Mamba/Mamba2 block, ``residual + mixer(norm(x))``, whose residual add is left pending for the
+    next norm; subclasses set ``norm``, ``mixer`` and ``residual_in_fp32``."""
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) residual stream (float32 with ``residual_in_fp32`` after the first layer);
+        pending: the previous mixer's output, not yet added (or None). Returns (x, this mixer's
+        output): ``x + h`` is the next norm's fused residual add."""
+        x, h = norm_with_pending(self.norm, x, pending, self.residual_in_fp32)
+        return x, self.mixer(h, batch)
+
+
 def _resolve(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     *path, name = dotted.split(".")
     mod = root

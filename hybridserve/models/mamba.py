@@ -12,10 +12,10 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.norms import RMSNorm
-from hybridserve.models.base import CausalLM
+from hybridserve.models.base import CausalLM, NormMixerBlock, norm_with_pending
 
 
-class MambaBlock(nn.Module):
+class MambaBlock(NormMixerBlock):
     """``residual + mixer(norm(x))``, the residual kept in float32 when the config says so."""
 
     def __init__(self, config: Any, index: int, dtypes: CacheDtypes, bcdt_norm: str | None,
@@ -29,18 +29,6 @@ class MambaBlock(nn.Module):
             conv_bias=config.use_conv_bias, proj_bias=config.use_bias, activation=config.hidden_act,
             bcdt_norm=bcdt_norm, norm_eps=norm_eps)
 
-    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (T, hidden) residual stream (float32 with ``residual_in_fp32`` after the first layer);
-        pending: the previous mixer's output, not yet added (or None). Returns (x, this mixer's
-        output): ``x + h`` is the next norm's fused residual add."""
-        if pending is None:
-            h = self.norm(x)
-        elif self.residual_in_fp32:
-            x, h = self.norm.add_and_norm_float32(x, pending)  # x = x.float() + pending
-        else:
-            x, h = self.norm.add_and_norm(x, pending)
-        return x, self.mixer(h, batch)
 
 
 class MambaBackbone(nn.Module):
@@ -70,8 +58,4 @@ class MambaForCausalLM(CausalLM):
         for layer in self.backbone.layers:
             x, pending = layer(x, pending, batch)
         norm = self.backbone.norm_f
-        if pending is None:
-            return norm(x)
-        if self.backbone.layers[-1].residual_in_fp32:
-            return norm.add_and_norm_float32(x, pending, norm_rounded=False)[1]
-        return norm.add_and_norm(x, pending)[1]
+        return norm_with_pending(norm, x, pending, self.backbone.layers[-1].residual_in_fp32, final=True)[1]

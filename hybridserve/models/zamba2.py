@@ -26,13 +26,13 @@ from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.layers.attention import paged_attend
+from hybridserve.layers.attention import paged_attend, rotate
 from hybridserve.layers.elementwise import add
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.norms import RMSNorm
-from hybridserve.layers.rotary import RotaryEmbedding, apply_rotary
+from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import CausalLM
 
 HYBRID = "hybrid"
@@ -87,20 +87,11 @@ class Zamba2Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, Dh)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
-            q, k = self._rotate(q, rope), self._rotate(k, rope)
+            q, k = rotate(q, rope, self.use_cpu_kernels), rotate(k, rope, self.use_cpu_kernels)
         out = paged_attend(q, k, v, batch, batch.caches[self.cache_index], self.scale,
                            use_cpu_kernels=self.use_cpu_kernels)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
-
-    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """RoPE on x (T, H, Dh): in place by the CPU kernel where it covers the call, else ``apply_rotary``."""
-        t, heads, dh = x.shape
-        if self.use_cpu_kernels:
-            if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
-                return x
-            fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
-        return apply_rotary(x, *rope)
 
 
 class Zamba2MLP(nn.Module):

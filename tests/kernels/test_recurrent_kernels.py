@@ -405,6 +405,15 @@ def test_scan_declines_uncovered_calls(change):
     assert torch.equal(case.y, y_before)
 
 
+def _assert_pool_close(buf, expected, state_dtype, what):
+    """A state pool after a call against the expected one: float32 within float32 noise, 16-bit states
+    within one ulp (the float32 state rounded once)."""
+    if state_dtype == torch.float32:
+        torch.testing.assert_close(buf, expected, rtol=1e-5, atol=1e-5, msg=what)
+    else:
+        assert_within_ulps(buf, expected, state_dtype, ulps=1, atol=1e-6, what=what)
+
+
 # ----------------------------------------------------------------------------------------------
 # Mamba1 selective scan
 # ----------------------------------------------------------------------------------------------
@@ -437,10 +446,7 @@ def test_mamba1_scan_matches_ref(act_dtype, state_dtype, with_gate):
                                              expected_states[index].float())
     _assert_output_close(y, y_ref.to(act_dtype), act_dtype, "mamba1 y")
     expected_states[index] = final.to(state_dtype)
-    if state_dtype == torch.float32:
-        torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
-    else:
-        assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="mamba1 states")
+    _assert_pool_close(pool.buf, copy, state_dtype, "mamba1 states")
 
 
 def test_mamba1_scan_declines_uncovered_calls():
@@ -471,10 +477,7 @@ def test_linear_attention_matches_ref(act_dtype, state_dtype):
     y_ref, final = linear_attention_varlen_ref(q, k, v, decay, cu(lens), expected_states[index].float())
     _assert_output_close(y, y_ref.reshape(T, H * D).to(act_dtype), act_dtype, "linear attention y")
     expected_states[index] = final.to(state_dtype)
-    if state_dtype == torch.float32:
-        torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
-    else:
-        assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="linear attention states")
+    _assert_pool_close(pool.buf, copy, state_dtype, "linear attention states")
 
 
 @pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
@@ -510,7 +513,4 @@ def test_gated_delta_rule_matches_ref(act_dtype, state_dtype):
                                                use_qk_l2norm=True)
     _assert_output_close(out, y_ref.reshape(T, Hv * Dv).to(act_dtype), act_dtype, "gated delta out")
     expected_states[index] = final.to(state_dtype)
-    if state_dtype == torch.float32:
-        torch.testing.assert_close(pool.buf, copy, rtol=1e-5, atol=1e-5)
-    else:
-        assert_within_ulps(pool.buf, copy, state_dtype, ulps=1, atol=1e-6, what="gated delta states")
+    _assert_pool_close(pool.buf, copy, state_dtype, "gated delta states")

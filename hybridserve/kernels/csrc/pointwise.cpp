@@ -290,6 +290,23 @@ void argmax_logsumexp_impl(int64_t N, int64_t V, const T* x, int64_t xs, int64_t
 
 }  // namespace
 
+// out[t][d] = round(f(a[t][d], b[t][d], d)) over T rows of D (b null: f gets 0 for it), the rows split
+// between threads from kParallelMin elements on: the element-wise kernels below.
+template <typename AT, typename F>
+void map_rows(int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out, int64_t os, F f) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const AT* ar = static_cast<const AT*>(a) + t * as;
+    const AT* br = b != nullptr ? static_cast<const AT*>(b) + t * bs : nullptr;
+    AT* o = static_cast<AT*>(out) + t * os;
+    if (br != nullptr) {
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(f(to_f32(ar[d]), to_f32(br[d]), d));
+    } else {
+      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(f(to_f32(ar[d]), 0.0f, d));
+    }
+  }
+}
+
 extern "C" {
 
 int hs_argmax_logsumexp(int dtype, int64_t N, int64_t V, const void* x, int64_t xs, int64_t* idx, float* lse,
@@ -355,17 +372,9 @@ int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const
            void* out, int64_t os) {
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
-#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
-    for (int64_t t = 0; t < T; ++t) {
-      const AT* ar = static_cast<const AT*>(a) + t * as;
-      const AT* br = static_cast<const AT*>(b) + t * bs;
-      AT* o = static_cast<AT*>(out) + t * os;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) {
-        const float add = scale == 1.0f ? to_f32(br[d]) : round_to<AT>(to_f32(br[d]) * scale);
-        o[d] = from_f32<AT>(to_f32(ar[d]) + add);
-      }
-    }
+    map_rows<AT>(T, D, a, as, b, bs, out, os, [&](float x, float y, int64_t) {
+      return x + (scale == 1.0f ? y : round_to<AT>(y * scale));
+    });
   });
 }
 
@@ -375,20 +384,12 @@ int hs_silu_or_sigmoid_mul(int act_dtype, int act, int64_t T, int64_t D, const v
   if (act != 0 && act != 1) return 1;
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
-#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
-    for (int64_t t = 0; t < T; ++t) {
-      const AT* xr = static_cast<const AT*>(x) + t * xs;
-      AT* o = static_cast<AT*>(out) + t * os;
-      if (act == 0) {
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(silu(to_f32(xr[d])));
-      } else {
-        const AT* br = static_cast<const AT*>(b) + t * bs;
-        for (int64_t d = 0; d < D; ++d) {
-          const float g = round_to<AT>(1.0f / (1.0f + exp_f32(-to_f32(xr[d]))));
-          o[d] = from_f32<AT>(g * to_f32(br[d]));
-        }
-      }
-    }
+    if (act == 0)
+      map_rows<AT>(T, D, x, xs, nullptr, 0, out, os, [](float v, float, int64_t) { return silu(v); });
+    else
+      map_rows<AT>(T, D, x, xs, b, bs, out, os, [](float g, float y, int64_t) {
+        return round_to<AT>(1.0f / (1.0f + exp_f32(-g))) * y;
+      });
   });
 }
 
@@ -436,14 +437,7 @@ int hs_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const
            int64_t os) {
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
-#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
-    for (int64_t t = 0; t < T; ++t) {
-      const AT* ar = static_cast<const AT*>(a) + t * as;
-      const AT* br = static_cast<const AT*>(b) + t * bs;
-      AT* o = static_cast<AT*>(out) + t * os;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(to_f32(ar[d]) * to_f32(br[d]));
-    }
+    map_rows<AT>(T, D, a, as, b, bs, out, os, [](float x, float y, int64_t) { return x * y; });
   });
 }
 
@@ -454,18 +448,10 @@ int hs_scale(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, flo
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
     const AT* v = static_cast<const AT*>(cols);
-#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
-    for (int64_t t = 0; t < T; ++t) {
-      const AT* xr = static_cast<const AT*>(x) + t * xs;
-      AT* o = static_cast<AT*>(out) + t * os;
-      if (v != nullptr) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(to_f32(xr[d]) * to_f32(v[d]));
-      } else {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] = from_f32<AT>(to_f32(xr[d]) * scale);
-      }
-    }
+    if (v != nullptr)
+      map_rows<AT>(T, D, x, xs, nullptr, 0, out, os, [v](float a, float, int64_t d) { return a * to_f32(v[d]); });
+    else
+      map_rows<AT>(T, D, x, xs, nullptr, 0, out, os, [scale](float a, float, int64_t) { return a * scale; });
   });
 }
 
@@ -474,17 +460,9 @@ int hs_gelu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
                 int64_t os) {
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
-#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
-    for (int64_t t = 0; t < T; ++t) {
-      const AT* ar = static_cast<const AT*>(a) + t * as;
-      const AT* br = static_cast<const AT*>(b) + t * bs;
-      AT* o = static_cast<AT*>(out) + t * os;
-      for (int64_t d = 0; d < D; ++d) {
-        const float v = to_f32(ar[d]);
-        const float g = round_to<AT>(0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f)));
-        o[d] = from_f32<AT>(g * to_f32(br[d]));
-      }
-    }
+    map_rows<AT>(T, D, a, as, b, bs, out, os, [](float v, float y, int64_t) {
+      return round_to<AT>(0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f))) * y;
+    });
   });
 }
 
@@ -505,16 +483,10 @@ int hs_concat_cols(int dtype, int64_t T, int64_t Da, const void* a, int64_t as, 
 int hs_relu2(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, void* out, int64_t os) {
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
-#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
-    for (int64_t t = 0; t < T; ++t) {
-      const AT* xr = static_cast<const AT*>(x) + t * xs;
-      AT* o = static_cast<AT*>(out) + t * os;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) {
-        const float r = to_f32(xr[d]) > 0.0f ? to_f32(xr[d]) : 0.0f;
-        o[d] = from_f32<AT>(r * r);
-      }
-    }
+    map_rows<AT>(T, D, x, xs, nullptr, 0, out, os, [](float v, float, int64_t) {
+      const float r = v > 0.0f ? v : 0.0f;
+      return r * r;
+    });
   });
 }
 
