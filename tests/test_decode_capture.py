@@ -234,3 +234,17 @@ def test_default_and_cli_flag():
 
 def test_fingerprint_ignores_the_option():
     assert EngineConfig(model="x").fingerprint() == EngineConfig(model="x", enforce_eager=True).fingerprint()
+
+
+@needs_compiler
+@needs_bf16_kernel
+def test_bad_request_is_refused_and_the_captured_engine_serves_others(ckpt_dir, monkeypatch):
+    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
+    llm = _llm(path, True)
+    runs = count_replays(llm, monkeypatch)
+    with pytest.raises(ValueError, match="128"):  # an id outside the 128-token vocabulary, named
+        llm.generate([{"prompt_token_ids": [5, 128]}], SamplingParams(max_tokens=4))
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9]}],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6] and runs["replays"] >= 4
+    assert llm.engine.pool.used_bytes() == 0

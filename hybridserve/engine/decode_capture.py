@@ -70,15 +70,14 @@ class CapturedDecode:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every bucket (raises :class:`CaptureError` with the reason when the model cannot be)."""
-        statics = module_regions(self.model) + [tensor_region(t) for t in self._inputs]
-        statics.append(tensor_region(self._pool.buffer))
+        fixed = [tensor_region(t) for t in self._inputs] + [tensor_region(self._pool.buffer)]
         for rows in bucket_sizes(self.max_rows):
             def forward(rows=rows):
                 return self.model(self.input_ids[:rows], self.positions[:rows], self._batch(rows))
 
             forward()  # eagerly first: a layer's lazily derived parameters exist before the capture
-            statics = module_regions(self.model) + statics
-            self.graphs[rows] = capture(forward, statics)
+            # the model's regions after the eager run, which may have derived parameters
+            self.graphs[rows] = capture(forward, module_regions(self.model) + fixed)
         self.arena = torch.empty(max(g.arena_bytes for g in self.graphs.values()), dtype=torch.uint8)
         for graph in self.graphs.values():
             graph.place(self.arena)

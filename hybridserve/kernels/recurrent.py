@@ -37,6 +37,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def tap_major(conv_weight: torch.Tensor) -> torch.Tensor:
+    """A depthwise ``nn.Conv1d`` weight (D, 1, K) as the conv kernel takes it: (K, D) float32, contiguous."""
+    return conv_weight.detach().squeeze(1).t().float().contiguous()
+
+
 def conv_supported(conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
                    act_dtype: torch.dtype, activation: str | None) -> bool:
     """Whether ``causal_conv1d`` takes this state pool view, weight, bias, activation dtype and activation

@@ -138,7 +138,7 @@ class GatedDeltaNet(nn.Module):
         t, Hk, Hv, Dk, Dv = x.shape[0], self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         key = (self.conv1d.weight.data_ptr(), self.A_log.data_ptr(), self.dt_bias.data_ptr())
         if getattr(self, "_kernel_key", None) != key:  # float32 parameters the kernels take, made once
-            self._kernel_params = (self.conv1d.weight.detach().squeeze(1).t().float().contiguous(),
+            self._kernel_params = (recurrent_kernels.tap_major(self.conv1d.weight),
                                    self.A_log.detach().float().contiguous(), self.dt_bias.detach().float().contiguous())
             self._kernel_key = key
         conv_w, A_log, dt_bias = self._kernel_params

@@ -156,7 +156,7 @@ class Mamba1Mixer(nn.Module):
             bias = self.conv1d.bias
             width = max(self.dt_rank, self.d_state)
             self._kernel_params_cache = (
-                self.conv1d.weight.detach().squeeze(1).t().float().contiguous(),
+                recurrent_kernels.tap_major(self.conv1d.weight),
                 None if bias is None else bias.detach().float().contiguous(),
                 -torch.exp(self.A_log.detach().float()).contiguous(), self.D.detach().float().contiguous(),
                 self.dt_proj.bias.detach().float().contiguous(), self.dt_proj.weight.detach().float().contiguous(),

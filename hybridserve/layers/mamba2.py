@@ -145,7 +145,7 @@ class Mamba2Mixer(nn.Module):
         if getattr(self, "_kernel_params_key", None) != key:
             bias = self.conv1d.bias
             self._kernel_params_cache = (
-                self.conv1d.weight.detach().squeeze(1).t().float().contiguous(),  # (K, conv_dim)
+                recurrent_kernels.tap_major(self.conv1d.weight),  # (K, conv_dim)
                 None if bias is None else bias.detach().float().contiguous(),
                 -torch.exp(self.A_log.detach().float()), self.D.detach().float().contiguous(),
                 self.dt_bias.detach().float().contiguous())

@@ -105,7 +105,7 @@ class Lfm2ShortConv(nn.Module):
         bias = self.conv.bias
         key = (self.conv.weight.data_ptr(), None if bias is None else bias.data_ptr())
         if getattr(self, "_conv_key", None) != key:  # float32 tap-major weight and bias, made once
-            self._conv_params = (self.conv.weight.detach().squeeze(1).t().float().contiguous(),
+            self._conv_params = (recurrent_kernels.tap_major(self.conv.weight),
                                  None if bias is None else bias.detach().float().contiguous())
             self._conv_key = key
         weight_t, bias32 = self._conv_params
