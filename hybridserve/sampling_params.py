@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: temperatures below this sample greedily (dividing logits by a smaller one overflows float32)
+GREEDY_TEMPERATURE_EPS = 1e-5
+#: the seeds a torch generator takes: child ``i`` of an ``n > 1`` request uses ``seed + i``, so
+#: ``seed + n - 1`` must be in range too
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature=0`` is greedy. ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
+    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5).
+    ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
     for each generated token; ``prompt_logprobs=k`` the same for each prompt token after the first.
     ``detokenize=False`` returns token ids only (no text, no decoded logprob tokens; no ``stop`` strings).
     """
@@ -33,6 +40,11 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (again: the engine calls this, as params may be changed after they are made);
+        raises ValueError naming the first bad field and its rule."""
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name}={getattr(self, name)!r} is not valid: {rule}")
 
@@ -46,8 +58,13 @@ class SamplingParams:
             raise bad("top_k", "must be an integer >= 0 (0 or -1 disables it)")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise bad("seed", "must be an integer or None")
+            if not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+                rule = f"must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}]"
+                raise bad("seed", rule + (f" (with n={self.n}, completion i samples with seed + i)"
+                                          if self.n > 1 else ""))
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -56,7 +73,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0 or value > 20):
                 raise bad(name, "must be an integer between 0 and 20, or None")
-        if isinstance(self.stop, str):
+        if isinstance(self.stop, str) and self.stop:
             self._stop_list = [self.stop]
         elif self.stop is None:
             self._stop_list = []
@@ -77,7 +94,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def stop_strings(self) -> list[str]:

@@ -75,7 +75,12 @@ class OutOfCacheError(RuntimeError):
 
 
 class _IdHeap:
-    """Ids kept in a heap with lazy deletion: fast min (or max) over a changing set."""
+    """Ids kept in a heap with lazy deletion: fast min (or max) over a changing set.
+
+    Removed ids stay in the heap until they reach its top; the heap is rebuilt from the members
+    whenever it holds more than twice as many entries as there are members (plus a little), so its size
+    stays bounded by the pool's however the set churns (amortized O(1) per change).
+    """
 
     def __init__(self, ids: range | list[int], largest_first: bool) -> None:
         self._sign = -1 if largest_first else 1
@@ -96,6 +101,14 @@ class _IdHeap:
         if i not in self._members:
             self._members.add(i)
             heapq.heappush(self._heap, self._sign * i)
+            if len(self._heap) > 2 * len(self._members) + 16:
+                self._heap = [self._sign * m for m in self._members]
+                heapq.heapify(self._heap)
+
+    @property
+    def num_entries(self) -> int:
+        """Entries in the heap, stale ones included (bounded by ``2 * len(self) + 16``)."""
+        return len(self._heap)
 
     def remove(self, i: int) -> None:
         self._members.discard(i)

@@ -43,6 +43,25 @@ class EngineStoppedError(RuntimeError):
     """The engine is shutting down (or failed) and accepts no more requests."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (the others go on); ``message`` is for the log, not the client."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed: {message}")
+        self.request_id = request_id
+        self.message = message
+
+
+@dataclass
+class NewRequest:
+    """One engine request to queue: its id, prompt token ids, sampling params and prompt text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
 class OutputSink:
     """Where one caller's outputs arrive: the latest output per request id, and a wake-up event.
 
@@ -103,10 +122,17 @@ class _Tracked:
 class AsyncEngine:
     """Runs ``engine`` in a background thread; ``add_request`` / ``abort`` from the asyncio loop.
 
-    ``max_waiting`` bounds the requests accepted but not yet running (``None``: no bound); past it,
-    :meth:`add_request` raises :class:`QueueFullError`, so a flood of requests cannot grow memory
-    without limit.
+    ``max_waiting`` bounds the requests accepted but not yet started (``None``: no bound), exactly:
+    every prompt of a call counts up front, and a call that would pass the bound is refused whole
+    with :class:`QueueFullError`, so a flood of requests cannot grow memory without limit.
+
+    A request that fails inside the engine fails alone: its sink raises :class:`RequestFailedError`.
+    A step that fails as a whole (a bug) fails the requests in flight; repeated failures back off
+    (up to ``MAX_BACKOFF_S``) instead of spinning.
     """
+
+    #: the longest pause between engine steps that keep failing
+    MAX_BACKOFF_S = 1.0
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
         self.engine = engine
@@ -117,10 +143,14 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
-        self._pending_adds = 0  # asyncio thread only: adds posted, not yet answered
+        self._unstarted = 0  # requests accepted (or being added) and not yet started: both threads, under the lock
+        self._unstarted_lock = threading.Lock()
+        self._unstarted_ids: set[str] = set()  # engine thread only: accepted, not yet started
+        self._failures = 0  # engine thread only: consecutive failed steps
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._stopping = threading.Event()  # set with _stop: ends a back-off pause at once
         self.accepting = False
 
     # ------------------------------------------------------------ lifecycle
@@ -138,6 +168,7 @@ class AsyncEngine:
         """Stop accepting, abort whatever is still in flight, and join the engine thread."""
         self.accepting = False
         self._stop = True
+        self._stopping.set()
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
@@ -148,31 +179,48 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- requests
     def num_waiting(self) -> int:
-        return self.snapshot.num_requests_waiting + self._pending_adds
+        """Requests accepted (or being added) and not yet started: what ``max_waiting`` bounds."""
+        return self._unstarted
+
+    def _reserve(self, count: int) -> None:
+        with self._unstarted_lock:
+            if self.max_waiting is not None and self._unstarted + count > self.max_waiting:
+                waiting = self._unstarted
+                raise QueueFullError(f"the server is busy: {waiting} requests are waiting and this one adds "
+                                     f"{count} (the bound is {self.max_waiting}); retry later")
+            self._unstarted += count
+
+    def _unreserve(self, count: int) -> None:
+        with self._unstarted_lock:
+            self._unstarted -= count
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           sink: OutputSink, prompt: str | None = None) -> None:
-        """Queue a request whose outputs go to ``sink``.
+        """Queue one request whose outputs go to ``sink`` (see :meth:`add_requests`)."""
+        await self.add_requests([NewRequest(request_id, list(prompt_token_ids), params, prompt)], sink)
 
-        Raises ValueError (bad request, from the engine's validation), :class:`QueueFullError` or
+    async def add_requests(self, requests: list[NewRequest], sink: OutputSink) -> None:
+        """Queue ``requests`` (one per prompt of a call), all or none, their outputs going to ``sink``.
+
+        Raises ValueError (a bad request, from the engine's validation; with several, the message names
+        the prompt's index), :class:`QueueFullError` (the waiting bound cannot take them all) or
         :class:`EngineStoppedError`; nothing is queued then.
         """
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down")
-        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
-            raise QueueFullError(f"the server is busy: {self.num_waiting()} requests are already waiting "
-                                 f"(the bound is {self.max_waiting}); retry later")
+        if self.max_waiting is not None and len(requests) > self.max_waiting:
+            raise ValueError(f"{len(requests)} prompts in one request exceed the server's waiting bound "
+                             f"(--max-waiting-requests {self.max_waiting})")
+        self._reserve(len(requests))
         assert self._loop is not None
         answer = self._loop.create_future()
-        self._pending_adds += 1
-        self._post(("add", request_id, list(prompt_token_ids), params, prompt, sink, time.monotonic(), answer))
+        self._post(("add", list(requests), sink, time.monotonic(), answer))
         try:
             await asyncio.shield(answer)
         except asyncio.CancelledError:
-            self.abort(request_id)  # the add may still land: take it back
+            for req in requests:  # the add may still land: take it back
+                self.abort(req.request_id)
             raise
-        finally:
-            self._pending_adds -= 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request and free its cache (as soon as the engine thread sees it; unknown ids are ignored)."""
@@ -199,12 +247,19 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
-                logger.exception("engine step failed; aborting the requests in flight")
+                self._failures += 1
+                pause = min(self.MAX_BACKOFF_S, 0.01 * 2 ** (self._failures - 1))
+                logger.exception("engine step failed (%d in a row); failing the requests in flight, next step in "
+                                 "%.2f s", self._failures, pause)
                 self._abort_everything(error=exc)
+                self._take_snapshot()
+                self._stopping.wait(pause)  # new commands do not cut the pause short; shutdown does
                 continue
+            self._failures = 0
             now = time.monotonic()
             for out in outputs:
                 self._deliver(out, now)
+            self._count_started()
 
     def _apply_commands(self) -> None:
         while True:
@@ -214,13 +269,17 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, rid, ids, params, prompt, sink, arrival, answer = command
+                _, requests, sink, arrival, answer = command
                 try:
-                    self.engine.add_request(rid, ids, params, prompt=prompt)
+                    self.engine.add_requests([(r.request_id, r.prompt_token_ids, r.params, r.prompt)
+                                              for r in requests])
                 except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                    self._unreserve(len(requests))
                     self._call(_set_exception, answer, exc)
                     continue
-                self._tracked[rid] = _Tracked(sink, arrival)
+                for r in requests:
+                    self._tracked[r.request_id] = _Tracked(sink, arrival)
+                    self._unstarted_ids.add(r.request_id)
                 self._call(_set_result, answer, None)
             elif kind == "abort":
                 self._abort(command[1])
@@ -230,6 +289,7 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         self.engine.abort_request(request_id)
+        self._mark_started(request_id)
         if tracked is not None:
             self._call(tracked.sink.put, _aborted_output(request_id, tracked.last))
 
@@ -237,12 +297,23 @@ class AsyncEngine:
         for rid in list(self._tracked):
             tracked = self._tracked.pop(rid)
             self.engine.abort_request(rid)
+            self._mark_started(rid)
             if error is not None:
                 self._call(tracked.sink.fail, error)
             else:
                 self._call(tracked.sink.put, _aborted_output(rid, tracked.last))
-        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-            self.engine.abort_request(seq.request_id)
+        self.engine.abort_all()
+
+    def _mark_started(self, request_id: str) -> None:
+        """``request_id`` no longer counts against the waiting bound (it started, ended or was aborted)."""
+        if request_id in self._unstarted_ids:
+            self._unstarted_ids.discard(request_id)
+            self._unreserve(1)
+
+    def _count_started(self) -> None:
+        if self._unstarted_ids:
+            for rid in [r for r in self._unstarted_ids if self.engine.has_started(r)]:
+                self._mark_started(rid)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         tracked = self._tracked.get(out.request_id)
@@ -259,14 +330,18 @@ class AsyncEngine:
         tracked.last = out
         if out.finished:
             del self._tracked[out.request_id]
-        self._call(tracked.sink.put, out)
+            self._mark_started(out.request_id)
+        if out.error is not None:
+            self._call(tracked.sink.fail, RequestFailedError(out.request_id, out.error))
+        else:
+            self._call(tracked.sink.put, out)
 
     def _take_snapshot(self) -> None:
         engine = self.engine
         scheduler = engine.scheduler
         self.snapshot = EngineSnapshot(
             num_requests_running=len({seq.request_id for seq in scheduler.running}),
-            num_requests_waiting=len({seq.request_id for seq in scheduler.waiting}),
+            num_requests_waiting=len(self._unstarted_ids),
             cache_usage=engine.pool.usage(),
             prompt_tokens=engine.stats["prompt_tokens"],
             generation_tokens=engine.stats["generation_tokens"],

@@ -1,8 +1,9 @@
 """Parallel sampling (``n > 1``): the prompt is prefilled once, then the request forks.
 
 A request with ``n > 1`` enters the engine as one sequence (index 0). In the step where its prompt
-has been prefilled and it samples its first token, :func:`fork_children` creates its ``n - 1``
-children (indices 1..n-1). Each child gets its own copy of the parent's cache, the KV of every
+has been prefilled and it samples its first token, :func:`make_children` creates its ``n - 1``
+children (indices 1..n-1), and the engine registers all of them before :func:`place_children` grants
+any cache, so a fork is whole or not at all. Each child gets its own copy of the parent's cache, the KV of every
 prompt token and the recurrent state after the prompt (:func:`copy_cache`), and samples its
 first token from the parent's logits row with its own generator; from then on every child decodes
 independently.
@@ -23,7 +24,7 @@ completions differ from each other and the whole request is reproducible.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import torch
 
@@ -39,32 +40,44 @@ def wants_fork(seq: Sequence) -> bool:
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The sampling params of child ``index``: the parent's, with seed ``seed + index`` when seeded."""
+    """The sampling params of child ``index``: the parent's, with seed ``seed + index`` when seeded (the
+    parent's validation covered ``seed + n - 1``)."""
     if params.seed is None:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    child = copy.copy(params)
+    child.seed = params.seed + index
+    return child
 
 
-def fork_children(parent: Sequence, cache: CacheManager, scheduler: Scheduler) -> tuple[list[Sequence], list[Sequence]]:
-    """Create the ``n - 1`` children of ``parent``, whose prompt has just been prefilled.
+def make_children(parent: Sequence) -> list[Sequence]:
+    """The ``n - 1`` children of ``parent`` (indices 1..n-1), holding nothing yet.
 
-    Returns ``(children, ready)``: every child in index order, and those forked now (running, holding a
-    copy of the parent's cache), which sample their first token this step from the parent's logits.
-    The others wait in the scheduler's queue and will prefill the prompt themselves.
+    Building them grants no cache and touches no queue, so if it raises nothing is half done; the
+    engine registers all of them before any is placed (:func:`place_children`).
     """
     children: list[Sequence] = []
-    ready: list[Sequence] = []
     for index in range(1, parent.params.n):
         child = Sequence(parent.request_id, parent.prompt_token_ids, child_params(parent.params, index),
                          parent.arrival, parent.prompt, parent.eos_token_id, index=index)
         child.prompt_logprobs = list(parent.prompt_logprobs)  # the prompt is shared: computed once
+        children.append(child)
+    return children
+
+
+def place_children(parent: Sequence, children: list[Sequence], cache: CacheManager,
+                   scheduler: Scheduler) -> list[Sequence]:
+    """Fork ``children`` from ``parent``, whose prompt has just been prefilled: those that fit now get a
+    copy of the parent's cache and run (returned, in index order: they sample their first token this
+    step from the parent's logits); the others wait in the scheduler's queue and will prefill the
+    prompt themselves."""
+    ready: list[Sequence] = []
+    for child in children:
         if scheduler.has_room() and copy_cache(cache, parent, child):
             scheduler.admit_running(child)
             ready.append(child)
         else:
             scheduler.add(child)
-        children.append(child)
-    return children, ready
+    return ready
 
 
 def copy_cache(cache: CacheManager, parent: Sequence, child: Sequence) -> bool:

@@ -16,9 +16,10 @@ from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
 from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
 from hybridserve.engine.detokenizer import Detokenizer
-from hybridserve.engine.fork import fork_children, wants_fork
+from hybridserve.engine.fork import make_children, place_children, wants_fork
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.engine.sampler import sample
+from hybridserve.engine.request_registry import RequestRegistry
+from hybridserve.engine.sampler import sample, sample_rows_alone
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.models.loader import build_model, load_hf_config
@@ -28,6 +29,8 @@ from hybridserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
+#: a sequence in this many failed steps fails (see LLMEngine.step)
+MAX_STEP_FAILURES = 3
 
 
 class LLMEngine:
@@ -65,7 +68,7 @@ class LLMEngine:
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.fingerprint = config.fingerprint(self.dtypes)
-        self._seqs: dict[str, list[Sequence]] = {}  # request id -> its sequences, by completion index
+        self._requests = RequestRegistry()  # request id -> its sequences, by completion index
         self._arrivals = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
 
@@ -73,10 +76,34 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         """Validate and queue a request; raises ValueError on bad input (nothing is queued then)."""
-        if request_id in self._seqs:
+        self.add_requests([(request_id, prompt_token_ids, params, prompt)])
+
+    def add_requests(self, requests: list[tuple[str, list[int], SamplingParams, str | None]]) -> None:
+        """Validate every ``(request_id, prompt_token_ids, params, prompt)``, then queue them all: a bad
+        one raises ValueError (naming its index when there are several) and nothing is queued."""
+        seqs: list[Sequence] = []
+        seen: set[str] = set()
+        for i, (request_id, ids, params, prompt) in enumerate(requests):
+            try:
+                if request_id in seen:
+                    raise ValueError(f"request_id={request_id!r} is already in use")
+                seqs.append(self._new_sequence(request_id, ids, params, prompt))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}" if len(requests) > 1 else str(exc)) from None
+            seen.add(request_id)
+        for seq in seqs:
+            self._requests.add(seq)
+            self.stats["prompt_tokens"] += len(seq.prompt_token_ids)
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      prompt: str | None) -> Sequence:
+        """A request's first sequence, after checking everything it implies (ValueError otherwise)."""
+        if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: fields may have been changed since the params were made
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: at least one token is required")
@@ -93,60 +120,165 @@ class LLMEngine:
                              f"{self.config.cache_memory} bytes; raise cache_memory or lower max_tokens")
         if params.max_tokens is None:
             params = _with_max_tokens(params, max_tokens)
-        seq = Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
-        self._seqs[request_id] = [seq]
-        self.stats["prompt_tokens"] += len(ids)
-        self.scheduler.add(seq)
+        return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its cache now (unknown or finished ids are ignored)."""
-        for seq in self._seqs.pop(request_id, []):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
+        """Stop a request and free its cache now, every sequence of it (unknown or finished ids are ignored)."""
+        group = self._requests.pop(request_id)
+        if group is not None:
+            self._end(group.seqs, "abort")
+
+    def abort_all(self) -> None:
+        """Abort every request (and, defensively, any sequence the scheduler still holds)."""
+        for request_id in self._requests.ids():
+            self.abort_request(request_id)
+        self.scheduler.finish_many(list(self.scheduler.running) + list(self.scheduler.waiting), "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    def has_started(self, request_id: str) -> bool:
+        """Whether the request has begun running (or ended): it no longer waits for its first step."""
+        group = self._requests.group(request_id)
+        if group is None:
+            return True
+        first = group.seqs[0]
+        return first.status != SequenceStatus.WAITING or first.num_preemptions > 0
 
     # -------------------------------------------------------------------- step
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one batched forward; return outputs of the requests that advanced or finished (with
         ``finished_only``, of those that finished: what a caller waiting for whole results needs,
-        without a snapshot of every running request each step)."""
+        without a snapshot of every running request each step).
+
+        A failure is contained to its request: a row that cannot be sampled, or a sequence whose
+        output handling raises, fails its own request (``RequestOutput.error``, finish reason
+        "error"). A failed forward of several sequences preempts them all (recompute is exact) and
+        reruns each alone until the one that fails alone is found; a sequence in
+        ``MAX_STEP_FAILURES`` failed steps fails too, so a failure that needs a whole batch to appear
+        still ends.
+        """
         plan = self.scheduler.schedule()
+        touched: dict[str, None] = {}  # request ids, in order
+        for seq in plan.idle:
+            self._fail(seq.request_id, "internal error: a running sequence had nothing to compute", touched)
         if not plan.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if not touched and self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the cache pool cannot hold the next waiting request")
-            return []
-        logits = self.runner.run(plan.scheduled)
+            return self._outputs(touched, finished_only)
+        solo = self.scheduler.solo
+        try:
+            logits = self.runner.run(plan.scheduled)
+        except Exception as exc:  # noqa: BLE001 - contained below
+            self._contain_step_failure([it.seq for it in plan.scheduled], exc, touched)
+            return self._outputs(touched, finished_only)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
         if logits.prompt_logits is not None:
-            self._record_prompt_logprobs(logits)
-        touched: dict[str, None] = {}  # request ids, in order
+            try:
+                self._record_prompt_logprobs(logits)
+            except Exception as exc:  # noqa: BLE001 - fails the requests that asked for prompt logprobs
+                logger.exception("prompt logprobs failed")
+                for item, _, _ in logits.prompt_seqs:
+                    self._fail(item.seq.request_id, f"prompt logprobs failed: {type(exc).__name__}: {exc}", touched)
         if logits.sample_seqs:
-            seqs = [it.seq for it in logits.sample_seqs]
-            rows = list(range(len(seqs)))  # logits row of each sampling sequence
-            for row, seq in enumerate(list(seqs)):
-                if wants_fork(seq):  # n > 1: the prompt is prefilled; children copy its cache
-                    children, ready = fork_children(seq, self.cache, self.scheduler)
-                    self._seqs[seq.request_id].extend(children)
-                    seqs.extend(ready)
-                    rows.extend([row] * len(ready))
-            sample_logits = logits.sample_logits
-            if len(rows) > len(logits.sample_seqs):
-                sample_logits = sample_logits[rows]  # (N + children, V): children share their parent's row
-            result = sample(sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
-                            self.cpu_kernels)
-            for row, seq in enumerate(seqs):
+            self._sample_and_append(logits, touched)
+        if solo is not None and (solo.is_finished or solo.num_pending_tokens <= 1):
+            self.scheduler.cleared(solo)
+        return self._outputs(touched, finished_only)
+
+    def _sample_and_append(self, logits, touched: dict[str, None]) -> None:
+        """Fork the parents that sample their first token, sample every row, append and check stops."""
+        seqs = [it.seq for it in logits.sample_seqs]
+        rows = list(range(len(seqs)))  # logits row of each sampling sequence
+        for row, seq in enumerate(list(seqs)):
+            if seq.is_finished or not wants_fork(seq):
+                continue
+            try:  # n > 1: the prompt is prefilled; children copy its cache
+                children = make_children(seq)
+                self._requests.extend(seq.request_id, children)  # registered before any holds cache
+                ready = place_children(seq, children, self.cache, self.scheduler)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                logger.exception("forking request %s failed", seq.request_id)
+                self._fail(seq.request_id, f"fork failed: {type(exc).__name__}: {exc}", touched)
+                continue
+            seqs.extend(ready)
+            rows.extend([row] * len(ready))
+        keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        if len(keep) < len(seqs):
+            seqs, rows = [seqs[i] for i in keep], [rows[i] for i in keep]
+        if not seqs:
+            return
+        sample_logits = logits.sample_logits
+        if rows != list(range(sample_logits.shape[0])):
+            sample_logits = sample_logits[rows]  # (N + children, V): children share their parent's row
+        args = (sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
+                self.cpu_kernels)
+        try:
+            result = sample(*args)
+        except Exception:  # noqa: BLE001 - find the row that fails alone
+            logger.exception("batched sampling failed; sampling each row alone")
+            result = sample_rows_alone(*args)
+        for row, seq in enumerate(seqs):
+            if seq.is_finished:
+                continue  # its request failed with a sibling's row
+            if row in result.errors:
+                self._fail(seq.request_id, result.errors[row], touched)
+                continue
+            try:
                 self._append_token(seq, row, result)
-                touched[seq.request_id] = None
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                logger.exception("handling the token of request %s failed", seq.request_id)
+                self._fail(seq.request_id, f"output handling failed: {type(exc).__name__}: {exc}", touched)
+                continue
+            touched[seq.request_id] = None
+
+    def _contain_step_failure(self, seqs: list[Sequence], exc: Exception, touched: dict[str, None]) -> None:
+        """A forward over ``seqs`` raised: fail the sequence if it ran alone, else rerun each alone."""
+        if len(seqs) == 1:
+            logger.error("the model step of request %s failed; failing it", seqs[0].request_id, exc_info=exc)
+            self._fail(seqs[0].request_id, f"the model step failed: {type(exc).__name__}: {exc}", touched)
+            return
+        logger.warning("a step of %d sequences failed (%s: %s); rerunning each alone to find the cause",
+                       len(seqs), type(exc).__name__, exc, exc_info=exc)
+        for seq in sorted(seqs, key=lambda s: s.arrival, reverse=True):  # preempted to the front: oldest first
+            seq.num_step_failures += 1
+            if seq.num_step_failures >= MAX_STEP_FAILURES:
+                self._fail(seq.request_id, f"the model step failed {seq.num_step_failures} times: "
+                                           f"{type(exc).__name__}: {exc}", touched)
+            else:
+                self.scheduler.preempt(seq)
+        self.scheduler.suspects.extend(s for s in sorted(seqs, key=lambda s: s.arrival) if not s.is_finished)
+
+    def _fail(self, request_id: str, message: str, touched: dict[str, None]) -> None:
+        """End every sequence of the request with reason "error"; its output carries ``message``."""
+        group = self._requests.group(request_id)
+        if group is None:
+            return
+        if group.error is None:
+            group.error = message
+            logger.warning("request %s failed: %s", request_id, message)
+        self._end(group.seqs, "error")
+        touched[request_id] = None
+
+    def _end(self, seqs: list[Sequence], reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish ``seqs`` (those not finished yet) and count them in their request group."""
+        newly = [seq for seq in seqs if not seq.is_finished]
+        if len(newly) == 1:
+            self.scheduler.finish(newly[0], reason, stop_reason)
+        else:
+            self.scheduler.finish_many(newly, reason)
+        for seq in newly:
+            self._requests.count_finished(seq)
+
+    def _outputs(self, touched: dict[str, None], finished_only: bool) -> list[RequestOutput]:
         if finished_only:
             return [self._output(rid) for rid in touched if self._finished(rid)]
-        return [self._output(rid) for rid in touched]
+        return [self._output(rid) for rid in touched if rid in self._requests]
 
     def _finished(self, request_id: str) -> bool:
-        group = self._seqs[request_id]
-        return len(group) == group[0].params.n and all(seq.is_finished for seq in group)
+        group = self._requests.group(request_id)
+        return group is not None and group.finished
 
     def _record_prompt_logprobs(self, logits) -> None:
         all_lp = torch.log_softmax(logits.prompt_logits, dim=-1)  # (R, V)
@@ -207,7 +339,7 @@ class LLMEngine:
                 if pos >= 0:
                     end = pos + len(stop) if params.include_stop_str_in_output else pos
                     seq.output_text = seq.output_text[:end]
-                    self.scheduler.finish(seq, "stop", stop)
+                    self._end([seq], "stop", stop)
                     return
         if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
@@ -216,23 +348,23 @@ class LLMEngine:
         """Finish ``seq`` (not at a stop string); its final text is the whole output decoded at once."""
         if seq.params.detokenize:
             seq.output_text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
-        self.scheduler.finish(seq, reason, stop_reason)
+        self._end([seq], reason, stop_reason)
 
     def _output(self, request_id: str) -> RequestOutput:
         """The request's output so far: one completion per sequence (``n`` once forked)."""
-        group = self._seqs[request_id]
+        group = self._requests.group(request_id)
         completions = [CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in group]
-        parent = group[0]
-        finished = self._finished(request_id)
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason) for seq in group.seqs]
+        parent = group.seqs[0]
+        finished = group.finished
         if finished:
-            del self._seqs[request_id]
+            self._requests.pop(request_id)
         return RequestOutput(request_id, parent.prompt, list(parent.prompt_token_ids),
                              list(parent.prompt_logprobs) if parent.params.prompt_logprobs is not None else None,
-                             completions, finished)
+                             completions, finished, error=group.error)
 
     # ----------------------------------------------------------------- inspect
     def cache_layout(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,11 +17,12 @@ class SampleResult:
     sampled_ranks: list[int]  # 1-based rank of each sampled token (0 unless its request asks for logprobs)
     top_ids: list[list[int]]  # per row, the top-k token ids (k = that request's logprobs), best first
     top_logprobs: list[list[float]]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled (its token is 0)
 
 
 def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Apply temperature, top-k, top-p and min-p row by row params, batched. logits: (N, V) float32."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype,
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=logits.dtype,
                          device=logits.device)
     logits = logits / temps[:, None]
     top_ks = [p.top_k for p in params]
@@ -63,11 +64,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if logits.dtype != torch.float32 and (fused is None or not only_greedy_ids):
         logits = logits.float()  # exact; sampling, ranks and top-k below work in float32
     chosen = fused[0] if fused is not None else logits.argmax(dim=-1)  # (N,)
+    errors: dict[int, str] = {}
     if not all(p.greedy for p in params):
         probs = _processed_logits(logits, params).softmax(-1).cpu()  # (N, V)
+        valid = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()  # (N,) a distribution to draw from
         picks = chosen.cpu().clone()
         for row, p in enumerate(params):
             if p.greedy:
+                continue
+            if not valid[row]:
+                errors[row] = "the sampling distribution is not finite (the logits hold nan or inf)"
+                picks[row] = 0
                 continue
             gen = generators[row] or default_generator
             picks[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
@@ -88,4 +95,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for row, p in enumerate(params):
             k = p.logprobs or 0
             top_ids[row], top_lps[row] = ids[row][:k], values[row][:k]
-    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps)
+    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps, errors)
+
+
+def sample_rows_alone(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                      default_generator: torch.Generator, use_cpu_kernels: bool = False) -> SampleResult:
+    """:func:`sample` row by row, after the batched call raised: a row that raises alone is reported in
+    ``errors`` (token 0) and the others are sampled as usual."""
+    merged = SampleResult([], [], [], [], [], {})
+    for row in range(logits.shape[0]):
+        try:
+            one = sample(logits[row:row + 1], params[row:row + 1], generators[row:row + 1], default_generator,
+                         use_cpu_kernels)
+        except Exception as exc:  # noqa: BLE001 - contained to this row's request
+            one = SampleResult([0], [0.0], [0], [[]], [[]], {0: f"sampling failed: {type(exc).__name__}: {exc}"})
+        merged.token_ids += one.token_ids
+        merged.sampled_logprobs += one.sampled_logprobs
+        merged.sampled_ranks += one.sampled_ranks
+        merged.top_ids += one.top_ids
+        merged.top_logprobs += one.top_logprobs
+        if one.errors:
+            merged.errors[row] = one.errors[0]
+    return merged

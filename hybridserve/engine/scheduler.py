@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridserve.cache.manager import CacheManager
 from hybridserve.engine.sequence import Sequence, SequenceStatus
@@ -19,6 +19,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    idle: list[Sequence] = field(default_factory=list)  # running with nothing to compute (a bug): not scheduled
 
 
 class Scheduler:
@@ -28,6 +29,11 @@ class Scheduler:
     waiting ones join while the token budget, ``max_num_seqs`` and the pool allow. When the pool
     cannot grow a running sequence, the most recently arrived running sequence is preempted: its
     pages and slot are released and it waits to be recomputed from its tokens.
+
+    After a failed step, the engine names its sequences ``suspects`` (preempted, so they recompute
+    exactly): each then runs alone until it has caught up, so a failure that comes back is pinned to
+    the one sequence that causes it. The others keep waiting meanwhile; a running sequence with
+    nothing to compute is never scheduled (it is reported in ``idle``).
     """
 
     def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -37,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.suspects: deque[Sequence] = deque()  # sequences of a failed step, to run alone one by one
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,15 +60,35 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def solo(self) -> Sequence | None:
+        """The suspect running alone now, if any."""
+        while self.suspects and self.suspects[0].is_finished:
+            self.suspects.popleft()
+        return self.suspects[0] if self.suspects else None
+
+    def cleared(self, seq: Sequence) -> None:
+        """``seq``, the solo suspect, ran without failing and caught up: it rejoins the batch."""
+        if self.suspects and self.suspects[0] is seq:
+            self.suspects.popleft()
+
     def schedule(self) -> SchedulerOutput:
+        solo = self.solo
+        if solo is not None:
+            return self._schedule_alone(solo)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
+        idle: list[Sequence] = []
         # Running sequences, oldest first; the youngest are preempted when the pool is full.
         self.running.sort(key=lambda s: s.arrival)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens <= 0:
+                idle.append(seq)
+                i += 1
+                continue
             n = min(seq.num_pending_tokens, budget)
             while not self.cache.grant(seq, n):
                 victim = self.running[-1]
@@ -85,7 +112,32 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, idle)
+
+    def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
+        """Run only ``seq`` this step (preempting the youngest others if the pool needs room)."""
+        preempted: list[Sequence] = []
+        n = min(seq.num_pending_tokens, self.max_num_batched_tokens)
+        if n <= 0:
+            self.cleared(seq)
+            return SchedulerOutput([], [], [seq] if seq.status == SequenceStatus.RUNNING else [])
+        while not self.cache.grant(seq, n):
+            others = [s for s in self.running if s is not seq]
+            if not others:
+                return SchedulerOutput([], preempted)  # cannot fit even alone: add_request refuses such requests
+            victim = max(others, key=lambda s: s.arrival)
+            self._preempt(victim)
+            preempted.append(victim)
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return SchedulerOutput([ScheduledSeq(seq, n)], preempted)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Release ``seq``'s cache and queue it (first) to be recomputed from its tokens."""
+        if seq.status == SequenceStatus.RUNNING:
+            self._preempt(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -98,10 +150,24 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark ``seq`` finished and release its cache, wherever it is."""
-        if seq in self.running:
+        if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        self._mark_finished(seq, reason, stop_reason)
+
+    def finish_many(self, seqs: list[Sequence], reason: str) -> None:
+        """Finish every sequence of ``seqs`` at once: one pass over the queues, however many there are."""
+        gone = {id(seq) for seq in seqs if not seq.is_finished}
+        if not gone:
+            return
+        self.running = [s for s in self.running if id(s) not in gone]
+        self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        for seq in seqs:
+            if id(seq) in gone:
+                self._mark_finished(seq, reason, None)
+
+    def _mark_finished(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         self.cache.release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -42,6 +42,7 @@ class Sequence:
         self.output_text = ""
         self.detok_prefix = self.detok_read = 0  # incremental detokenization offsets into output_token_ids
         self.num_preemptions = 0
+        self.num_step_failures = 0  # failed steps this sequence was part of (see LLMEngine.step)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -53,6 +53,8 @@ class LLM:
         """Generate for every prompt; one RequestOutput per prompt, in input order.
 
         All prompts are validated before any runs: a bad one raises ValueError and nothing is queued.
+        A request that fails inside the engine fails alone: its output has ``error`` set and finish
+        reason "error" (logged as a warning); the others complete.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -65,15 +67,8 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         encoded = [self._prompt_ids(p) for p in prompts]
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for rid, (ids, text), params in zip(request_ids, encoded, params_list):
-                self.engine.add_request(rid, ids, params, prompt=text)
-                added.append(rid)
-        except ValueError:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise
+        self.engine.add_requests([(rid, ids, params, text) for rid, (ids, text), params
+                                  in zip(request_ids, encoded, params_list)])
         return self._run(request_ids, use_tqdm and self.engine.config.enable_progress_bar)
 
     def _run(self, request_ids: list[str], progress: bool) -> list[RequestOutput]:
