@@ -90,6 +90,9 @@ class CacheManager:
         self._holders.pop(id(seq), None)
 
     def fits_at_all(self, num_tokens: int) -> bool:
-        """Whether one sequence of ``num_tokens`` tokens fits in an empty pool."""
+        """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the
+        padding reservation of captured decode steps, which stays for the pool's life)."""
         pool = self.pool
-        return fits(pool.layout, pool.geometry, self.pages_for(num_tokens), 1 if pool.layout.has_state else 0)
+        pad_page, pad_slot = pool.padding
+        return fits(pool.layout, pool.geometry, self.pages_for(num_tokens) + (pad_page is not None),
+                    (1 if pool.layout.has_state else 0) + (pad_slot is not None))

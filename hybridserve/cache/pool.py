@@ -375,16 +375,17 @@ class CachePool:
     # ----------------------------------------------------------------- stats
     @property
     def num_live_pages(self) -> int:
-        return len(self._live_pages)
+        """Pages held by sequences (the padding reservation aside)."""
+        return len(self._live_pages) - (self.padding[0] is not None)
 
     @property
     def num_live_slots(self) -> int:
-        return len(self._live_slots)
+        """Slots held by sequences (the padding reservation aside)."""
+        return len(self._live_slots) - (self.padding[1] is not None)
 
     def used_bytes(self) -> int:
-        """Bytes held by live pages and slots (the padding reservation aside: :meth:`reserved_bytes`)."""
-        return (self.num_live_pages * self.layout.page_bytes + self.num_live_slots * self.layout.slot_bytes
-                - self.reserved_bytes())
+        """Bytes held by sequences' pages and slots (the padding reservation aside: :meth:`reserved_bytes`)."""
+        return self.num_live_pages * self.layout.page_bytes + self.num_live_slots * self.layout.slot_bytes
 
     def reserved_bytes(self) -> int:
         """Bytes of the page and slot reserved for padded rows (:meth:`reserve_padding`)."""

@@ -32,6 +32,10 @@ def bucket_sizes(max_rows: int) -> list[int]:
     return sizes + [max_rows]
 
 
+#: capture only when the padding reservation costs at most 1/MIN_POOL_SHARE of the pool
+MIN_POOL_SHARE = 32
+
+
 class CapturedDecode:
     """The captured decode graphs of one model and pool; :meth:`run` replays one step."""
 
@@ -131,7 +135,15 @@ class CapturedDecode:
 
 def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int
                 ) -> tuple[CapturedDecode | None, str | None]:
-    """The model's captured decode steps and None, or None and the reason it cannot be captured."""
+    """The model's captured decode steps and None, or None and the reason it cannot be captured.
+
+    Padded rows need a page and a slot of their own for the pool's life; a pool so small that they would
+    take more than ``1 / MIN_POOL_SHARE`` of it stays eager instead (the requests it can hold matter more)."""
+    layout = pool.layout
+    padding = layout.page_bytes * layout.has_kv + layout.slot_bytes * layout.has_state
+    if padding * MIN_POOL_SHARE > pool.num_bytes:
+        return None, (f"the cache pool ({pool.num_bytes} bytes) is too small to set aside a page and a slot for "
+                      f"padded rows ({padding} bytes, over 1/{MIN_POOL_SHARE} of it)")
     captured = CapturedDecode(model, pool, max_rows, max_model_len)
     try:
         captured.capture_all()

@@ -121,6 +121,10 @@ class Scheduler:
         if n <= 0:
             self.cleared(seq)
             return SchedulerOutput([], [], [seq] if seq.status == SequenceStatus.RUNNING else [])
+        if seq.status == SequenceStatus.WAITING and len(self.running) >= self.max_num_seqs:
+            victim = max(self.running, key=lambda s: s.arrival)  # keep at most max_num_seqs running
+            self._preempt(victim)
+            preempted.append(victim)
         while not self.cache.grant(seq, n):
             others = [s for s in self.running if s is not seq]
             if not others:

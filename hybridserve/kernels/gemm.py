@@ -1,12 +1,12 @@
-"""Python entry points of the C++ 16-bit linear kernels (``csrc/gemm.cpp``) for the CPU.
+"""Python entry points of the C++ linear kernels (``csrc/gemm.cpp``) for the CPU.
 
-A bf16 or fp16 weight is packed once (:func:`pack`) into 16-column panels; :func:`linear` then
-computes ``x @ W.T + b`` with float32 sums rounded once to the activation dtype, the weights staying
-16-bit in memory. On avx512_bf16 CPUs bf16 runs on AVX-512 BF16 dot products; everywhere else (and
-for fp16) the weights are widened to float32 in registers (AVX2 + FMA, AVX-512, or the portable
-vector code of a generic build). Both return None, doing nothing, when the call is one the kernel
-does not cover (another dtype, not on the CPU, or no compiled library); callers then keep the
-PyTorch path.
+A bf16, fp16 or float32 weight is packed once (:func:`pack`) into 16-column panels; :func:`linear`
+then computes ``x @ W.T + b`` with float32 sums rounded once to the activation dtype, the weights
+staying 16-bit in memory. On avx512_bf16 CPUs bf16 runs on AVX-512 BF16 dot products; everywhere
+else (and for fp16) the weights are widened to float32 in registers (AVX2 + FMA, AVX-512, or the
+portable vector code of a generic build); float32 weights run the same vector code unwidened. Both
+return None, doing nothing, when the call is one the kernel does not cover (another dtype, not on
+the CPU, or no compiled library); callers then keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 from hybridserve.kernels._abi import DTYPE_CODES, bind, check, index_ok, rows_ok
 
 PANEL = 16  # output columns per packed panel (kPanel in csrc/gemm.cpp)
-DTYPES = (torch.bfloat16, torch.float16)  # weight (and activation) dtypes the kernels take
+DTYPES = (torch.bfloat16, torch.float16)  # 16-bit weight (and activation) dtypes: linears and MoE experts
+LINEAR_DTYPES = DTYPES + (torch.float32,)  # what pack() and linear() take
 
-_PACK = {torch.bfloat16: "hs_pack_bf16", torch.float16: "hs_pack_f16"}
-LINEAR = {torch.bfloat16: "hs_linear_bf16", torch.float16: "hs_linear_f16"}  # C function per dtype
+_PACK = {torch.bfloat16: "hs_pack_bf16", torch.float16: "hs_pack_f16", torch.float32: "hs_pack_f32"}
+LINEAR = {torch.bfloat16: "hs_linear_bf16", torch.float16: "hs_linear_f16",
+          torch.float32: "hs_linear_f32_packed"}  # C function per dtype
 
 
 def _library():
@@ -45,13 +47,13 @@ def uses_bf16_dot() -> bool:
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether :func:`pack` takes this weight."""
-    return (_library() is not None and weight.dim() == 2 and weight.dtype in DTYPES
+    return (_library() is not None and weight.dim() == 2 and weight.dtype in LINEAR_DTYPES
             and weight.device.type == "cpu" and weight.shape[0] >= 1 and weight.shape[1] >= 1
             and weight.stride(1) == 1)
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """weight (N, K) bf16/fp16 -> its packed form (packed_numel(N, K),) of the same dtype, written into
+    """weight (N, K) bf16/fp16/float32 -> its packed form (packed_numel(N, K),) of the same dtype, written into
     ``out`` when given (a contiguous CPU tensor of that dtype and size); None when not covered."""
     lib = _library()
     if not packable(weight):
@@ -72,7 +74,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     (..., out_features) in that dtype. None when not covered."""
     lib = _library()
     K = x.shape[-1]
-    if (lib is None or x.dtype != packed.dtype or x.dtype not in DTYPES or not x.is_cpu
+    if (lib is None or x.dtype != packed.dtype or x.dtype not in LINEAR_DTYPES or not x.is_cpu
             or packed.numel() != packed_numel(out_features, K)):
         return None
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.shape != (out_features,)):
@@ -104,7 +106,7 @@ def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_t
     lib = _library()
     code = MOE_ACTIVATIONS.get(act)
     T, k = index.shape if index.dim() == 2 else (0, 0)
-    if (lib is None or code is None or gated != (act == "silu") or x.dtype not in DTYPES or x.dim() != 2
+    if (lib is None or code is None or gated != (act == "silu") or x.dtype not in LINEAR_DTYPES or x.dim() != 2
             or not rows_ok(x) or not index_ok(index) or index.shape[0] != x.shape[0] or weight.shape != index.shape
             or not weight.is_contiguous() or weight.dtype not in (torch.float32, x.dtype)
             or not (index_ok(up_table) and index_ok(down_table)) or up_table.shape != down_table.shape):

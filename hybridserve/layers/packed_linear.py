@@ -69,12 +69,12 @@ class KernelLinear(_PackedWeightLinear):
 
 
 def _packable_linears(model: nn.Module):
-    """(parent, name, linear) for every bf16 or fp16 CPU ``nn.Linear`` that may be packed."""
+    """(parent, name, linear) for every bf16, fp16 or float32 CPU ``nn.Linear`` that may be packed."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or not getattr(child, "prepack", True):
                 continue  # a layer that reads its .weight directly sets prepack = False
-            if child.weight.dtype in gemm.DTYPES and child.weight.device.type == "cpu":
+            if child.weight.dtype in gemm.LINEAR_DTYPES and child.weight.device.type == "cpu":
                 yield parent, name, child
 
 

@@ -69,7 +69,7 @@ def _assert_same_generation(with_kernels, without, tol):
 
 # Hybrid Mamba2 + attention families whose layers use every kernel: conv and scan, KV write and
 # paged attention, RMS norms (Granite and Falcon-H1: with residual multipliers), the gated group norm,
-# silu * up (Granite: in its shared MLP) and, in bf16, the linear layers.
+# silu * up (Granite: in its shared MLP) and the linear layers.
 FAMILIES = ["bamba", "granitemoehybrid", "falcon_h1"]
 ALL_KERNELS = {name for names in KERNELS.values() for name in names}
 
@@ -81,7 +81,7 @@ def test_kernels_match_pytorch_paths(ckpt_dir, kernel_calls, family, dtype):
     path = make(ckpt_dir, family)
     with_kernels = _generate(path, True, dtype=dtype)
     used = {name for name, n in kernel_calls.items() if n > 0}
-    expected = ALL_KERNELS if dtype == "bfloat16" and gemm.available() else ALL_KERNELS - {"linear"}  # bf16 only
+    expected = ALL_KERNELS if gemm.available() else ALL_KERNELS - {"linear"}
     assert used == expected, f"kernels that never ran: {expected - used}, ran: {used}"
     kernel_calls.update({name: 0 for name in kernel_calls})
     without = _generate(path, False, dtype=dtype)

@@ -1,6 +1,6 @@
 // CPU kernels for 16-bit linear layers, y = x @ W.T (+ b), with float32 sums rounded once to the
 // activation dtype: bf16 and fp16 weights stay 16-bit in memory (a decode step streams them) and
-// are widened to float32 in registers.
+// are widened to float32 in registers. Float32 weights take the same vector path (no widening).
 //
 // A weight W (N, K) is packed once into panels of 16 output columns, zero-padded to whole panels
 // and to an even K (Kp):
@@ -8,6 +8,7 @@
 //         two k values for 16 columns: the operand of AVX-512 BF16's vdpbf16ps, and on other CPUs
 //         two float32 vectors through one shift (k even) and one mask (k odd) per 32-bit lane.
 //   fp16: panel p holds W[16p : 16p + 16] as [Kp][16] (k major), widened by F16C's vcvtph2ps.
+//   float32: the fp16 layout, loaded as it is.
 //
 // Two implementations, chosen by the ISA level the library is built for (kernels/isa.py):
 // * avx512_bf16, bf16 weights: vdpbf16ps on bf16 activations (tile() below).
@@ -200,6 +201,10 @@ inline void widen_pair(const _Float16* panel, int64_t kk, int v, vf& even, vf& o
   even = __builtin_convertvector(load_vec<vh>(panel + 2 * kk * kPanel + v * kLanes), vf);
   odd = __builtin_convertvector(load_vec<vh>(panel + (2 * kk + 1) * kPanel + v * kLanes), vf);
 }
+inline void widen_pair(const float* panel, int64_t kk, int v, vf& even, vf& odd) {  // [Kp][16], as fp16
+  even = load_vec<vf>(panel + 2 * kk * kPanel + v * kLanes);
+  odd = load_vec<vf>(panel + (2 * kk + 1) * kPanel + v * kLanes);
+}
 
 // Rounds float32 lanes to the output dtype and stores the first `valid` of them.
 inline void store_vec(uint16_t* out, vf y, int valid) {  // bf16: nearest even, NaN -> 0x7fc0
@@ -215,6 +220,11 @@ inline void store_vec(_Float16* out, vf y, int valid) {
   if (valid == kLanes) __builtin_memcpy(out, &h, sizeof h);
   else for (int i = 0; i < valid; ++i) out[i] = h[i];
 }
+inline void store_vec(float* out, vf y, int valid) {
+  if (valid == kLanes) __builtin_memcpy(out, &y, sizeof y);
+  else for (int i = 0; i < valid; ++i) out[i] = y[i];
+}
+inline float widen_scalar(float v) { return v; }
 inline float widen_scalar(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
 inline float widen_scalar(_Float16 v) { return static_cast<float>(v); }
 
@@ -330,6 +340,7 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
 // Packs w (N, K), row stride ws, in the layout of W's dtype (see the top of this file).
 inline void pack_panel_elem(uint16_t* dst, int64_t k, int64_t c, uint16_t v) { dst[((k / 2) * kPanel + c) * 2 + (k & 1)] = v; }
 inline void pack_panel_elem(_Float16* dst, int64_t k, int64_t c, _Float16 v) { dst[k * kPanel + c] = v; }
+inline void pack_panel_elem(float* dst, int64_t k, int64_t c, float v) { dst[k * kPanel + c] = v; }
 
 template <typename W>
 int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
@@ -378,6 +389,15 @@ int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs
   return vlinear(M, N, K, x, xs, packed, bias, out, os);
 }
 
+// Packs w (N, K) float32 likewise ([Kp][16] panels, as fp16).
+int hs_pack_f32(int64_t N, int64_t K, const float* w, int64_t ws, float* out) { return pack(N, K, w, ws, out); }
+
+// The same for float32 (packed by hs_pack_f32): the float32 vector path, float32 out.
+int hs_linear_f32_packed(int64_t M, int64_t N, int64_t K, const float* x, int64_t xs, const float* packed,
+                         const float* bias, float* out, int64_t os) {
+  return vlinear(M, N, K, x, xs, packed, bias, out, os);
+}
+
 }  // extern "C"
 
 // ---- Mixture-of-experts blocks over packed expert weights (layers/moe.py: FusedExperts)
@@ -386,12 +406,14 @@ namespace {
 
 enum Activation : int { kSilu = 0, kRelu2 = 1 };
 
-// x (n, K) @ W.T -> out (n, N) through the packed 16-bit kernel of storage type T.
+// x (n, K) @ W.T -> out (n, N) through the packed kernel of storage type T.
 template <typename T>
 int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packed, T* out) {
   if constexpr (std::is_same_v<T, BF16>) {
     return hs_linear_bf16(n, N, K, reinterpret_cast<const uint16_t*>(x), K, static_cast<const uint16_t*>(packed),
                           nullptr, reinterpret_cast<uint16_t*>(out), N);
+  } else if constexpr (std::is_same_v<T, float>) {
+    return hs_linear_f32_packed(n, N, K, x, K, static_cast<const float*>(packed), nullptr, out, N);
   } else {
     return hs_linear_f16(n, N, K, x, K, static_cast<const _Float16*>(packed), nullptr, out, N);
   }
@@ -598,6 +620,7 @@ int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I,
   };
   if (dtype == kBF16) run(BF16{});
   else if (dtype == kF16) run(_Float16{});
+  else if (dtype == kF32) run(float{});
   return rc;
 }
 
@@ -614,5 +637,5 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 }  // extern "C"
 
 HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
-            HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
+            HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
             HS_KERNEL(hs_router_grouped_sigmoid))

@@ -86,7 +86,7 @@ int hs_gated_delta_rule(int act_dtype, int state_dtype, int64_t num_seqs, const 
 int hs_gdn_split(int dtype, int64_t T, int64_t Hk, int64_t Dk, int64_t RDv, const void* qkvz, int64_t qs, void* mixed,
                  void* z);
 
-// ---- gemm.cpp: 16-bit linears over packed weights
+// ---- gemm.cpp: 16-bit (and float32) linears over packed weights
 int hs_gemm_supported();
 int hs_pack_bf16(int64_t N, int64_t K, const uint16_t* w, int64_t ws, uint16_t* out);
 int hs_pack_f16(int64_t N, int64_t K, const _Float16* w, int64_t ws, _Float16* out);
@@ -94,6 +94,9 @@ int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t x
                    const uint16_t* bias, uint16_t* out, int64_t os);
 int hs_linear_f16(int64_t M, int64_t N, int64_t K, const _Float16* x, int64_t xs, const _Float16* packed,
                   const _Float16* bias, _Float16* out, int64_t os);
+int hs_pack_f32(int64_t N, int64_t K, const float* w, int64_t ws, float* out);
+int hs_linear_f32_packed(int64_t M, int64_t N, int64_t K, const float* x, int64_t xs, const float* packed,
+                         const float* bias, float* out, int64_t os);
 
 // ---- graph.cpp: replay of a captured list of kernel calls
 int hs_graph_run(const int64_t* ops, int64_t num_ops, const int64_t* args, int64_t* failed_op, int64_t* nanoseconds);
