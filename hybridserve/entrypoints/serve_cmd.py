@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from hybridserve.entrypoints.openai.auth import check_api_key
+from hybridserve.entrypoints.openai.hosts import allowed_hosts
+from hybridserve.entrypoints.openai.limits import add_limit_args, limits_from_args
+
+#: the API name of the model shipped with hybridserve (served when no MODEL_DIR is given)
+DEFAULT_MODEL_NAME = "hybridserve-default"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,16 +23,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (same as MODEL_DIR)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes (an empty key is refused)")
+    p.add_argument("--protect-metrics-and-docs", action="store_true",
+                   help="require the API key on /metrics and the docs (/docs, /redoc, /openapi.json) too; "
+                        "/health stays open")
+    p.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
+                   help="comma-separated Host header names to answer to ('*' any, '*.example.com' its "
+                        "subdomains; any port); others get 400. Default: on a loopback --host, only "
+                        "localhost, 127.0.0.1, ::1 (and that address); on any other, every name")
     p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API (default: the MODEL_DIR as given)")
+                   help="the model's name in the API and the /metrics label (default: the MODEL_DIR's base "
+                        f"name; {DEFAULT_MODEL_NAME} for the shipped model)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests accepted but not yet running, at most; past it new requests get 503")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run)
+
+
+def served_model_name(model: str | None) -> str:
+    """The default API name of a model directory: its base name (never the path)."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.abspath(model)) or model
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests={args.max_waiting_requests} must be >= 1")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    api_key = check_api_key(args.api_key)
+    if args.protect_metrics_and_docs and api_key is None:
+        raise ValueError("--protect-metrics-and-docs needs --api-key")
+    hosts = allowed_hosts(args.allowed_hosts, args.host)
+    limits = limits_from_args(args)
     try:
         from hybridserve.entrypoints.openai.api_server import run_server
     except ImportError as exc:
@@ -50,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     model = args.model_dir or args.model
     path = model or default_model_path()
     engine = LLMEngine(EngineConfig(model=path, enable_progress_bar=False, **engine_kwargs(args)))
-    name = args.served_model_name or model or "hybridserve-default"
-    return run_server(engine, host=args.host, port=args.port, api_key=args.api_key, model_name=name,
-                      model_path=path, max_waiting_requests=args.max_waiting_requests,
-                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    return run_server(engine, host=args.host, port=args.port, api_key=api_key,
+                      model_name=args.served_model_name or served_model_name(model),
+                      max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
+                      log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
+                      allowed_hosts=hosts)

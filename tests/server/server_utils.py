@@ -16,14 +16,20 @@ from tests.checkpoints import bamba_config, build
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+#: CHAT_TEMPLATE, but it raises (a jinja2 TemplateError) on a message whose content is "RAISE"
+RAISING_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'RAISE' %}"
+                         "{{ raise_exception('no: this template refuses RAISE') }}{% endif %}"
+                         "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world! How are you today?",
           "Once upon a time there was a small model that served many requests at once.",
           "user: what is the capital of France? assistant: Paris is the capital of France."]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def train_tokenizer(chat_template: bool):
-    """A small byte-level BPE tokenizer (a transformers fast tokenizer), with a chat template or none."""
+def train_tokenizer(chat_template: bool | str):
+    """A small byte-level BPE tokenizer (a transformers fast tokenizer), with a chat template (CHAT_TEMPLATE,
+    or the one given) or none."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -36,7 +42,7 @@ def train_tokenizer(chat_template: bool):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    clean_up_tokenization_spaces=False)
     if chat_template:
-        fast.chat_template = CHAT_TEMPLATE
+        fast.chat_template = chat_template if isinstance(chat_template, str) else CHAT_TEMPLATE
     return fast
 
 
@@ -52,6 +58,14 @@ def make_checkpoints(root: str) -> tuple[str, str]:
     return chat, plain
 
 
+def make_checkpoint(path: str, chat_template: bool | str = True) -> str:
+    """One tiny Bamba checkpoint with a tokenizer (and the chat template given, see train_tokenizer)."""
+    tokenizer = train_tokenizer(chat_template)
+    build(bamba_config(vocab_size=len(tokenizer)), path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +75,10 @@ def free_port() -> int:
 class ServerProcess:
     """``hybridserve serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, model: str, log_path: str, *args: str) -> None:
+    def __init__(self, model: str, log_path: str, *args: str, api_key: str | None = None) -> None:
+        """``api_key``: passed as --api-key, and sent to /metrics (for a server that protects it)."""
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        args = (*args, "--api-key", api_key) if api_key else args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -91,7 +108,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as {name (labels dropped, but le kept for buckets): value}."""
-        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5.0).text
         values = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

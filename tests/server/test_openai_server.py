@@ -2,7 +2,7 @@
 
 Two servers run for the whole module (started together): ``server``, a tiny Bamba with a chat
 template and an API key; ``plain``, a tiny Bamba whose tokenizer has no chat template, with one
-running sequence and a waiting queue of one (for the 503 path), and a 2 s shutdown grace period.
+running sequence and a waiting queue of two (for the 503 path), and a 2 s shutdown grace period.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def servers(tmp_path_factory):
                                 "--cache-memory", "32MiB", "--max-num-seqs", "64"),
         "plain": ServerProcess(plain_ckpt, str(root / "plain.log"), "--served-model-name", PLAIN,
                                "--max-model-len", str(MAX_MODEL_LEN), "--cache-memory", "16MiB",
-                               "--max-num-seqs", "1", "--max-waiting-requests", "1", "--shutdown-timeout", "2"),
+                               "--max-num-seqs", "1", "--max-waiting-requests", "2", "--shutdown-timeout", "2"),
     }
     try:
         for proc in procs.values():
@@ -249,8 +249,8 @@ def test_auth(server):
         r = httpx.post(server.url + "/v1/chat/completions", headers=headers,
                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/metrics").status_code == 200
+    for path in ("/health", "/metrics", "/docs", "/openapi.json"):  # open without --protect-metrics-and-docs
+        assert httpx.get(server.url + path).status_code == 200, path
 
 
 @pytest.mark.parametrize("kw, param", [
@@ -294,20 +294,63 @@ def test_chat_without_template_is_400(plain_client):
 
 
 def test_queue_over_bound_is_503(plain, plain_client):
-    """One sequence runs, one request may wait; the next gets 503, nothing grows without bound."""
+    """One sequence runs, two requests may wait; the next gets 503, nothing grows without bound."""
     kw = dict(model=PLAIN, prompt="Hello", max_tokens=200, stream=True, extra_body={"ignore_eos": True})
     running = plain_client.completions.create(**kw)
     next(iter(running))  # it produces tokens: it is running
-    waiting = plain_client.completions.create(**kw)  # accepted (headers sent), queued behind it
+    waiting = [plain_client.completions.create(**kw) for _ in range(2)]  # accepted (headers sent), queued
     try:
-        wait_for(lambda: plain.metrics()["hybridserve:num_requests_waiting"] == 1, what="one waiting request")
+        wait_for(lambda: plain.metrics()["hybridserve:num_requests_waiting"] == 2, what="two waiting requests")
         with pytest.raises(openai.InternalServerError) as info:
             plain_client.completions.create(model=PLAIN, prompt="Hello", max_tokens=4)
         assert info.value.status_code == 503
         assert info.value.body["type"] == "service_unavailable_error"
     finally:
         running.close()
-        waiting.close()
+        for w in waiting:
+            w.close()
+    wait_for(lambda: idle(plain), what="the plain server to be idle")
+    with pytest.raises(openai.BadRequestError, match="waiting bound"):  # more prompts than may ever wait
+        plain_client.completions.create(model=PLAIN, prompt=["Hello"] * 3, max_tokens=4)
+
+
+def test_waiting_bound_is_exact(plain):
+    """Many concurrent requests, single and multi-prompt, on one running slot and a bound of two: the
+    waiting gauge never passes 2, each request is served whole or refused whole (503), and none fails."""
+    waves, per_wave = 3, 8
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        prompt = "Hello" if i % 3 else ["Hello", "world"]  # every third request has two prompts
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True})
+        if r.status_code == 200:
+            assert len(r.json()["choices"]) == (1 if i % 3 else 2)
+        return r.status_code
+
+    async def main() -> tuple[list[int], list[float]]:
+        waiting: list[float] = []
+        done = asyncio.Event()
+
+        async def watch(client: httpx.AsyncClient) -> None:
+            while not done.is_set():
+                text = (await client.get("/metrics")).text
+                line = next(x for x in text.splitlines() if x.startswith("hybridserve:num_requests_waiting"))
+                waiting.append(float(line.rsplit(" ", 1)[1]))
+                await asyncio.sleep(0.01)
+
+        async with httpx.AsyncClient(base_url=plain.url, timeout=120) as client:
+            watcher = asyncio.create_task(watch(client))
+            tasks = []
+            for wave in range(waves):
+                tasks += [asyncio.create_task(one(client, wave * per_wave + i)) for i in range(per_wave)]
+                await asyncio.sleep(0.1)
+            statuses = await asyncio.gather(*tasks)
+            done.set()
+            await watcher
+        return list(statuses), waiting
+
+    statuses, waiting = asyncio.run(main())
+    assert set(statuses) == {200, 503}, statuses
+    assert waiting and max(waiting) <= 2, max(waiting)
     wait_for(lambda: idle(plain), what="the plain server to be idle")
 
 
@@ -365,16 +408,17 @@ def test_non_streaming_disconnect_frees_cache(server):
     from urllib.parse import urlparse
 
     before = server.metrics()["hybridserve:generation_tokens_total"]
-    max_tokens = MAX_MODEL_LEN - 16
-    body = _json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True}).encode()
+    max_tokens, n = MAX_MODEL_LEN - 16, 8  # long enough to be cut short on a loaded machine too
+    body = _json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "n": n,
+                        "ignore_eos": True}).encode()
     url = urlparse(server.url)
     sock = socket.create_connection((url.hostname, url.port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
     wait_for(lambda: server.metrics()["hybridserve:num_requests_running"] == 1, what="the request to run")
     sock.close()  # the client gives up while its request is generating
     wait_for(lambda: idle(server), timeout=5.0, what="running requests and cache usage to drop to 0")
-    assert server.metrics()["hybridserve:generation_tokens_total"] - before < max_tokens
+    assert server.metrics()["hybridserve:generation_tokens_total"] - before < n * max_tokens
 
 
 # ------------------------------------------------------------------------------------------ metrics

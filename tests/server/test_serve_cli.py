@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+
+import pytest
 
 from hybridserve.entrypoints.cli import build_parser
 from hybridserve.entrypoints.engine_args import ENGINE_FIELDS
@@ -55,3 +58,42 @@ raise SystemExit(main(["serve", {str(tmp_path)!r}]))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "hybridserve[server]" in result.stderr
+
+
+def _serve_error(capsys, *flags: str) -> str:
+    """``hybridserve serve`` with ``flags`` exits 2 before loading anything; its error message."""
+    from hybridserve.entrypoints.cli import main
+
+    assert main(["serve", "/nonexistent-model-dir", *flags]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["", "   ", " padded", "tab\tkey", "clé"])
+def test_unusable_api_key_is_refused_at_startup(capsys, key):
+    assert "--api-key" in _serve_error(capsys, "--api-key", key)
+
+
+def test_bad_server_flags_are_refused_at_startup(capsys):
+    assert "--api-key" in _serve_error(capsys, "--protect-metrics-and-docs")
+    assert "--allowed-hosts" in _serve_error(capsys, "--allowed-hosts", "example.com:8000")
+    assert "--max-chat-messages" in _serve_error(capsys, "--max-chat-messages", "0")
+    with pytest.raises(SystemExit):  # argparse: not a size
+        build_parser().parse_args(["serve", "--max-request-body-size", "lots"])
+
+
+def test_limit_flags_and_defaults():
+    from hybridserve.entrypoints.openai.limits import FLAGS, ServerLimits, limits_from_args
+
+    args = build_parser().parse_args(["serve", "--max-request-body-size", "512KiB", "--max-prompts-per-request", "8"])
+    limits = limits_from_args(args)
+    assert (limits.max_body_bytes, limits.max_prompts) == (512 * 1024, 8)
+    assert limits_from_args(build_parser().parse_args(["serve"])) == ServerLimits()
+    assert set(FLAGS) == {f.name for f in dataclasses.fields(ServerLimits)}
+
+
+def test_served_model_name_is_the_directory_base_name():
+    from hybridserve.entrypoints.serve_cmd import served_model_name
+
+    assert served_model_name(None) == "hybridserve-default"
+    assert served_model_name("/models/granite-tiny/") == "granite-tiny"
+    assert served_model_name("relative/dir") == "dir"

@@ -1,8 +1,12 @@
 """The FastAPI app and its uvicorn server.
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``. With an API key set, the ``/v1`` routes need
-``Authorization: Bearer KEY`` (``/health`` and ``/metrics`` stay open, for probes and scrapers).
+``POST /v1/chat/completions``, and the API docs (``/docs``, ``/redoc``, ``/openapi.json``). With an
+API key set, the ``/v1`` routes need ``Authorization: Bearer KEY``; ``/metrics`` and the docs too
+with ``protect_metrics_and_docs`` (``/health`` stays open, for probes).
+
+In front of every route: the Host header check (:mod:`hosts`), then the body size limit
+(:mod:`body_limit`); in every route, the body checks of :mod:`routing`. Docs: ``docs/server.md``.
 
 Shutdown (SIGTERM or SIGINT): the listening socket closes at once and new requests get 503; requests
 in flight get ``shutdown_timeout`` seconds to finish, then are aborted (each stream ends with
@@ -14,30 +18,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import signal
 import threading
 from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from hybridserve.engine.async_engine import AsyncEngine
-from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.entrypoints.openai.auth import bearer_matches, check_api_key
+from hybridserve.entrypoints.openai.body_limit import BodySizeLimit
 from hybridserve.entrypoints.openai.errors import APIError, install_error_handlers
+from hybridserve.entrypoints.openai.hosts import AllowedHosts
+from hybridserve.entrypoints.openai.limits import ServerLimits
 from hybridserve.entrypoints.openai.metrics import render_metrics
 from hybridserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridserve.entrypoints.openai.routing import CheckedRoute
 from hybridserve.entrypoints.openai.serving_chat import create_chat_completion
 from hybridserve.entrypoints.openai.serving_common import ServerState
 from hybridserve.entrypoints.openai.serving_completion import create_completion
+from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The app; its lifespan starts and stops the engine thread."""
+def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+    """The app (``allowed_hosts``: the Host names it answers to, None for any); its lifespan starts
+    and stops the engine thread."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -46,17 +56,18 @@ def build_app(state: ServerState) -> FastAPI:
             yield
         finally:
             await state.engine.shutdown()
+            state.tokenizer.close()
 
-    app = FastAPI(title="hybridserve", lifespan=lifespan)
+    app = FastAPI(title="hybridserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.router.route_class = CheckedRoute
     app.state.hybridserve = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, limits=state.limits)
+    app.add_middleware(AllowedHosts, allowed=allowed_hosts)  # added last: runs first
 
     def authorized(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), state.api_key.encode()):
+        if state.api_key is not None and not bearer_matches(request.headers.get("authorization", ""),
+                                                            state.api_key):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -65,6 +76,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, "the server is shutting down")
 
     v1 = [Depends(authorized), Depends(accepting)]
+    guarded = [Depends(authorized)] if state.protect_metrics_and_docs else []
 
     @app.get("/health")
     async def health() -> Any:
@@ -72,14 +84,26 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Any:
         return PlainTextResponse(render_metrics(state.engine, state.model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
+    async def openapi() -> Any:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=guarded, include_in_schema=False)
+    async def docs() -> Any:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="hybridserve - API docs")
+
+    @app.get("/redoc", dependencies=guarded, include_in_schema=False)
+    async def redoc() -> Any:
+        return get_redoc_html(openapi_url="/openapi.json", title="hybridserve - API docs")
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> Any:
-        card = ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+        card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.post("/v1/completions", dependencies=v1)
@@ -135,15 +159,22 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               model_name: str, model_path: str, max_waiting_requests: int | None = None,
-               shutdown_timeout: float = 30.0, log_level: str = "info") -> int:
-    """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start."""
+               model_name: str, max_waiting_requests: int | None = None, shutdown_timeout: float = 30.0,
+               log_level: str = "info", limits: ServerLimits | None = None, protect_metrics_and_docs: bool = False,
+               allowed_hosts: tuple[str, ...] | None = None) -> int:
+    """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start.
+
+    Raises ValueError for a key that cannot be used (empty, say) or docs protection without a key.
+    """
+    api_key = check_api_key(api_key)
+    if protect_metrics_and_docs and api_key is None:
+        raise ValueError("--protect-metrics-and-docs needs --api-key")
     state = ServerState(engine=AsyncEngine(engine, max_waiting_requests),
-                        tokenizer=Detokenizer.from_path(engine.config.tokenizer or engine.config.model),
-                        model_name=model_name, model_path=model_path, max_model_len=engine.max_model_len,
-                        api_key=api_key or None)
-    config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + 5.0)
+                        tokenizer=TokenizerWorker(engine.config.tokenizer or engine.config.model, engine.max_model_len),
+                        model_name=model_name, max_model_len=engine.max_model_len, api_key=api_key,
+                        limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs)
+    config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
+                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0)
     server = _Server(config, state.engine, shutdown_timeout)
     server.run()
     return 0 if server.started else 1

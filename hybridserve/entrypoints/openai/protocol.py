@@ -3,14 +3,57 @@
 Requests accept OpenAI's fields plus a few extensions (``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``); fields we do not implement are accepted
 only at their neutral value, so a client never silently gets something other than it asked for.
+
+Numbers are strict where JSON's types would otherwise blur: a boolean is never an integer or a
+number (``"prompt": [true, false]`` is not a list of token ids), and a float must be finite.
+Token-id lists are validated by a plain loop that stops at the first bad entry, so a long bad list
+costs no more than a long good one.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field, PlainValidator, WithJsonSchema
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+#: an integer / a finite number, never a boolean
+Int = Annotated[int, BeforeValidator(_no_bool)]
+Float = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_no_bool)]
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def _token_ids(value: Any) -> list[int]:
+    if not _is_ids(value):
+        raise ValueError("must be a list of integer token ids")
+    return value
+
+
+def _prompt(value: Any) -> str | list:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and (_is_ids(value) or all(type(p) is str for p in value)
+                                    or all(_is_ids(p) for p in value)):
+        return value
+    raise ValueError("must be a string, a list of strings, a list of token ids (integers), or a list of lists of "
+                     "token ids")
+
+
+_IDS_SCHEMA = {"type": "array", "items": {"type": "integer"}}
+TokenIds = Annotated[list[int], PlainValidator(_token_ids), WithJsonSchema(_IDS_SCHEMA)]
+Prompt = Annotated[str | list, PlainValidator(_prompt), WithJsonSchema({"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}}, _IDS_SCHEMA,
+    {"type": "array", "items": _IDS_SCHEMA}]})]
 
 
 class StreamOptions(BaseModel):
@@ -21,23 +64,23 @@ class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: Int = 1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: dict[str, Any] | None = None  # not supported: only its neutral value (absent or empty) is accepted
     user: str | None = None
     # extensions
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: TokenIds | None = None
+    min_tokens: Int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -53,12 +96,12 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def unsupported(self) -> str | None:
         if self.echo:
@@ -95,10 +138,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
 
 # ------------------------------------------------------------------ responses

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from hybridserve.entrypoints.openai.errors import APIError
+from hybridserve.entrypoints.openai.limit_checks import check_completions
 from hybridserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -39,18 +40,18 @@ from hybridserve.entrypoints.openai.serving_common import (
 from hybridserve.outputs import CompletionOutput
 
 
-def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+async def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+    """The chat template applied to the messages, tokenized (off the event loop)."""
     if not request.messages:
         raise APIError(400, "messages is empty: at least one message is required", param="messages")
+    if not state.tokenizer.has_chat_template:
+        raise APIError(400, f"this model's tokenizer has no chat template: the model `{state.model_name}` cannot "
+                            "be used with /v1/chat/completions; use /v1/completions", param="messages")
     try:
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        return state.tokenizer.apply_chat_template(messages)
     except ValueError as exc:
-        message = str(exc)
-        if "chat template" in message:
-            message = (f"{message}: the model `{state.model_name}` cannot be used with /v1/chat/completions; "
-                       f"use /v1/completions")
-        raise APIError(400, message, param="messages") from None
+        raise APIError(400, str(exc), param="messages") from None
+    return await state.tokenizer.encode_chat(messages)
 
 
 def _logprobs(c: CompletionOutput, tokens: range, k: int) -> ChatLogprobs:
@@ -72,13 +73,15 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    check_completions(state.limits, request.n, 1)
     params = sampling_params(request, max_tokens, logprobs)
-    prompt_ids = _prompt_ids(state, request)
+    prompt_ids = await _prompt_ids(state, request)
     requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
     await requests.start()
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(sse_stream(_events(state, request, requests, logprobs, include_usage), requests),
+        return StreamingResponse(sse_stream(_events(state, request, requests, logprobs, include_usage, raw),
+                                            requests),
                                  media_type="text/event-stream")
     try:
         while not requests.done:
@@ -95,7 +98,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
 
 
 async def _events(state: ServerState, request: ChatCompletionRequest, requests: EngineRequests,
-                  logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+                  logprobs: int | None, include_usage: bool, raw: Request) -> AsyncIterator[str]:
     n = requests.params.n
     rid, model = requests.base_id, state.model_name
     deltas = [TextDelta(holdback_of(requests.params)) for _ in range(n)]
@@ -103,7 +106,7 @@ async def _events(state: ServerState, request: ChatCompletionRequest, requests: 
     yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
         ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]))
     while not requests.done:
-        await requests.wait()
+        await requests.wait(raw)
         out = requests.latest[0]
         for i, c in enumerate(choices_of(out, n)):
             if finished[i]:

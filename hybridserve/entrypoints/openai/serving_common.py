@@ -5,34 +5,41 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from hybridserve.engine.async_engine import AsyncEngine, EngineStoppedError, OutputSink, QueueFullError
-from hybridserve.engine.detokenizer import Detokenizer
-from hybridserve.entrypoints.openai.errors import APIError, ClientDisconnected, error_body
+from hybridserve.engine.async_engine import (
+    AsyncEngine,
+    EngineStoppedError,
+    NewRequest,
+    OutputSink,
+    QueueFullError,
+    RequestFailedError,
+)
+from hybridserve.entrypoints.openai.errors import APIError, ClientDisconnected, error_body, internal_error
+from hybridserve.entrypoints.openai.limits import ServerLimits
+from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from hybridserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 
-#: a non-streaming request checks this often (seconds) whether its client is still there
+#: a request (streaming or not) checks at least this often (seconds) whether its client is still there
 DISCONNECT_POLL_S = 0.25
-#: the most completions one request may ask for
-MAX_N = 128
 
 
 @dataclass
 class ServerState:
-    """What every endpoint needs: the engine, a tokenizer of the server's own, names and limits."""
+    """What every endpoint needs: the engine, the tokenizer (in its own thread), names, limits, auth."""
 
     engine: AsyncEngine
-    tokenizer: Detokenizer  # a separate instance from the engine thread's (tokenizers are not shared across threads)
+    tokenizer: TokenizerWorker
     model_name: str
-    model_path: str
     max_model_len: int
     api_key: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    protect_metrics_and_docs: bool = False  # /metrics and the docs routes need the API key too
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -49,10 +56,8 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None) 
     name = request.unsupported()
     if name is not None:
         raise APIError(400, f"{name} is not supported by this server", param=name)
-    if not 1 <= request.n <= MAX_N:
-        raise APIError(400, f"n={request.n} is not valid: must be between 1 and {MAX_N}", param="n")
     fields: dict[str, Any] = dict(
-        n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop or None,
+        n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
         min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output)
@@ -87,19 +92,19 @@ class EngineRequests:
         self._last_poll = time.monotonic()
 
     async def start(self) -> None:
-        """Queue every prompt; on a bad one (400) or a full queue (503) nothing stays queued."""
+        """Queue every prompt in one engine command: all of them, or none on a bad one (400) or a full queue (503)."""
+        new = [NewRequest(rid, ids, self.params, text) for rid, (ids, text) in zip(self.request_ids, self.prompts)]
+        self._pending.update(self.request_ids)
         try:
-            for rid, (ids, text) in zip(self.request_ids, self.prompts):
-                self._pending.add(rid)
-                await self.engine.add_request(rid, ids, self.params, self._sink, prompt=text)
+            await self.engine.add_requests(new, self._sink)
         except ValueError as exc:
-            self.abort()
+            self._pending.clear()  # nothing was queued
             raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
         except (QueueFullError, EngineStoppedError) as exc:
-            self.abort()
+            self._pending.clear()
             raise APIError(503, str(exc)) from None
         except BaseException:
-            self.abort()
+            self.abort()  # cancelled: the add may still land
             raise
 
     @property
@@ -112,7 +117,7 @@ class EngineRequests:
         With ``raw_request``, also watch for the client going away (raises :class:`ClientDisconnected`).
         """
         while True:
-            got = await self._sink.get(timeout=DISCONNECT_POLL_S if raw_request is not None else None)
+            got = await self._get(DISCONNECT_POLL_S if raw_request is not None else None)
             if raw_request is not None and (not got or time.monotonic() - self._last_poll > DISCONNECT_POLL_S):
                 self._last_poll = time.monotonic()
                 if await raw_request.is_disconnected():
@@ -127,6 +132,17 @@ class EngineRequests:
                     if out.finished:
                         self._pending.discard(rid)
                 return sorted(advanced)
+
+    async def _get(self, timeout: float | None) -> dict[str, RequestOutput]:
+        """The sink's new outputs; a failure in the engine is a 500 naming the request (its cause goes to the log)."""
+        try:
+            return await self._sink.get(timeout=timeout)
+        except RequestFailedError as exc:
+            self.abort()
+            raise internal_error(exc.request_id, exc.message) from None
+        except Exception as exc:  # noqa: BLE001 - a failed engine step: logged with the id, not shown
+            self.abort()
+            raise internal_error(self.base_id, exc) from None
 
     def abort(self) -> None:
         for rid in self._pending:
@@ -218,14 +234,19 @@ def sse_error(status: int, message: str) -> str:
 
 async def sse_stream(events: AsyncIterator[str], requests: "EngineRequests") -> AsyncIterator[str]:
     """One streamed response: ``events``, then ``[DONE]``. An error after the stream has started is
-    reported in-band, as an error event; the engine requests are aborted however the stream ends."""
+    reported in-band, as an error event (a 500's cause goes to the log, under the id the event names);
+    the engine requests are aborted however the stream ends, the client leaving included (``events``
+    watch for that too, as non-streaming requests do, so a stream waiting in the queue notices)."""
     try:
         async for event in events:
             yield event
+    except ClientDisconnected:
+        return  # nobody to tell (the finally aborts the engine requests)
     except APIError as exc:
         yield sse_error(exc.status, exc.message)
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        yield sse_error(500, f"generation failed: {exc}")
+        error = internal_error(requests.base_id, exc)
+        yield sse_error(error.status, error.message)
     finally:
         requests.abort()
     yield SSE_DONE

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from hybridserve.entrypoints.openai.errors import APIError
+from hybridserve.entrypoints.openai.limit_checks import check_completions
 from hybridserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -33,8 +34,8 @@ from hybridserve.entrypoints.openai.serving_common import (
 from hybridserve.outputs import CompletionOutput
 
 
-def _prompts(state: ServerState, prompt: str | list) -> list[tuple[list[int], str | None]]:
-    """``prompt`` as a list of (token ids, text): a string, strings, token ids, or lists of token ids."""
+def _prompt_items(prompt: str | list) -> list:
+    """``prompt`` as a list of prompts: a string, strings, token ids, or lists of token ids."""
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -43,16 +44,14 @@ def _prompts(state: ServerState, prompt: str | list) -> list[tuple[list[int], st
         items = list(prompt)
     if not items:
         raise APIError(400, "prompt is empty", param="prompt")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            try:
-                out.append((state.tokenizer.encode(item), item))
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="prompt") from None
-        else:
-            out.append((list(item), None))
-    return out
+    return items
+
+
+async def _prompts(state: ServerState, items: list) -> list[tuple[list[int], str | None]]:
+    """Each prompt as (token ids, text); the texts are tokenized together, off the event loop."""
+    texts = [item for item in items if isinstance(item, str)]
+    encoded = iter(await state.tokenizer.encode_prompts(texts) if texts else [])
+    return [(next(encoded), item) if isinstance(item, str) else (list(item), None) for item in items]
 
 
 def _logprobs(c: CompletionOutput, tokens: range, k: int, offset: int) -> CompletionLogprobs:
@@ -72,13 +71,15 @@ def _logprobs(c: CompletionOutput, tokens: range, k: int, offset: int) -> Comple
 
 async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
     state.check_model(request.model)
+    items = _prompt_items(request.prompt)
+    check_completions(state.limits, request.n, len(items))
     params = sampling_params(request, request.max_tokens, request.logprobs)
-    prompts = _prompts(state, request.prompt)
+    prompts = await _prompts(state, items)
     requests = EngineRequests(state.engine, new_id("cmpl"), prompts, params)
     await requests.start()
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(sse_stream(_events(state, request, requests, include_usage), requests),
+        return StreamingResponse(sse_stream(_events(state, request, requests, include_usage, raw), requests),
                                  media_type="text/event-stream")
     try:
         while not requests.done:
@@ -99,12 +100,12 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
 
 
 async def _events(state: ServerState, request: CompletionRequest, requests: EngineRequests,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, raw: Request) -> AsyncIterator[str]:
     n = requests.params.n
     deltas = [[TextDelta(holdback_of(requests.params)) for _ in range(n)] for _ in requests.prompts]
     finished = [[False] * n for _ in requests.prompts]
     while not requests.done:
-        for p in await requests.wait():
+        for p in await requests.wait(raw):
             out = requests.latest[p]
             for i, c in enumerate(choices_of(out, n)):
                 if finished[p][i]:

@@ -1,0 +1,100 @@
+"""The server's tokenizer, in one thread of its own.
+
+A HF tokenizer must not be used from several threads, and tokenizing or templating a long input on
+the event loop would stall every stream and ``/health``. So a single-thread executor owns the
+tokenizer (it is loaded there too); the event loop only hands it work and awaits the result.
+
+Before any text is tokenized its length is checked: no token of the vocabulary stands for more than
+``max_token_chars`` characters (the longest token's length), so a text of more than
+``max_model_len x max_token_chars`` characters cannot fit and is refused at once (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.entrypoints.openai.errors import APIError
+
+
+class TokenizerWorker:
+    """Encodes prompts and renders chats off the event loop; refuses texts too long to fit first."""
+
+    def __init__(self, path: str, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridserve-tokenizer")
+        self._tokenizer: Any = None  # touched only in the executor's thread
+        self.has_tokenizer, self.has_chat_template, self.max_token_chars = (
+            self._executor.submit(self._load, path).result())
+
+    @property
+    def max_chars(self) -> int:
+        """The most characters a text can have and still fit in ``max_model_len`` tokens."""
+        return self.max_model_len * self.max_token_chars
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def encode_prompts(self, texts: list[str]) -> list[list[int]]:
+        """The token ids of each prompt (with the tokenizer's special tokens, as offline)."""
+        if not self.has_tokenizer:
+            raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
+        for i, text in enumerate(texts):
+            self._check_length(text, f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
+        return await self._run(self._encode_all, texts)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The token ids of the chat template applied to ``messages``, with the generation prompt."""
+        return await self._run(self._encode_chat, messages)
+
+    # ------------------------------------------------------- executor thread
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _load(self, path: str) -> tuple[bool, bool, int]:
+        tokenizer = Detokenizer.from_path(path).tokenizer
+        self._tokenizer = tokenizer
+        if tokenizer is None:
+            return False, False, 0
+        longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        return True, bool(getattr(tokenizer, "chat_template", None)), max(1, longest)
+
+    def _check_length(self, text: str, subject: str, param: str) -> None:
+        if len(text) > self.max_chars:
+            raise APIError(400, f"{subject} has {len(text):,} characters: more than fit in max_model_len="
+                                f"{self.max_model_len} tokens (a token of this tokenizer stands for at most "
+                                f"{self.max_token_chars} characters, so at most {self.max_chars:,} fit)", param=param)
+
+    def _encode(self, text: str, subject: str, param: str, **kwargs: Any) -> list[int]:
+        try:
+            return list(self._tokenizer.encode(text, **kwargs))
+        except (TypeError, UnicodeError) as exc:
+            raise APIError(400, f"{subject} could not be tokenized ({type(exc).__name__}): it must be "
+                                "valid text", param=param) from None
+
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        return [self._encode(text, f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
+                for i, text in enumerate(texts)]
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as exc:
+            raise APIError(400, f"the chat template refused these messages: {_short(exc)}", param="messages") from None
+        except (TypeError, UnicodeError) as exc:
+            raise APIError(400, f"the chat template could not render these messages ({type(exc).__name__}): "
+                                "their roles and contents must be valid text", param="messages") from None
+        if not isinstance(text, str):
+            raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
+        self._check_length(text, "the chat, rendered by its template,", "messages")
+        # what apply_chat_template(tokenize=True) does: the template writes the special tokens itself
+        return self._encode(text, "the rendered chat", "messages", add_special_tokens=False)
+
+
+def _short(exc: BaseException, limit: int = 500) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
