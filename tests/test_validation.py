@@ -43,7 +43,10 @@ def test_sizes_and_aliases():
     ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 50}, "logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"n": 0}, "n="), ({"seed": "x"}, "seed"),
+    ({"n": 0}, "n="), ({"seed": "x"}, "seed"), ({"stop": ""}, "stop"),
+    ({"seed": 2 ** 64}, r"seed=18446744073709551616 .*\[-9223372036854775808, 18446744073709551615\]"),
+    ({"seed": 2 ** 64 - 2, "n": 4}, r"with n=4"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens=20 .*at most max_tokens=10"),
 ])
 def test_sampling_param_errors(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from hybridserve.cache.capacity import bytes_per_sequence, ideal_bytes_per_sequence, max_sequences, pool_geometry
+from hybridserve.cache.capacity import (
+    bytes_per_sequence,
+    ideal_bytes_per_sequence,
+    max_sequences,
+    padding_fits,
+    padding_reservation,
+    pool_geometry,
+)
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import EngineConfig, ResolvedDtypes
@@ -62,11 +69,13 @@ class CachePlan:
     layout: PoolLayout
     cache_memory_bytes: int
     max_model_len: int
+    reserved: tuple[int, int] = (0, 0)  # (pages, slots) the padded rows of captured decode steps hold
 
     @property
     def max_concurrent_sequences(self) -> int:
-        """Sequences of ``max_model_len`` tokens that fit in the pool at once (the engine's arithmetic)."""
-        return max_sequences(self.layout, self.cache_memory_bytes, self.max_model_len)
+        """Sequences of ``max_model_len`` tokens that fit in the pool at once, beside the padding
+        reservation (the engine's arithmetic)."""
+        return max_sequences(self.layout, self.cache_memory_bytes, self.max_model_len, self.reserved)
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -104,6 +113,7 @@ class CachePlan:
             "max_model_len": self.max_model_len,
             "bytes_per_sequence": self.bytes_per_sequence,
             "ideal_bytes_per_sequence": self.ideal_bytes_per_sequence,
+            "padding_reserved_bytes": self.reserved[0] * layout.page_bytes + self.reserved[1] * layout.slot_bytes,
             "max_concurrent_sequences": self.max_concurrent_sequences,
             "ideal_max_sequences": self.ideal_max_sequences,
         }
@@ -128,8 +138,19 @@ def plan_cache(hf_config: Any, config: EngineConfig, max_model_len: int | None =
     layout = compute_layout(specs, config.block_size)
     length = max_model_len or config.max_model_len or default_max_model_len(hf_config)
     options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
+    reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
     return CachePlan(label, architecture_of(hf_config), options, dtypes, tuple(specs), layout,
-                     int(config.cache_memory), int(length))
+                     int(config.cache_memory), int(length), reserved)
+
+
+def _captures_decode(config: EngineConfig, dtypes: ResolvedDtypes, layout) -> bool:
+    """Whether the engine would capture decode steps (and so reserve their padding) under ``config`` on
+    this machine: the CPU with its kernels on, not ``enforce_eager``, no fp8 KV cache (which stays
+    eager), and a pool large enough to spare the reservation."""
+    from hybridserve.config import FP8_KV_DTYPES
+
+    return (config.resolve_device().type == "cpu" and config.cpu_kernels and not config.enforce_eager
+            and dtypes.kv_cache not in FP8_KV_DTYPES and padding_fits(layout, int(config.cache_memory)))
 
 
 def plan_alternatives(hf_config: Any, config: EngineConfig, max_model_len: int | None = None) -> list[CachePlan]:
@@ -138,6 +159,7 @@ def plan_alternatives(hf_config: Any, config: EngineConfig, max_model_len: int |
     for label, options in ALTERNATIVES:
         alt = EngineConfig(**{**{name: "auto" for name in DTYPE_OPTIONS}, **options},
                            block_size=config.block_size, cache_memory=config.cache_memory,
-                           max_model_len=config.max_model_len)
+                           max_model_len=config.max_model_len, device=config.device,
+                           cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager)
         plans.append(plan_cache(hf_config, alt, max_model_len, label))
     return plans

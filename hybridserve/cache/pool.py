@@ -392,6 +392,11 @@ class CachePool:
         page, slot = self.padding
         return (page is not None) * self.layout.page_bytes + (slot is not None) * self.layout.slot_bytes
 
+    def reserved_counts(self) -> tuple[int, int]:
+        """(pages, slots) of the padding reservation."""
+        page, slot = self.padding
+        return int(page is not None), int(slot is not None)
+
     def usage(self) -> float:
         """Fraction of the pool held by live pages and slots."""
         return self.used_bytes() / self.num_bytes if self.num_bytes else 0.0

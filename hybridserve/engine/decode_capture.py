@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from hybridserve.cache.capacity import MIN_POOL_SHARE, padding_fits
 from hybridserve.cache.pool import CachePool
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.kernels.graph import CaptureError, Graph, capture, module_regions, tensor_region
@@ -30,10 +31,6 @@ def bucket_sizes(max_rows: int) -> list[int]:
         sizes.append(n)
         n *= 2
     return sizes + [max_rows]
-
-
-#: capture only when the padding reservation costs at most 1/MIN_POOL_SHARE of the pool
-MIN_POOL_SHARE = 32
 
 
 class CapturedDecode:
@@ -140,8 +137,8 @@ def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_mode
     Padded rows need a page and a slot of their own for the pool's life; a pool so small that they would
     take more than ``1 / MIN_POOL_SHARE`` of it stays eager instead (the requests it can hold matter more)."""
     layout = pool.layout
-    padding = layout.page_bytes * layout.has_kv + layout.slot_bytes * layout.has_state
-    if padding * MIN_POOL_SHARE > pool.num_bytes:
+    if not padding_fits(layout, pool.num_bytes):
+        padding = layout.page_bytes * layout.has_kv + layout.slot_bytes * layout.has_state
         return None, (f"the cache pool ({pool.num_bytes} bytes) is too small to set aside a page and a slot for "
                       f"padded rows ({padding} bytes, over 1/{MIN_POOL_SHARE} of it)")
     captured = CapturedDecode(model, pool, max_rows, max_model_len)

@@ -383,7 +383,9 @@ class LLMEngine:
             "num_pages": self.pool.num_pages,
             "num_slots": self.pool.num_slots,
             "max_model_len": self.max_model_len,
-            "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len),
+            "padding_reserved_bytes": self.pool.reserved_bytes(),
+            "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len,
+                                                      self.pool.reserved_counts()),
         }
 
 

@@ -22,6 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence (default: the engine's, the model's max positions capped at 4096)")
     p.add_argument("--block-size", type=int, default=16, help="attention KV block size in tokens (1-64)")
+    p.add_argument("--device", default="auto", help="the engine's device (auto, cpu, cuda): captured decode steps "
+                                                    "on the CPU set a page and a slot aside for padded rows")
+    p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="plan for an engine without its CPU kernels (no captured decode, no padding reservation)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="plan for an engine that does not capture decode steps (no padding reservation)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(handler=run)
 
@@ -31,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from hybridserve.config import EngineConfig
 
     config = EngineConfig(block_size=args.block_size, cache_memory=args.cache_memory,
-                          max_model_len=args.max_model_len,
-                          **{name: getattr(args, name) for name in DTYPE_OPTIONS})
+                          max_model_len=args.max_model_len, device=args.device, cpu_kernels=args.cpu_kernels,
+                          enforce_eager=args.enforce_eager, **{name: getattr(args, name) for name in DTYPE_OPTIONS})
     hf_config = load_config(args.model)
     plan = plan_cache(hf_config, config)
     alternatives = plan_alternatives(hf_config, config)
@@ -86,6 +92,7 @@ def print_plan(plan, alternatives) -> None:
             ("cache memory", f"{s['cache_memory_bytes']:,} ({_size(s['cache_memory_bytes'])})"),
             ("bytes per sequence", f"{s['bytes_per_sequence']:,} at {s['max_model_len']:,} tokens "
                                    f"(ideal {s['ideal_bytes_per_sequence']:,})"),
+            ("padding reserved (captured decode)", _size(s["padding_reserved_bytes"])),
             ("max concurrent sequences", f"{s['max_concurrent_sequences']:,} of {s['max_model_len']:,} tokens "
                                          f"(ideal {s['ideal_max_sequences']:,.2f})")):
         totals.add_row(label, value)

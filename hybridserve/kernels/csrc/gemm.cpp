@@ -228,10 +228,16 @@ inline float widen_scalar(float v) { return v; }
 inline float widen_scalar(uint16_t v) { uint32_t u = static_cast<uint32_t>(v) << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
 inline float widen_scalar(_Float16 v) { return static_cast<float>(v); }
 
+// Float32 weights need no widening: a tile steps one k at a time, and the registers that held the
+// second widened vector of a k-pair hold more rows instead.
+template <typename W> constexpr bool kPlain = std::is_same_v<W, float>;
+template <typename W> constexpr int max_rows() { return kPlain<W> ? (kLanes == 16 ? 8 : 6) : kMaxRows; }
+
 // Panels per tile of MR rows: MR x NP x kVecs sums, 2 x NP x kVecs widened weights and 2 broadcasts
-// in the registers.
+// in the registers (float32: NP x kVecs weights and one broadcast).
+template <typename W>
 constexpr int vpanels(int MR) {
-  const int np = (kRegisters - 2) / (kVecs * (MR + 2));
+  const int np = kPlain<W> ? (kRegisters - 1) / (kVecs * (MR + 1)) : (kRegisters - 2) / (kVecs * (MR + 2));
   return np < 1 ? 1 : (np > 8 ? 8 : np);
 }
 
@@ -244,13 +250,25 @@ void vtile(int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, cons
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
-  for (int64_t kk = 0; kk < K2; ++kk) {
-    vf even[NV], odd[NV];
-    for (int p = 0; p < NP; ++p)
-      for (int v = 0; v < kVecs; ++v) widen_pair(w + p * pe, kk, v, even[p * kVecs + v], odd[p * kVecs + v]);
-    for (int r = 0; r < MR; ++r) {
-      const float x0 = xf[r * xs + 2 * kk], x1 = xf[r * xs + 2 * kk + 1];
-      for (int j = 0; j < NV; ++j) acc[r][j] = acc[r][j] + x0 * even[j] + x1 * odd[j];
+  if constexpr (kPlain<W>) {
+    for (int64_t k = 0; k < 2 * K2; ++k) {  // panels are [Kp][16]: row k of each
+      vf wv[NV];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < kVecs; ++v) wv[p * kVecs + v] = load_vec<vf>(w + p * pe + k * kPanel + v * kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const float x0 = xf[r * xs + k];
+        for (int j = 0; j < NV; ++j) acc[r][j] = acc[r][j] + x0 * wv[j];
+      }
+    }
+  } else {
+    for (int64_t kk = 0; kk < K2; ++kk) {
+      vf even[NV], odd[NV];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < kVecs; ++v) widen_pair(w + p * pe, kk, v, even[p * kVecs + v], odd[p * kVecs + v]);
+      for (int r = 0; r < MR; ++r) {
+        const float x0 = xf[r * xs + 2 * kk], x1 = xf[r * xs + 2 * kk + 1];
+        for (int j = 0; j < NV; ++j) acc[r][j] = acc[r][j] + x0 * even[j] + x1 * odd[j];
+      }
     }
   }
   for (int j = 0; j < NV; ++j) {
@@ -276,7 +294,7 @@ void vtile_any(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int6
 template <typename W, int MR>
 void vrows(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out,
            int64_t os, int64_t n0, int64_t N) {
-  vtile_any<MR, vpanels(MR)>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
+  vtile_any<MR, vpanels<W>(MR)>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
 }
 
 template <typename W>
@@ -315,10 +333,11 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
   if (static_cast<int64_t>(scratch.size()) < M * fs) scratch.resize(M * fs);
   float* xf = scratch.data();
   widen_rows(M, K, fs, x, xs, xf);
-  static constexpr auto table = vrows_table<W>(std::make_integer_sequence<int, kMaxRows>{});
+  constexpr int kRows = max_rows<W>();
+  static constexpr auto table = vrows_table<W>(std::make_integer_sequence<int, kRows>{});
   // Rows in blocks whose float32 copy stays in L2 (~192 KiB) while every panel passes over it.
-  const int64_t block = std::max<int64_t>(kMaxRows, (192 * 1024 / (4 * Kp)) / kMaxRows * kMaxRows);
-  const int64_t group = vpanels(M >= kMaxRows ? kMaxRows : static_cast<int>(M));
+  const int64_t block = std::max<int64_t>(kRows, (192 * 1024 / (4 * Kp)) / kRows * kRows);
+  const int64_t group = vpanels<W>(M >= kRows ? kRows : static_cast<int>(M));
   const int64_t groups = (panels + group - 1) / group;
   const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
   for (int64_t b0 = 0; b0 < M; b0 += block) {
@@ -326,8 +345,8 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t g = 0; g < groups; ++g) {
       const int np = static_cast<int>(std::min(group, panels - g * group));
-      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kMaxRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, b0 + rows - m0));
+      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0));
         // narrower row tiles take at least as many panels, so a tail tile covers this group too
         table[mr - 1](np, K2, xf + m0 * fs, fs, packed + g * group * pe, pe, bias, out + m0 * os, os,
                       g * group * kPanel, N);
