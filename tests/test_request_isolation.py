@@ -230,12 +230,13 @@ def test_many_children_scale(path):
 
 # ----------------------------------------------------------------------- random mixes
 BAD_SEED = 2 ** 64 - 1
+HUGE_N = 24  # far more completions than max_num_seqs: most children queue and prefill themselves
 
 
 @st.composite
 def request_mixes(draw):
     """Requests (good and bad) and, per step, which requests to abort."""
-    kinds = draw(st.lists(st.sampled_from(["greedy", "seeded", "fork", "tiny_temp", "bad_seed", "poisoned",
+    kinds = draw(st.lists(st.sampled_from(["greedy", "seeded", "fork", "huge_n", "tiny_temp", "bad_seed", "poisoned",
                                            "too_long", "abort"]), min_size=2, max_size=8))
     lengths = draw(st.lists(st.integers(1, 30), min_size=len(kinds), max_size=len(kinds)))
     abort_steps = draw(st.lists(st.integers(0, 12), min_size=len(kinds), max_size=len(kinds)))
@@ -245,7 +246,7 @@ def request_mixes(draw):
 def _params_of(kind: str, i: int) -> SamplingParams | None:
     if kind == "bad_seed":
         return None  # SamplingParams itself refuses it
-    n = 3 if kind == "fork" else 1
+    n = {"fork": 3, "huge_n": HUGE_N}.get(kind, 1)
     temperature = {"greedy": 0.0, "tiny_temp": 1e-30, "poisoned": MARK}.get(kind, 0.8)
     return SamplingParams(n=n, temperature=temperature, seed=i if kind != "greedy" else None,
                           max_tokens=6, ignore_eos=True)
@@ -255,7 +256,8 @@ def _params_of(kind: str, i: int) -> SamplingParams | None:
 @given(mix=request_mixes())
 def test_random_mixes_with_bad_members(path, monkeypatch, mix):
     """Bad seeds and too-long prompts are refused at once; poisoned rows fail alone; aborts free at once;
-    every good request completes with all its tokens; afterwards nothing runs or is held."""
+    every good request (forks with far more completions than running sequences among them) completes
+    with all its tokens; afterwards nothing runs or is held."""
     real = sampler._processed_logits
 
     def poisoned(logits, params):
@@ -287,7 +289,7 @@ def test_random_mixes_with_bad_members(path, monkeypatch, mix):
         if kind == "abort":
             aborts.setdefault(abort_step, []).append(rid)
     finished: dict[str, object] = {}
-    for step in range(200):
+    for step in range(2000):
         for rid in aborts.pop(step, []):
             engine.abort_request(rid)
             finished[rid] = None
@@ -302,7 +304,7 @@ def test_random_mixes_with_bad_members(path, monkeypatch, mix):
         out = finished[rid]
         if reason == "abort":
             continue  # aborted: no output is delivered for it (possibly finished before its abort step)
-        n = 3 if rid.startswith("fork") else 1
+        n = {"fork": 3, "huge_n": HUGE_N}.get(rid.split("-")[0], 1)
         assert len(out.outputs) == (1 if reason == "error" else n), rid
         assert all(c.finish_reason == reason for c in out.outputs), (rid, [c.finish_reason for c in out.outputs])
         if reason == "length":
