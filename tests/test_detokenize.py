@@ -1,6 +1,6 @@
-"""Output text: decoded incrementally (a short window per step, not the whole output again), always a
-prefix of the whole output decoded at once and equal to it at the end; ``detokenize=False`` gives
-token ids only."""
+"""Output text: decoded incrementally (the tokenizers library's streaming decoder, or a short window
+per step; never the whole output again), always a prefix of the whole output decoded at once and equal
+to it at the end; ``detokenize=False`` gives token ids only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.default_model import default_model_path
-from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.engine.detokenizer import Detokenizer, _StreamDecoder, _WindowDecoder
 
 TEXTS = ["Once upon a time, there was a little girl named Lily.",
          "Naïve café — déjà vu: 東京 and 🙂 emoji, tabs\tand  double  spaces.",
@@ -50,6 +50,55 @@ def test_incremental_text_with_random_and_special_tokens(detok):
         ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab) for _ in range(40)]
         for skip in (True, False):
             _step_through(detok, ids, skip)
+
+
+def _decoders(detok, skip):
+    return {"stream": _StreamDecoder(detok.tokenizer._tokenizer, skip), "window": _WindowDecoder(detok, skip)}
+
+
+def _step_through_decoders(detok, ids, skip_special_tokens=True):
+    """Both incremental decoders, fed one token at a time: each accumulated text a prefix of the full
+    decode, equal to it whenever its last character is complete, and the two always alike."""
+    decoders = _decoders(detok, skip_special_tokens)
+    texts = dict.fromkeys(decoders, "")
+    for i in range(1, len(ids) + 1):
+        full = detok.decode(ids[:i], skip_special_tokens)
+        for name, decoder in decoders.items():
+            texts[name] += decoder.add(ids[:i])
+            assert full.startswith(texts[name]), (name, i, texts[name], full)
+            if not full.endswith("\ufffd"):
+                assert texts[name] == full, (name, i, texts[name], full)
+    return texts
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_both_decoders_track_the_full_decode(detok, text):
+    ids = detok.encode(text)
+    assert set(_step_through_decoders(detok, ids).values()) == {detok.decode(ids)}
+
+
+def test_both_decoders_with_random_special_and_out_of_vocabulary_tokens(detok):
+    rng = random.Random(1)
+    vocab = detok.tokenizer.vocab_size
+    specials = list(detok.tokenizer.all_special_ids)
+    for _ in range(40):
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab + 8) for _ in range(40)]
+        for skip in (True, False):
+            _step_through_decoders(detok, ids, skip)
+
+
+def test_the_engine_streams_with_the_tokenizers_decoder(detok):
+    """A Rust-backed tokenizer that does not clean up spaces gets the streaming decoder; one without a
+    backend (or that cleans up) the window of decode calls."""
+    assert isinstance(detok.incremental(), _StreamDecoder)
+
+    class Slow:
+        clean_up_tokenization_spaces = False
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    assert isinstance(Detokenizer(Slow()).incremental(), _WindowDecoder)
 
 
 def test_no_tokenizer_gives_no_text():

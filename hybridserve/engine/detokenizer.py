@@ -10,6 +10,45 @@ from hybridserve.outputs import PositionLogprobs
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+class IncrementalDecoder:
+    """One sequence's output text, decoded as its tokens arrive: :meth:`add` returns what the new tokens
+    add to the text (nothing while a character is incomplete), so the deltas always join into a prefix of
+    the whole output decoded at once, and equal it once the last character is complete."""
+
+    def add(self, token_ids: list[int]) -> str:
+        """The text added by ``token_ids`` past the ones already seen (the whole output so far)."""
+        raise NotImplementedError
+
+
+class _WindowDecoder(IncrementalDecoder):
+    """Decodes a short window before and after the new tokens with the tokenizer's own ``decode``."""
+
+    def __init__(self, detokenizer: "Detokenizer", skip_special_tokens: bool) -> None:
+        self.detokenizer, self.skip = detokenizer, skip_special_tokens
+        self.prefix = self.read = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        delta, self.prefix, self.read = self.detokenizer.decode_increment(token_ids, self.prefix, self.read,
+                                                                          self.skip)
+        return delta
+
+
+class _StreamDecoder(IncrementalDecoder):
+    """The tokenizers library's ``DecodeStream``: one step per token in Rust, no Python decode calls."""
+
+    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = backend
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.seen = 0
+
+    def add(self, token_ids: list[int]) -> str:
+        parts = [self.stream.step(self.backend, t) for t in token_ids[self.seen:]]
+        self.seen = len(token_ids)
+        return "".join(p for p in parts if p)
+
+
 class Detokenizer:
     """Thin wrapper over a transformers tokenizer, or none."""
 
@@ -50,6 +89,16 @@ class Detokenizer:
             return after[len(before):], read, len(token_ids)
         return "", prefix, read
 
+    def incremental(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        """A new sequence's incremental decoder: the tokenizers library's streaming decoder where its text is
+        the tokenizer's own (a Rust backend that does not clean up spaces after decoding), else a window of
+        :meth:`decode_increment` calls."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if (backend is not None and _has_decode_stream()
+                and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)):
+            return _StreamDecoder(backend, skip_special_tokens)
+        return _WindowDecoder(self, skip_special_tokens)
+
     def annotate(self, entry: PositionLogprobs) -> PositionLogprobs:
         """Fill ``decoded_token`` of each Logprob in a position's entry."""
         if self.tokenizer is not None:
@@ -62,3 +111,11 @@ class Detokenizer:
             raise ValueError("this model's tokenizer has no chat template")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
+
+
+def _has_decode_stream() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return False
+    return True

@@ -323,8 +323,9 @@ class LLMEngine:
         num_out = len(seq.output_token_ids)
         text_before = seq.output_text
         if params.detokenize:
-            delta, seq.detok_prefix, seq.detok_read = self.detokenizer.decode_increment(
-                seq.output_token_ids, seq.detok_prefix, seq.detok_read, params.skip_special_tokens)
+            if seq.decoder is None:
+                seq.decoder = self.detokenizer.incremental(params.skip_special_tokens)
+            delta = seq.decoder.add(seq.output_token_ids)
             seq.output_text = text_before + delta
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == seq.eos_token_id:

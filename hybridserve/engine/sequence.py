@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from hybridserve.engine.detokenizer import IncrementalDecoder
 from hybridserve.outputs import PositionLogprobs
 from hybridserve.sampling_params import SamplingParams
 
@@ -40,7 +41,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs | None] = [None] if params.prompt_logprobs is not None else []
         self.output_text = ""
-        self.detok_prefix = self.detok_read = 0  # incremental detokenization offsets into output_token_ids
+        self.decoder: IncrementalDecoder | None = None  # the output's incremental detokenizer (made at its first token)
         self.num_preemptions = 0
         self.num_step_failures = 0  # failed steps this sequence was part of (see LLMEngine.step)
         self.generator: torch.Generator | None = None
