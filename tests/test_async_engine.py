@@ -10,12 +10,10 @@ import pytest
 
 from hybridserve import SamplingParams
 from hybridserve.config import EngineConfig
-from hybridserve.engine import sampler
 from hybridserve.engine.async_engine import AsyncEngine, NewRequest, OutputSink, QueueFullError, RequestFailedError
 from hybridserve.engine.llm_engine import LLMEngine
 from tests.checkpoints import make
-
-MARK = 0.77
+from tests.faults import MARK, poison_marked_rows
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +66,7 @@ def test_waiting_bound_is_exact_and_adds_are_whole(path):
 
 
 def test_a_failing_request_fails_only_its_caller(path, monkeypatch):
-    real = sampler._processed_logits
-
-    def poisoned(logits, params):
-        out = real(logits, params)
-        for row, p in enumerate(params):
-            if p.temperature == MARK:
-                out[row] = float("nan")
-        return out
-
-    monkeypatch.setattr(sampler, "_processed_logits", poisoned)
+    poison_marked_rows(monkeypatch, float("nan"))
 
     async def main():
         engine = AsyncEngine(_engine(path), max_waiting=16)

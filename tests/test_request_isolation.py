@@ -12,9 +12,9 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.engine import fork, sampler
 from hybridserve.engine.sequence import Sequence
 from tests.checkpoints import make
+from tests.faults import MARK, poison_marked_rows
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-MARK = 0.77  # a temperature that the injected faults below recognise
 
 
 @pytest.fixture(scope="module")
@@ -115,19 +115,10 @@ def test_tiny_temperature_is_greedy(path):
 def test_a_non_finite_distribution_fails_only_its_row(path, monkeypatch):
     """Logits that turn into nan for one request's row fail that request; a concurrent seeded
     request samples exactly the tokens it samples alone."""
-    real = sampler._processed_logits
-
-    def poisoned(logits, params):
-        out = real(logits, params)
-        for row, p in enumerate(params):
-            if p.temperature == MARK:
-                out[row] = float("nan")
-        return out
-
     good = SamplingParams(temperature=0.9, seed=42, max_tokens=8, ignore_eos=True)
     prompts = _prompts(2, seed=4)
     alone = _gen(LLM(path, cache_memory="8MiB"), prompts[1:], good)[0].outputs[0].token_ids
-    monkeypatch.setattr(sampler, "_processed_logits", poisoned)
+    poison_marked_rows(monkeypatch, float("nan"))
     llm = LLM(path, cache_memory="8MiB")
     outs = _gen(llm, prompts, [SamplingParams(temperature=MARK, max_tokens=8), good])
     assert "not finite" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
@@ -258,16 +249,7 @@ def test_random_mixes_with_bad_members(path, monkeypatch, mix):
     """Bad seeds and too-long prompts are refused at once; poisoned rows fail alone; aborts free at once;
     every good request (forks with far more completions than running sequences among them) completes
     with all its tokens; afterwards nothing runs or is held."""
-    real = sampler._processed_logits
-
-    def poisoned(logits, params):
-        out = real(logits, params)
-        for row, p in enumerate(params):
-            if p.temperature == MARK:
-                out[row] = float("inf")
-        return out
-
-    monkeypatch.setattr(sampler, "_processed_logits", poisoned)
+    poison_marked_rows(monkeypatch, float("inf"))
     llm = _mix_llm(path)
     engine = llm.engine
     g = torch.Generator().manual_seed(len(mix))

@@ -73,10 +73,14 @@ def padding_reservation(layout: PoolLayout) -> tuple[int, int]:
     return int(layout.has_kv), int(layout.has_state)
 
 
+def reserved_bytes(layout: PoolLayout, reserved: tuple[int, int]) -> int:
+    """Bytes of ``reserved`` (pages, slots)."""
+    return reserved[0] * layout.page_bytes + reserved[1] * layout.slot_bytes
+
+
 def padding_fits(layout: PoolLayout, cache_memory: int) -> bool:
     """Whether a pool of ``cache_memory`` bytes is large enough to spare the padding reservation."""
-    pages, slots = padding_reservation(layout)
-    return (pages * layout.page_bytes + slots * layout.slot_bytes) * MIN_POOL_SHARE <= cache_memory
+    return reserved_bytes(layout, padding_reservation(layout)) * MIN_POOL_SHARE <= cache_memory
 
 
 def max_sequences(layout: PoolLayout, cache_memory: int, num_tokens: int,

@@ -93,6 +93,6 @@ class CacheManager:
         """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the
         padding reservation of captured decode steps, which stays for the pool's life)."""
         pool = self.pool
-        pad_page, pad_slot = pool.padding
-        return fits(pool.layout, pool.geometry, self.pages_for(num_tokens) + (pad_page is not None),
-                    (1 if pool.layout.has_state else 0) + (pad_slot is not None))
+        pad_pages, pad_slots = pool.reserved_counts()
+        return fits(pool.layout, pool.geometry, self.pages_for(num_tokens) + pad_pages,
+                    (1 if pool.layout.has_state else 0) + pad_slots)

@@ -22,6 +22,7 @@ from hybridserve.cache.capacity import (
     padding_fits,
     padding_reservation,
     pool_geometry,
+    reserved_bytes,
 )
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
@@ -113,7 +114,7 @@ class CachePlan:
             "max_model_len": self.max_model_len,
             "bytes_per_sequence": self.bytes_per_sequence,
             "ideal_bytes_per_sequence": self.ideal_bytes_per_sequence,
-            "padding_reserved_bytes": self.reserved[0] * layout.page_bytes + self.reserved[1] * layout.slot_bytes,
+            "padding_reserved_bytes": reserved_bytes(layout, self.reserved),
             "max_concurrent_sequences": self.max_concurrent_sequences,
             "ideal_max_sequences": self.ideal_max_sequences,
         }

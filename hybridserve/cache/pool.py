@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.cache.capacity import fits, pool_geometry
+from hybridserve.cache.capacity import fits, pool_geometry, reserved_bytes
 from hybridserve.cache.layout import PoolLayout, TensorPlacement
 from hybridserve.cache.spec import dtype_size
 
@@ -376,12 +376,12 @@ class CachePool:
     @property
     def num_live_pages(self) -> int:
         """Pages held by sequences (the padding reservation aside)."""
-        return len(self._live_pages) - (self.padding[0] is not None)
+        return len(self._live_pages) - self.reserved_counts()[0]
 
     @property
     def num_live_slots(self) -> int:
         """Slots held by sequences (the padding reservation aside)."""
-        return len(self._live_slots) - (self.padding[1] is not None)
+        return len(self._live_slots) - self.reserved_counts()[1]
 
     def used_bytes(self) -> int:
         """Bytes held by sequences' pages and slots (the padding reservation aside: :meth:`reserved_bytes`)."""
@@ -389,8 +389,7 @@ class CachePool:
 
     def reserved_bytes(self) -> int:
         """Bytes of the page and slot reserved for padded rows (:meth:`reserve_padding`)."""
-        page, slot = self.padding
-        return (page is not None) * self.layout.page_bytes + (slot is not None) * self.layout.slot_bytes
+        return reserved_bytes(self.layout, self.reserved_counts())
 
     def reserved_counts(self) -> tuple[int, int]:
         """(pages, slots) of the padding reservation."""

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from hybridserve.cache.capacity import MIN_POOL_SHARE, padding_fits
+from hybridserve.cache.capacity import MIN_POOL_SHARE, padding_fits, padding_reservation, reserved_bytes
 from hybridserve.cache.pool import CachePool
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.kernels.graph import CaptureError, Graph, capture, module_regions, tensor_region
@@ -138,7 +138,7 @@ def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_mode
     take more than ``1 / MIN_POOL_SHARE`` of it stays eager instead (the requests it can hold matter more)."""
     layout = pool.layout
     if not padding_fits(layout, pool.num_bytes):
-        padding = layout.page_bytes * layout.has_kv + layout.slot_bytes * layout.has_state
+        padding = reserved_bytes(layout, padding_reservation(layout))
         return None, (f"the cache pool ({pool.num_bytes} bytes) is too small to set aside a page and a slot for "
                       f"padded rows ({padding} bytes, over 1/{MIN_POOL_SHARE} of it)")
     captured = CapturedDecode(model, pool, max_rows, max_model_len)

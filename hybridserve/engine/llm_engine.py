@@ -204,14 +204,15 @@ class LLMEngine:
                 continue
             seqs.extend(ready)
             rows.extend([row] * len(ready))
-        keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
-        if len(keep) < len(seqs):
-            seqs, rows = [seqs[i] for i in keep], [rows[i] for i in keep]
+        regather = len(seqs) > len(logits.sample_seqs)  # children share their parent's row
+        if any(seq.is_finished for seq in seqs):  # a request failed in this step (its fork, prompt logprobs)
+            keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            seqs, rows, regather = [seqs[i] for i in keep], [rows[i] for i in keep], True
         if not seqs:
             return
         sample_logits = logits.sample_logits
-        if rows != list(range(sample_logits.shape[0])):
-            sample_logits = sample_logits[rows]  # (N + children, V): children share their parent's row
+        if regather:
+            sample_logits = sample_logits[rows]  # (rows, V)
         args = (sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
                 self.cpu_kernels)
         try:

@@ -131,3 +131,21 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
+    """``predicate()``'s first truthy value, polled every 50 ms; AssertionError after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def idle(server: ServerProcess) -> bool:
+    """Whether ``/metrics`` shows 0 running, 0 waiting and cache usage 0."""
+    m = server.metrics()
+    return (m["hybridserve:num_requests_running"] == 0 and m["hybridserve:num_requests_waiting"] == 0
+            and m["hybridserve:cache_usage_perc"] == 0)

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.server.server_utils import RAISING_CHAT_TEMPLATE, ServerProcess, make_checkpoint
+from tests.server.server_utils import RAISING_CHAT_TEMPLATE, ServerProcess, idle, make_checkpoint, wait_for
 
 API_KEY = "guard-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -47,22 +47,6 @@ def guarded(tmp_path_factory):
         yield proc
     finally:
         proc.stop()
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def idle(server: ServerProcess) -> bool:
-    m = server.metrics()
-    return (m["hybridserve:num_requests_running"] == 0 and m["hybridserve:num_requests_waiting"] == 0
-            and m["hybridserve:cache_usage_perc"] == 0)
 
 
 def assert_idle(server: ServerProcess) -> None:

@@ -8,14 +8,13 @@ running sequence and a waiting queue of two (for the 503 path), and a 2 s shutdo
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.server_utils import ServerProcess, make_checkpoints
+from tests.server.server_utils import ServerProcess, idle, make_checkpoints, wait_for
 
 API_KEY = "test-key"
 MODEL = "tiny-bamba"
@@ -68,22 +67,6 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def plain_client(plain) -> openai.OpenAI:
     return openai.OpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def wait_for(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
-def idle(server: ServerProcess) -> bool:
-    m = server.metrics()
-    return (m["hybridserve:num_requests_running"] == 0 and m["hybridserve:num_requests_waiting"] == 0
-            and m["hybridserve:cache_usage_perc"] == 0)
 
 
 # ---------------------------------------------------------------------------------------------- basics
