@@ -185,10 +185,10 @@ def test_every_level_of_every_library_compiles(monkeypatch, tmp_path):
 @pytest.mark.skipif(isa.cpu_info().supports("avx512"), reason="this CPU runs the 16-lane builds themselves")
 @pytest.mark.parametrize("width", [16])
 def test_the_16_lane_vector_code_gives_the_8_lane_bits(monkeypatch, tmp_path, width):
-    """The AVX-512 builds' float32 vector code (16-lane linear tiles, 16-lane scan and attention
-    loops) does the same lane arithmetic as the AVX2 builds' 8-lane code: built here at the avx2 level
-    with 16-lane vectors (slow, spilled, but the same operations), every output equals the 8-lane
-    build's bit for bit. So the code that only AVX-512 CPUs run is checked on this one too."""
+    """The AVX-512 builds' float32 vector code (16-lane linear tiles of 16-bit and float32 weights,
+    16-lane scan and attention loops) does the same lane arithmetic as the AVX2 builds' 8-lane code:
+    built here at the avx2 level with 16-lane vectors (slow, spilled, but the same operations), every
+    output equals the 8-lane build's bit for bit. So the code that only AVX-512 CPUs run is checked on this one too."""
     import torch
 
     from hybridserve.kernels import gemm, recurrent
@@ -201,7 +201,7 @@ def test_the_16_lane_vector_code_gives_the_8_lane_bits(monkeypatch, tmp_path, wi
 
     def run_all():
         out = {}
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for M, N, K in ((1, 70, 96), (13, 50, 333), (37, 40, 64)):
                 x = torch.randn(M, K, generator=g).to(dtype)
                 w = torch.randn(N, K, generator=g).to(dtype)
