@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
@@ -135,6 +136,8 @@ class EngineConfig:
     cpu_kernels: bool = True
     enforce_eager: bool = False
     cpu_isa: str = "auto"
+    enable_prefix_caching: bool = True
+    prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -151,7 +154,12 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         if not 1 <= self.block_size <= 64:
             raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
-        for name in ("cpu_weight_prepack", "cpu_kernels", "enforce_eager", "enable_progress_bar"):
+        if not isinstance(self.prefix_snapshot_interval, int) or isinstance(self.prefix_snapshot_interval, bool) \
+                or self.prefix_snapshot_interval < 0:
+            raise ValueError(f"prefix_snapshot_interval={self.prefix_snapshot_interval!r} must be a whole number "
+                             "of tokens >= 0 (0: no periodic snapshots)")
+        for name in ("cpu_weight_prepack", "cpu_kernels", "enforce_eager", "enable_progress_bar",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -61,7 +61,7 @@ def test_waiting_bound_is_exact_and_adds_are_whole(path):
         assert all(len(o.outputs[0].token_ids) == 40 for o in done.values())
         assert engine.num_waiting() == 0
         await engine.shutdown()
-        assert engine.engine.pool.usage() == 0 and not engine.engine.has_unfinished_requests()
+        assert engine.engine.cache.usage() == 0 and not engine.engine.has_unfinished_requests()
     asyncio.run(main())
 
 
@@ -82,7 +82,7 @@ def test_a_failing_request_fails_only_its_caller(path, monkeypatch):
         done = await _collect(good_sink, {"good-0", "good-1"})
         assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in done.values())
         await engine.shutdown()
-        assert engine.engine.pool.usage() == 0 and engine.num_waiting() == 0
+        assert engine.engine.cache.usage() == 0 and engine.num_waiting() == 0
     asyncio.run(main())
 
 
@@ -113,5 +113,5 @@ def test_repeated_step_failures_back_off(path):
         gaps = [b - a for a, b in zip(calls, calls[1:])]
         assert len(calls) < 40, f"{len(calls)} failing steps in 1.5 s: the engine thread spins"
         assert gaps and max(gaps) >= 0.1  # later failures wait longer
-        assert llm_engine.pool.usage() == 0 and not llm_engine.has_unfinished_requests()
+        assert llm_engine.cache.usage() == 0 and not llm_engine.has_unfinished_requests()
     asyncio.run(main())

@@ -19,6 +19,7 @@ from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import fallbacks, gemm
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
+from tests.prefix_utils import released_everything
 
 needs_bf16_kernel = pytest.mark.skipif(not gemm.available(),
                                        reason="the linear kernels did not build: no capture")
@@ -56,7 +57,7 @@ def _run(path, captured, params_of, monkeypatch=None, **options):
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 128, (n,), generator=g).tolist()} for n in PROMPT_LENGTHS]
     outs = llm.generate(prompts, [params_of(i) for i in range(len(prompts))])
-    assert llm.engine.pool.used_bytes() == 0
+    assert released_everything(llm.engine)
     return [o.outputs[0] for o in outs], runs["replays"], llm
 
 
@@ -266,4 +267,4 @@ def test_bad_request_is_refused_and_the_captured_engine_serves_others(ckpt_dir, 
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9]}],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6] and runs["replays"] >= 4
-    assert llm.engine.pool.used_bytes() == 0
+    assert released_everything(llm.engine)

@@ -5,6 +5,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
+from tests.prefix_utils import released_everything
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 
@@ -35,7 +36,7 @@ def test_batch_invariance(ckpt_dir, family):
     for i in (5, 11):  # a few others as well
         single = _gen(alone, [prompts[i]])[0].outputs[0].token_ids
         assert outs[i].outputs[0].token_ids == single
-    assert crowd.engine.pool.used_bytes() == 0 and alone.engine.pool.used_bytes() == 0
+    assert released_everything(crowd.engine) and released_everything(alone.engine)
 
 
 @pytest.mark.parametrize("family", ["bamba", "llama"])
@@ -54,7 +55,7 @@ def test_preemption_equivalence(ckpt_dir, family):
     got = [o.outputs[0].token_ids for o in _gen(tight, prompts, params)]
     assert tight.engine.scheduler.num_preemptions > 0
     assert got == expected
-    assert tight.engine.pool.used_bytes() == 0
+    assert released_everything(tight.engine)
 
 
 def test_state_only_model_queues_when_slots_run_out(ckpt_dir):
@@ -67,7 +68,7 @@ def test_state_only_model_queues_when_slots_run_out(ckpt_dir):
     tight = LLM(path, cache_memory=3 * slot + 64)
     assert tight.engine.pool.num_slots == 3
     assert [o.outputs[0].token_ids for o in _gen(tight, prompts)] == expected
-    assert tight.engine.pool.used_bytes() == 0
+    assert released_everything(tight.engine)
 
 
 def test_chunk_budget_and_queueing_do_not_change_results(ckpt_dir):
@@ -77,7 +78,7 @@ def test_chunk_budget_and_queueing_do_not_change_results(ckpt_dir):
     for budget, seqs in ((7, 2), (16, 1), (33, 5)):
         llm = LLM(path, cache_memory="16MiB", max_num_batched_tokens=budget, max_num_seqs=seqs)
         assert [o.outputs[0].token_ids for o in _gen(llm, prompts)] == base, (budget, seqs)
-        assert llm.engine.pool.used_bytes() == 0
+        assert released_everything(llm.engine)
 
 
 def test_outputs_in_input_order_and_abort_frees_cache(ckpt_dir):
@@ -89,9 +90,9 @@ def test_outputs_in_input_order_and_abort_frees_cache(ckpt_dir):
     eng = llm.engine
     eng.add_request("x", prompts[0], SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
-    assert eng.pool.used_bytes() > 0
+    assert eng.cache.held_bytes() > 0
     eng.abort_request("x")
-    assert eng.pool.used_bytes() == 0 and not eng.has_unfinished_requests()
+    assert released_everything(eng) and not eng.has_unfinished_requests()
 
 
 def test_prompt_logprobs_match_hf(ckpt_dir):

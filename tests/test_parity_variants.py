@@ -5,6 +5,7 @@ import pytest
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
 from tests.hf_reference import compare, hf_greedy
+from tests.prefix_utils import released_everything
 from tests.test_parity import prompts
 
 VARIANTS = {
@@ -29,4 +30,4 @@ def test_variant_matches_hf(ckpt_dir, variant):
     cmp = compare([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], refs)
     assert cmp.compared_tokens >= len(ps) * 5, cmp.diverged_at
     assert cmp.max_topk_error <= 1e-3
-    assert llm.engine.pool.used_bytes() == 0
+    assert released_everything(llm.engine)

@@ -13,6 +13,7 @@ from hybridserve.engine import fork, sampler
 from hybridserve.engine.sequence import Sequence
 from tests.checkpoints import make
 from tests.faults import MARK, poison_marked_rows
+from tests.prefix_utils import released_everything
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -38,7 +39,7 @@ def _assert_idle(llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert len(engine._requests) == 0
-    assert engine.pool.usage() == 0 and engine.pool.num_live_pages == 0 and engine.pool.num_live_slots == 0
+    assert released_everything(engine)
 
 
 def test_seed_overflow_of_a_fork_is_refused_up_front():

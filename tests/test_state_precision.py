@@ -16,6 +16,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
 from tests.hf_reference import compare, hf_greedy
+from tests.prefix_utils import released_everything
 
 # family -> (temporal state tensor names, conv state tensor names)
 FAMILIES = {
@@ -45,7 +46,7 @@ def _run(path: str, prompt: list[int], **options) -> tuple[list[int], list[dict]
     llm = LLM(path, max_num_batched_tokens=256, cache_memory="64MiB", max_model_len=2048, **options)
     out = llm.generate([{"prompt_token_ids": prompt}],
                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True))[0]
-    assert llm.engine.pool.used_bytes() == 0
+    assert released_everything(llm.engine)
     return out.outputs[0].token_ids, out.outputs[0].logprobs
 
 

@@ -10,6 +10,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.config import EngineConfig, parse_size
 from tests.checkpoints import make
+from tests.prefix_utils import released_everything
 
 
 @pytest.mark.parametrize("option,value,needle", [
@@ -89,7 +90,7 @@ def test_request_errors_leave_engine_serving(ckpt_dir):
     for prompt, params, needle in bad_cases:
         with pytest.raises(ValueError, match=needle):
             llm.generate([good, prompt], params)
-        assert llm.engine.pool.used_bytes() == 0 and not llm.engine.has_unfinished_requests()
+        assert released_everything(llm.engine) and not llm.engine.has_unfinished_requests()
         out = llm.generate([good], SamplingParams(temperature=0, max_tokens=4))
         assert len(out[0].outputs[0].token_ids) >= 1
 

@@ -2,14 +2,23 @@
 
 The manager is the owner the pool reports compaction moves to: it knows every sequence that holds
 pages or a slot and rewrites their block tables and slot ids when the pool moves them.
+
+Pages are reference-counted (``page_refs``): a sequence holds one reference to each page of its block
+table, and the prefix cache (:mod:`hybridserve.cache.prefix_cache`) one to each page it has indexed
+or keeps as a snapshot's tail. A page goes back to the pool when its last reference goes. Pages are
+only ever shared when full (every position written, never written again); a partly filled page is
+copied (copy on write), so a sequence never writes into a page anyone else reads.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from hybridserve.cache.capacity import fits, pages_for
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
+from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixHit
 
 
 class CacheHolder(Protocol):
@@ -22,12 +31,20 @@ class CacheHolder(Protocol):
 
 
 class CacheManager:
-    """Grants and releases each sequence's pages and slot; never leaks."""
+    """Grants and releases each sequence's pages and slot, shares pages by reference; never leaks.
 
-    def __init__(self, pool: CachePool) -> None:
+    With ``prefix_caching``, a new sequence resumes from the longest cached prefix
+    (:meth:`admit`), and whatever the cache holds is evicted before any allocation fails.
+    """
+
+    def __init__(self, pool: CachePool, prefix_caching: bool = False,
+                 snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
         self.pool = pool
         self.block_size = pool.layout.block_size
         self._holders: dict[int, CacheHolder] = {}  # id(seq) -> seq, for every sequence holding anything
+        self.page_refs: dict[int, int] = {}  # page -> references (sequences, and the prefix cache)
+        self.seq_page_refs: dict[int, int] = {}  # page -> references of sequences alone
+        self.prefix = PrefixCache(self, snapshot_interval) if prefix_caching else None
 
     def pages_for(self, num_tokens: int) -> int:
         """KV pages needed to hold ``num_tokens`` tokens (0 for a model without attention)."""
@@ -42,33 +59,137 @@ class CacheManager:
     def can_grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         return self.pool.can_allocate(*self.needs(seq, num_new_tokens))
 
+    def make_room(self, num_pages: int, num_slots: int) -> bool:
+        """Whether ``num_pages`` pages and ``num_slots`` slots fit, evicting cached prefixes if they must."""
+        if self.pool.can_allocate(num_pages, num_slots):
+            return True
+        return self.prefix is not None and self.prefix.evict_for(num_pages, num_slots)
+
     def grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
 
-        The pool may compact to make room; the moved holdings of other sequences are rewritten here.
+        Cached prefixes are evicted first if they must; the pool may compact to make room, and the
+        moved holdings of other sequences are rewritten here.
         """
         pages, slots = self.needs(seq, num_new_tokens)
         if not pages and not slots:
             return True
-        if not self.pool.can_allocate(pages, slots):
+        if not self.make_room(pages, slots):
             return False
         self.allocate_for(seq, pages, slots)
+        return True
+
+    def admit(self, seq, budget: int, queued=()) -> int:
+        """Grant a waiting sequence its next chunk of at most ``budget`` tokens; the tokens to run (0: it does
+        not fit, nothing granted). A sequence that holds nothing resumes from the longest cached prefix, and
+        plans snapshots where the ``queued`` prompts leave its own."""
+        if self.prefix is None or seq.block_table or seq.state_slot is not None or seq.num_computed_tokens:
+            n = self.chunk(seq, min(seq.num_pending_tokens, budget))
+            return n if self.grant(seq, n) else 0
+        hit = self.prefix.lookup(seq, queued)
+        if hit.tokens:
+            n = self._attach(seq, hit, budget)
+        else:
+            n = self.chunk(seq, min(seq.num_pending_tokens, budget))
+            n = n if self.grant(seq, n) else 0
+        if n:
+            self.prefix.count(hit)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit.tokens
+        return n
+
+    def _attach(self, seq, hit: PrefixHit, budget: int) -> int:
+        """Give ``seq`` the hit's pages (shared), a copy of its partly used page and of its snapshot."""
+        start = hit.tokens
+        pages = [node.page for node in hit.shared if node.page is not None]
+        for page in pages:  # the sequence's own references; they also keep eviction off them
+            self._seq_ref(page)
+        tail = hit.tail_page()
+        if tail is not None:
+            self.ref_page(tail)  # pinned while the room is made
+        if hit.snapshot is not None:
+            hit.snapshot.pins += 1
+        n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
+        need_pages = self.pages_for(start + n) - len(pages)
+        need_slots = 1 if self.pool.layout.has_state else 0
+        try:
+            if not self.make_room(need_pages, need_slots):
+                for page in pages:
+                    self._seq_unref(page)
+                return 0
+            got = self.allocate_raw(need_pages, need_slots)  # may compact: ids are read after it
+            seq.block_table = [node.page for node in hit.shared if node.page is not None] + got.pages
+            seq.state_slot = got.slots[0] if got.slots else None
+            self._holders[id(seq)] = seq
+            if tail is not None:
+                self.copy_page(hit.tail_page(), got.pages[0])
+            if hit.snapshot is not None:
+                self.copy_slot(hit.snapshot.slot, seq.state_slot)
+        finally:
+            if tail is not None:
+                self.unref_page(hit.tail_page())
+            if hit.snapshot is not None:
+                hit.snapshot.pins -= 1
+        seq.num_computed_tokens = start
+        self.prefix.attached(seq, hit)
+        return n
+
+    def chunk(self, seq, n: int, start: int | None = None) -> int:
+        """``n`` cut so the chunk from ``start`` (its computed tokens) ends at its next planned snapshot."""
+        start = seq.num_computed_tokens if start is None else start
+        for point in seq.snapshot_plan:
+            if point > start:
+                return min(n, point - start)
+        return n
+
+    def fork(self, parent: CacheHolder, child: CacheHolder) -> bool:
+        """Give ``child`` (holding nothing) the cache of ``parent``'s computed tokens: its full pages shared,
+        its partly filled last page and its state copied. False, nothing granted, if it does not fit."""
+        done = parent.num_computed_tokens
+        full = done // self.block_size if self.pool.layout.has_kv else 0
+        partial = 1 if self.pool.layout.has_kv and done % self.block_size else 0
+        slots = 1 if self.pool.layout.has_state else 0
+        for page in parent.block_table[:full]:
+            self._seq_ref(page)  # held from now on, so eviction cannot take them
+        if not self.make_room(partial, slots):
+            for page in parent.block_table[:full]:
+                self._seq_unref(page)
+            return False
+        got = self.allocate_raw(partial, slots)  # may compact: the parent's ids are read after it
+        child.block_table = parent.block_table[:full] + got.pages
+        if partial:
+            self.copy_page(parent.block_table[full], got.pages[0])
+        if slots:
+            child.state_slot = got.slots[0]
+            self.copy_slot(parent.state_slot, child.state_slot)
+        child.num_computed_tokens = done
+        self._holders[id(child)] = child
+        if self.prefix is not None:
+            self.prefix.share_cursor(parent, child)
         return True
 
     def allocate_for(self, seq: CacheHolder, pages: int, slots: int) -> Allocation:
         """Give ``seq`` ``pages`` more KV pages and, with ``slots=1``, its state slot.
 
-        Every allocation for a sequence goes through here (never ``pool.allocate*`` directly): the pool
-        may compact to make room, and the holdings of the sequences it moved are rewritten here.
+        Every allocation for a sequence goes through here or :meth:`allocate_raw` (never ``pool.allocate*``
+        directly): the pool may compact to make room, and the holdings it moved are rewritten here.
         Raises :class:`~hybridserve.cache.pool.OutOfCacheError` (nothing changed) when they do not fit.
         """
-        got = self.pool.allocate(pages, slots)
-        if got.relocation:
-            self._apply(got.relocation)
+        got = self.allocate_raw(pages, slots)
         if got.slots:
             seq.state_slot = got.slots[0]
         seq.block_table.extend(got.pages)
         self._holders[id(seq)] = seq
+        return got
+
+    def allocate_raw(self, pages: int, slots: int) -> Allocation:
+        """Pages (one reference each) and slots from the pool, for their caller to hold; moves applied."""
+        got = self.pool.allocate(pages, slots)
+        if got.relocation:
+            self._apply(got.relocation)
+        for page in got.pages:
+            self.page_refs[page] = 1
+            self.seq_page_refs[page] = 1
         return got
 
     def _apply(self, moves: Relocation) -> None:
@@ -78,16 +199,84 @@ class CacheManager:
                 seq.block_table[:] = [moves.pages.get(b, b) for b in seq.block_table]
             if seq.state_slot is not None and seq.state_slot in moves.slots:
                 seq.state_slot = moves.slots[seq.state_slot]
+        if moves.pages:
+            for refs in (self.page_refs, self.seq_page_refs):
+                moved = {old: refs.pop(old) for old in moves.pages if old in refs}
+                for old, count in moved.items():
+                    refs[moves.pages[old]] = count
+        if self.prefix is not None:
+            self.prefix.relocate(moves)
 
-    def release(self, seq: CacheHolder) -> None:
-        """Return everything ``seq`` holds to the pool."""
-        if seq.block_table:
-            self.pool.free_pages(seq.block_table)
-            seq.block_table = []
+    def _seq_ref(self, page: int) -> None:
+        self.page_refs[page] += 1
+        self.seq_page_refs[page] = self.seq_page_refs.get(page, 0) + 1
+
+    def _seq_unref(self, page: int) -> None:
+        count = self.seq_page_refs[page] - 1
+        if count:
+            self.seq_page_refs[page] = count
+        else:
+            del self.seq_page_refs[page]
+        self.unref_page(page)
+
+    def held_bytes(self) -> int:
+        """Pool bytes held by sequences: their pages (a shared page once) and slots, cached prefixes aside."""
+        layout = self.pool.layout
+        snapshots = self.prefix.num_snapshots if self.prefix is not None else 0
+        return len(self.seq_page_refs) * layout.page_bytes + (self.pool.num_live_slots - snapshots) * layout.slot_bytes
+
+    def usage(self) -> float:
+        """Fraction of the pool held by sequences (cached prefixes, which any allocation may evict, aside)."""
+        return self.held_bytes() / self.pool.num_bytes if self.pool.num_bytes else 0.0
+
+    def cached_bytes(self) -> int:
+        """Pool bytes held only by the prefix cache (evictable)."""
+        return self.pool.used_bytes() - self.held_bytes()
+
+    def ref_page(self, page: int) -> None:
+        self.page_refs[page] += 1
+
+    def unref_page(self, page: int) -> None:
+        """Drop one reference to ``page``; the last one returns it to the pool."""
+        count = self.page_refs[page] - 1
+        if count:
+            self.page_refs[page] = count
+        else:
+            del self.page_refs[page]
+            self.pool.free_pages([page])
+
+    def free_slot(self, slot: int) -> None:
+        self.pool.free_slot(slot)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        copy_rows(self.pool.buffer, self.pool.layout.page_bytes, [src], [dst])
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        copy_rows(self.pool.buffer, self.pool.layout.slot_bytes, [src], [dst])
+
+    def after_step(self, seqs: list) -> None:
+        """A step over ``seqs`` succeeded: index their filled pages and take their due snapshots."""
+        if self.prefix is not None:
+            self.prefix.after_step(seqs)
+
+    def release(self, seq: CacheHolder, keep_state: bool = False) -> None:
+        """Return everything ``seq`` holds (with prefix caching and ``keep_state``, its state becomes a
+        snapshot at its last computed token, and its indexed pages stay cached)."""
+        if self.prefix is not None and hasattr(seq, "prefix_node"):
+            self.prefix.release(seq, keep_state)
+        pages, seq.block_table = seq.block_table, []
+        for page in pages:
+            self._seq_unref(page)
+        if self.prefix is not None:
+            self.prefix.unheld(pages)
         if seq.state_slot is not None:
             self.pool.free_slot(seq.state_slot)
             seq.state_slot = None
         self._holders.pop(id(seq), None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached prefix no request holds; True if nothing cached is left."""
+        return self.prefix.clear() if self.prefix is not None else True
 
     def fits_at_all(self, num_tokens: int) -> bool:
         """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the
@@ -96,3 +285,15 @@ class CacheManager:
         pad_pages, pad_slots = pool.reserved_counts()
         return fits(pool.layout, pool.geometry, self.pages_for(num_tokens) + pad_pages,
                     (1 if pool.layout.has_state else 0) + pad_slots)
+
+
+def copy_rows(buffer: torch.Tensor, row_bytes: int, src: list[int], dst: list[int]) -> None:
+    """Copy rows ``src[i]`` to ``dst[i]`` of ``buffer`` seen as rows of ``row_bytes`` (page or slot ``i`` at
+    byte ``i * row_bytes``): one indexed copy for all of them."""
+    if len(src) == 1:
+        s, d = src[0] * row_bytes, dst[0] * row_bytes
+        buffer[d:d + row_bytes].copy_(buffer[s:s + row_bytes])
+        return
+    rows = buffer[:buffer.numel() // row_bytes * row_bytes].view(-1, row_bytes)  # (num_rows, row_bytes) uint8
+    index = torch.tensor(dst, dtype=torch.int64, device=buffer.device)
+    rows[index] = rows[torch.tensor(src, dtype=torch.int64, device=buffer.device)]

@@ -71,6 +71,8 @@ class CachePlan:
     cache_memory_bytes: int
     max_model_len: int
     reserved: tuple[int, int] = (0, 0)  # (pages, slots) the padded rows of captured decode steps hold
+    prefix_caching: bool = True
+    snapshot_interval: int = 0  # tokens between the state snapshots of a long prefill (0: none periodic)
 
     @property
     def max_concurrent_sequences(self) -> int:
@@ -93,6 +95,22 @@ class CachePlan:
         """The budget divided by the ideal bytes per sequence (no layout can hold more)."""
         ideal = self.ideal_bytes_per_sequence
         return self.cache_memory_bytes / ideal if ideal else float("inf")
+
+    def snapshot_cost(self) -> dict[str, Any]:
+        """What prefix caching's state snapshots cost: one state slot each, the KV of how many tokens that is,
+        and the snapshots a ``max_model_len`` prefill takes (periodic ones and the prompt's end)."""
+        layout = self.layout
+        has_state = layout.has_state and self.prefix_caching
+        per_snapshot = layout.slot_bytes if has_state else 0
+        kv = layout.kv_bytes_per_token
+        count = 0
+        if has_state:
+            count = 1 + ((self.max_model_len - 1) // self.snapshot_interval if self.snapshot_interval else 0)
+        return {"prefix_caching": self.prefix_caching, "prefix_snapshot_interval": self.snapshot_interval,
+                "snapshot_bytes": per_snapshot,
+                "snapshot_kv_token_equivalent": per_snapshot / kv if kv and per_snapshot else None,
+                "snapshots_per_max_len_prefill": count,
+                "snapshot_bytes_per_max_len_prefill": count * per_snapshot}
 
     def summary(self) -> dict[str, Any]:
         """The plan's figures (everything but the per-layer table)."""
@@ -117,6 +135,7 @@ class CachePlan:
             "padding_reserved_bytes": reserved_bytes(layout, self.reserved),
             "max_concurrent_sequences": self.max_concurrent_sequences,
             "ideal_max_sequences": self.ideal_max_sequences,
+            **self.snapshot_cost(),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,7 +160,8 @@ def plan_cache(hf_config: Any, config: EngineConfig, max_model_len: int | None =
     options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
     reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
     return CachePlan(label, architecture_of(hf_config), options, dtypes, tuple(specs), layout,
-                     int(config.cache_memory), int(length), reserved)
+                     int(config.cache_memory), int(length), reserved, config.enable_prefix_caching,
+                     config.prefix_snapshot_interval)
 
 
 def _captures_decode(config: EngineConfig, dtypes: ResolvedDtypes, layout) -> bool:
@@ -161,6 +181,8 @@ def plan_alternatives(hf_config: Any, config: EngineConfig, max_model_len: int |
         alt = EngineConfig(**{**{name: "auto" for name in DTYPE_OPTIONS}, **options},
                            block_size=config.block_size, cache_memory=config.cache_memory,
                            max_model_len=config.max_model_len, device=config.device,
-                           cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager)
+                           cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager,
+                           enable_prefix_caching=config.enable_prefix_caching,
+                           prefix_snapshot_interval=config.prefix_snapshot_interval)
         plans.append(plan_cache(hf_config, alt, max_model_len, label))
     return plans

@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.engine.llm_engine import LLMEngine
@@ -106,6 +106,7 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache: dict[str, int] = field(default_factory=dict)  # LLMEngine.prefix_cache_stats()
 
 
 @dataclass
@@ -342,10 +343,11 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_requests_running=len({seq.request_id for seq in scheduler.running}),
             num_requests_waiting=len(self._unstarted_ids),
-            cache_usage=engine.pool.usage(),
+            cache_usage=engine.cache.usage(),
             prompt_tokens=engine.stats["prompt_tokens"],
             generation_tokens=engine.stats["generation_tokens"],
             num_preemptions=scheduler.num_preemptions,
+            prefix_cache=engine.prefix_cache_stats(),
         )
 
     def _call(self, fn, *args) -> None:

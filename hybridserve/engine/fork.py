@@ -3,16 +3,15 @@
 A request with ``n > 1`` enters the engine as one sequence (index 0). In the step where its prompt
 has been prefilled and it samples its first token, :func:`make_children` creates its ``n - 1``
 children (indices 1..n-1), and the engine registers all of them before :func:`place_children` grants
-any cache, so a fork is whole or not at all. Each child gets its own copy of the parent's cache, the KV of every
-prompt token and the recurrent state after the prompt (:func:`copy_cache`), and samples its
+any cache, so a fork is whole or not at all. Each child gets the parent's cache, the KV of every prompt token and
+the recurrent state after the prompt (:func:`copy_cache`), and samples its
 first token from the parent's logits row with its own generator; from then on every child decodes
 independently.
 
-Pages are **copied, not shared**. Sharing full pages with reference counts would save the prompt's
-KV ``n - 1`` times, but the recurrent state has to be copied anyway (it is rewritten in place at every
-token), the pool has no reference counts, and a copy keeps "one owner per page" true everywhere
-(preemption, abort and release need no special cases). The copy is one indexed memcpy inside the
-pool buffer, cheap next to the prefill it replaces.
+The prompt's full pages are **shared**, by reference count: nobody writes into a full page again,
+so the children and the parent read the same bytes, and ``n`` completions of a long prompt hold its KV
+once. The partly filled last page and the recurrent state are copied (both are written at the next
+token): one page and one slot per child, each one memcpy inside the pool buffer.
 
 A child that cannot be forked at that moment (the pool is full, or ``max_num_seqs`` sequences are
 running) is queued instead and later prefills the prompt itself, exactly like a preempted sequence:
@@ -25,8 +24,6 @@ completions differ from each other and the whole request is reproducible.
 from __future__ import annotations
 
 import copy
-
-import torch
 
 from hybridserve.cache.manager import CacheManager
 from hybridserve.engine.scheduler import Scheduler
@@ -81,27 +78,6 @@ def place_children(parent: Sequence, children: list[Sequence], cache: CacheManag
 
 
 def copy_cache(cache: CacheManager, parent: Sequence, child: Sequence) -> bool:
-    """Give ``child`` (holding nothing) its own copy of ``parent``'s cache: the KV of its computed tokens
-    and its recurrent state. False, with nothing granted, if the pool cannot hold the copy.
-
-    The child's pages and slot are granted like any sequence's (the pool may compact to make room,
-    which rewrites the parent's block table first), then the parent's bytes are copied into them.
-    """
-    if not cache.grant(child, parent.num_computed_tokens):
-        return False
-    child.num_computed_tokens = parent.num_computed_tokens
-    pool = cache.pool
-    if child.block_table:
-        _copy_rows(pool.buffer, pool.layout.page_bytes, parent.block_table[:len(child.block_table)],
-                   child.block_table)
-    if child.state_slot is not None and parent.state_slot is not None:
-        _copy_rows(pool.buffer, pool.layout.slot_bytes, [parent.state_slot], [child.state_slot])
-    return True
-
-
-def _copy_rows(buffer: torch.Tensor, row_bytes: int, src: list[int], dst: list[int]) -> None:
-    """Copy rows ``src[i]`` to ``dst[i]`` of ``buffer`` seen as rows of ``row_bytes`` (page or slot ``i`` at
-    byte ``i * row_bytes``): one indexed copy for all of them."""
-    rows = buffer[:buffer.numel() // row_bytes * row_bytes].view(-1, row_bytes)  # (num_rows, row_bytes) uint8
-    index = torch.tensor(dst, dtype=torch.int64, device=buffer.device)
-    rows[index] = rows[torch.tensor(src, dtype=torch.int64, device=buffer.device)]
+    """Give ``child`` (holding nothing) ``parent``'s cache: its full prompt pages shared, its partly filled
+    last page and its recurrent state copied. False, with nothing granted, if the pool cannot hold them."""
+    return cache.fork(parent, child)

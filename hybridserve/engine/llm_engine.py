@@ -56,7 +56,7 @@ class LLMEngine:
         self.layout = compute_layout(self.specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
-        self.cache = CacheManager(self.pool)
+        self.cache = CacheManager(self.pool, config.enable_prefix_caching, config.prefix_snapshot_interval)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
@@ -174,6 +174,11 @@ class LLMEngine:
             return self._outputs(touched, finished_only)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
+        try:
+            self.cache.after_step([it.seq for it in plan.scheduled])
+        except Exception:  # noqa: BLE001 - caching is an optimization: the step's results stand
+            logger.exception("prefix caching after a step failed; the cache is cleared")
+            self._drop_prefix_cache()
         if logits.prompt_logits is not None:
             try:
                 self._record_prompt_logprobs(logits)
@@ -366,7 +371,36 @@ class LLMEngine:
             self._requests.pop(request_id)
         return RequestOutput(request_id, parent.prompt, list(parent.prompt_token_ids),
                              list(parent.prompt_logprobs) if parent.params.prompt_logprobs is not None else None,
-                             completions, finished, error=group.error)
+                             completions, finished, num_cached_tokens=parent.num_cached_tokens or 0,
+                             error=group.error)
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached prefix no request holds (as vLLM's ``reset_prefix_cache``); True if none is left."""
+        return self.cache.reset_prefix_cache()
+
+    def _drop_prefix_cache(self) -> None:
+        """Stop caching prefixes for this engine's life (after an internal error in the cache)."""
+        prefix = self.cache.prefix
+        if prefix is None:
+            return
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            prefix.release(seq, keep_state=False)
+            seq.snapshot_plan = []
+        prefix.clear()
+        self.cache.prefix = None
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Counters and sizes of the prefix cache (zeros when it is off): tokens queried and hit, lookups whose
+        KV matched beyond any snapshot, snapshots and their bytes, bytes held only by the cache, evictions."""
+        prefix = self.cache.prefix
+        names = ("queries", "hits", "kv_beyond_snapshot", "snapshots_taken", "snapshots_skipped",
+                 "evicted_pages", "evicted_snapshots")
+        if prefix is None:
+            return dict.fromkeys((*names, "snapshots", "snapshot_bytes", "cached_pages", "cached_bytes"), 0)
+        stats = {name: getattr(prefix.stats, name) for name in names}
+        stats.update(snapshots=prefix.num_snapshots, snapshot_bytes=prefix.snapshot_bytes,
+                     cached_pages=prefix.num_cached_pages, cached_bytes=self.cache.cached_bytes())
+        return stats
 
     # ----------------------------------------------------------------- inspect
     def cache_layout(self) -> dict[str, Any]:

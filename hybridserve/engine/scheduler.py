@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridserve.cache.manager import CacheManager
+from hybridserve.cache.prefix_sharing import MAX_COMPARED, waits_for_leader
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -89,7 +90,7 @@ class Scheduler:
                 idle.append(seq)
                 i += 1
                 continue
-            n = min(seq.num_pending_tokens, budget)
+            n = self.cache.chunk(seq, min(seq.num_pending_tokens, budget))
             while not self.cache.grant(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -101,17 +102,26 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        # Waiting sequences join while everything allows (not after a preemption this step).
+        # Waiting sequences join while everything allows (not after a preemption this step). One that shares
+        # its prompt with a running one about to snapshot inside that prefix waits a step to resume from it.
+        deferred: list[Sequence] = []
+        sharing = self.cache.prefix is not None
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_pending_tokens, budget)
-            if not self.cache.grant(seq, n):
+            if sharing and waits_for_leader(seq, self.running):
+                deferred.append(self.waiting.popleft())
+                if len(deferred) >= MAX_COMPARED:
+                    break  # a long queue of followers: the rest wait their turn unexamined
+                continue
+            n = self.cache.admit(seq, budget, self.waiting if sharing else ())  # resumes from a cached prefix
+            if not n:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return SchedulerOutput(scheduled, preempted, idle)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
@@ -172,7 +182,7 @@ class Scheduler:
                 self._mark_finished(seq, reason, None)
 
     def _mark_finished(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        self.cache.release(seq)
+        self.cache.release(seq, keep_state=reason != "error")  # a failed step may have left its state half-written
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -35,6 +35,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
         self.block_table: list[int] = []
         self.state_slot: int | None = None
+        self.num_cached_tokens: int | None = None  # prompt tokens resumed from the prefix cache at admission
+        self.snapshot_plan: list[int] = []  # positions where the prefix cache snapshots its state
+        self.prefix_node = None  # the prefix index node of its last indexed page (prefix caching)
+        self.num_indexed_pages = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.output_logprobs: list[PositionLogprobs] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.config import DEVICES, KV_CACHE_DTYPES, MODEL_DTYPES, STATE_DTYPES
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 
@@ -46,11 +47,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISA_CHOICES),
                         help="cap the CPU instruction set of the compiled kernels, oneDNN and ATen (auto: the "
                              "best this CPU has); a lower level runs, and tests, that level's kernel variants")
+    parser.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                        help="resume prompts from cached prefixes: shared KV pages and recurrent-state "
+                             "snapshots in the one pool, evicted whenever requests need the room (default: on)")
+    parser.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
+                        help="tokens between the state snapshots of a long prefill (0: only at prompt ends, "
+                             "generation ends and branch points)")
 
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
-                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa")
+                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa",
+                 "enable_prefix_caching", "prefix_snapshot_interval")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -38,6 +38,10 @@ class LLM:
         """Resolved dtypes, every layer's cached tensors (name, shape, dtype) and pool totals."""
         return self.engine.cache_layout()
 
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cached prefix no request holds; True if nothing cached is left."""
+        return self.engine.reset_prefix_cache()
+
     def _prompt_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             return self.engine.detokenizer.encode(prompt), prompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.entrypoints.engine_args import add_dtype_args
 
 
@@ -28,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="plan for an engine without its CPU kernels (no captured decode, no padding reservation)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="plan for an engine that does not capture decode steps (no padding reservation)")
+    p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
+                   help="plan for an engine that caches prefixes (default: on): shows what a state snapshot costs")
+    p.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
+                   help="tokens between the state snapshots of a long prefill (0: none periodic)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(handler=run)
 
@@ -38,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     config = EngineConfig(block_size=args.block_size, cache_memory=args.cache_memory,
                           max_model_len=args.max_model_len, device=args.device, cpu_kernels=args.cpu_kernels,
-                          enforce_eager=args.enforce_eager, **{name: getattr(args, name) for name in DTYPE_OPTIONS})
+                          enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                          prefix_snapshot_interval=args.prefix_snapshot_interval,
+                          **{name: getattr(args, name) for name in DTYPE_OPTIONS})
     hf_config = load_config(args.model)
     plan = plan_cache(hf_config, config)
     alternatives = plan_alternatives(hf_config, config)
@@ -96,6 +103,15 @@ def print_plan(plan, alternatives) -> None:
             ("max concurrent sequences", f"{s['max_concurrent_sequences']:,} of {s['max_model_len']:,} tokens "
                                          f"(ideal {s['ideal_max_sequences']:,.2f})")):
         totals.add_row(label, value)
+    if s["snapshot_bytes"]:
+        equivalent = s["snapshot_kv_token_equivalent"]
+        totals.add_row("prefix-cache state snapshot", f"{_size(s['snapshot_bytes'])} (one slot"
+                       + (f", the KV of {equivalent:,.0f} tokens)" if equivalent else ")"))
+        totals.add_row("snapshots of one max-len prefill",
+                       f"{s['snapshots_per_max_len_prefill']} ({_size(s['snapshot_bytes_per_max_len_prefill'])}; "
+                       f"every {s['prefix_snapshot_interval']:,} tokens and the prompt's end)"
+                       if s["prefix_snapshot_interval"] else
+                       f"{s['snapshots_per_max_len_prefill']} (the prompt's end)")
     console.print(totals)
     alt = Table(title=f"Alternatives ({_size(s['cache_memory_bytes'])}, {s['max_model_len']:,} tokens, "
                       f"block {s['attention_block_size']})", title_justify="left")

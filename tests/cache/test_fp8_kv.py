@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
+from tests.prefix_utils import released_everything
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
 
@@ -30,7 +31,7 @@ def _prompts(n: int = 3) -> list[dict]:
 def _generate(path: str, **options):
     llm = LLM(path, cache_memory="8MiB", **options)
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
-    assert llm.engine.pool.used_bytes() == 0
+    assert released_everything(llm.engine)
     return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 

@@ -16,6 +16,7 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.entrypoints.cli import main
 from tests.checkpoints import make
+from tests.prefix_utils import released_everything
 
 MAX_MODEL_LEN = 40  # 39 tokens computed (the last sampled token is never fed back): 3 pages of 16 either way
 PROMPT_LEN = 8
@@ -42,7 +43,7 @@ def _run(llm: LLM, n: int) -> tuple[int, int]:
                 assert len(out.outputs[0].token_ids) == MAX_MODEL_LEN - PROMPT_LEN
                 done += 1
         peak = max(peak, len(engine.scheduler.running))
-    assert done == n and engine.pool.used_bytes() == 0
+    assert done == n and released_everything(engine)
     return engine.scheduler.num_preemptions - before, peak
 
 

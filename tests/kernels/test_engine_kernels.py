@@ -16,6 +16,7 @@ from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import attention, gemm, pointwise, recurrent
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
+from tests.prefix_utils import released_everything
 
 PROMPT_LENGTHS = (1, 7, 19, 33)  # with a 24-token budget: chunked prefill, prefill and decode in one step
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
@@ -53,7 +54,7 @@ def _generate(path, cpu_kernels, **options):
               enable_progress_bar=False, **options)
     assert llm.engine.cpu_kernels is cpu_kernels
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], PARAMS)
-    assert llm.engine.pool.used_bytes() == 0
+    assert released_everything(llm.engine)
     return [o.outputs[0] for o in outs]
 
 

@@ -97,6 +97,25 @@ def test_completion(client, tokenizer):
     assert both.usage.completion_tokens == 24
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client, tokenizer):
+    shared = tokenizer.encode("A shared system prompt: " + "be brief, " * 8)
+    before = server.metrics()
+    usage = []
+    for tail in ("first question", "second question", "third question"):
+        r = client.completions.create(model=MODEL, prompt=shared + tokenizer.encode(tail), max_tokens=4,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        usage.append(r.usage)
+    assert usage[0].prompt_tokens_details.cached_tokens == 0
+    assert usage[2].prompt_tokens_details.cached_tokens >= len(shared) - 1  # from the branch-point snapshot
+    after = server.metrics()
+    hits = after["hybridserve:prefix_cache_hits_total"] - before["hybridserve:prefix_cache_hits_total"]
+    assert hits == sum(u.prompt_tokens_details.cached_tokens for u in usage)
+    queries = after["hybridserve:prefix_cache_queries_total"] - before["hybridserve:prefix_cache_queries_total"]
+    assert queries == sum(u.prompt_tokens for u in usage)
+    assert after["hybridserve:prefix_cache_snapshots"] > 0 and after["hybridserve:prefix_cache_bytes"] > 0
+    assert after["hybridserve:prefix_cache_kv_beyond_snapshot_total"] >= 1  # the second request's lookup
+
+
 def test_chat(client, tokenizer):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,

@@ -44,6 +44,28 @@ def _kernel_fallbacks(lines: list[str], label: str) -> None:
         lines.append(f'{name}{{{label},op="{_escape(op)}",reason="{_escape(reason)}"}} {count}')
 
 
+def _prefix_cache(lines: list[str], label: str, stats: dict[str, int]) -> None:
+    if not stats:
+        return
+    _scalar(lines, "prefix_cache_queries_total", "counter",
+            "Prompt tokens looked up in the prefix cache.", label, stats["queries"])
+    _scalar(lines, "prefix_cache_hits_total", "counter",
+            "Prompt tokens resumed from the prefix cache instead of computed.", label, stats["hits"])
+    _scalar(lines, "prefix_cache_kv_beyond_snapshot_total", "counter",
+            "Lookups whose cached KV reached further than any recurrent-state snapshot (the shortfall "
+            "is computed, and a snapshot is taken at the divergence point for the next request).",
+            label, stats["kv_beyond_snapshot"])
+    _scalar(lines, "prefix_cache_snapshots", "gauge", "Recurrent-state snapshots held by the prefix cache.",
+            label, stats["snapshots"])
+    _scalar(lines, "prefix_cache_snapshot_bytes", "gauge", "Pool bytes of the prefix cache's state snapshots.",
+            label, stats["snapshot_bytes"])
+    _scalar(lines, "prefix_cache_bytes", "gauge",
+            "Pool bytes held only by the prefix cache (KV pages and snapshots; evicted whenever requests need them).",
+            label, stats["cached_bytes"])
+    _scalar(lines, "prefix_cache_evictions_total", "counter", "Cached pages and snapshots evicted.",
+            label, stats["evicted_pages"] + stats["evicted_snapshots"])
+
+
 def render_metrics(engine: AsyncEngine, model_name: str) -> str:
     snap = engine.snapshot
     label = _label(model_name)
@@ -59,6 +81,7 @@ def render_metrics(engine: AsyncEngine, model_name: str) -> str:
     _scalar(lines, "generation_tokens_total", "counter", "Tokens generated.", label, snap.generation_tokens)
     _scalar(lines, "num_preemptions_total", "counter", "Sequences preempted (their cache freed, to be recomputed).",
             label, snap.num_preemptions)
+    _prefix_cache(lines, label, snap.prefix_cache)
     _kernel_fallbacks(lines, label)
     _histogram(lines, "time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
                label, engine.ttft)

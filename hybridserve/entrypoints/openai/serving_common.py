@@ -208,11 +208,14 @@ def top_entries(entry: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
 
 
-def usage_of(outputs: list[RequestOutput | None], prompts: list[tuple[list[int], str | None]]) -> dict[str, int]:
+def usage_of(outputs: list[RequestOutput | None], prompts: list[tuple[list[int], str | None]]) -> dict:
+    """OpenAI ``usage``, with ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served."""
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in outputs if out is not None)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 #: characters valid unescaped in JSON that line-splitting clients (str.splitlines) take for line breaks

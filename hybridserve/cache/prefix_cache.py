@@ -1,0 +1,395 @@
+"""Prefix caching for hybrid models: shared KV pages and recurrent-state snapshots in the one pool.
+
+A request whose prompt begins with tokens the engine has run before resumes from the longest cached
+prefix that has everything it needs:
+
+* a model without recurrent state needs only the KV of that prefix: every full page is shared
+  (reference-counted), a partly used last page is copied (copy on write), to the token;
+* a model with recurrent state needs the KV *and* a **snapshot** of the state at exactly that
+  position. Snapshots are state slots of the pool, in the state's own dtypes; a hit copies the
+  snapshot's slot into the request's own slot (the state is rewritten in place at every token, so it
+  is never shared).
+
+Snapshots are taken where reuse is expected (:meth:`PrefixCache.plan`):
+
+* at the end of every prompt (a copy of the request's slot), so the same prompt again, or a longer
+  one that extends it, resumes there;
+* at the end of every generation (the finished request's slot itself, no copy), so turn k+1 of a
+  chat resumes from turn k's prompt and answer;
+* at **branch points**: when a new request's KV matches further than any snapshot, its prefill
+  stops at the divergence point once and snapshots there, so every later request sharing that
+  prefix hits, however short it is (a 40-token shared prefix hits);
+* every ``snapshot_interval`` tokens of a long prefill.
+
+The scheduler ends prefill chunks at the planned positions (a chunk never runs past one), and
+:meth:`PrefixCache.after_step` indexes every newly filled page and takes the due snapshots after a
+successful step.
+
+One budget. Cached pages and snapshots are live members of the pool, evictable whenever no request
+holds them; an allocation for a request that does not fit evicts them first, so running requests
+always win and a request is preempted only when nothing cached is left to evict. What goes first is
+the lowest *value*: reuse count times the tokens of recompute it saves, per byte it holds
+(``(1 + hits) * position / slot_bytes`` for a snapshot, ``(1 + hits) * block_size / page_bytes`` for a
+page of a pure-attention model; a hybrid's KV page past every snapshot on its path saves no
+recompute alone and goes first), least recently used among equals. A snapshot is only taken by
+evicting items of lower value than its own; otherwise it is skipped (counted).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hybridserve.cache.prefix_index import PageNode, PrefixIndex, Snapshot
+from hybridserve.cache.prefix_sharing import follower_branch_points
+
+if TYPE_CHECKING:
+    from hybridserve.cache.manager import CacheManager
+    from hybridserve.cache.pool import Relocation
+
+logger = logging.getLogger(__name__)
+
+#: default tokens between the snapshots of a long prefill
+DEFAULT_SNAPSHOT_INTERVAL = 512
+
+
+@dataclass
+class PrefixHit:
+    """What a new sequence resumes from: ``tokens`` cached tokens, and where their cache is."""
+
+    tokens: int
+    shared: list[PageNode]  # the full pages it shares (tokens // block_size of them)
+    tail: PageNode | Snapshot | None  # holder of the partly used page to copy (None if tokens % bs == 0)
+    snapshot: Snapshot | None  # the state to copy (models with recurrent state)
+    kv_tokens: int = 0  # tokens whose KV matched (the divergence point)
+    num_tokens: int = 0  # tokens looked up
+
+    def tail_page(self) -> int | None:
+        """The page to copy on write, read at attach time (compaction may have moved it)."""
+        if self.tail is None:
+            return None
+        return self.tail.tail_page if isinstance(self.tail, Snapshot) else self.tail.page
+
+
+@dataclass
+class PrefixStats:
+    """Counters of the prefix cache (tokens for queries and hits, as vLLM counts them)."""
+
+    queries: int = 0  # tokens of the sequences looked up
+    hits: int = 0  # of those, tokens resumed from the cache
+    kv_beyond_snapshot: int = 0  # lookups whose KV matched further than any usable state snapshot
+    snapshots_taken: int = 0
+    snapshots_skipped: int = 0  # a snapshot was due but the pool held nothing of lower value to evict
+    evicted_pages: int = 0
+    evicted_snapshots: int = 0
+
+
+class PrefixCache:
+    """The prefix index over one pool: lookups, indexing, snapshots, eviction and compaction moves."""
+
+    def __init__(self, manager: "CacheManager", snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
+        self.manager = manager
+        layout = manager.pool.layout
+        self.block_size = layout.block_size
+        self.has_kv, self.has_state = layout.has_kv, layout.has_state
+        self.page_bytes, self.slot_bytes = layout.page_bytes, layout.slot_bytes
+        self.snapshot_interval = snapshot_interval
+        self.index = PrefixIndex(self.block_size)
+        self.stats = PrefixStats()
+        self._node_by_page: dict[int, PageNode] = {}
+        self._snapshot_by_slot: dict[int, Snapshot] = {}
+        self._tails: dict[int, list[Snapshot]] = {}  # page -> snapshots holding it as their tail page
+
+    # ---------------------------------------------------------------- lookup
+    def lookup(self, seq, queued=()) -> PrefixHit:
+        """The longest cached prefix ``seq`` (holding nothing yet) can resume from, and the snapshot
+        positions to plan for it (``seq.snapshot_plan``), among them where the ``queued`` prompts leave its
+        own (:mod:`hybridserve.cache.prefix_sharing`). A sequence that wants prompt logprobs gets no hit:
+        it must compute every prompt position."""
+        tokens = seq.all_token_ids
+        limit = len(tokens) - 1  # the last token is always run: its logits are sampled
+        match = self.index.match(tokens, limit)
+        bs = self.block_size
+        if seq.params.prompt_logprobs is not None:
+            hit = PrefixHit(0, [], None, None)
+        elif self.has_state:
+            snap = match.snapshot
+            n = snap.position if snap is not None else 0
+            hit = PrefixHit(n, match.path[:n // bs], snap if n % bs and self.has_kv else None, snap)
+        else:
+            n = min(match.kv_tokens, limit)
+            tail = None
+            if n % bs:
+                tail = match.path[n // bs] if n // bs < len(match.path) else match.partial
+            hit = PrefixHit(n, match.path[:n // bs], tail, None)
+        hit.kv_tokens, hit.num_tokens = min(match.kv_tokens, limit), len(tokens)
+        seq.snapshot_plan = self.plan(hit.tokens, hit.kv_tokens, len(seq.prompt_token_ids), len(tokens))
+        if self.has_state and queued:
+            seq.snapshot_plan = sorted({*seq.snapshot_plan, *follower_branch_points(seq, queued, hit.tokens)})
+        return hit
+
+    def plan(self, start: int, kv_tokens: int, prompt_len: int, num_tokens: int) -> list[int]:
+        """Positions after ``start`` where a snapshot is to be taken: the branch point ``kv_tokens``
+        (where this sequence leaves what is cached), every ``snapshot_interval`` tokens, and the prompt's end."""
+        if not self.has_state:
+            return []
+        points = set()
+        if start < kv_tokens < num_tokens:
+            points.add(kv_tokens)
+        if self.snapshot_interval:
+            k = self.snapshot_interval
+            points.update(range((start // k + 1) * k, num_tokens, k))
+        if start < prompt_len:
+            points.add(prompt_len)
+        return sorted(points)
+
+    def count(self, hit: PrefixHit) -> None:
+        """Count a lookup whose sequence was admitted."""
+        self.stats.queries += hit.num_tokens
+        self.stats.hits += hit.tokens
+        if self.has_state and hit.kv_tokens > hit.tokens:
+            self.stats.kv_beyond_snapshot += 1
+
+    def attached(self, seq, hit: PrefixHit) -> None:
+        """``seq`` now resumes from ``hit``: count the reuse and point its indexing cursor at the hit."""
+        for node in hit.shared:
+            self.index.touch(node)
+            self._consider(node)
+        for used in {id(x): x for x in (hit.snapshot, hit.tail) if isinstance(x, Snapshot)}.values():
+            self.index.touch(used)
+            self._consider(used)
+        cursor = hit.snapshot.node if hit.snapshot is not None else (hit.shared[-1] if hit.shared else None)
+        self._move_cursor(seq, cursor, len(hit.shared))
+
+    # -------------------------------------------------------------- indexing
+    def after_step(self, seqs) -> None:
+        """Index the pages each sequence has filled and take the snapshots now due (a successful step)."""
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            self.index_pages(seq)
+            plan = seq.snapshot_plan
+            while plan and plan[0] <= seq.num_computed_tokens:
+                if plan.pop(0) == seq.num_computed_tokens:
+                    self._snapshot(seq)
+
+    def index_pages(self, seq) -> None:
+        """Add ``seq``'s full computed pages to the index (its own page, unless one with its tokens is there)."""
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        i = seq.num_indexed_pages
+        if i >= full:
+            return
+        node = seq.prefix_node or self.index.root
+        while i < full:
+            tokens = tuple(seq.token_ids_slice(i * bs, bs))
+            child = node.children.get(tokens)
+            if child is None:
+                page = seq.block_table[i] if self.has_kv else None
+                child = self.index.add_child(node, tokens, page)
+                if page is not None:
+                    self.manager.ref_page(page)
+                    self._node_by_page[page] = child
+            node = child
+            i += 1
+        self._move_cursor(seq, node, i)
+
+    def share_cursor(self, parent, child) -> None:
+        """``child`` was forked from ``parent``: it continues indexing from the same page."""
+        self._move_cursor(child, parent.prefix_node, parent.num_indexed_pages)
+
+    def _move_cursor(self, seq, node: PageNode | None, num_pages: int) -> None:
+        old = seq.prefix_node
+        if old is not node:
+            if node is not None:
+                node.pins += 1
+            if old is not None:
+                old.pins -= 1
+                self._consider(old)
+        seq.prefix_node = node
+        seq.num_indexed_pages = num_pages
+
+    def release(self, seq, keep_state: bool) -> None:
+        """``seq`` is about to give back its cache: with ``keep_state``, its state slot becomes the snapshot
+        at its last computed token (the end of its generation); its indexing cursor is dropped."""
+        if keep_state and self.has_state and seq.state_slot is not None and seq.num_computed_tokens > 0:
+            self.index_pages(seq)
+            snap = self._record(seq, seq.state_slot)
+            if snap is not None:
+                seq.state_slot = None  # the snapshot owns the slot now
+        elif keep_state and not self.has_state and seq.num_computed_tokens % self.block_size:
+            self.index_pages(seq)
+            self._record(seq, None)  # its partly filled last page, for the next turn
+        self._move_cursor(seq, None, 0)
+
+    def unheld(self, pages: list[int]) -> None:
+        """A sequence let go of ``pages``: the cached ones among them may have become evictable."""
+        for page in pages:
+            node = self._node_by_page.get(page)
+            if node is not None:
+                self._consider(node)
+
+    def _snapshot(self, seq) -> None:
+        """Copy ``seq``'s state (at its last computed token) into a new snapshot slot."""
+        node, tail = self._where(seq)
+        if node is None:
+            return
+        existing = self.index.find_snapshot(node, tail)
+        if existing is not None:
+            self.index.touch(existing)
+            self._consider(existing)
+            return
+        value = seq.num_computed_tokens / self.slot_bytes
+        if not self._evict_until(lambda: self.manager.pool.can_allocate(0, 1), below=value):
+            self.stats.snapshots_skipped += 1
+            return
+        slot = self.manager.allocate_raw(0, 1).slots[0]  # compaction may move seq's slot: read it after
+        self.manager.copy_slot(seq.state_slot, slot)
+        self._record(seq, slot)
+
+    def _where(self, seq) -> tuple[PageNode | None, tuple[int, ...]]:
+        """The node and tail tokens of a snapshot of ``seq`` at its last computed token (None if its pages
+        are not indexed up to there)."""
+        node = seq.prefix_node or self.index.root
+        if node.depth != seq.num_computed_tokens // self.block_size:
+            return None, ()
+        start = node.depth * self.block_size
+        return node, tuple(seq.token_ids_slice(start, seq.num_computed_tokens - start))
+
+    def _record(self, seq, slot: int) -> Snapshot | None:
+        """Add the snapshot of ``seq``'s last computed token held in ``slot`` (None, nothing done, if the
+        index already has one there or ``seq`` is not indexed up to it)."""
+        node, tail = self._where(seq)
+        if node is None or self.index.find_snapshot(node, tail) is not None:
+            return None
+        tail_page = seq.block_table[node.depth] if tail and self.has_kv else None
+        if tail_page is not None:
+            self.manager.ref_page(tail_page)
+        snap = self.index.add_snapshot(node, tail, slot, tail_page)
+        if tail_page is not None:
+            self._tails.setdefault(tail_page, []).append(snap)
+        if slot is not None:
+            self._snapshot_by_slot[slot] = snap
+        if slot is not None:
+            self.stats.snapshots_taken += 1
+        self._consider(snap)
+        return snap
+
+    # -------------------------------------------------------------- eviction
+    def evictable(self, item: PageNode | Snapshot) -> bool:
+        """Whether nothing but the cache holds ``item``."""
+        if item.removed or item.pins:
+            return False
+        if isinstance(item, Snapshot):
+            return True
+        if item.parent is None or item.children or item.snapshots:
+            return False
+        if item.page is None:
+            return True
+        return self.manager.page_refs[item.page] == 1 + len(self._tails.get(item.page, ()))
+
+    def value(self, item: PageNode | Snapshot) -> float:
+        """Tokens of recompute ``item`` saves per byte, times (1 + its hits): lower is evicted first."""
+        if isinstance(item, Snapshot):
+            if item.slot is None:  # a KV tail alone
+                return (1 + item.hits) * len(item.tail) / self.page_bytes
+            return (1 + item.hits) * item.position / self.slot_bytes
+        if item.page is None or self.has_state:
+            return 0.0
+        return (1 + item.hits) * self.block_size / self.page_bytes
+
+    def _consider(self, item: PageNode | Snapshot) -> None:
+        """Queue ``item`` for eviction if it is evictable (a node without bytes is dropped at once)."""
+        if not self.evictable(item):
+            return
+        if isinstance(item, PageNode) and item.page is None:
+            self._evict(item)
+            return
+        self.index.push(item, self.value(item))
+        if self.index.needs_rebuild():
+            self.index.rebuild(self.value, self.evictable)
+
+    def evict_for(self, num_pages: int, num_slots: int) -> bool:
+        """Evict cached items, lowest value first, until ``num_pages`` pages and ``num_slots`` slots fit."""
+        return self._evict_until(lambda: self.manager.pool.can_allocate(num_pages, num_slots))
+
+    def _evict_until(self, done, below: float | None = None) -> bool:
+        while not done():
+            victim = self.index.pop_victim(self.evictable, below)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, item: PageNode | Snapshot) -> None:
+        if isinstance(item, Snapshot):
+            self.index.remove_snapshot(item)
+            if item.slot is not None:
+                del self._snapshot_by_slot[item.slot]
+                self.manager.free_slot(item.slot)
+                self.stats.evicted_snapshots += 1
+            else:
+                self.stats.evicted_pages += 1
+            if item.tail_page is not None:
+                holders = self._tails[item.tail_page]
+                holders.remove(item)
+                if not holders:
+                    del self._tails[item.tail_page]
+                node = self._node_by_page.get(item.tail_page)
+                self.manager.unref_page(item.tail_page)
+                if node is not None:
+                    self._consider(node)
+            self._consider(item.node)
+            return
+        self.index.remove_leaf(item)
+        if item.page is not None:
+            del self._node_by_page[item.page]
+            self.manager.unref_page(item.page)
+            self.stats.evicted_pages += 1
+        self._consider(item.parent)
+
+    def clear(self) -> bool:
+        """Evict everything no request holds; True if the cache is empty afterwards."""
+        while True:
+            victims = [item for item in self.index.items() if self.evictable(item)]
+            if not victims:
+                break
+            for item in victims:
+                if self.evictable(item):
+                    self._evict(item)
+        return self.index.num_nodes == 0 and self.index.num_snapshots == 0
+
+    # ------------------------------------------------------------ compaction
+    def relocate(self, moves: "Relocation") -> None:
+        """Point cached pages and snapshots at their new ids after the pool moved them."""
+        if moves.pages:
+            nodes = {old: self._node_by_page.pop(old) for old in moves.pages if old in self._node_by_page}
+            tails = {old: self._tails.pop(old) for old in moves.pages if old in self._tails}
+            for old, node in nodes.items():
+                node.page = moves.pages[old]
+                self._node_by_page[node.page] = node
+            for old, snaps in tails.items():
+                new = moves.pages[old]
+                for snap in snaps:
+                    snap.tail_page = new
+                self._tails[new] = snaps
+        if moves.slots:
+            snaps = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
+            for old, snap in snaps.items():
+                snap.slot = moves.slots[old]
+                self._snapshot_by_slot[snap.slot] = snap
+
+    # ----------------------------------------------------------------- stats
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._node_by_page)
+
+    @property
+    def num_snapshots(self) -> int:
+        """State snapshots held (a model without state keeps KV tails alone, which are not counted)."""
+        return self.index.num_snapshots if self.has_state else 0
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.slot_bytes
