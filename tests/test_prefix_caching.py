@@ -76,7 +76,7 @@ def test_cached_prefixes_give_the_uncached_outputs(ckpt_dir, family, shared):
     assert_drained(on.engine)
 
 
-@pytest.mark.parametrize("family", ["bamba", "mamba", "qwen3_next", "lfm2", "llama"])
+@pytest.mark.parametrize("family", list(STATE_KINDS))
 def test_turn_two_resumes_from_turn_one_prompt_and_answer(ckpt_dir, family):
     off, on = _engines(make(ckpt_dir, family))
     first = _prompts(30, 1, seed=3)[0]
@@ -232,6 +232,25 @@ def test_cached_items_are_evicted_before_anything_is_preempted(ckpt_dir, family)
     stats = on.engine.prefix_cache_stats()
     assert stats["evicted_snapshots"] + stats["evicted_pages"] > 0
     assert on.engine.scheduler.num_preemptions == 0
+    assert_drained(on.engine)
+
+
+def test_a_failing_cache_update_turns_caching_off_and_loses_nothing(ckpt_dir, monkeypatch):
+    off, on = _engines(make(ckpt_dir, "bamba"))
+    prompts = _prompts(40, 4, seed=13)
+    _one_by_one(on, prompts[:2])  # something cached
+    calls = []
+
+    def broken(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(on.engine.cache.prefix, "after_step", broken)
+    got = on.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert on.engine.cache.prefix is None and len(calls) == 3
+    assert [g.outputs[0].token_ids for g in got] == [
+        w.outputs[0].token_ids for w in off.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
     assert_drained(on.engine)
 
 

@@ -360,6 +360,26 @@ class PrefixCache:
                     self._evict(item)
         return self.index.num_nodes == 0 and self.index.num_snapshots == 0
 
+    def drop_all(self, seqs) -> None:
+        """Give back everything the cache holds, whoever else holds it too (``seqs``: every sequence with a
+        cursor or a plan), leaving the sequences' own references: the cache is then unused."""
+        for seq in seqs:
+            self._move_cursor(seq, None, 0)
+            seq.snapshot_plan = []
+        for item in list(self.index.items()):
+            if isinstance(item, Snapshot):
+                if item.slot is not None:
+                    self.manager.free_slot(item.slot)
+                if item.tail_page is not None:
+                    self.manager.unref_page(item.tail_page)
+            elif item.page is not None:
+                self.manager.unref_page(item.page)
+            item.removed = True
+        self.index = PrefixIndex(self.block_size)
+        self._node_by_page.clear()
+        self._snapshot_by_slot.clear()
+        self._tails.clear()
+
     # ------------------------------------------------------------ compaction
     def relocate(self, moves: "Relocation") -> None:
         """Point cached pages and snapshots at their new ids after the pool moved them."""

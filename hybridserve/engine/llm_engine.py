@@ -381,13 +381,9 @@ class LLMEngine:
     def _drop_prefix_cache(self) -> None:
         """Stop caching prefixes for this engine's life (after an internal error in the cache)."""
         prefix = self.cache.prefix
-        if prefix is None:
-            return
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            prefix.release(seq, keep_state=False)
-            seq.snapshot_plan = []
-        prefix.clear()
-        self.cache.prefix = None
+        if prefix is not None:
+            prefix.drop_all(list(self.scheduler.running) + list(self.scheduler.waiting))
+            self.cache.prefix = None
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """Counters and sizes of the prefix cache (zeros when it is off): tokens queried and hit, lookups whose
