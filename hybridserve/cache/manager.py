@@ -212,11 +212,7 @@ class CacheManager:
         self.seq_page_refs[page] = self.seq_page_refs.get(page, 0) + 1
 
     def _seq_unref(self, page: int) -> None:
-        count = self.seq_page_refs[page] - 1
-        if count:
-            self.seq_page_refs[page] = count
-        else:
-            del self.seq_page_refs[page]
+        _decrement(self.seq_page_refs, page)
         self.unref_page(page)
 
     def held_bytes(self) -> int:
@@ -238,11 +234,7 @@ class CacheManager:
 
     def unref_page(self, page: int) -> None:
         """Drop one reference to ``page``; the last one returns it to the pool."""
-        count = self.page_refs[page] - 1
-        if count:
-            self.page_refs[page] = count
-        else:
-            del self.page_refs[page]
+        if _decrement(self.page_refs, page):
             self.pool.free_pages([page])
 
     def free_slot(self, slot: int) -> None:
@@ -285,6 +277,16 @@ class CacheManager:
         pad_pages, pad_slots = pool.reserved_counts()
         return fits(pool.layout, pool.geometry, self.pages_for(num_tokens) + pad_pages,
                     (1 if pool.layout.has_state else 0) + pad_slots)
+
+
+def _decrement(refs: dict[int, int], page: int) -> bool:
+    """One reference fewer to ``page`` in ``refs``; True (and the entry gone) when that was the last."""
+    count = refs[page] - 1
+    if count:
+        refs[page] = count
+        return False
+    del refs[page]
+    return True
 
 
 def copy_rows(buffer: torch.Tensor, row_bytes: int, src: list[int], dst: list[int]) -> None:

@@ -416,6 +416,8 @@ class LLMEngine:
             "num_slots": self.pool.num_slots,
             "max_model_len": self.max_model_len,
             "padding_reserved_bytes": self.pool.reserved_bytes(),
+            "prefix_caching": self.cache.prefix is not None,
+            "prefix_snapshot_interval": self.config.prefix_snapshot_interval,
             "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len,
                                                       self.pool.reserved_counts()),
         }
