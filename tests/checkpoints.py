@@ -185,6 +185,19 @@ def lfm2_config(**overrides: Any) -> Any:
     return Lfm2Config(**kw)
 
 
+def lfm2_moe_config(**overrides: Any) -> Any:
+    """LFM2-MoE: LFM2's layers; the first layer dense, the others 8 experts top-2 with an expert bias."""
+    from transformers import Lfm2MoeConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=5,
+              layer_types=["conv", "full_attention", "conv", "conv", "full_attention"], num_dense_layers=1,
+              num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+              max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+    kw.update(overrides)
+    return Lfm2MoeConfig(**kw)
+
+
 def qwen3_next_config(**overrides: Any) -> Any:
     """Qwen3-Next: gated delta net (2 key heads shared by 4 value heads) and gated attention (partial
     RoPE); MoE with a shared expert on every layer but the dense ``mlp_only_layers`` one."""
@@ -252,6 +265,7 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "qwen3_next": qwen3_next_config,
     "minimax": minimax_config,
     "lfm2": lfm2_config,
+    "lfm2_moe": lfm2_moe_config,
     "zamba2": zamba2_config,
     "falcon_h1": falcon_h1_config,
     "granitemoehybrid": granitemoehybrid_config,

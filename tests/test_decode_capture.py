@@ -99,6 +99,7 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "falcon-h1": ("falcon_h1", {}),  # attention beside Mamba2, every muP multiplier
           "zamba2": ("zamba2", {}),  # shared attention blocks over concat(x, embeddings), gelu MLP, adapters
           "lfm2": ("lfm2", {}),  # gated short convolutions, attention with q/k norms
+          "lfm2-moe": ("lfm2_moe", {}),  # LFM2 layers, sigmoid-routed experts with an expert bias
           "minimax": ("minimax", {}),  # lightning (decayed linear) attention, sliding-window attention, MoE
           "qwen3-next": ("qwen3_next", {})}  # gated delta net, gated attention with q/k norms, shared expert
 

@@ -13,7 +13,7 @@ from tests.hf_reference import compare, hf_greedy
 from tests.prefix_utils import released_everything
 
 FAMILIES = ["llama", "mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "minimax",
-            "lfm2", "qwen3_next", "zamba2", "falcon_h1"]
+            "lfm2", "lfm2_moe", "qwen3_next", "zamba2", "falcon_h1"]
 PROMPT_LENGTHS = [1, 7, 19, 33, 50, 70]
 NEW_TOKENS = 12
 

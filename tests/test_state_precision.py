@@ -32,6 +32,7 @@ FAMILIES = {
     "nemotron_h": (("ssm",), ("conv",)),
     "minimax": (("kv_state",), ()),
     "lfm2": ((), ("conv",)),  # no temporal state: its conv state is the one tested (see below)
+    "lfm2_moe": ((), ("conv",)),
 }
 PROMPT_LEN = 520
 NEW_TOKENS = 520

@@ -160,10 +160,12 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = t
 
 
 def router_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
-                           normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           normalize: bool, scale: float,
+                           eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor] | None:
     """DeepSeek-V3-style routing of float32 logits (T, E) with a float32 correction ``bias`` (E,):
-    (index (T, k) int64, weight (T, k) float32) as Nemotron-H's router computes them. None when not
-    covered."""
+    (index (T, k) int64, weight (T, k) float32) as Nemotron-H's router computes them (``normalize``
+    divides the chosen scores by their sum + ``eps``; LFM2-MoE's is ``n_group = topk_group = 1``,
+    ``eps=1e-6``). None when not covered."""
     lib = _library()
     if (lib is None or logits.dtype != torch.float32 or logits.dim() != 2 or not rows_ok(logits)
             or bias.dtype != torch.float32 or not bias.is_contiguous() or bias.shape != (logits.shape[1],)):
@@ -172,6 +174,7 @@ def router_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, k: int, n_g
     index = torch.empty(T, k, dtype=torch.int64)
     weight = torch.empty(T, k, dtype=torch.float32)
     check(lib.hs_router_grouped_sigmoid(T, E, k, logits.data_ptr(), logits.stride(0), bias.data_ptr(), n_group,
-                                        topk_group, int(normalize), float(scale), index.data_ptr(), weight.data_ptr()),
+                                        topk_group, int(normalize), float(scale), float(eps), index.data_ptr(),
+                                        weight.data_ptr()),
           "hs_router_grouped_sigmoid")
     return index, weight

@@ -36,7 +36,7 @@ def head_dim_of(config: Any) -> int:
 def ffn_size(config: Any) -> int:
     """The MLP width, adjusted as HF's ``Lfm2MLP`` does (2/3, multiplier, rounded up to a multiple)."""
     size = config.intermediate_size
-    if config.block_auto_adjust_ff_dim:
+    if getattr(config, "block_auto_adjust_ff_dim", False):
         size = int(2 * size / 3)
         if config.block_ffn_dim_multiplier is not None:
             size = int(config.block_ffn_dim_multiplier * size)
@@ -47,9 +47,9 @@ def ffn_size(config: Any) -> int:
 class Lfm2MLP(nn.Module):
     """``w2(silu(w1(x)) * w3(x))`` (HF names)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, size: int | None = None) -> None:
         super().__init__()
-        size = ffn_size(config)
+        size = size or ffn_size(config)
         self.w1 = nn.Linear(config.hidden_size, size, bias=False)
         self.w3 = nn.Linear(config.hidden_size, size, bias=False)
         self.w2 = nn.Linear(size, config.hidden_size, bias=False)
@@ -124,7 +124,7 @@ class Lfm2ShortConv(nn.Module):
 
 
 class Lfm2DecoderLayer(nn.Module):
-    def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
+    def __init__(self, config: Any, index: int, dtypes: CacheDtypes, feed_forward: nn.Module | None = None) -> None:
         super().__init__()
         self.is_attention = config.layer_types[index] != "conv"
         if self.is_attention:
@@ -133,7 +133,7 @@ class Lfm2DecoderLayer(nn.Module):
                                        qk_norm_eps=config.norm_eps)
         else:
             self.conv = Lfm2ShortConv(config, index, dtypes)
-        self.feed_forward = Lfm2MLP(config)
+        self.feed_forward = feed_forward if feed_forward is not None else Lfm2MLP(config)
         self.operator_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
@@ -148,10 +148,13 @@ class Lfm2DecoderLayer(nn.Module):
 
 
 class Lfm2Model(nn.Module):
-    def __init__(self, config: Any, dtypes: CacheDtypes) -> None:
+    def __init__(self, config: Any, dtypes: CacheDtypes, feed_forward=None) -> None:
+        """``feed_forward(config, index)``: a layer's feed-forward module (default: the SwiGLU MLP)."""
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, i, dtypes) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Lfm2DecoderLayer(config, i, dtypes, feed_forward(config, i) if feed_forward else None)
+            for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
 

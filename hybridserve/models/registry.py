@@ -16,6 +16,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("hybridserve.models.qwen3_next", "Qwen3NextForCausalLM"),
     "MiniMaxForCausalLM": ("hybridserve.models.minimax", "MiniMaxForCausalLM"),
     "Lfm2ForCausalLM": ("hybridserve.models.lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("hybridserve.models.lfm2_moe", "Lfm2MoeForCausalLM"),
     "Zamba2ForCausalLM": ("hybridserve.models.zamba2", "Zamba2ForCausalLM"),
     "FalconH1ForCausalLM": ("hybridserve.models.falcon_h1", "FalconH1ForCausalLM"),
 }

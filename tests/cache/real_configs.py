@@ -115,6 +115,15 @@ def lfm2_1_2b() -> Any:
         dtype="bfloat16"), "Lfm2ForCausalLM")
 
 
+def lfm2_moe_defaults() -> Any:
+    """Lfm2MoeConfig's defaults (2048 hidden, 32 layers, 32 experts top-4); the defaults set no
+    ``layer_types``, so attention takes one layer in four here."""
+    from transformers import Lfm2MoeConfig
+
+    kinds = ["full_attention" if i % 4 == 2 else "conv" for i in range(32)]
+    return _arch(Lfm2MoeConfig(layer_types=kinds, dtype="bfloat16"), "Lfm2MoeForCausalLM")
+
+
 def falcon_mamba_7b() -> Any:
     from transformers import FalconMambaConfig
 
@@ -145,6 +154,7 @@ REAL_CONFIGS: dict[str, Callable[[], Any]] = {
     "falcon-h1-7b": falcon_h1_7b,
     "zamba2-7b": zamba2_7b,
     "lfm2-1.2b": lfm2_1_2b,
+    "lfm2-moe-defaults": lfm2_moe_defaults,
     "falcon-mamba-7b": falcon_mamba_7b,
     "minimax-text-01": minimax_text_01,
 }

@@ -130,7 +130,7 @@ def test_cpu_kernels_default_and_cli_flag():
         assert EngineConfig(**{**kwargs, "model": "x"}).cpu_kernels is False
 
 
-ALL_FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", "zamba2", "falcon_h1",
+ALL_FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", "lfm2_moe", "zamba2", "falcon_h1",
                 "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_latent", "bamba", "llama",
                 "mamba2"]
 

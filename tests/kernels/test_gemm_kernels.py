@@ -237,3 +237,21 @@ def test_router_topk_matches_torch(mode):
         expected = expected / expected.sum(-1, keepdim=True)
     assert torch.equal(index, expected_index)
     torch.testing.assert_close(weight, expected, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("eps", [1e-20, 1e-6])
+def test_one_group_sigmoid_router_matches_torch(bias, eps):
+    """The grouped-sigmoid router with one group (LFM2-MoE's): top-k of sigmoid + bias, the chosen scores
+    over their sum + eps; against the same in PyTorch."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(11, 16, generator=g)
+    correction = torch.randn(16, generator=g) * 0.1 if bias else torch.zeros(16)
+    index, weight = gemm.router_grouped_sigmoid(logits, correction, 4, 1, 1, True, 2.5, eps)
+    scores = logits.sigmoid()
+    expected_index = (scores + correction).topk(4, dim=-1)[1]
+    chosen = scores.gather(1, expected_index)
+    expected = chosen / (chosen.sum(-1, keepdim=True) + eps) * 2.5
+    assert torch.equal(index.sort(-1).values, expected_index.sort(-1).values)
+    order_got, order_want = index.argsort(-1), expected_index.argsort(-1)
+    torch.testing.assert_close(weight.gather(1, order_got), expected.gather(1, order_want), rtol=2e-6, atol=1e-7)

@@ -554,10 +554,11 @@ void router_topk_impl(int64_t T_, int64_t E, int64_t k, const LT* logits, int64_
 
 // DeepSeek-V3-style routing (Nemotron-H): scores = sigmoid(logits); experts chosen by score + bias
 // among the topk_group best of n_group groups (a group's score: the sum of its two best); weights
-// are the chosen scores (renormalized with normalize, + 1e-20), times scale. All in float32.
+// are the chosen scores (renormalized with normalize: divided by their sum + eps), times scale. All in
+// float32. LFM2-MoE's router is the case n_group = topk_group = 1.
 void router_grouped_sigmoid_impl(int64_t T_, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,
-                                 int64_t n_group, int64_t topk_group, int normalize, float scale, int64_t* index,
-                                 float* weight) {
+                                 int64_t n_group, int64_t topk_group, int normalize, float scale, float eps,
+                                 int64_t* index, float* weight) {
   const int64_t per = E / n_group;
   std::vector<float> score(E), choice(E), group_score(n_group);
   std::vector<int64_t> order(std::max(E, n_group));
@@ -582,7 +583,7 @@ void router_grouped_sigmoid_impl(int64_t T_, int64_t E, int64_t k, const float* 
     for (int64_t j = 0; j < k; ++j) total += score[order[j]];
     for (int64_t j = 0; j < k; ++j) {
       index[t * k + j] = order[j];
-      const float w = normalize ? score[order[j]] / (total + 1e-20f) : score[order[j]];
+      const float w = normalize ? score[order[j]] / (total + eps) : score[order[j]];
       weight[t * k + j] = w * scale;
     }
   }
@@ -615,12 +616,12 @@ int hs_linear_f32(int x_dtype, int out_dtype, int64_t M, int64_t N, int64_t K, c
 }
 
 int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,
-                              int64_t n_group, int64_t topk_group, int normalize, float scale, int64_t* index,
-                              float* weight) {
+                              int64_t n_group, int64_t topk_group, int normalize, float scale, float eps,
+                              int64_t* index, float* weight) {
   if (n_group < 1 || E % n_group != 0 || E / n_group < 2 || topk_group < 1 || topk_group > n_group || k < 1 ||
       k > topk_group * (E / n_group))
     return 1;
-  router_grouped_sigmoid_impl(T, E, k, logits, ls, bias, n_group, topk_group, normalize, scale, index, weight);
+  router_grouped_sigmoid_impl(T, E, k, logits, ls, bias, n_group, topk_group, normalize, scale, eps, index, weight);
   return 0;
 }
 

@@ -108,8 +108,8 @@ int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I,
 int hs_linear_f32(int x_dtype, int out_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs,
                   const float* w, void* out, int64_t os);
 int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,
-                              int64_t n_group, int64_t topk_group, int normalize, float scale, int64_t* index,
-                              float* weight);
+                              int64_t n_group, int64_t topk_group, int normalize, float scale, float eps,
+                              int64_t* index, float* weight);
 int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int64_t k, const void* logits, int64_t ls,
                    int mode, int normalize, int64_t* index, void* weight);
 
