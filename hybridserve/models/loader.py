@@ -47,6 +47,35 @@ def weight_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
+def float32_parameters(hf_config: Any, dtype: torch.dtype, names) -> list[str]:
+    """The parameter ``names`` HF's model class keeps in float32 in a ``dtype`` model, by its own attributes:
+    ``_keep_in_fp32_modules_strict`` for float16 and bfloat16, ``_keep_in_fp32_modules`` for float16 alone
+    (as ``PreTrainedModel._get_dtype_plan``). A pattern names a module or parameter path (``gate.weight``)
+    and matches whole dotted components of a name."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return []
+    hf_class = _hf_class(hf_config)
+    patterns = set(getattr(hf_class, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        patterns |= set(getattr(hf_class, "_keep_in_fp32_modules", None) or [])
+    if not patterns:
+        return []
+    regex = re.compile(r"(^|\.)(" + "|".join(re.escape(p) for p in sorted(patterns)) + r")($|\.)")
+    return [name for name in names if regex.search(name)]
+
+
+def _hf_class(hf_config: Any) -> type | None:
+    """transformers' causal-LM class for ``hf_config`` (None when it has none)."""
+    import transformers
+
+    cls = getattr(transformers, architecture_of(hf_config), None)
+    if cls is None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config))
+    return cls
+
+
 def _rename(name: str, renames: list[tuple[str, str]]) -> str:
     for pattern, repl in renames:
         name = re.sub(pattern, repl, name)
@@ -96,6 +125,9 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
             owner, attr = _owner(model, name)
             getattr(owner, attr).data = tensor.to(device=device, dtype=target_dtype)
     model.to(dtype=dtype)
+    for name in float32_parameters(model.hf_config, dtype, [n for n in expected if n in loaded]):  # HF keeps in fp32
+        owner, attr = _owner(model, name)
+        getattr(owner, attr).data = loaded[name].to(device=device, dtype=torch.float32)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
