@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 from hybridserve.cache.capacity import fits, pages_for
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixHit
@@ -241,10 +239,10 @@ class CacheManager:
         self.pool.free_slot(slot)
 
     def copy_page(self, src: int, dst: int) -> None:
-        copy_rows(self.pool.buffer, self.pool.layout.page_bytes, [src], [dst])
+        self.pool.copy_row(src, dst, self.pool.layout.page_bytes)
 
     def copy_slot(self, src: int, dst: int) -> None:
-        copy_rows(self.pool.buffer, self.pool.layout.slot_bytes, [src], [dst])
+        self.pool.copy_row(src, dst, self.pool.layout.slot_bytes)
 
     def after_step(self, seqs: list) -> None:
         """A step over ``seqs`` succeeded: index their filled pages and take their due snapshots."""
@@ -287,15 +285,3 @@ def _decrement(refs: dict[int, int], page: int) -> bool:
         return False
     del refs[page]
     return True
-
-
-def copy_rows(buffer: torch.Tensor, row_bytes: int, src: list[int], dst: list[int]) -> None:
-    """Copy rows ``src[i]`` to ``dst[i]`` of ``buffer`` seen as rows of ``row_bytes`` (page or slot ``i`` at
-    byte ``i * row_bytes``): one indexed copy for all of them."""
-    if len(src) == 1:
-        s, d = src[0] * row_bytes, dst[0] * row_bytes
-        buffer[d:d + row_bytes].copy_(buffer[s:s + row_bytes])
-        return
-    rows = buffer[:buffer.numel() // row_bytes * row_bytes].view(-1, row_bytes)  # (num_rows, row_bytes) uint8
-    index = torch.tensor(dst, dtype=torch.int64, device=buffer.device)
-    rows[index] = rows[torch.tensor(src, dtype=torch.int64, device=buffer.device)]

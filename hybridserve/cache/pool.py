@@ -369,8 +369,13 @@ class CachePool:
         relocation.pages[src] = dst
 
     def _copy(self, src: int, dst: int, size: int) -> None:
-        self.buffer[dst * size:(dst + 1) * size].copy_(self.buffer[src * size:(src + 1) * size])
+        """A compaction move: row ``src`` to row ``dst`` of ``size`` bytes, counted in ``moved_bytes``."""
+        self.copy_row(src, dst, size)
         self.stats["moved_bytes"] += size
+
+    def copy_row(self, src: int, dst: int, size: int) -> None:
+        """Copy page or slot ``src`` onto ``dst`` (``size``: page_bytes or slot_bytes): one memcpy in the buffer."""
+        self.buffer[dst * size:(dst + 1) * size].copy_(self.buffer[src * size:(src + 1) * size])
 
     # ----------------------------------------------------------------- stats
     @property

@@ -76,10 +76,6 @@ class PrefixMatch:
     partial: "PageNode | Snapshot | None"  # holder of the page with kv_tokens beyond the path's full pages
     snapshot: Snapshot | None  # the longest usable snapshot (position <= the limit), or None
 
-    @property
-    def snapshot_tokens(self) -> int:
-        return self.snapshot.position if self.snapshot is not None else 0
-
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = 0
@@ -136,9 +132,6 @@ class PrefixIndex:
         return PrefixMatch(path, kv, partial, best)
 
     # ----------------------------------------------------------------- update
-    def child(self, node: PageNode, tokens: tuple[int, ...]) -> PageNode | None:
-        return node.children.get(tokens)
-
     def add_child(self, node: PageNode, tokens: tuple[int, ...], page: int | None) -> PageNode:
         """A new node for ``tokens`` (``block_size`` of them) under ``node``, held in ``page``."""
         assert len(tokens) == self.block_size and tokens not in node.children
@@ -223,7 +216,3 @@ class PrefixIndex:
         for item in self.items():
             if evictable(item):
                 self.push(item, value_of(item))
-
-    @property
-    def queue_length(self) -> int:
-        return len(self._heap)
