@@ -1,8 +1,8 @@
 """hybridserve: serving engine for hybrid attention/recurrent language models."""
 
-from hybridserve.sampling_params import SamplingParams
+from hybridserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig"]
 __version__ = "0.1.0"
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hybridserve.cache.dtypes import DTYPE_ALIASES
+from hybridserve.cache.plan_config import parse_size
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 
@@ -39,8 +40,7 @@ STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
 FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEVICES = ("auto", "cpu", "cuda")
 
-_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
-                  "fp16": "float16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+_DTYPE_ALIASES = DTYPE_ALIASES
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -64,27 +64,6 @@ def _check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> str:
     return canonical
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
-
-
-def parse_size(value: int | str) -> int:
-    """Parse a byte count given as an int or a string such as "2GiB", "512MB", "1e9"."""
-    if isinstance(value, bool):
-        raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
-    if isinstance(value, (int, float)):
-        size = int(value)
-    else:
-        match = _SIZE_RE.match(str(value))
-        if match is None:
-            raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
-        number, unit = match.group(1), (match.group(2) or "").lower()
-        size = int(float(number) * _SIZE_UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"cache_memory={value!r} must be a positive size")
-    return size
 
 
 @dataclass(frozen=True)

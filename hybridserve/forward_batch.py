@@ -24,6 +24,7 @@ class SeqGroup:
     seq_lens: torch.Tensor  # (S,) int64 context length after this step
     block_tables: torch.Tensor | None  # (S, max_blocks) int64, or None without attention
     state_indices: torch.Tensor | None  # (S,) int64 slot ids, or None without state
+    window_block_tables: torch.Tensor | None = None  # (S, max_blocks) the window page group's, or None
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +47,7 @@ class ForwardBatch:
     decode: SeqGroup | None
     prefill: SeqGroup | None
     caches: dict[int, LayerCache] = field(default_factory=dict)
+    window_slot_mapping: torch.Tensor | None = None  # (T,) the window page group's KV write positions, or None
 
     @property
     def groups(self) -> list[SeqGroup]:

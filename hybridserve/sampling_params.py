@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.structured_output.params import StructuredOutputsParams
+
 #: temperatures below this sample greedily (dividing logits by a smaller one overflows float32)
 GREEDY_TEMPERATURE_EPS = 1e-5
 #: the seeds a torch generator takes: child ``i`` of an ``n > 1`` request uses ``seed + i``, so
@@ -18,7 +20,15 @@ class SamplingParams:
     ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5).
     ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
     for each generated token; ``prompt_logprobs=k`` the same for each prompt token after the first.
+    ``max_tokens=0`` only runs the prompt (for its ``prompt_logprobs``): no token is generated and each
+    completion ends empty with finish reason "length".
     ``detokenize=False`` returns token ids only (no text, no decoded logprob tokens; no ``stop`` strings).
+    ``repetition_penalty`` (HF's: > 1 discourages every token already in the prompt or the output),
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]: subtracted once per token present in
+    the output / per occurrence) and ``logit_bias`` ({token id: bias in [-100, 100]}, added to the logits) change
+    which token is drawn; reported logprobs stay those of the model's own distribution.
+    ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a grammar
+    (:class:`StructuredOutputsParams`; see docs/structured_output.md).
     """
 
     n: int = 1
@@ -37,7 +47,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    _adjusts_logits: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -65,8 +81,8 @@ class SamplingParams:
                 rule = f"must be in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}]"
                 raise bad("seed", rule + (f" (with n={self.n}, completion i samples with seed + i)"
                                           if self.n > 1 else ""))
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", "must be an integer >= 0 (0: prefill only, no token generated) or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -91,12 +107,43 @@ class SamplingParams:
             raise bad("detokenize", "must be True or False")
         if not self.detokenize and self._stop_list:
             raise ValueError(f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the text")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, "must be a number in [-2, 2] (0 disables it)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict {token id: bias} or None")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias={self.logit_bias!r:.200} is not valid: key {token!r} must be a "
+                                     "non-negative integer token id")
+                if not _is_number(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias={self.logit_bias!r:.200} is not valid: the bias of token {token} "
+                                     f"is {bias!r}; it must be a number in [-100, 100]")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
+            self.structured_outputs.validate()
         if self.top_k == -1:
             self.top_k = 0
+        self._adjusts_logits = (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                                or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything in these params may change the distribution tokens are drawn from."""
+        return self._adjusts_logits
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def stop_strings(self) -> list[str]:

@@ -38,10 +38,12 @@ def save_checkpoint(model: Any, path: str, dtype: torch.dtype = torch.float32) -
 
 def build(config: Any, path: str, seed: int = 0, std: float = 0.08, dtype: torch.dtype = torch.float32) -> str:
     """Instantiate ``config``'s causal LM with random weights and save it to ``path``."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # a vision-language config (Qwen3.5's ConditionalGeneration) builds its image-text-to-text class
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)
     _peaky(model, LM_HEAD_SCALE, std)
     return save_checkpoint(model, path, dtype)
 
@@ -215,6 +217,75 @@ def qwen3_next_config(**overrides: Any) -> Any:
     return Qwen3NextConfig(**kw)
 
 
+#: the layers both Qwen3.5 test models share: Qwen3-Next's layers with separate gated-delta-net projections
+#: (3 key heads shared by 6 value heads), gated attention with partial interleaved M-RoPE
+_QWEN3_5_TEXT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4,
+                     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=3,
+                     linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
+                     linear_conv_kernel_dim=4,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                      "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                     max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2)
+
+
+def qwen3_5_config(**overrides: Any) -> Any:
+    """Qwen3.5, dense: a SwiGLU MLP on every layer (128 wide: at 96 the bf16 model has a greedy near-tie, the
+    two top logprobs 0.015 apart in float32, within the first 10 tokens of the kernel tests' prompts)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**{**_QWEN3_5_TEXT, "intermediate_size": 128, **overrides})
+
+
+def qwen3_5_moe_config(**overrides: Any) -> Any:
+    """Qwen3.5-MoE: a sparse MoE block (8 experts top-2, shared expert) on every layer."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(**{**_QWEN3_5_TEXT, "num_experts": 8, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **overrides})
+
+
+#: a one-block vision tower, for the vision-language checkpoints (never run: served as text)
+_QWEN3_5_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                       temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+
+
+def qwen3_5_vl_config(**overrides: Any) -> Any:
+    """``Qwen3_5ForConditionalGeneration``: the dense model as ``text_config`` beside a tiny vision tower."""
+    from transformers import Qwen3_5Config
+
+    text = qwen3_5_config(**overrides)  # HF ties the embeddings by the top-level tie_word_embeddings
+    return Qwen3_5Config(text_config=text.to_dict(), vision_config=_QWEN3_5_VISION,
+                         tie_word_embeddings=text.tie_word_embeddings)
+
+
+def qwen3_5_moe_vl_config(**overrides: Any) -> Any:
+    """``Qwen3_5MoeForConditionalGeneration``: the MoE model as ``text_config`` beside a tiny vision tower."""
+    from transformers import Qwen3_5MoeConfig
+
+    text = qwen3_5_moe_config(**overrides)
+    return Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=_QWEN3_5_VISION,
+                            tie_word_embeddings=text.tie_word_embeddings)
+
+
+def olmo_hybrid_config(**overrides: Any) -> Any:
+    """OLMo-Hybrid: gated delta net (4 key = 4 value heads, beta in [0, 2]) and post-norm attention with
+    whole-projection q/k norms and RoPE, a SwiGLU MLP on every layer. Multi-head attention, as the config
+    class's default (with 2 KV heads the state is 5.5 KV pages of 8 tokens, and the preemption test's pool,
+    sized by pages, holds every request at once)."""
+    from transformers import OlmoHybridConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              num_attention_heads=4, num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=2048,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return OlmoHybridConfig(**kw)
+
+
 def mamba_config(**overrides: Any) -> Any:
     """Mamba1, untied: tied, these tiny random models greedily repeat one token (logit gaps ~10)."""
     from transformers import MambaConfig
@@ -253,9 +324,61 @@ def jamba_config(**overrides: Any) -> Any:
     return JambaConfig(**kw)
 
 
+def xlstm_config(**overrides: Any) -> Any:
+    """xLSTM: 3 mLSTM blocks of 4 heads (qk head 16, v head 32; hidden 128 so that HF's truncated layer dims
+    and its cache's rounded ones agree), HF's logit soft cap, chunks of 16 (HF's prefill runs its chunkwise
+    kernel over whole chunks, then steps the rest). Gates soft-capped at 3 rather than 15: HF's init gives
+    forget-gate biases of 3 to 6 (memories of hundreds of tokens), over which a bf16 state's rounding grows
+    past the near-ties of a random model within the precision test's first 50 tokens; capped at 3 (memories
+    of about 20 tokens) a bf16 state stays comparable with HF that long (tests/test_parity_variants.py runs
+    the default cap of 15)."""
+    from transformers import xLSTMConfig
+
+    kw = dict(vocab_size=128, hidden_size=128, num_hidden_layers=3, num_heads=4, chunk_size=16, gate_soft_cap=3.0,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return xLSTMConfig(**kw)
+
+
 def nemotron_h_latent_config(**overrides: Any) -> Any:
     """Nemotron-H whose routed experts work in a latent space (``moe_latent_size``), as in Nemotron-3 Super."""
     return nemotron_h_config(**{"moe_latent_size": 32, **overrides})
+
+
+def lfm3_config(**overrides: Any) -> Any:
+    """LFM3: short-conv, full-attention and sliding-window attention layers (q/k norms, per-head output
+    gates, sandwich norms, proportional RoPE on the full layers). The window (8 tokens) is shorter than
+    the test prompts and generations, so decoding runs past it; untied, so the LM head is scaled."""
+    from transformers import Lfm3Config
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+              layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention", "conv"],
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, conv_L_cache=3, sliding_window=8,
+              max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+    kw.update(overrides)
+    return Lfm3Config(**kw)
+
+
+def kimi_linear_config(**overrides: Any) -> Any:
+    """Kimi Linear: KDA (4 heads of 16, per-channel decay) and NoPE MLA layers (4 heads, latent rank 64 +
+    16 shared key dims, q_lora_rank 24 through q_a/q_b), a dense first MLP then an MoE of 8 SwiGLU experts
+    top-2 in 2 groups (1 chosen) with a shared expert; untied, so the LM head is scaled.
+
+    The latent is wide enough that a KV page of 8 tokens is a third of a state slot (with rank 32 the
+    preemption test's pool, sized by pages, held every request at once); the expert width (40) is one whose
+    long bf16-state decode has no greedy near-tie within its first 50 tokens (32, 48 and the others tried
+    had one by token 2-45: bf16 state shifts logprobs ~1e-2 here, as OLMo-Hybrid's gated delta net does)."""
+    from transformers import KimiLinearConfig
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=40, num_hidden_layers=4,
+              layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=24, qk_rope_head_dim=16,
+              qk_nope_head_dim=16, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_group=2,
+              topk_group=1, linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    return KimiLinearConfig(**kw)
 
 
 BUILDERS: dict[str, Callable[..., Any]] = {
@@ -263,9 +386,13 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "falcon_mamba": falcon_mamba_config,
     "jamba": jamba_config,
     "qwen3_next": qwen3_next_config,
+    "qwen3_5": qwen3_5_config,
+    "qwen3_5_moe": qwen3_5_moe_config,
+    "olmo_hybrid": olmo_hybrid_config,
     "minimax": minimax_config,
     "lfm2": lfm2_config,
     "lfm2_moe": lfm2_moe_config,
+    "lfm3": lfm3_config,
     "zamba2": zamba2_config,
     "falcon_h1": falcon_h1_config,
     "granitemoehybrid": granitemoehybrid_config,
@@ -275,6 +402,15 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "bamba": bamba_config,
     "llama": llama_config,
     "mamba2": mamba2_config,
+    "xlstm": xlstm_config,
+    "kimi_linear": kimi_linear_config,
+}
+
+
+#: vision-language checkpoints (served as text), kept out of BUILDERS: their config is not a causal LM's
+VL_BUILDERS: dict[str, Callable[..., Any]] = {
+    "qwen3_5_vl": qwen3_5_vl_config,
+    "qwen3_5_moe_vl": qwen3_5_moe_vl_config,
 }
 
 
@@ -282,5 +418,5 @@ def make(tmp_dir: str, family: str, dtype: torch.dtype = torch.float32, seed: in
     tag = hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8] if overrides else "base"
     path = os.path.join(tmp_dir, f"{family}-{str(dtype).removeprefix('torch.')}-{seed}-{tag}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build(BUILDERS[family](**overrides), path, seed=seed, dtype=dtype)
+        build({**BUILDERS, **VL_BUILDERS}[family](**overrides), path, seed=seed, dtype=dtype)
     return path

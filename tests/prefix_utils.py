@@ -6,13 +6,15 @@ from collections import Counter
 
 
 def check_cache_invariants(engine) -> None:
-    """Every page's reference count is its holders (sequences, indexed node, snapshot tails); every cached
-    page and snapshot slot is live in the pool; the pool holds nothing else."""
+    """Every page's reference count is its holders (sequences' block and window tables, indexed node, snapshot
+    tails and window pages); every cached page and snapshot slot is live in the pool; the pool holds nothing
+    else."""
     cache, pool = engine.cache, engine.pool
     expected: Counter[int] = Counter()
     slots: Counter[int] = Counter()
     for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         expected.update(seq.block_table)
+        expected.update(page for page in seq.window_table if page >= 0)  # -1: released behind the window
         if seq.state_slot is not None:
             slots[seq.state_slot] += 1
     prefix = cache.prefix
@@ -23,6 +25,7 @@ def check_cache_invariants(engine) -> None:
                     slots[item.slot] += 1
                 if item.tail_page is not None:
                     expected[item.tail_page] += 1
+                expected.update(item.window_pages)
                 assert item.position <= item.node.depth * item.block_size + item.block_size - 1
             elif item.page is not None:
                 expected[item.page] += 1

@@ -83,7 +83,7 @@ CACHE_SETTINGS = {
 # RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections; pure
 # Mamba2; Llama (attention only); Granite-4.0-H with experts; Nemotron-H (Mamba2, attention, relu2
 # MLP and MoE layers), also with its latent expert projection; Mamba, FalconMamba and Jamba (Mamba1);
-# Falcon-H1; Zamba2; LFM2; MiniMax; Qwen3-Next.
+# Falcon-H1; Zamba2; LFM2; MiniMax; Qwen3-Next; Qwen3.5, dense and MoE; OLMo-Hybrid, with and without RoPE.
 MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
           "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5}),
@@ -100,8 +100,14 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "zamba2": ("zamba2", {}),  # shared attention blocks over concat(x, embeddings), gelu MLP, adapters
           "lfm2": ("lfm2", {}),  # gated short convolutions, attention with q/k norms
           "lfm2-moe": ("lfm2_moe", {}),  # LFM2 layers, sigmoid-routed experts with an expert bias
+          "lfm3": ("lfm3", {}),  # LFM2 layers, per-head gates, sandwich norms, a window page group
           "minimax": ("minimax", {}),  # lightning (decayed linear) attention, sliding-window attention, MoE
-          "qwen3-next": ("qwen3_next", {})}  # gated delta net, gated attention with q/k norms, shared expert
+          "qwen3-next": ("qwen3_next", {}),  # gated delta net, gated attention with q/k norms, shared expert
+          "qwen3.5": ("qwen3_5", {}),  # Qwen3-Next's layers (separate projections reordered), dense MLP
+          "qwen3.5-moe": ("qwen3_5_moe", {}),  # ... and an always-renormalized MoE on every layer
+          "olmo-hybrid": ("olmo_hybrid", {}),  # Qwen3-Next's delta net (beta in [0, 2]), post-norm attention
+          "olmo-hybrid nope": ("olmo_hybrid", {"rope_parameters": {"rope_type": "default", "rope_theta": None}}),
+          "xlstm": ("xlstm", {})}  # mLSTM cell (matrix memory, normalizer, max state), gate and logit soft caps
 
 
 @needs_compiler

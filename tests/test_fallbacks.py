@@ -7,8 +7,9 @@ import logging
 import uuid
 
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
-from hybridserve.entrypoints.openai.metrics import _kernel_fallbacks
+from hybridserve.entrypoints.openai.metrics import METRICS, EngineCollector
 from hybridserve.kernels import fallbacks
 
 
@@ -34,8 +35,9 @@ def test_describe_names_dtypes_and_layouts():
 
 def test_metrics_lines():
     fallbacks.record("metrics_op", 'a "quoted" reason')
-    lines: list[str] = []
-    _kernel_fallbacks(lines, 'model_name="m"')
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(None, "m", rows=tuple(r for r in METRICS if r.name == "kernel_fallbacks_total")))
+    lines = generate_latest(registry).decode().splitlines()
     assert lines[1] == "# TYPE hybridserve:kernel_fallbacks_total counter"
     assert any(line.startswith('hybridserve:kernel_fallbacks_total{model_name="m",op="metrics_op",'
                                'reason="a \\"quoted\\" reason"} ') for line in lines)

@@ -13,7 +13,8 @@ from tests.hf_reference import compare, hf_greedy
 from tests.prefix_utils import released_everything
 
 FAMILIES = ["llama", "mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "minimax",
-            "lfm2", "lfm2_moe", "qwen3_next", "zamba2", "falcon_h1"]
+            "lfm2", "lfm2_moe", "lfm3", "qwen3_next", "zamba2", "falcon_h1", "qwen3_5", "qwen3_5_moe",
+            "olmo_hybrid", "xlstm", "kimi_linear"]
 PROMPT_LENGTHS = [1, 7, 19, 33, 50, 70]
 NEW_TOKENS = 12
 

@@ -22,6 +22,7 @@ STATE_KINDS = {
     "qwen3_next": "gated delta net + attention",
     "minimax": "linear attention + attention",
     "lfm2": "short conv + attention",
+    "kimi_linear": "Kimi delta attention + MLA latent pages",
     "llama": "attention only",
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)

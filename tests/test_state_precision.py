@@ -28,11 +28,17 @@ FAMILIES = {
     "falcon_mamba": (("ssm",), ("conv",)),
     "jamba": (("ssm",), ("conv",)),
     "qwen3_next": (("recurrent",), ("conv",)),
+    "qwen3_5": (("recurrent",), ("conv",)),
+    "qwen3_5_moe": (("recurrent",), ("conv",)),
+    "olmo_hybrid": (("recurrent",), ("conv",)),
+    "kimi_linear": (("recurrent",), ("conv",)),  # KDA layers; the MLA latent is KV
+    "xlstm": (("C", "n", "m"), ()),  # matrix memory, normalizer and max state: all temporal; no conv state
     "granitemoehybrid": (("ssm",), ("conv",)),
     "nemotron_h": (("ssm",), ("conv",)),
     "minimax": (("kv_state",), ()),
     "lfm2": ((), ("conv",)),  # no temporal state: its conv state is the one tested (see below)
     "lfm2_moe": ((), ("conv",)),
+    "lfm3": ((), ("conv",)),
 }
 PROMPT_LEN = 520
 NEW_TOKENS = 520
@@ -86,9 +92,10 @@ def test_bf16_model_with_float32_state(ckpt_dir, family, record_property):
     for entry in layout["layers"]:
         real = llm.engine.pool.layer_caches[entry["index"]]
         for t in entry["tensors"]:
-            tensor = getattr(real, t["name"]) if t["name"] in ("k", "v") else real.state[t["name"]]
+            per_token = t["per"] == "token"  # K/V pages (or MLA's latent pages), else a state slot's tensor
+            tensor = getattr(real, t["name"]) if per_token else real.state[t["name"]]
             assert str(tensor.dtype).removeprefix("torch.") == t["dtype"]
-            assert list(tensor.shape[1:]) == (t["shape"] if t["name"] not in ("k", "v")
+            assert list(tensor.shape[1:]) == (t["shape"] if not per_token
                                               else [layout["block_size"], *t["shape"]])
             want = "float32" if t["name"] in temporal else "bfloat16"
             assert t["dtype"] == want, (entry, t)

@@ -41,7 +41,7 @@ def test_sizes_and_aliases():
 
 @pytest.mark.parametrize("kwargs,needle", [
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"),
-    ({"min_p": 2}, "min_p"), ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 50}, "logprobs"),
+    ({"min_p": 2}, "min_p"), ({"max_tokens": -1}, "max_tokens"), ({"logprobs": 50}, "logprobs"),
     ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"n": 0}, "n="), ({"seed": "x"}, "seed"), ({"stop": ""}, "stop"),

@@ -10,6 +10,10 @@ slots down, see :mod:`hybridserve.cache.pool`), ``live_slots`` slots and ``live_
 together exactly when the densest arrangement fits::
 
     live_slots * slot_bytes  <=  (num_pages - live_pages) * page_bytes
+
+With a window page group (:mod:`hybridserve.cache.layout`), a sequence of ``n`` tokens holds its full
+layers' pages for all ``n`` and its window layers' pages for the last ``window`` tokens alone
+(:func:`window_pages`): the planner's figures count the window, not the whole context.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ def pages_for(layout: PoolLayout, num_tokens: int) -> int:
     return -(-num_tokens // layout.block_size) if layout.has_kv else 0
 
 
+def window_pages(layout: PoolLayout, num_tokens: int) -> int:
+    """Window-group pages a decoding sequence of ``num_tokens`` tokens holds: those holding its last
+    ``window`` positions, at most ``ceil((window - 1) / block_size) + 1`` (0 without a window group)."""
+    if not layout.has_window:
+        return 0
+    return min(pages_for(layout, num_tokens), -(-(layout.window - 1) // layout.block_size) + 1)
+
+
+def sequence_pages(layout: PoolLayout, num_tokens: int) -> int:
+    """KV pages of both groups a decoding sequence of ``num_tokens`` tokens holds."""
+    return pages_for(layout, num_tokens) + window_pages(layout, num_tokens)
+
+
 def fits(layout: PoolLayout, geometry: PoolGeometry, num_pages: int, num_slots: int) -> bool:
     """Whether ``num_pages`` pages and ``num_slots`` slots can all be live at once (after compaction)."""
     if num_pages < 0 or num_slots < 0:
@@ -55,13 +72,18 @@ def fits(layout: PoolLayout, geometry: PoolGeometry, num_pages: int, num_slots: 
 
 
 def bytes_per_sequence(layout: PoolLayout, num_tokens: int) -> int:
-    """Pool bytes one sequence of ``num_tokens`` tokens holds: its slot plus its pages."""
-    return layout.slot_bytes + pages_for(layout, num_tokens) * layout.page_bytes
+    """Pool bytes one sequence of ``num_tokens`` tokens holds: its slot plus its pages (both groups)."""
+    return layout.slot_bytes + sequence_pages(layout, num_tokens) * layout.page_bytes
 
 
 def ideal_bytes_per_sequence(layout: PoolLayout, num_tokens: int) -> int:
-    """The floor no layout can beat: exact state bytes plus exact KV bytes of ``num_tokens`` tokens."""
-    return layout.state_bytes_per_sequence + num_tokens * layout.kv_bytes_per_token
+    """The floor no layout can beat: exact state bytes plus exact KV bytes of ``num_tokens`` tokens (of the
+    last ``window`` tokens for the window group's layers)."""
+    window_kv = layout.window_kv_bytes_per_token
+    kv = num_tokens * (layout.kv_bytes_per_token - window_kv)
+    if window_kv:
+        kv += min(num_tokens, layout.window) * window_kv
+    return layout.state_bytes_per_sequence + kv
 
 
 #: captured decode steps reserve their padding only where it costs at most 1/MIN_POOL_SHARE of the pool
@@ -99,7 +121,7 @@ def max_sequences(layout: PoolLayout, cache_memory: int, num_tokens: int,
     if per_seq == 0:
         return 0
     n = geometry.num_pages * layout.page_bytes // per_seq
-    pages = pages_for(layout, num_tokens)
+    pages = sequence_pages(layout, num_tokens)
     slots = 1 if layout.has_state else 0
     while n > 0 and not fits(layout, geometry, n * pages + reserved[0], n * slots + reserved[1]):
         n -= 1

@@ -13,6 +13,13 @@ heads of 128, 2 Mamba2 layers with conv_dim 6144, kernel 4, 64 heads x 64 x 128 
   2 layers * 65,536 B = 131,072 B (64 KiB per layer, 8,192 B per token across layers).
 * State slot: conv 6144*3*2 B = 36,864 B, ssm 64*64*128*4 B = 2,097,152 B per layer, so a slot is
   2 * 2,134,016 B = 4,268,032 B. Both are already multiples of 64, so padding is 0 B.
+
+Sliding-window layers beside full-attention ones (LFM3) form a second **page group**: their K/V are
+placed from byte 0 of a page too, over the full layers' bytes, and a page belongs to one group at a
+time. A sequence then holds two block tables (``block_table`` for the full layers, ``window_table``
+for the window layers), and the window group's pages behind the window go back to the pool while it
+runs (docs/sliding_window.md). A page is as large as the larger group. A model whose attention layers
+are all windowed (or all full) keeps one group.
 """
 
 from __future__ import annotations
@@ -20,9 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from hybridserve.cache.spec import LayerCacheSpec, dtype_size
+from hybridserve.cache.spec import DType, LayerCacheSpec, dtype_size
 
 ALIGN = 64
 
@@ -40,7 +45,8 @@ class TensorPlacement:
     name: str
     offset: int  # bytes from the start of the page / slot
     shape: tuple[int, ...]  # per page (KV) or per slot (state)
-    dtype: torch.dtype
+    dtype: DType  # a torch dtype (the engine) or its name (a plan)
+    group: int = 0  # KV page group: 0 full attention, 1 sliding window (state tensors: 0)
 
     @property
     def nbytes(self) -> int:
@@ -56,11 +62,22 @@ class PoolLayout:
     slot_bytes: int
     kv_placements: tuple[TensorPlacement, ...]
     state_placements: tuple[TensorPlacement, ...]
+    window: int | None = None  # tokens the window page group keeps (its largest window); None: one group
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Exact K+V bytes of one token over all attention layers (no padding)."""
         return sum(p.nbytes for p in self.kv_placements) // max(self.block_size, 1)
+
+    @property
+    def window_kv_bytes_per_token(self) -> int:
+        """Exact K+V bytes of one token over the window page group's layers (0 without one)."""
+        return sum(p.nbytes for p in self.kv_placements if p.group == 1) // max(self.block_size, 1)
+
+    @property
+    def has_window(self) -> bool:
+        """Whether sliding-window layers hold pages of their own (a second page group)."""
+        return self.window is not None
 
     @property
     def state_bytes_per_sequence(self) -> int:
@@ -77,20 +94,26 @@ class PoolLayout:
 
 
 def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
-    """Place every layer's tensors into one page layout and one slot layout."""
+    """Place every layer's tensors into one page layout and one slot layout (window layers in a page group
+    of their own when full-attention layers are there too)."""
+    attention = [s.attention for s in specs if s.attention is not None]
+    windows = [a.sliding_window for a in attention if a.sliding_window is not None]
+    window = max(windows) if windows and len(windows) < len(attention) else None
     kv: list[TensorPlacement] = []
     state: list[TensorPlacement] = []
-    page_off = 0
+    page_off = [0, 0]  # per page group
     slot_off = 0
     for spec in specs:
         if spec.attention is not None:
             a = spec.attention
-            for name in ("k", "v"):
-                p = TensorPlacement(spec.index, name, page_off, (block_size, a.num_kv_heads, a.head_size), a.dtype)
+            group = 1 if window is not None and a.sliding_window is not None else 0
+            for name in a.tensor_names:  # K and V, or MLA's one latent
+                p = TensorPlacement(spec.index, name, page_off[group], (block_size, a.num_kv_heads, a.head_size),
+                                    a.dtype, group)
                 kv.append(p)
-                page_off = align_up(page_off + p.nbytes)
+                page_off[group] = align_up(page_off[group] + p.nbytes)
         for t in spec.state:
             p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype)
             state.append(p)
             slot_off = align_up(slot_off + p.nbytes)
-    return PoolLayout(block_size, page_off, slot_off, tuple(kv), tuple(state))
+    return PoolLayout(block_size, max(page_off), slot_off, tuple(kv), tuple(state), window)

@@ -8,6 +8,11 @@ table, and the prefix cache (:mod:`hybridserve.cache.prefix_cache`) one to each 
 or keeps as a snapshot's tail. A page goes back to the pool when its last reference goes. Pages are
 only ever shared when full (every position written, never written again); a partly filled page is
 copied (copy on write), so a sequence never writes into a page anyone else reads.
+
+With a window page group (sliding-window layers beside full ones, :mod:`hybridserve.cache.layout`), a
+sequence also holds ``window_table``, the window layers' pages, one per block like ``block_table``; the
+pages wholly behind the window of its next token go back to the pool after every step
+(:meth:`CacheManager.release_behind_window`), their entries set to -1. docs/sliding_window.md.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class CacheHolder(Protocol):
     tokens are in the cache (``engine.Sequence`` is one)."""
 
     block_table: list[int]
+    window_table: list[int]  # read and written only with a window page group
     state_slot: int | None
     num_computed_tokens: int
 
@@ -42,6 +48,8 @@ class CacheManager:
         self._holders: dict[int, CacheHolder] = {}  # id(seq) -> seq, for every sequence holding anything
         self.page_refs: dict[int, int] = {}  # page -> references (sequences, and the prefix cache)
         self.seq_page_refs: dict[int, int] = {}  # page -> references of sequences alone
+        self.window = pool.layout.window  # tokens the window page group keeps, None without one
+        self.window_pages_released = 0  # window-group pages given back behind running sequences' windows
         self.prefix = PrefixCache(self, snapshot_interval) if prefix_caching else None
 
     def pages_for(self, num_tokens: int) -> int:
@@ -49,10 +57,40 @@ class CacheManager:
         return pages_for(self.pool.layout, num_tokens)
 
     def needs(self, seq: CacheHolder, num_new_tokens: int) -> tuple[int, int]:
-        """(pages, slots) still to be granted for ``seq`` to run ``num_new_tokens`` more tokens."""
-        pages = max(0, self.pages_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        """(pages, slots) still to be granted for ``seq`` to run ``num_new_tokens`` more tokens (pages of
+        both page groups)."""
+        full, window = self._page_needs(seq, num_new_tokens)
         slots = 1 if self.pool.layout.has_state and seq.state_slot is None else 0
-        return pages, slots
+        return full + window, slots
+
+    def _page_needs(self, seq: CacheHolder, num_new_tokens: int) -> tuple[int, int]:
+        """(full-group pages, window-group pages) ``seq`` still needs for ``num_new_tokens`` more tokens."""
+        target = self.pages_for(seq.num_computed_tokens + num_new_tokens)
+        full = max(0, target - len(seq.block_table))
+        return full, (max(0, target - len(seq.window_table)) if self.window is not None else 0)
+
+    def release_behind_window(self, seq: CacheHolder) -> int:
+        """Give back ``seq``'s window-group pages wholly behind the window of its next token (position
+        ``num_computed_tokens``, which attends to the ``window`` positions ending at itself): every page
+        before the one holding position ``num_computed_tokens - window + 1``. Returns how many."""
+        if self.window is None:
+            return 0
+        table = seq.window_table
+        first = min(len(table), max(0, seq.num_computed_tokens - self.window + 1) // self.block_size)
+        freed = []
+        i = first - 1
+        while i >= 0 and table[i] >= 0:  # released entries are a prefix: stop at the first one
+            freed.append(table[i])
+            table[i] = -1
+            i -= 1
+        for page in freed:
+            self._seq_unref(page)
+        self.window_pages_released += len(freed)
+        return len(freed)
+
+    def window_pages_held(self, seq: CacheHolder) -> int:
+        """Window-group pages ``seq`` holds now (0 without a window page group)."""
+        return sum(1 for page in seq.window_table if page >= 0) if self.window is not None else 0
 
     def can_grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         return self.pool.can_allocate(*self.needs(seq, num_new_tokens))
@@ -69,12 +107,14 @@ class CacheManager:
         Cached prefixes are evicted first if they must; the pool may compact to make room, and the
         moved holdings of other sequences are rewritten here.
         """
-        pages, slots = self.needs(seq, num_new_tokens)
-        if not pages and not slots:
+        self.release_behind_window(seq)
+        full, window = self._page_needs(seq, num_new_tokens)
+        slots = 1 if self.pool.layout.has_state and seq.state_slot is None else 0
+        if not full and not window and not slots:
             return True
-        if not self.make_room(pages, slots):
+        if not self.make_room(full + window, slots):
             return False
-        self.allocate_for(seq, pages, slots)
+        self.allocate_for(seq, full, slots, window)
         return True
 
     def admit(self, seq, budget: int, queued=()) -> int:
@@ -110,15 +150,27 @@ class CacheManager:
         n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
         need_pages = self.pages_for(start + n) - len(pages)
         need_slots = 1 if self.pool.layout.has_state else 0
+        first, window_shared, need_window = 0, [], 0
+        if self.window is not None:  # the window layers' pages come from the snapshot (prefix_cache.PrefixHit)
+            first, window_shared, partial = _window_hit(hit, self.window, self.block_size)
+            for page in window_shared:
+                pages.append(page)
+                self._seq_ref(page)
+            need_window = self.pages_for(start + n) - first - len(window_shared)
         try:
-            if not self.make_room(need_pages, need_slots):
+            if not self.make_room(need_pages + need_window, need_slots):
                 for page in pages:
                     self._seq_unref(page)
                 return 0
-            got = self.allocate_raw(need_pages, need_slots)  # may compact: ids are read after it
-            seq.block_table = [node.page for node in hit.shared if node.page is not None] + got.pages
+            got = self.allocate_raw(need_pages + need_window, need_slots)  # may compact: ids are read after it
+            seq.block_table = [node.page for node in hit.shared if node.page is not None] + got.pages[:need_pages]
             seq.state_slot = got.slots[0] if got.slots else None
             self._holders[id(seq)] = seq
+            if self.window is not None:
+                _, window_shared, partial = _window_hit(hit, self.window, self.block_size)  # moved ids
+                seq.window_table = [-1] * first + window_shared + got.pages[need_pages:]
+                if partial is not None:
+                    self.copy_page(partial, got.pages[need_pages])
             if tail is not None:
                 self.copy_page(hit.tail_page(), got.pages[0])
             if hit.snapshot is not None:
@@ -147,16 +199,24 @@ class CacheManager:
         full = done // self.block_size if self.pool.layout.has_kv else 0
         partial = 1 if self.pool.layout.has_kv and done % self.block_size else 0
         slots = 1 if self.pool.layout.has_state else 0
-        for page in parent.block_table[:full]:
+        shared = parent.block_table[:full]
+        window_partial = partial if self.window is not None else 0
+        if self.window is not None:  # its window pages too (those not released), the partly filled one copied
+            shared = shared + [page for page in parent.window_table[:full] if page >= 0]
+        for page in shared:
             self._seq_ref(page)  # held from now on, so eviction cannot take them
-        if not self.make_room(partial, slots):
-            for page in parent.block_table[:full]:
+        if not self.make_room(partial + window_partial, slots):
+            for page in shared:
                 self._seq_unref(page)
             return False
-        got = self.allocate_raw(partial, slots)  # may compact: the parent's ids are read after it
-        child.block_table = parent.block_table[:full] + got.pages
+        got = self.allocate_raw(partial + window_partial, slots)  # may compact: the parent's ids are read after it
+        child.block_table = parent.block_table[:full] + got.pages[:partial]
         if partial:
             self.copy_page(parent.block_table[full], got.pages[0])
+        if self.window is not None:
+            child.window_table = parent.window_table[:full] + got.pages[partial:]
+            if window_partial:
+                self.copy_page(parent.window_table[full], got.pages[partial])
         if slots:
             child.state_slot = got.slots[0]
             self.copy_slot(parent.state_slot, child.state_slot)
@@ -166,17 +226,20 @@ class CacheManager:
             self.prefix.share_cursor(parent, child)
         return True
 
-    def allocate_for(self, seq: CacheHolder, pages: int, slots: int) -> Allocation:
-        """Give ``seq`` ``pages`` more KV pages and, with ``slots=1``, its state slot.
+    def allocate_for(self, seq: CacheHolder, pages: int, slots: int, window_pages: int = 0) -> Allocation:
+        """Give ``seq`` ``pages`` more KV pages, ``window_pages`` more window-group pages and, with ``slots=1``,
+        its state slot.
 
         Every allocation for a sequence goes through here or :meth:`allocate_raw` (never ``pool.allocate*``
         directly): the pool may compact to make room, and the holdings it moved are rewritten here.
         Raises :class:`~hybridserve.cache.pool.OutOfCacheError` (nothing changed) when they do not fit.
         """
-        got = self.allocate_raw(pages, slots)
+        got = self.allocate_raw(pages + window_pages, slots)
         if got.slots:
             seq.state_slot = got.slots[0]
-        seq.block_table.extend(got.pages)
+        seq.block_table.extend(got.pages[:pages])
+        if window_pages:
+            seq.window_table.extend(got.pages[pages:])
         self._holders[id(seq)] = seq
         return got
 
@@ -195,6 +258,8 @@ class CacheManager:
         for seq in self._holders.values():
             if moves.pages and seq.block_table:
                 seq.block_table[:] = [moves.pages.get(b, b) for b in seq.block_table]
+            if moves.pages and self.window is not None and seq.window_table:
+                seq.window_table[:] = [moves.pages.get(b, b) for b in seq.window_table]
             if seq.state_slot is not None and seq.state_slot in moves.slots:
                 seq.state_slot = moves.slots[seq.state_slot]
         if moves.pages:
@@ -248,6 +313,10 @@ class CacheManager:
         """A step over ``seqs`` succeeded: index their filled pages and take their due snapshots."""
         if self.prefix is not None:
             self.prefix.after_step(seqs)
+        if self.window is not None:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.release_behind_window(seq)
 
     def release(self, seq: CacheHolder, keep_state: bool = False) -> None:
         """Return everything ``seq`` holds (with prefix caching and ``keep_state``, its state becomes a
@@ -255,7 +324,10 @@ class CacheManager:
         if self.prefix is not None and hasattr(seq, "prefix_node"):
             self.prefix.release(seq, keep_state)
         pages, seq.block_table = seq.block_table, []
-        for page in pages:
+        window_pages: list[int] = []
+        if self.window is not None:
+            window_pages, seq.window_table = [page for page in seq.window_table if page >= 0], []
+        for page in pages + window_pages:
             self._seq_unref(page)
         if self.prefix is not None:
             self.prefix.unheld(pages)
@@ -270,11 +342,24 @@ class CacheManager:
 
     def fits_at_all(self, num_tokens: int) -> bool:
         """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the
-        padding reservation of captured decode steps, which stays for the pool's life)."""
+        padding reservation of captured decode steps, which stays for the pool's life). A window page group
+        counts every page too: a prompt prefilled in one chunk holds them all at once."""
         pool = self.pool
         pad_pages, pad_slots = pool.reserved_counts()
-        return fits(pool.layout, pool.geometry, self.pages_for(num_tokens) + pad_pages,
+        groups = 2 if self.window is not None else 1
+        return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens) + pad_pages,
                     (1 if pool.layout.has_state else 0) + pad_slots)
+
+
+def _window_hit(hit: PrefixHit, window: int, block_size: int) -> tuple[int, list[int], int | None]:
+    """(first block, full pages to share, partly filled page to copy or None) of the window layers' pages a
+    hit at ``hit.tokens`` resumes with: its snapshot's (``Snapshot.window_pages``), read now (compaction
+    may have moved them)."""
+    snap = hit.snapshot
+    assert snap is not None, "a window page group resumes from snapshots only"
+    pages = list(snap.window_pages)
+    partial = pages.pop() if hit.tokens % block_size else None
+    return max(0, hit.tokens - window + 1) // block_size, pages, partial
 
 
 def _decrement(refs: dict[int, int], page: int) -> bool:

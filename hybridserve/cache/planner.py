@@ -1,19 +1,24 @@
-"""Plan the cache of a model from its config.json alone: no weights, no tokenizer.
+"""Plan the cache of a model from its config.json alone: no weights, no tokenizer, and no torch.
 
-The model class is built on the ``meta`` device (no memory, no weights) only to ask it for its
-cache specs, exactly as the engine does after loading; the layout comes from
-:func:`~hybridserve.cache.layout.compute_layout` and the capacity from
-:mod:`hybridserve.cache.capacity`, the functions the engine's pool allocates with. So a plan's
-figures are the engine's real ones, for models that have not been downloaded.
+A plan's specs are the engine's: for the built-in families, :mod:`hybridserve.models.config_specs`
+derives them from the config with the shapes the model's layers declare (checked against the model
+built on the ``meta`` device in ``tests/test_plan_cmd.py``); for an architecture registered without
+such an entry, the model class is built on the ``meta`` device (no memory, no weights) and asked, as
+the engine does after loading. The layout comes from :func:`~hybridserve.cache.layout.compute_layout`
+and the capacity from :mod:`hybridserve.cache.capacity`, the functions the engine's pool allocates
+with. So a plan's figures are the engine's real ones, for models that have not been downloaded.
+
+The options come as an :class:`~hybridserve.config.EngineConfig` (torch dtypes) or a
+:class:`~hybridserve.cache.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses, so
+that it imports neither torch nor transformers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from hybridserve.cache.capacity import (
     bytes_per_sequence,
@@ -24,11 +29,14 @@ from hybridserve.cache.capacity import (
     pool_geometry,
     reserved_bytes,
 )
+from hybridserve.cache.dtypes import FP8_KV_DTYPE_NAMES, dtype_name
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.config import EngineConfig, ResolvedDtypes
+from hybridserve.models import config_specs
 
 DTYPE_OPTIONS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
+#: max_model_len when none is given: the model's max positions, capped here (``llm_engine.DEFAULT_MAX_MODEL_LEN``)
+DEFAULT_MAX_MODEL_LEN = 4096
 
 #: the main alternatives every plan is compared with: (label, dtype options; the rest auto)
 ALTERNATIVES: tuple[tuple[str, dict[str, str]], ...] = (
@@ -39,23 +47,49 @@ ALTERNATIVES: tuple[tuple[str, dict[str, str]], ...] = (
 
 
 def load_config(path: str) -> Any:
-    """The HF config of a checkpoint directory, or of a config.json file (read alone)."""
+    """The config of a checkpoint directory, or of a config.json file (read alone): the file's keys
+    (:class:`~hybridserve.models.config_specs.JsonConfig`) for a built-in family, else transformers'
+    config (which imports torch)."""
+    config = config_specs.read_config(path)
+    if config_specs.has_family(config):
+        return config
     from hybridserve.models.loader import load_hf_config
 
-    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+    if os.path.isfile(path):
         path = os.path.dirname(path) or "."
     return load_hf_config(path)
 
 
-def cache_specs_from_config(hf_config: Any, dtypes: ResolvedDtypes) -> list[LayerCacheSpec]:
-    """Every layer's cache spec, from the model class built on the meta device (no weights)."""
-    from hybridserve.models.loader import architecture_of
+def cache_specs_from_config(hf_config: Any, dtypes: Any) -> list[LayerCacheSpec]:
+    """Every layer's cache spec: from the config alone for a built-in family, else from the model class
+    built on the meta device (no weights). ``dtypes``: resolved dtypes (torch dtypes or names)."""
+    cache_dtypes = CacheDtypes.from_resolved(dtypes)
+    if config_specs.has_family(hf_config):
+        return config_specs.config_cache_specs(hf_config, cache_dtypes)
+    import torch
+
     from hybridserve.models.registry import model_class
 
-    cls = model_class(architecture_of(hf_config))
+    cls = model_class(config_specs.architecture_of(hf_config))
     with torch.device("meta"):
-        model = cls(hf_config, CacheDtypes.from_resolved(dtypes))
+        model = cls(hf_config, cache_dtypes)
     return model.cache_specs()
+
+
+def default_max_model_len(config: Any) -> int:
+    """The engine's ``max_model_len`` when none is given: the model's max positions, capped at 4096."""
+    positions = config_specs.max_positions(config)
+    return min(positions, DEFAULT_MAX_MODEL_LEN) if positions else DEFAULT_MAX_MODEL_LEN
+
+
+def positions_warning(config: Any, max_model_len: int, option: str = "max_model_len") -> str | None:
+    """One line saying that ``max_model_len`` (given as ``option``) runs past the positions the model was
+    trained for, or None."""
+    positions = config_specs.max_positions(config)
+    if positions is None or max_model_len <= positions:
+        return None
+    return (f"warning: {option}={max_model_len} exceeds the model's max_position_embeddings={positions}: "
+            "positions past it were never trained and may give poor output")
 
 
 @dataclass(frozen=True)
@@ -65,7 +99,7 @@ class CachePlan:
     label: str
     architecture: str
     options: dict[str, str]  # the four dtype options as given ("auto" where not)
-    dtypes: ResolvedDtypes
+    dtypes: Any  # config.ResolvedDtypes (torch dtypes) or plan_config.ResolvedDtypeNames
     specs: tuple[LayerCacheSpec, ...]
     layout: PoolLayout
     cache_memory_bytes: int
@@ -144,45 +178,37 @@ class CachePlan:
                 "layers": [spec.describe() for spec in self.specs]}
 
 
-def plan_cache(hf_config: Any, config: EngineConfig, max_model_len: int | None = None,
+def plan_cache(hf_config: Any, config: Any, max_model_len: int | None = None,
                label: str = "requested") -> CachePlan:
     """Plan the cache of ``hf_config`` under ``config``'s dtype options, block size and cache memory.
 
-    ``max_model_len``: defaults to ``config.max_model_len``, else the engine's default for the model.
+    ``config``: an ``EngineConfig`` or a ``PlanConfig``. ``max_model_len``: defaults to
+    ``config.max_model_len``, else the engine's default for the model.
     """
-    from hybridserve.engine.llm_engine import default_max_model_len
-    from hybridserve.models.loader import architecture_of
-
     dtypes = config.resolve_dtypes(hf_config)
     specs = cache_specs_from_config(hf_config, dtypes)
     layout = compute_layout(specs, config.block_size)
     length = max_model_len or config.max_model_len or default_max_model_len(hf_config)
     options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
     reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
-    return CachePlan(label, architecture_of(hf_config), options, dtypes, tuple(specs), layout,
+    return CachePlan(label, config_specs.architecture_of(hf_config), options, dtypes, tuple(specs), layout,
                      int(config.cache_memory), int(length), reserved, config.enable_prefix_caching,
                      config.prefix_snapshot_interval)
 
 
-def _captures_decode(config: EngineConfig, dtypes: ResolvedDtypes, layout) -> bool:
+def _captures_decode(config: Any, dtypes: Any, layout) -> bool:
     """Whether the engine would capture decode steps (and so reserve their padding) under ``config`` on
     this machine: the CPU with its kernels on, not ``enforce_eager``, no fp8 KV cache (which stays
     eager), and a pool large enough to spare the reservation."""
-    from hybridserve.config import FP8_KV_DTYPES
-
     return (config.resolve_device().type == "cpu" and config.cpu_kernels and not config.enforce_eager
-            and dtypes.kv_cache not in FP8_KV_DTYPES and padding_fits(layout, int(config.cache_memory)))
+            and dtype_name(dtypes.kv_cache) not in FP8_KV_DTYPE_NAMES
+            and padding_fits(layout, int(config.cache_memory)))
 
 
-def plan_alternatives(hf_config: Any, config: EngineConfig, max_model_len: int | None = None) -> list[CachePlan]:
-    """The plans of :data:`ALTERNATIVES` (same block size, cache memory and length as ``config``)."""
+def plan_alternatives(hf_config: Any, config: Any, max_model_len: int | None = None) -> list[CachePlan]:
+    """The plans of :data:`ALTERNATIVES` (``config`` with those dtype options, the rest as given)."""
     plans = []
     for label, options in ALTERNATIVES:
-        alt = EngineConfig(**{**{name: "auto" for name in DTYPE_OPTIONS}, **options},
-                           block_size=config.block_size, cache_memory=config.cache_memory,
-                           max_model_len=config.max_model_len, device=config.device,
-                           cpu_kernels=config.cpu_kernels, enforce_eager=config.enforce_eager,
-                           enable_prefix_caching=config.enable_prefix_caching,
-                           prefix_snapshot_interval=config.prefix_snapshot_interval)
+        alt = dataclasses.replace(config, **{**{name: "auto" for name in DTYPE_OPTIONS}, **options})
         plans.append(plan_cache(hf_config, alt, max_model_len, label))
     return plans

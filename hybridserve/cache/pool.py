@@ -136,9 +136,11 @@ class LayerCache:
 
     k: torch.Tensor | None = None  # (num_pages, block_size, num_kv_heads, head_size)
     v: torch.Tensor | None = None
+    latent: torch.Tensor | None = None  # MLA: (num_pages, block_size, 1, latent_size), in place of k and v
     state: dict[str, torch.Tensor] | None = None  # name -> (num_slots, *shape)
     k_scale: float = 1.0
     v_scale: float = 1.0
+    window_group: bool = False  # k/v pages are the window page group's (read through the window tables)
 
 
 @dataclass
@@ -205,6 +207,7 @@ class CachePool:
         for p in self.layout.kv_placements:
             cache = self.layer_caches.setdefault(p.layer, LayerCache())
             setattr(cache, p.name, self._view(p, self.layout.page_bytes, self.num_pages))
+            cache.window_group = p.group == 1
         for p in self.layout.state_placements:
             cache = self.layer_caches.setdefault(p.layer, LayerCache())
             if cache.state is None:

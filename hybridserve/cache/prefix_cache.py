@@ -33,6 +33,13 @@ the lowest *value*: reuse count times the tokens of recompute it saves, per byte
 page of a pure-attention model; a hybrid's KV page past every snapshot on its path saves no
 recompute alone and goes first), least recently used among equals. A snapshot is only taken by
 evicting items of lower value than its own; otherwise it is skipped (counted).
+
+Sliding-window layers in a page group of their own (:mod:`hybridserve.cache.layout`) give back their pages
+behind the window while a request runs, so the index's pages serve only the full layers. The cache keeps
+only what it can restore: a snapshot also holds the window layers' pages of the last ``window`` positions
+before it (``Snapshot.window_pages``), and a hit resumes from a snapshot alone (shares those pages and
+copies the partly filled one); a model with window layers and no recurrent state gets no hits.
+docs/sliding_window.md.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class PrefixCache:
         layout = manager.pool.layout
         self.block_size = layout.block_size
         self.has_kv, self.has_state = layout.has_kv, layout.has_state
+        self.window = layout.window  # the window page group's tokens, None without one
         self.page_bytes, self.slot_bytes = layout.page_bytes, layout.slot_bytes
         self.snapshot_interval = snapshot_interval
         self.index = PrefixIndex(self.block_size)
@@ -100,6 +108,7 @@ class PrefixCache:
         self._node_by_page: dict[int, PageNode] = {}
         self._snapshot_by_slot: dict[int, Snapshot] = {}
         self._tails: dict[int, list[Snapshot]] = {}  # page -> snapshots holding it as their tail page
+        self._windows: dict[int, list[Snapshot]] = {}  # window-group page -> snapshots holding it
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, seq, queued=()) -> PrefixHit:
@@ -111,8 +120,8 @@ class PrefixCache:
         limit = len(tokens) - 1  # the last token is always run: its logits are sampled
         match = self.index.match(tokens, limit)
         bs = self.block_size
-        if seq.params.prompt_logprobs is not None:
-            hit = PrefixHit(0, [], None, None)
+        if seq.params.prompt_logprobs is not None or (self.window is not None and not self.has_state):
+            hit = PrefixHit(0, [], None, None)  # (window pages are restored from state snapshots alone)
         elif self.has_state:
             snap = match.snapshot
             n = snap.position if snap is not None else 0
@@ -240,7 +249,8 @@ class PrefixCache:
             self.index.touch(existing)
             self._consider(existing)
             return
-        value = seq.num_computed_tokens / self.slot_bytes
+        done = seq.num_computed_tokens
+        value = done / (self.slot_bytes + self._window_blocks(done) * self.page_bytes)  # as value() will have it
         if not self._evict_until(lambda: self.manager.pool.can_allocate(0, 1), below=value):
             self.stats.snapshots_skipped += 1
             return
@@ -269,12 +279,40 @@ class PrefixCache:
         snap = self.index.add_snapshot(node, tail, slot, tail_page)
         if tail_page is not None:
             self._tails.setdefault(tail_page, []).append(snap)
+        if self.window is not None and slot is not None:
+            self._hold_window(snap, seq)
         if slot is not None:
             self._snapshot_by_slot[slot] = snap
         if slot is not None:
             self.stats.snapshots_taken += 1
         self._consider(snap)
         return snap
+
+    def _window_blocks(self, position: int) -> int:
+        """Window-group pages a snapshot at ``position`` holds (0 without a window page group)."""
+        if self.window is None:
+            return 0
+        return -(-position // self.block_size) - max(0, position - self.window + 1) // self.block_size
+
+    def _hold_window(self, snap: Snapshot, seq) -> None:
+        """``snap`` takes a reference to ``seq``'s window-group pages of the blocks holding the ``window``
+        positions before it (all held by ``seq``: they are the ones its next token attends to)."""
+        pos, bs = snap.position, self.block_size
+        first = max(0, pos - self.window + 1) // bs
+        snap.window_pages = seq.window_table[first:-(-pos // bs)]
+        for page in snap.window_pages:
+            assert page >= 0, "a snapshot's window page was released"
+            self.manager.ref_page(page)
+            self._windows.setdefault(page, []).append(snap)
+
+    def _drop_window(self, snap: Snapshot) -> None:
+        for page in snap.window_pages:
+            holders = self._windows[page]
+            holders.remove(snap)
+            if not holders:
+                del self._windows[page]
+            self.manager.unref_page(page)
+        snap.window_pages = []
 
     # -------------------------------------------------------------- eviction
     def evictable(self, item: PageNode | Snapshot) -> bool:
@@ -294,7 +332,7 @@ class PrefixCache:
         if isinstance(item, Snapshot):
             if item.slot is None:  # a KV tail alone
                 return (1 + item.hits) * len(item.tail) / self.page_bytes
-            return (1 + item.hits) * item.position / self.slot_bytes
+            return (1 + item.hits) * item.position / (self.slot_bytes + len(item.window_pages) * self.page_bytes)
         if item.page is None or self.has_state:
             return 0.0
         return (1 + item.hits) * self.block_size / self.page_bytes
@@ -331,6 +369,7 @@ class PrefixCache:
                 self.stats.evicted_snapshots += 1
             else:
                 self.stats.evicted_pages += 1
+            self._drop_window(item)
             if item.tail_page is not None:
                 holders = self._tails[item.tail_page]
                 holders.remove(item)
@@ -372,6 +411,8 @@ class PrefixCache:
                     self.manager.free_slot(item.slot)
                 if item.tail_page is not None:
                     self.manager.unref_page(item.tail_page)
+                for page in item.window_pages:
+                    self.manager.unref_page(page)
             elif item.page is not None:
                 self.manager.unref_page(item.page)
             item.removed = True
@@ -379,6 +420,7 @@ class PrefixCache:
         self._node_by_page.clear()
         self._snapshot_by_slot.clear()
         self._tails.clear()
+        self._windows.clear()
 
     # ------------------------------------------------------------ compaction
     def relocate(self, moves: "Relocation") -> None:
@@ -394,6 +436,11 @@ class PrefixCache:
                 for snap in snaps:
                     snap.tail_page = new
                 self._tails[new] = snaps
+            windows = {old: self._windows.pop(old) for old in moves.pages if old in self._windows}
+            for snap in {id(snap): snap for snaps in windows.values() for snap in snaps}.values():
+                snap.window_pages = [moves.pages.get(page, page) for page in snap.window_pages]  # once each
+            for old, snaps in windows.items():
+                self._windows[moves.pages[old]] = snaps
         if moves.slots:
             snaps = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
             for old, snap in snaps.items():

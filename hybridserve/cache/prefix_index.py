@@ -56,6 +56,9 @@ class Snapshot:
     slot: int | None  # None for a model without recurrent state (a KV tail alone)
     tail_page: int | None  # the page holding the tail tokens' KV (None without a tail or without attention)
     block_size: int
+    #: with a window page group: the window layers' pages of the blocks holding the last ``window`` positions
+    #: before ``position`` (the last one partly filled unless ``position`` ends a block); a hit shares them
+    window_pages: list[int] = field(default_factory=list)
     pins: int = 0  # hits being attached right now
     hits: int = 0
     last_used: int = 0

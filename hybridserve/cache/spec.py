@@ -1,7 +1,8 @@
 """Cache specs: what each layer needs cached, in which dtype.
 
 Every layer that caches anything declares one :class:`LayerCacheSpec`. The pool, block manager,
-planner and runner only ever see specs; no model builds a cache of its own.
+planner and runner only ever see specs; no model builds a cache of its own. Dtypes are torch dtypes in
+the engine and may be their names in a plan (``hybridserve plan`` runs without torch).
 
 * Attention KV is per token: ``AttentionSpec(num_kv_heads, head_size, dtype)`` stores K and V,
   each ``(num_kv_heads, head_size)`` per token, in pages of ``block_size`` tokens.
@@ -14,15 +15,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+from hybridserve.cache.dtypes import dtype_name, dtype_size
 
-from hybridserve.config import ResolvedDtypes, dtype_name
+if TYPE_CHECKING:
+    from hybridserve.config import ResolvedDtypes
 
+#: a torch dtype (the engine's specs) or its name (a plan's, made without torch): see cache/dtypes.py
+DType = Any
 
-def dtype_size(dtype: torch.dtype) -> int:
-    """Bytes per element of a dtype."""
-    return torch.empty((), dtype=dtype).element_size()
+__all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "StateTensorSpec", "dtype_size"]
 
 
 @dataclass(frozen=True)
@@ -31,13 +34,25 @@ class AttentionSpec:
 
     num_kv_heads: int
     head_size: int
-    dtype: torch.dtype
+    dtype: DType
     sliding_window: int | None = None
+    #: the per-token tensors stored, each ``(num_kv_heads, head_size)``
+    tensor_names: ClassVar[tuple[str, ...]] = ("k", "v")
 
     @property
     def bytes_per_token(self) -> int:
         """K plus V bytes for one token."""
-        return 2 * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+        return len(self.tensor_names) * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class LatentAttentionSpec(AttentionSpec):
+    """Multi-head latent attention (MLA): one compressed latent per token, ``kv_lora_rank`` normed
+    latent dims then ``rope_dim`` shared key dims, stored once as ``latent`` ``(1, head_size)`` in
+    the same 16-token pages as K/V (no K, no V). Build it with :meth:`CacheDtypes.latent_attention`."""
+
+    rope_dim: int = 0
+    tensor_names: ClassVar[tuple[str, ...]] = ("latent",)
 
 
 @dataclass(frozen=True)
@@ -46,7 +61,7 @@ class StateTensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
 
     @property
     def nbytes(self) -> int:
@@ -81,9 +96,9 @@ class LayerCacheSpec:
         tensors = []
         if self.attention is not None:
             a = self.attention
-            for name in ("k", "v"):
+            for name in a.tensor_names:
                 tensors.append({"name": name, "shape": [a.num_kv_heads, a.head_size], "dtype": dtype_name(a.dtype),
-                                "per": "token", "bytes": a.bytes_per_token // 2})
+                                "per": "token", "bytes": a.bytes_per_token // len(a.tensor_names)})
         for t in self.state:
             tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
                             "per": "sequence", "bytes": t.nbytes})
@@ -96,9 +111,9 @@ class LayerCacheSpec:
 class CacheDtypes:
     """The dtypes a layer uses to build its spec: by role, never by model."""
 
-    kv: torch.dtype
-    conv: torch.dtype
-    temporal: torch.dtype
+    kv: DType
+    conv: DType
+    temporal: DType
 
     @classmethod
     def from_resolved(cls, resolved: ResolvedDtypes) -> "CacheDtypes":
@@ -112,3 +127,7 @@ class CacheDtypes:
 
     def attention(self, num_kv_heads: int, head_size: int, sliding_window: int | None = None) -> AttentionSpec:
         return AttentionSpec(num_kv_heads, head_size, self.kv, sliding_window)
+
+    def latent_attention(self, kv_lora_rank: int, rope_dim: int) -> LatentAttentionSpec:
+        """MLA's per-token latent (``kv_lora_rank + rope_dim`` values) in the KV dtype."""
+        return LatentAttentionSpec(1, kv_lora_rank + rope_dim, self.kv, None, rope_dim)

@@ -51,12 +51,17 @@ class CapturedDecode:
         self.block_tables = torch.full((max_rows, width), self.pad_page or 0, **i64)  # (rows, width)
         self.state_indices = torch.full((max_rows,), self.pad_slot or 0, **i64)
         self.slot_mapping = torch.full((max_rows,), (self.pad_page or 0) * self.block_size, **i64)
+        self.has_window = pool.layout.has_window  # the window page group's tables and write slots too
+        self.window_block_tables = torch.full((max_rows, width if self.has_window else 1), self.pad_page or 0, **i64)
+        self.window_slot_mapping = self.slot_mapping.clone()
         self._inputs = (self.input_ids, self.positions, self.cu_seqlens, self.seq_lens, self.block_tables,
-                        self.state_indices, self.slot_mapping)
+                        self.state_indices, self.slot_mapping, self.window_block_tables, self.window_slot_mapping)
         # numpy views of the same memory: filling them from Python lists is cheaper than torch ops
         self._np = {name: getattr(self, name).numpy() for name in
-                    ("input_ids", "positions", "seq_lens", "block_tables", "state_indices", "slot_mapping")}
+                    ("input_ids", "positions", "seq_lens", "block_tables", "state_indices", "slot_mapping",
+                     "window_block_tables", "window_slot_mapping")}
         self._tables_written: list[list[int] | None] = [None] * max_rows  # each row's block table as written
+        self._window_written: list[list[int] | None] = [None] * max_rows  # each row's window table as written
         self._pool = pool
         self.graphs: dict[int, Graph] = {}
         self.arena: torch.Tensor | None = None
@@ -64,9 +69,11 @@ class CapturedDecode:
     def _batch(self, rows: int) -> ForwardBatch:
         group = SeqGroup(0, rows, self.cu_seqlens[:rows + 1], self.seq_lens[:rows],
                          self.block_tables[:rows] if self.has_kv else None,
-                         self.state_indices[:rows] if self.has_state else None)
+                         self.state_indices[:rows] if self.has_state else None,
+                         self.window_block_tables[:rows] if self.has_window else None)
         return ForwardBatch(slot_mapping=self.slot_mapping[:rows] if self.has_kv else None, decode=group,
-                            prefill=None, caches=self._pool.layer_caches)
+                            prefill=None, caches=self._pool.layer_caches,
+                            window_slot_mapping=self.window_slot_mapping[:rows] if self.has_window else None)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -91,9 +98,11 @@ class CapturedDecode:
         return next((b for b in self.graphs if b >= rows), None)
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
-            block_tables: list[list[int]], state_slots: list[int]) -> torch.Tensor:
+            block_tables: list[list[int]], state_slots: list[int],
+            window: tuple[list[int], list[list[int]]] | None = None) -> torch.Tensor:
         """One decode step of ``len(input_ids)`` sequences; returns their final hidden states (rows,
-        hidden), a view of the graph's output (overwritten by the next step)."""
+        hidden), a view of the graph's output (overwritten by the next step). ``window``: the window page
+        group's (write slots, tables), with one."""
         rows = len(input_ids)
         size = self.bucket(rows)
         if size is None:
@@ -109,19 +118,29 @@ class CapturedDecode:
             np_["slot_mapping"][:rows] = slot_mapping
             np_["slot_mapping"][rows:size] = self.pad_page * self.block_size
             self._write_block_tables(block_tables, rows, size)
+        if self.has_window:
+            window_slots, window_tables = window
+            np_["window_slot_mapping"][:rows] = window_slots
+            np_["window_slot_mapping"][rows:size] = self.pad_page * self.block_size
+            self._write_block_tables(window_tables, rows, size, "window_block_tables", self._window_written)
         if self.has_state:
             np_["state_indices"][:rows] = state_slots
             np_["state_indices"][rows:size] = self.pad_slot
         return self.graphs[size].replay()[:rows]
 
-    def _write_block_tables(self, block_tables: list[list[int]], rows: int, size: int) -> None:
+    def _write_block_tables(self, block_tables: list[list[int]], rows: int, size: int, name: str = "block_tables",
+                            written: list[list[int] | None] | None = None) -> None:
         """Rows [0, rows) get their sequences' tables (only those that changed since written: a table
         grows a page every block_size tokens); padded rows [rows, size) the padding page. Entries past
-        a table's length are never read (the kernels stop at the context length)."""
-        tables, written = self._np["block_tables"], self._tables_written
+        a table's length are never read (the kernels stop at the context length), nor are a window
+        table's released ones (-1, written as the padding page)."""
+        tables, written = self._np[name], self._tables_written if written is None else written
         for r, table in enumerate(block_tables):
             if written[r] != table:
                 tables[r, :len(table)] = table
+                if table and table[0] < 0:  # released entries are a table's first ones
+                    row = tables[r, :len(table)]
+                    row[row < 0] = self.pad_page
                 written[r] = list(table)
         pad = [self.pad_page]
         for r in range(rows, size):

@@ -106,11 +106,17 @@ class Detokenizer:
                 lp.decoded_token = self.tokenizer.decode([tid])
         return entry
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **template_kwargs) -> list[int]:
+        """Token ids of ``messages`` rendered by the tokenizer's chat template (or ``chat_template``)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        return list(self.tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False, **template_kwargs))
 
 
 def _has_decode_stream() -> bool:

@@ -17,6 +17,7 @@ from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtyp
 from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import make_children, place_children, wants_fork
+from hybridserve.engine.logit_adjust import LogitAdjuster, RowContext
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.request_registry import RequestRegistry
 from hybridserve.engine.sampler import sample, sample_rows_alone
@@ -25,6 +26,7 @@ from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +62,20 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
+        if config.max_model_len:
+            from hybridserve.cache.planner import positions_warning
+
+            past_positions = positions_warning(self.hf_config, self.max_model_len)
+            if past_positions:
+                logger.warning(past_positions.removeprefix("warning: "))
         if self.cpu_fast_paths is not None:
             attach_captured_decode(self.runner, self.model, self.pool, config, self.max_model_len,
                                    self.cpu_fast_paths)
             self.cpu_fast_paths.log()
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
+        self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,
+                                                  self.eos_token_id)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.fingerprint = config.fingerprint(self.dtypes)
         self._requests = RequestRegistry()  # request id -> its sequences, by completion index
@@ -111,13 +121,17 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {sorted(bad)[:5]} are outside the vocabulary [0, {vocab})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
+        if (max_tokens < 1 and params.max_tokens != 0) or len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens plus max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
         if not self.cache.fits_at_all(len(ids) + max_tokens):
             raise ValueError(f"a request of {len(ids) + max_tokens} tokens does not fit in cache_memory="
                              f"{self.config.cache_memory} bytes; raise cache_memory or lower max_tokens")
+        self.structured.check(params)  # compiles its grammar (cached); ValueError naming the problem
         if params.max_tokens is None:
             params = _with_max_tokens(params, max_tokens)
         return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
@@ -133,6 +147,7 @@ class LLMEngine:
         for request_id in self._requests.ids():
             self.abort_request(request_id)
         self.scheduler.finish_many(list(self.scheduler.running) + list(self.scheduler.waiting), "abort")
+        self.structured.release_all()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -187,10 +202,26 @@ class LLMEngine:
                 for item, _, _ in logits.prompt_seqs:
                     self._fail(item.seq.request_id, f"prompt logprobs failed: {type(exc).__name__}: {exc}", touched)
         if logits.sample_seqs:
+            self._end_prefill_only(logits.sample_seqs, touched)
             self._sample_and_append(logits, touched)
         if solo is not None and (solo.is_finished or solo.num_pending_tokens <= 1):
             self.scheduler.cleared(solo)
         return self._outputs(touched, finished_only)
+
+    def _end_prefill_only(self, items, touched: dict[str, None]) -> None:
+        """End the sequences with ``max_tokens=0`` whose prompt is now computed (its prompt logprobs recorded):
+        they generate nothing. With ``n > 1`` the request gets its ``n - 1`` other completions, empty too,
+        without forking any cache."""
+        for item in items:
+            seq = item.seq
+            if seq.is_finished or seq.params.max_tokens != 0:
+                continue
+            if wants_fork(seq):
+                children = make_children(seq)  # they hold no cache: nothing to compute
+                self._requests.extend(seq.request_id, children)
+                self._end(children, "length")
+            self._end([seq], "length")
+            touched[seq.request_id] = None
 
     def _sample_and_append(self, logits, touched: dict[str, None]) -> None:
         """Fork the parents that sample their first token, sample every row, append and check stops."""
@@ -219,7 +250,7 @@ class LLMEngine:
         if regather:
             sample_logits = sample_logits[rows]  # (rows, V)
         args = (sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
-                self.cpu_kernels)
+                self.cpu_kernels, self._logit_adjuster(seqs))
         try:
             result = sample(*args)
         except Exception:  # noqa: BLE001 - find the row that fails alone
@@ -238,6 +269,16 @@ class LLMEngine:
                 self._fail(seq.request_id, f"output handling failed: {type(exc).__name__}: {exc}", touched)
                 continue
             touched[seq.request_id] = None
+
+    def _logit_adjuster(self, seqs: list[Sequence]) -> LogitAdjuster | None:
+        """Penalties, biases and masks of the rows about to be sampled; None when no row has any."""
+        if not any(s.params.adjusts_logits for s in seqs):
+            return None
+        rows = [RowContext(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id,
+                           self.structured.matcher(s) if s.params.structured_outputs is not None else None)
+                for s in seqs]
+        adjuster = LogitAdjuster(rows)
+        return adjuster if adjuster else None
 
     def _contain_step_failure(self, seqs: list[Sequence], exc: Exception, touched: dict[str, None]) -> None:
         """A forward over ``seqs`` raised: fail the sequence if it ran alone, else rerun each alone."""
@@ -276,6 +317,7 @@ class LLMEngine:
             self.scheduler.finish_many(newly, reason)
         for seq in newly:
             self._requests.count_finished(seq)
+        self.structured.release(newly)
 
     def _outputs(self, touched: dict[str, None], finished_only: bool) -> list[RequestOutput]:
         if finished_only:
@@ -313,6 +355,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, row: int, result) -> None:
         token = result.token_ids[row]
+        self.structured.accept(seq, token)  # before the token counts: a refused one fails the request
         seq.output_token_ids.append(token)
         self.stats["generation_tokens"] += 1
         seq.cumulative_logprob += result.sampled_logprobs[row]
@@ -348,6 +391,9 @@ class LLMEngine:
                     seq.output_text = seq.output_text[:end]
                     self._end([seq], "stop", stop)
                     return
+        if self.structured.finished(seq):  # the grammar is complete: nothing but EOS could follow
+            self._finish(seq, "stop", None)
+            return
         if num_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length", None)
 

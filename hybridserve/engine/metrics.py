@@ -1,4 +1,5 @@
-"""Thread-safe Prometheus-style histogram (no dependency; rendered by the server's /metrics)."""
+"""Thread-safe Prometheus-style histogram in plain Python (the engine needs no prometheus_client); the server's
+``/metrics`` (``entrypoints/openai/metrics.py``) reads it at scrape time."""
 
 from __future__ import annotations
 

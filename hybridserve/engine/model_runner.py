@@ -28,6 +28,19 @@ def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(S, width) int64 of block tables, padded with page 0; a released entry (-1, behind a window) reads
+    as page 0 too (never read: the attention stops at the window)."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        flat += [0] * (width - len(table))
+    out = _int_tensor(flat, device).view(len(tables), width)  # (S, width)
+    released = any(table and table[0] < 0 for table in tables)  # released entries are a table's first ones
+    return out.clamp_(min=0) if released else out
+
+
 class ModelRunner:
     """Owns the model and the cache pool's views; turns a schedule into logits."""
 
@@ -38,6 +51,7 @@ class ModelRunner:
         self.block_size = pool.layout.block_size
         self.has_kv = pool.layout.has_kv
         self.has_state = pool.layout.has_state
+        self.has_window = pool.layout.has_window  # a window page group: sequences hold window tables too
         self.captured_decode: CapturedDecode | None = None  # set by the engine when the model's decode is captured
 
     def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
@@ -51,17 +65,11 @@ class ModelRunner:
                 cu.append(cu[-1] + it.num_tokens)
             cu_seqlens = _int_tensor(cu, self.device)
         seq_lens = [it.seq.num_computed_tokens + it.num_tokens for it in items]
-        block_tables = None
-        if self.has_kv:
-            width = max(len(it.seq.block_table) for it in items)
-            flat: list[int] = []
-            for it in items:
-                flat += it.seq.block_table
-                flat += [0] * (width - len(it.seq.block_table))
-            block_tables = _int_tensor(flat, self.device).view(len(items), width)  # (S, width)
+        block_tables = _tables([it.seq.block_table for it in items], self.device) if self.has_kv else None
+        window_tables = _tables([it.seq.window_table for it in items], self.device) if self.has_window else None
         state_indices = _int_tensor([it.seq.state_slot for it in items], self.device) if self.has_state else None
         return SeqGroup(token_start, token_start + sum(it.num_tokens for it in items), cu_seqlens,
-                        _int_tensor(seq_lens, self.device), block_tables, state_indices)
+                        _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables)
 
     def _replay(self, scheduled: list[ScheduledSeq]) -> StepLogits | None:
         """A decode-only step of sequences that sample now and want no prompt logprobs, replayed from
@@ -81,8 +89,12 @@ class ModelRunner:
             tables = [s.block_table for s in seqs]
         else:
             slot_mapping, tables = [], []
+        window = None
+        if self.has_window:
+            window = ([s.window_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+                      [s.window_table for s in seqs])
         hidden = captured.run(input_ids, positions, slot_mapping, [p + 1 for p in positions], tables,
-                              [s.state_slot for s in seqs] if self.has_state else [])
+                              [s.state_slot for s in seqs] if self.has_state else [], window)
         return StepLogits(list(scheduled), list(scheduled), self.model.sampling_logits(hidden), [], None)
 
     @torch.inference_mode()
@@ -97,6 +109,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
+        window_slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
         prompt_rows: list[int] = []
@@ -110,6 +123,9 @@ class ModelRunner:
             if self.has_kv:
                 table = seq.block_table
                 slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if self.has_window:
+                table = seq.window_table
+                window_slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if start + n == seq.num_tokens:
                 sample_rows.append(offset + n - 1)
                 sample_seqs.append(item)
@@ -123,13 +139,15 @@ class ModelRunner:
             seqs = [item.seq for item in decodes]  # every sequence decodes one token
             hidden = captured.run(input_ids, positions, slot_mapping, [s.num_computed_tokens + 1 for s in seqs],
                                   [s.block_table for s in seqs] if self.has_kv else [],
-                                  [s.state_slot for s in seqs] if self.has_state else [])
+                                  [s.state_slot for s in seqs] if self.has_state else [],
+                                  (window_slots, [s.window_table for s in seqs]) if self.has_window else None)
         else:  # prefill chunks, or a decode step larger than the largest capture
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                 decode=self._group(decodes, 0),
                 prefill=self._group(prefills, len(decodes)),
                 caches=self.pool.layer_caches,
+                window_slot_mapping=_int_tensor(window_slots, self.device) if self.has_window else None,
             )
             hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
         if len(sample_rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather needed

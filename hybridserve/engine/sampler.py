@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridserve.engine.logit_adjust import LogitAdjuster
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.sampling_params import SamplingParams
 
@@ -49,13 +50,18 @@ def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator, use_cpu_kernels: bool = False) -> SampleResult:
+           default_generator: torch.Generator, use_cpu_kernels: bool = False,
+           adjust: LogitAdjuster | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` (N, V) under each row's params: float32, or a lower precision
     whose exact float32 widening they are (the model dtype, before ``.float()``).
 
     ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits (for
-    greedy rows without logprobs straight from lower-precision logits, with no float32 copy)."""
-    fused = pointwise_kernels.argmax_logsumexp(logits, with_max=True) if use_cpu_kernels else None
+    greedy rows without logprobs straight from lower-precision logits, with no float32 copy).
+    ``adjust``: penalties, biases and masks on the logits tokens are drawn from (not on reported logprobs)."""
+    if adjust is not None and not adjust:
+        adjust = None
+    fused = (pointwise_kernels.argmax_logsumexp(logits, with_max=True)
+             if use_cpu_kernels and adjust is None else None)
     only_greedy_ids = all(p.greedy and p.logprobs is None for p in params)
     if fused is not None and only_greedy_ids:  # the sampled logit is each row's maximum: no torch op needed
         idx, lse, mx = fused
@@ -63,14 +69,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         return SampleResult(idx.tolist(), sampled, [0] * len(params), [[] for _ in params], [[] for _ in params])
     if logits.dtype != torch.float32 and (fused is None or not only_greedy_ids):
         logits = logits.float()  # exact; sampling, ranks and top-k below work in float32
-    chosen = fused[0] if fused is not None else logits.argmax(dim=-1)  # (N,)
+    draw_from = adjust(logits) if adjust is not None else logits  # (N, V) float32
+    chosen = fused[0] if fused is not None else draw_from.argmax(dim=-1)  # (N,)
     errors: dict[int, str] = {}
+    if adjust is not None:
+        for row in torch.isneginf(draw_from).all(-1).nonzero()[:, 0].tolist():
+            errors[row] = "no token is allowed: every token of the vocabulary is masked"
     if not all(p.greedy for p in params):
-        probs = _processed_logits(logits, params).softmax(-1).cpu()  # (N, V)
+        probs = _processed_logits(draw_from, params).softmax(-1).cpu()  # (N, V)
         valid = (torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)).tolist()  # (N,) a distribution to draw from
         picks = chosen.cpu().clone()
         for row, p in enumerate(params):
-            if p.greedy:
+            if p.greedy or row in errors:
                 continue
             if not valid[row]:
                 errors[row] = "the sampling distribution is not finite (the logits hold nan or inf)"
@@ -99,14 +109,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def sample_rows_alone(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                      default_generator: torch.Generator, use_cpu_kernels: bool = False) -> SampleResult:
+                      default_generator: torch.Generator, use_cpu_kernels: bool = False,
+                      adjust: LogitAdjuster | None = None) -> SampleResult:
     """:func:`sample` row by row, after the batched call raised: a row that raises alone is reported in
     ``errors`` (token 0) and the others are sampled as usual."""
     merged = SampleResult([], [], [], [], [], {})
     for row in range(logits.shape[0]):
         try:
             one = sample(logits[row:row + 1], params[row:row + 1], generators[row:row + 1], default_generator,
-                         use_cpu_kernels)
+                         use_cpu_kernels, adjust.row(row) if adjust is not None else None)
         except Exception as exc:  # noqa: BLE001 - contained to this row's request
             one = SampleResult([0], [0.0], [0], [[]], [[]], {0: f"sampling failed: {type(exc).__name__}: {exc}"})
         merged.token_ids += one.token_ids

@@ -34,6 +34,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
         self.block_table: list[int] = []
+        self.window_table: list[int] = []  # window page group's pages (-1: released behind the window)
         self.state_slot: int | None = None
         self.num_cached_tokens: int | None = None  # prompt tokens resumed from the prefix cache at admission
         self.snapshot_plan: list[int] = []  # positions where the prefix cache snapshots its state

@@ -1,4 +1,4 @@
-"""The ``hybridserve`` command: ``generate``, ``serve``, ``plan``, ``env``."""
+"""The ``hybridserve`` command: ``generate``, ``serve``, ``plan``, ``env``, and ``--version``."""
 
 from __future__ import annotations
 
@@ -6,20 +6,51 @@ import argparse
 import importlib
 import sys
 
+from hybridserve.entrypoints.engine_args import HelpFormatter
+
 #: subcommand -> module with ``add_parser(subparsers)``; each registers its own arguments and handler
-SUBCOMMAND_MODULES = (
-    "hybridserve.entrypoints.generate_cmd",
-    "hybridserve.entrypoints.serve_cmd",
-    "hybridserve.entrypoints.plan_cmd",
-    "hybridserve.entrypoints.env_cmd",
-)
+SUBCOMMANDS = {
+    "generate": "hybridserve.entrypoints.generate_cmd",
+    "serve": "hybridserve.entrypoints.serve_cmd",
+    "plan": "hybridserve.entrypoints.plan_cmd",
+    "env": "hybridserve.entrypoints.env_cmd",
+}
+SUBCOMMAND_MODULES = tuple(SUBCOMMANDS.values())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridserve",
+def package_version() -> str:
+    """The installed hybridserve's version (its distribution metadata), else the package's own."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridserve")
+    except PackageNotFoundError:
+        from hybridserve import __version__
+
+        return __version__
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed version, looked up only when asked (importlib.metadata takes a while)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, default: str = argparse.SUPPRESS,
+                 help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(f"hybridserve {package_version()}")
+        parser.exit()
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or with ``only`` that one (so a command imports no other's modules)."""
+    parser = argparse.ArgumentParser(prog="hybridserve", formatter_class=HelpFormatter,
                                      description="Serve hybrid attention/recurrent language models.")
+    parser.add_argument("--version", action=_Version, help="print hybridserve's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
+    for command, name in SUBCOMMANDS.items():
+        if only is not None and command != only:
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -28,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.add_parser(sub)
     return parser
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first argument, when that is one), else None."""
+    return argv[0] if argv and argv[0] in SUBCOMMANDS else None
 
 
 def cap_torch_isa_from_argv(argv: list[str]) -> None:
@@ -45,7 +81,7 @@ def cap_torch_isa_from_argv(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cap_torch_isa_from_argv(argv)
-    parser = build_parser()
+    parser = build_parser(only=command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()

@@ -1,24 +1,37 @@
-"""CLI flags for every engine option (one place, shared by `generate`, `serve` and `plan`)."""
+"""CLI flags for every engine option (one place, shared by `generate`, `serve` and `plan`); imports no torch."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from hybridserve.cache.dtypes import DEVICES, KV_CACHE_DTYPE_NAMES, MODEL_DTYPE_NAMES, STATE_DTYPE_NAMES
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
-from hybridserve.config import DEVICES, KV_CACHE_DTYPES, MODEL_DTYPES, STATE_DTYPES
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it, there is none (``None``), or the
+    flag is a plain switch (``store_true`` / ``store_false``). Used by every ``hybridserve`` parser."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" in text or "default:" in text or action.default in (None, argparse.SUPPRESS)
+                or (action.nargs == 0 and isinstance(action.default, bool)
+                    and not isinstance(action, argparse.BooleanOptionalAction))):
+            return text
+        return super()._get_help_string(action)
 
 
 def add_dtype_args(parser: argparse.ArgumentParser) -> None:
     """The four dtype flags (docs/dtypes.md)."""
-    parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPES],
+    parser.add_argument("--dtype", default="auto", choices=["auto", *MODEL_DTYPE_NAMES],
                         help="weights and activations (auto: the checkpoint's dtype)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPES],
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPE_NAMES],
                         help="attention K/V cache (auto: the model dtype)")
-    parser.add_argument("--mamba-cache-dtype", default="auto", choices=["auto", *STATE_DTYPES],
+    parser.add_argument("--mamba-cache-dtype", default="auto", choices=["auto", *STATE_DTYPE_NAMES],
                         help="conv states (auto: the model dtype)")
-    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *STATE_DTYPES],
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *STATE_DTYPE_NAMES],
                         help="recurrent (SSM / linear-attention / delta-net) states "
                              "(auto: the checkpoint's declared state dtype, else the conv-state dtype)")
 
@@ -26,14 +39,16 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Every engine option of the offline API as a flag."""
     add_dtype_args(parser)
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + output, in tokens (default: the model's max_position_embeddings, "
+                             "at most 4096)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (prefill chunks plus decodes)")
     parser.add_argument("--cache-memory", default="1GiB", help="bytes of the shared KV + state pool, e.g. 2GiB")
     parser.add_argument("--block-size", type=int, default=16, help="attention KV block size in tokens (1-64)")
-    parser.add_argument("--device", default="auto", choices=list(DEVICES))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=list(DEVICES), help="auto: CUDA when available")
+    parser.add_argument("--seed", type=int, default=0, help="the engine's random seed")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
                         help="on the CPU, keep plain bf16 linear weights instead of oneDNN-prepacked ones "
@@ -49,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "best this CPU has); a lower level runs, and tests, that level's kernel variants")
     parser.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                         help="resume prompts from cached prefixes: shared KV pages and recurrent-state "
-                             "snapshots in the one pool, evicted whenever requests need the room (default: on)")
+                             "snapshots in the one pool, evicted whenever requests need the room")
     parser.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="tokens between the state snapshots of a long prefill (0: only at prompt ends, "
                              "generation ends and branch points)")

@@ -8,11 +8,12 @@ import argparse
 import json
 import logging
 
-from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from hybridserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="machine, versions, CPU ISA and kernel variants (and a model's fast paths)",
+                       formatter_class=HelpFormatter,
                        description="Report the CPU, its features and the ISA level in force, torch / transformers / "
                                    "hybridserve versions, the kernel cache folder and, per op, the kernel variant "
                                    "used or why it falls back. With --model, an engine is started with the given "

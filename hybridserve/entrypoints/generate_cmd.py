@@ -5,25 +5,32 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from hybridserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from prompts (streams to stdout)",
+    p = sub.add_parser("generate", help="generate text from prompts (streams to stdout)", formatter_class=HelpFormatter,
                        description="Generate text. With no --model, the small model shipped with hybridserve.")
-    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue (several run as one batch)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     add_engine_args(p)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens up to "
+                                                             "this probability mass (1: all)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the top probability")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop-token-ids", type=int, nargs="*", default=None, help="token ids that end generation")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--logprobs", type=int, default=None, help="print top-k logprobs of each generated token")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or the output (1: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted once from every token already generated, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence from every token already generated, in [-2, 2]")
     p.set_defaults(handler=run, cache_memory="512MiB")
 
 
@@ -36,9 +43,12 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
                             stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
-                            logprobs=args.logprobs)
-    engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), enable_progress_bar=False,
-                                    **engine_kwargs(args)))
+                            logprobs=args.logprobs, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    # never more sequences than prompts run at once: a smaller max_num_seqs captures fewer decode batch sizes
+    # (one, for one prompt, instead of 1, 2, 4, ..., 64), which is most of a cold start's engine setup
+    kwargs = {**engine_kwargs(args), "max_num_seqs": min(args.max_num_seqs, len(args.prompts))}
+    engine = LLMEngine(EngineConfig(model=args.model or default_model_path(), enable_progress_bar=False, **kwargs))
     ids = [engine.detokenizer.encode(p) for p in args.prompts]
     for i, (prompt, prompt_ids) in enumerate(zip(args.prompts, ids)):
         engine.add_request(f"cli-{i}", prompt_ids, params, prompt=prompt)

@@ -75,6 +75,36 @@ class LLM:
                                   in zip(request_ids, encoded, params_list)])
         return self._run(request_ids, use_tqdm and self.engine.config.enable_progress_bar)
 
+    def chat(self, messages: list[dict] | Seq[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or to a list of
+        them, each rendered by the tokenizer's chat template (or ``chat_template``, a Jinja string); one
+        RequestOutput per conversation, in input order.
+
+        ``add_generation_prompt`` opens the assistant's turn; ``continue_final_message`` instead continues
+        the last message (a partly written assistant reply). Extra template variables go in
+        ``chat_template_kwargs``.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt=True and continue_final_message=True cannot be combined: "
+                             "the first opens a new assistant turn, the second continues the last message")
+        conversations = _conversations(messages)
+        prompts: list[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                ids = self.engine.detokenizer.apply_chat_template(
+                    conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            except Exception as exc:
+                where = f"conversation {i}: " if len(conversations) > 1 else ""
+                raise ValueError(f"{where}the chat template could not render these messages: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def _run(self, request_ids: list[str], progress: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = None
@@ -97,3 +127,14 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in request_ids]
+
+
+def _conversations(messages: Any) -> list[list[dict]]:
+    """``messages`` as a list of conversations: one conversation (a list of message dicts) or a list of them."""
+    if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+        return [list(messages)]
+    if (isinstance(messages, (list, tuple)) and messages
+            and all(isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in messages)):
+        return [list(c) for c in messages]
+    raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) "
+                     f"or a list of conversations, got {messages!r:.80}")

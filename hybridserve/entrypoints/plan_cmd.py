@@ -1,18 +1,24 @@
-"""``hybridserve plan``: cache layout and capacity of a model, from its config.json alone."""
+"""``hybridserve plan``: cache layout and capacity of a model, from its config.json alone.
+
+Imports neither torch nor transformers for the built-in families (``models/config_specs.py``), so it
+answers in a fraction of a second.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
-from hybridserve.entrypoints.engine_args import add_dtype_args
+from hybridserve.entrypoints.engine_args import HelpFormatter, add_dtype_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="cache layout and capacity from config.json alone (no weights, no tokenizer)",
-        description="Per-layer cached tensors, state bytes per sequence, KV bytes per token, the attention "
+        formatter_class=HelpFormatter,
+        description="Cached tensors per kind of layer, state bytes per sequence, KV bytes per token, the attention "
                     "block size and how many sequences of max-model-len tokens fit in the cache memory; the "
                     "same figures for the main alternatives. Reads config.json only: plan for models you "
                     "have not downloaded.")
@@ -30,30 +36,71 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="plan for an engine that does not capture decode steps (no padding reservation)")
     p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
-                   help="plan for an engine that caches prefixes (default: on): shows what a state snapshot costs")
+                   help="plan for an engine that caches prefixes: shows what a state snapshot costs")
     p.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                    help="tokens between the state snapshots of a long prefill (0: none periodic)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of tables: every layer (layers) and the kinds of layer "
+                        "with their counts (layer_groups)")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridserve.cache.planner import DTYPE_OPTIONS, load_config, plan_alternatives, plan_cache
-    from hybridserve.config import EngineConfig
+    from hybridserve.cache.plan_config import PlanConfig
+    from hybridserve.cache.planner import (
+        DTYPE_OPTIONS,
+        load_config,
+        plan_alternatives,
+        plan_cache,
+        positions_warning,
+    )
 
-    config = EngineConfig(block_size=args.block_size, cache_memory=args.cache_memory,
-                          max_model_len=args.max_model_len, device=args.device, cpu_kernels=args.cpu_kernels,
-                          enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-                          prefix_snapshot_interval=args.prefix_snapshot_interval,
-                          **{name: getattr(args, name) for name in DTYPE_OPTIONS})
+    config = PlanConfig(block_size=args.block_size, cache_memory=args.cache_memory,
+                        max_model_len=args.max_model_len, device=args.device, cpu_kernels=args.cpu_kernels,
+                        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+                        prefix_snapshot_interval=args.prefix_snapshot_interval,
+                        **{name: getattr(args, name) for name in DTYPE_OPTIONS})
     hf_config = load_config(args.model)
     plan = plan_cache(hf_config, config)
+    warning = positions_warning(hf_config, plan.max_model_len, "--max-model-len")
+    if warning is not None:
+        print(warning, file=sys.stderr)
     alternatives = plan_alternatives(hf_config, config)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "alternatives": [a.summary() for a in alternatives]}, indent=2))
+        print(json.dumps({**plan.to_dict(), "layer_groups": layer_groups(plan.specs),
+                          "alternatives": [a.summary() for a in alternatives]}, indent=2))
     else:
         print_plan(plan, alternatives)
     return 0
+
+
+def layer_groups(specs) -> list[dict]:
+    """The layers grouped by what they cache: one entry per distinct kind, tensor names, shapes and dtypes, in
+    the order each first appears, with its layer indices and their count."""
+    groups: dict[str, dict] = {}
+    for spec in specs:
+        entry = spec.describe()
+        key = json.dumps([entry["kind"], entry["tensors"]])
+        group = groups.get(key)
+        if group is None:
+            groups[key] = group = {"kind": entry["kind"], "layers": [], "count": 0, "tensors": entry["tensors"],
+                                   "kv_bytes_per_token": entry["kv_bytes_per_token"],
+                                   "state_bytes_per_sequence": entry["state_bytes_per_sequence"]}
+        group["layers"].append(entry["index"])
+        group["count"] += 1
+    return list(groups.values())
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    parts, start = [], None
+    for i, n in enumerate(indices):
+        if start is None:
+            start = n
+        if i + 1 == len(indices) or indices[i + 1] != n + 1:
+            parts.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(parts)
 
 
 def _size(n: float) -> str:
@@ -74,18 +121,21 @@ def print_plan(plan, alternatives) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # a pipe or a file: no terminal width to fit
     names = plan.dtypes.as_names()
     console.print(f"[bold]{plan.architecture}[/bold]  " + "  ".join(f"{k}={v}" for k, v in names.items()))
-    layers = Table(title="Cached tensors per layer", title_justify="left")
-    for col, justify in (("layer", "right"), ("kind", "left"), ("tensor", "left"), ("shape", "left"),
-                         ("dtype", "left"), ("bytes", "right")):
-        layers.add_column(col, justify=justify, no_wrap=True)
-    for spec in plan.specs:
-        entry = spec.describe()
-        for i, t in enumerate(entry["tensors"]):
-            layers.add_row(str(entry["index"]) if i == 0 else "", entry["kind"] if i == 0 else "", t["name"],
-                           "(" + ", ".join(map(str, t["shape"])) + ")", t["dtype"],
-                           f"{t['bytes']:,} /{'token' if t['per'] == 'token' else 'seq'}")
+    layers = Table(title="Cached tensors per layer (one row per kind of layer, \u00d7 how many)", title_justify="left")
+    for col, justify in (("count", "right"), ("kind", "left"), ("tensor", "left"), ("shape", "left"),
+                         ("dtype", "left"), ("bytes each", "right"), ("layers", "left")):
+        layers.add_column(col, justify=justify, no_wrap=col != "layers", min_width=8 if col == "layers" else None)
+    for group in layer_groups(plan.specs):
+        for i, t in enumerate(group["tensors"]):
+            per = "token" if t["per"] == "token" else "seq"
+            first = i == 0
+            layers.add_row(f"\u00d7{group['count']}" if first else "", group["kind"] if first else "", t["name"],
+                           "(" + ", ".join(map(str, t["shape"])) + ")", _short(t["dtype"]), f"{t['bytes']:,}/{per}",
+                           _ranges(group["layers"]) if first else "")
     console.print(layers)
     s = plan.summary()
     totals = Table(show_header=False, title="Totals", title_justify="left")

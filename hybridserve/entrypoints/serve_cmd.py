@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hybridserve.entrypoints.engine_args import add_engine_args, engine_kwargs
+from hybridserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from hybridserve.entrypoints.openai.auth import check_api_key
 from hybridserve.entrypoints.openai.hosts import allowed_hosts
 from hybridserve.entrypoints.openai.limits import add_limit_args, limits_from_args
@@ -15,16 +15,18 @@ DEFAULT_MODEL_NAME = "hybridserve-default"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=HelpFormatter,
                        description="Serve a model over an OpenAI-compatible HTTP API (completions, chat, "
-                                   "metrics). With no MODEL_DIR, the small model shipped with hybridserve.")
+                                   "tokenize, metrics). With no MODEL_DIR, the small model shipped with "
+                                   "hybridserve.")
     p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
                    help="checkpoint directory (default: the shipped model)")
     p.add_argument("--model", default=None, help="checkpoint directory (same as MODEL_DIR)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on the /v1 routes (an empty key is refused)")
+                   help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and /detokenize (an "
+                        "empty key is refused)")
     p.add_argument("--protect-metrics-and-docs", action="store_true",
                    help="require the API key on /metrics and the docs (/docs, /redoc, /openapi.json) too; "
                         "/health stays open")
@@ -32,17 +34,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated Host header names to answer to ('*' any, '*.example.com' its "
                         "subdomains; any port); others get 400. Default: on a loopback --host, only "
                         "localhost, 127.0.0.1, ::1 (and that address); on any other, every name")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model's name in the API and the /metrics label (default: the MODEL_DIR's base "
-                        f"name; {DEFAULT_MODEL_NAME} for the shipped model)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME", action=_ServedNames,
+                   help="the model's names in the API: /v1/models lists them all and requests may use any; the "
+                        "first is the one responses and the /metrics label carry (default: the MODEL_DIR's "
+                        f"base name; {DEFAULT_MODEL_NAME} for the shipped model)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests accepted but not yet running, at most; past it new requests get 503")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="the server's log level")
     add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run)
+
+
+class _ServedNames(argparse.Action):
+    """``--served-model-name A [B ...]``: ``served_model_names`` gets them all, ``served_model_name`` the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        names = list(values)
+        for name in names:
+            if not name.strip():
+                parser.error(f"{option_string}: a served model name must not be empty")
+        namespace.served_model_names = list(dict.fromkeys(names))  # in order, each once
+        namespace.served_model_name = names[0]
 
 
 def served_model_name(model: str | None) -> str:
@@ -80,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     path = model or default_model_path()
     engine = LLMEngine(EngineConfig(model=path, enable_progress_bar=False, **engine_kwargs(args)))
     return run_server(engine, host=args.host, port=args.port, api_key=api_key,
-                      model_name=args.served_model_name or served_model_name(model),
+                      model_name=getattr(args, "served_model_names", None) or served_model_name(model),
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                       log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
                       allowed_hosts=hosts)

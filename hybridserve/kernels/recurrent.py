@@ -194,11 +194,13 @@ def gdn_split(qkvz: torch.Tensor, num_k_heads: int, head_k_dim: int, group_v: in
 
 def gated_delta_rule(states: torch.Tensor, conv_out: torch.Tensor, ba: torch.Tensor, A_log: torch.Tensor,
                      dt_bias: torch.Tensor, use_qk_l2norm: bool, cu_seqlens: torch.Tensor,
-                     state_indices: torch.Tensor, out: torch.Tensor, num_k_heads: int) -> bool:
+                     state_indices: torch.Tensor, out: torch.Tensor, num_k_heads: int, beta_scale: float = 1.0
+                     ) -> bool:
     """Qwen3-Next's gated delta rule over packed sequences, continuing each slot's state (updated in
     place). states: (num_slots, Hv, Dk, Dv) pool view; conv_out: (T, 2 Hk Dk + Hv Dv) rows; ba: (T, 2 Hv)
     rows (per key head ``[b | a]``); A_log, dt_bias: (Hv,) float32; out: (T, Hv Dv) rows in the
-    activation dtype. Returns False, doing nothing, when not covered."""
+    activation dtype; ``beta = beta_scale * sigmoid(b)`` (2 for OLMo-Hybrid's negative eigenvalues).
+    Returns False, doing nothing, when not covered."""
     lib = _library()
     if (lib is None or states.dim() != 4 or states.device.type != "cpu" or states.dtype not in DTYPE_CODES
             or conv_out.dtype not in DTYPE_CODES):
@@ -214,6 +216,43 @@ def gated_delta_rule(states: torch.Tensor, conv_out: torch.Tensor, ba: torch.Ten
     check(lib.hs_gated_delta_rule(DTYPE_CODES[conv_out.dtype], DTYPE_CODES[states.dtype], state_indices.numel(),
                                   cu_seqlens.data_ptr(), state_indices.data_ptr(), conv_out.data_ptr(),
                                   conv_out.stride(0), ba.data_ptr(), ba.stride(0), A_log.data_ptr(), dt_bias.data_ptr(),
-                                  int(use_qk_l2norm), states.data_ptr(), states.stride(0), out.data_ptr(),
-                                  out.stride(0), Hk, Hv, Dk, Dv), "hs_gated_delta_rule")
+                                  int(use_qk_l2norm), float(beta_scale), states.data_ptr(), states.stride(0),
+                                  out.data_ptr(), out.stride(0), Hk, Hv, Dk, Dv), "hs_gated_delta_rule")
+    return True
+
+
+def mlstm(states: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          o: torch.Tensor, i: torch.Tensor, f: torch.Tensor, gate_cap: float | None, norm_weight: torch.Tensor,
+          norm_bias: torch.Tensor | None, norm_eps: float, eps: float, cu_seqlens: torch.Tensor,
+          state_indices: torch.Tensor, out: torch.Tensor) -> bool:
+    """xLSTM's mLSTM cell over packed sequences with its multi-head layer norm and output gate,
+    continuing each slot's state (updated in place): ``out = sigmoid(o) * norm(h)``. states: the pool
+    views C (num_slots, H, Dk, Dv), n (num_slots, H, Dk), m (num_slots, H), one dtype and slot stride;
+    q, k: (T, H Dk), v, o: (T, H Dv), i, f: (T, H) raw gate pre-activations (soft-capped here by
+    ``gate_cap``, None for none), all rows in one activation dtype; norm_weight, norm_bias: (H Dv,) in
+    that dtype (bias may be None); out: (T, H Dv) rows in that dtype. Returns False, doing nothing,
+    when not covered."""
+    lib = _library()
+    C, n, m = states
+    if lib is None or C.dim() != 4 or n.dim() != 3 or m.dim() != 2 or C.device.type != "cpu":
+        return False
+    _, H, Dk, Dv = C.shape
+    act = q.dtype
+    acts = (q, k, v, o, i, f, out)
+    if (act not in DTYPE_CODES or C.dtype not in DTYPE_CODES or n.dtype != C.dtype or m.dtype != C.dtype
+            or C.stride()[1:] != (Dk * Dv, Dv, 1) or n.stride()[1:] != (Dk, 1) or m.stride(1) != 1
+            or not C.stride(0) == n.stride(0) == m.stride(0) or tuple(n.shape[1:]) != (H, Dk)
+            or tuple(m.shape[1:]) != (H,) or not all(rows_ok(t) and t.dtype == act for t in acts)
+            or q.shape[1] != H * Dk or k.shape[1] != H * Dk or v.shape[1] != H * Dv or o.shape[1] != H * Dv
+            or i.shape[1] != H or f.shape[1] != H or out.shape != (q.shape[0], H * Dv)
+            or any(t is not None and (t.dtype != act or t.shape != (H * Dv,) or not t.is_contiguous()
+                                      or t.device.type != "cpu") for t in (norm_weight, norm_bias))
+            or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return False
+    check(lib.hs_mlstm(DTYPE_CODES[act], DTYPE_CODES[C.dtype], state_indices.numel(), cu_seqlens.data_ptr(),
+                       state_indices.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                       v.stride(0), o.data_ptr(), o.stride(0), i.data_ptr(), i.stride(0), f.data_ptr(), f.stride(0),
+                       float(gate_cap) if gate_cap is not None else 0.0, C.data_ptr(), n.data_ptr(), m.data_ptr(),
+                       C.stride(0), norm_weight.data_ptr(), ptr(norm_bias), float(norm_eps), float(eps),
+                       out.data_ptr(), out.stride(0), H, Dk, Dv), "hs_mlstm")
     return True

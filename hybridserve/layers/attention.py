@@ -32,23 +32,28 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Forwa
     """Store this step's K/V in the cache, then attend each group (decode, prefill) to its context.
 
     q: (T, Hq, Dh); k, v: (T, Hkv, Dh). Returns (T, Hq, Dh) in q's dtype. ``use_cpu_kernels``: use the
-    compiled CPU kernels where they cover the call.
+    compiled CPU kernels where they cover the call. A layer of the window page group
+    (``cache.window_group``) reads and writes its pages through the window tables; their entries behind
+    the window are released (-1 in the sequence, any page here) and never read.
     """
-    if not (use_cpu_kernels and attention_kernels.kv_write(k, v, cache.k, cache.v, batch.slot_mapping,
+    window = cache.window_group
+    slot_mapping = batch.window_slot_mapping if window else batch.slot_mapping
+    if not (use_cpu_kernels and attention_kernels.kv_write(k, v, cache.k, cache.v, slot_mapping,
                                                             cache.k_scale, cache.v_scale)):
         if use_cpu_kernels:
             fallbacks.record("kv_write", fallbacks.describe(k, cache.k))
-        write_kv_cache(k, v, cache.k, cache.v, batch.slot_mapping, cache.k_scale, cache.v_scale)
+        write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, Dh)
     for group in batch.groups:
+        tables = group.window_block_tables if window else group.block_tables
         if use_cpu_kernels and attention_kernels.paged_attention(
-                q[group.tokens], cache.k, cache.v, group.block_tables, group.seq_lens, group.cu_seqlens_q, scale,
+                q[group.tokens], cache.k, cache.v, tables, group.seq_lens, group.cu_seqlens_q, scale,
                 cache.k_scale, cache.v_scale, sliding_window, out[group.tokens]):
             continue
         if use_cpu_kernels:
             fallbacks.record("paged_attention", fallbacks.describe(q, cache.k))
         out[group.tokens] = paged_attention(
-            q[group.tokens], cache.k, cache.v, group.block_tables, group.seq_lens, group.cu_seqlens_q,
+            q[group.tokens], cache.k, cache.v, tables, group.seq_lens, group.cu_seqlens_q,
             scale, cache.k_scale, cache.v_scale, sliding_window)
     return out
 
@@ -60,7 +65,8 @@ class Attention(nn.Module):
     ``q_norm`` and ``k_norm`` are per-head RMS norms (over head_dim) applied before RoPE
     (``qk_norm_zero_centered``: weights stored as gamma - 1, as in Qwen3-Next). With ``output_gate``
     (Qwen3-Next), ``q_proj`` yields per head ``[query, gate]`` (2 * head_dim) and the attention
-    output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
+    output is multiplied by ``sigmoid(gate)`` before ``o_proj``. With ``head_gate`` (LFM3), ``g_proj``
+    maps the layer input to one gate per head, and each head's output is multiplied by its ``sigmoid``.
     """
 
     use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
@@ -69,7 +75,7 @@ class Attention(nn.Module):
                  dtypes: CacheDtypes, *, bias: bool = False, o_bias: bool | None = None,
                  scale: float | None = None, sliding_window: int | None = None,
                  qk_norm_eps: float | None = None, qk_norm_zero_centered: bool = False,
-                 output_gate: bool = False) -> None:
+                 output_gate: bool = False, head_gate: bool = False) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -78,6 +84,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
+        self.head_gate = head_gate
+        if head_gate:
+            self.g_proj = nn.Linear(hidden_size, num_heads, bias=False)
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.k_scale = self.v_scale = 1.0  # fp8 KV-cache scales: the checkpoint's (set by the loader) or 1.0
@@ -85,7 +94,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered=qk_norm_zero_centered)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered=qk_norm_zero_centered)
-        self.spec = LayerCacheSpec(layer_index, "attention",
+        self.spec = LayerCacheSpec(layer_index, "sliding_attention" if sliding_window else "attention",
                                    attention=dtypes.attention(num_kv_heads, head_dim, sliding_window))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -111,4 +120,17 @@ class Attention(nn.Module):
                     fallbacks.record("sigmoid_mul", fallbacks.describe(gate, out))
                 gated = out * torch.sigmoid(gate)  # (T, Hq, Dh)
             out = gated
+        if self.head_gate:
+            out = self._gate_heads(self.g_proj(x), out)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _gate_heads(self, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """gate (T, Hq), out (T, Hq, Dh) -> ``out * sigmoid(gate)`` per head, each op rounded to out's dtype."""
+        t = out.shape[0]
+        if self.use_cpu_kernels:
+            gated = pointwise_kernels.row_sigmoid_gate(gate.reshape(t * self.num_heads, 1),
+                                                       out.reshape(t * self.num_heads, self.head_dim))
+            if gated is not None:
+                return gated.view(t, self.num_heads, self.head_dim)
+            fallbacks.record("row_sigmoid_gate", fallbacks.describe(gate, out))
+        return out * torch.sigmoid(gate)[..., None]  # (T, Hq, Dh)

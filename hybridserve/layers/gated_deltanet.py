@@ -33,21 +33,44 @@ class NormThenGateRMSNorm(nn.Module):
         return (y * F.silu(gate.float())).to(dtype)
 
 
+def grouped_projections(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, *, num_k_heads: int,
+                        num_v_heads: int, head_k_dim: int, head_v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Separate projection weights (Qwen3.5's ``in_proj_qkv`` rows ``[all q | all k | all v]``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``; value head h reads key head h // R) as :class:`GatedDeltaNet`'s grouped
+    ``in_proj_qkvz`` (Hk (2 Dk + 2 R Dv), hidden) and ``in_proj_ba`` (2 Hv, hidden): the same rows, reordered.
+    A ValueError names a weight of the wrong shape."""
+    Hk, Hv, Dk, Dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+    R, hidden = Hv // Hk, qkv.shape[-1]
+    for name, w, rows in (("in_proj_qkv", qkv, 2 * Hk * Dk + Hv * Dv), ("in_proj_z", z, Hv * Dv),
+                          ("in_proj_b", b, Hv), ("in_proj_a", a, Hv)):
+        if tuple(w.shape) != (rows, hidden):
+            raise ValueError(f"{name}.weight has shape {tuple(w.shape)}, expected {(rows, hidden)}")
+    q, k, v = torch.split(qkv, [Hk * Dk, Hk * Dk, Hv * Dv])
+    qkvz = torch.cat([q.view(Hk, Dk, hidden), k.view(Hk, Dk, hidden), v.view(Hk, R * Dv, hidden),
+                      z.view(Hk, R * Dv, hidden)], dim=1)  # (Hk, 2 Dk + 2 R Dv, hidden)
+    ba = torch.cat([b.view(Hk, R, hidden), a.view(Hk, R, hidden)], dim=1)  # (Hk, 2 R, hidden)
+    return qkvz.reshape(-1, hidden), ba.reshape(-1, hidden)
+
+
 class GatedDeltaNet(nn.Module):
     """in_proj_qkvz / in_proj_ba -> causal conv over (q, k, v) -> gated delta rule -> gated norm
     with z -> out_proj (HF weight names).
 
     Projection layout (HF): ``in_proj_qkvz`` gives, per key head, ``[q (Dk), k (Dk), v (R*Dv), z (R*Dv)]``
     and ``in_proj_ba`` per key head ``[b (R), a (R)]``, where R = Hv / Hk value heads share a key head
-    (value head h reads key head h // R). The conv runs over ``[all q, all k, all v]``.
+    (value head h reads key head h // R). The conv runs over ``[all q, all k, all v]``. Qwen3.5 checkpoints
+    store the same projections apart; :func:`grouped_projections` reorders their rows into this layout.
 
     State per sequence: ``conv`` (conv_dim, kernel-1) in the conv-state dtype and ``recurrent``
     (Hv, Dk, Dv) in the temporal-state dtype, HF's layout (key dim before value dim).
+
+    ``beta = beta_scale * sigmoid(b)``: 1 for Qwen3-Next, 2 for OLMo-Hybrid (``allow_neg_eigval``).
     """
 
     def __init__(self, layer_index: int, hidden_size: int, *, num_k_heads: int, num_v_heads: int,
                  head_k_dim: int, head_v_dim: int, conv_kernel: int, dtypes: CacheDtypes,
-                 norm_eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64) -> None:
+                 norm_eps: float = 1e-6, activation: str = "silu", chunk_size: int = 64,
+                 beta_scale: float = 1.0) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
@@ -57,7 +80,7 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.activation, self.chunk_size = activation, chunk_size
+        self.activation, self.chunk_size, self.beta_scale = activation, chunk_size, float(beta_scale)
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim,
@@ -98,6 +121,8 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self._project(x)
         beta = b.float().sigmoid()  # (T, Hv)
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv) log decay
         weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
         out = torch.empty(t, Hv, Dv, dtype=torch.float32, device=x.device)  # (T, Hv, Dv)
@@ -153,7 +178,7 @@ class GatedDeltaNet(nn.Module):
                                                        g.state_indices, self.activation)
             if conv_out is None or not recurrent_kernels.gated_delta_rule(
                     rec_states, conv_out, ba[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q, g.state_indices,
-                    out[g.tokens], Hk):
+                    out[g.tokens], Hk, self.beta_scale):
                 if i == 0 and conv_out is None:
                     return None
                 raise RuntimeError("a gated delta net kernel declined after another ran")

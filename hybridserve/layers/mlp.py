@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.layers.activations import activation
 
 ACT_MUL_KERNELS = {"silu": "silu_mul", "gelu": "gelu_mul"}  # activation -> its kernel in kernels/pointwise.py
 
@@ -20,7 +20,7 @@ class ActAndMul(nn.Module):
     def __init__(self, act: str) -> None:
         super().__init__()
         self.act = act
-        self.act_fn = ACT2FN[act]
+        self.act_fn = activation(act)
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: (T, I) -> (T, I)."""
@@ -57,7 +57,7 @@ class PlainMLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.act, self.act_fn = act, ACT2FN[act]
+        self.act, self.act_fn = act, activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)

@@ -12,9 +12,9 @@ import re
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from hybridserve.kernels import fallbacks, gemm
+from hybridserve.layers.activations import activation
 
 
 def softmax_topk(router_logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +77,7 @@ class FusedExperts(nn.Module):
         else:
             self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, d_in))
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_in, intermediate_size))
-        self.act, self.act_fn = act, ACT2FN[act]
+        self.act, self.act_fn = act, activation(act)
         self.intermediate_size = intermediate_size
         self.packed: dict[str, list[torch.Tensor]] | None = None  # parameter name -> packed weight per expert
         self.tables: dict[str, torch.Tensor] = {}  # parameter name -> (E,) int64 addresses of the packed weights

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -13,7 +14,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.models.base import CausalLM
-from hybridserve.models.registry import model_class
+from hybridserve.models.registry import SERVED_AS_TEXT, model_class
 
 
 def load_hf_config(path: str) -> Any:
@@ -24,14 +25,31 @@ def load_hf_config(path: str) -> Any:
         raise ValueError(f"model={path!r} is not a directory holding a checkpoint")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model={path!r} has no config.json")
-    return AutoConfig.from_pretrained(path)
+    return served_text_config(AutoConfig.from_pretrained(path))
+
+
+def served_text_config(config: Any) -> Any:
+    """For a vision-language architecture served as text (``registry.SERVED_AS_TEXT``): a copy of its
+    ``text_config`` naming the checkpoint's architecture, with the top-level ``tie_word_embeddings`` and
+    ``dtype`` (HF's for the whole model). Any other config unchanged."""
+    archs = getattr(config, "architectures", None) or []
+    text = getattr(config, "text_config", None)
+    if text is None or not archs or archs[0] not in SERVED_AS_TEXT:
+        return config
+    text = copy.copy(text)
+    text.architectures = list(archs)
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    if getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text
 
 
 def architecture_of(hf_config: Any) -> str:
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs:
-        raise ValueError("config.json names no architecture ('architectures' is empty)")
-    return archs[0]
+    """``architectures[0]``, else the architecture the config's ``model_type`` maps to (ValueError naming the
+    allowed model types otherwise)."""
+    from hybridserve.models import config_specs
+
+    return config_specs.architecture_of(hf_config)
 
 
 def weight_files(path: str) -> list[str]:
@@ -85,6 +103,7 @@ def _rename(name: str, renames: list[tuple[str, str]]) -> str:
 def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.device) -> None:
     """Load every parameter strictly: missing, unexpected and mis-shaped weights are errors naming them."""
     renames = getattr(model, "checkpoint_renames", [])
+    skip = getattr(model, "checkpoint_skip", None)  # a regex of raw names never read (a vision tower, say)
     # optional model hook: {renamed name: tensor} -> {model name: tensor} (e.g. stack per-expert weights)
     transform = getattr(model, "transform_checkpoint", None)
     expected = dict(model.named_parameters())
@@ -95,6 +114,8 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             for raw in f.keys():
+                if skip is not None and re.match(skip, raw):
+                    continue
                 name = _rename(raw, renames)
                 target = kv_scale_target(model, name)
                 if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
@@ -25,6 +24,7 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks, gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.layers.activations import activation
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.elementwise import scaled_sum
 from hybridserve.layers.embedding import Embedding
@@ -61,7 +61,7 @@ class LightningAttention(nn.Module):
         self.num_layers = config.num_hidden_layers
         self.block_size = config.block_size
         inner = self.num_heads * self.head_dim
-        self.act, self.act_fn = config.hidden_act, ACT2FN[config.hidden_act]
+        self.act, self.act_fn = config.hidden_act, activation(config.hidden_act)
         self.norm = RMSNorm(inner)  # HF uses the default eps (1e-6) here, not rms_norm_eps
         self.qkv_proj = nn.Linear(config.hidden_size, 3 * inner, bias=False)
         self.out_proj = nn.Linear(inner, config.hidden_size, bias=False)

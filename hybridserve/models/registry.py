@@ -17,9 +17,21 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MiniMaxForCausalLM": ("hybridserve.models.minimax", "MiniMaxForCausalLM"),
     "Lfm2ForCausalLM": ("hybridserve.models.lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("hybridserve.models.lfm2_moe", "Lfm2MoeForCausalLM"),
+    "Lfm3ForCausalLM": ("hybridserve.models.lfm3", "Lfm3ForCausalLM"),
     "Zamba2ForCausalLM": ("hybridserve.models.zamba2", "Zamba2ForCausalLM"),
     "FalconH1ForCausalLM": ("hybridserve.models.falcon_h1", "FalconH1ForCausalLM"),
+    "xLSTMForCausalLM": ("hybridserve.models.xlstm", "xLSTMForCausalLM"),
+    "Qwen3_5ForCausalLM": ("hybridserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("hybridserve.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("hybridserve.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("hybridserve.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
+    "OlmoHybridForCausalLM": ("hybridserve.models.olmo_hybrid", "OlmoHybridForCausalLM"),
+    "KimiLinearForCausalLM": ("hybridserve.models.kimi_linear", "KimiLinearForCausalLM"),
 }
+
+#: vision-language architectures served as text: their config's ``text_config`` is the served model's config
+#: (``loader.load_hf_config``, ``config_specs.read_config``); image inputs are not accepted
+SERVED_AS_TEXT = frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"})
 
 
 def register(architecture: str, module: str, class_name: str) -> None:

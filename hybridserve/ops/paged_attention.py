@@ -115,8 +115,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     kpos = torch.arange(Lpad, device=dev)  # (Lpad,)
     # Positions past a sequence's length hold whatever bytes the shared pool has there (another
     # sequence's state, say), which may read as NaN/inf in the KV dtype (any 0x7F byte is NaN in
-    # fp8_e4m3): their probabilities are 0, but 0 * NaN is NaN, so clear them.
-    V = V.masked_fill((kpos[None, :] >= seq_lens[:, None])[:, :, None, None], 0.0)  # (S, Lpad, Hkv, Dh)
+    # fp8_e4m3): their probabilities are 0, but 0 * NaN is NaN, so clear them. So too the positions before
+    # every query's window: their pages may have been released (a window page group's table then names
+    # any page there).
+    unread = kpos[None, :] >= seq_lens[:, None]  # (S, Lpad)
+    if sliding_window is not None:
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(device=dev, dtype=torch.long)  # (S,)
+        unread |= kpos[None, :] < (seq_lens - q_lens - sliding_window + 1)[:, None]
+    V = V.masked_fill(unread[:, :, None, None], 0.0)  # (S, Lpad, Hkv, Dh)
 
     if T == S:  # every sequence has exactly one query (each has >= 1): decode
         qf = q.float().view(S, Hkv, R, Dh)  # (S, Hkv, R, Dh)

@@ -124,6 +124,41 @@ def lfm2_moe_defaults() -> Any:
     return _arch(Lfm2MoeConfig(layer_types=kinds, dtype="bfloat16"), "Lfm2MoeForCausalLM")
 
 
+def qwen3_5_defaults() -> Any:
+    """Qwen3_5TextConfig's defaults (4096 hidden, 32 layers, attention every fourth, 32 value heads of the gated
+    delta net, 4 KV heads of 256)."""
+    from transformers import Qwen3_5TextConfig
+
+    return _arch(Qwen3_5TextConfig(dtype="bfloat16"), "Qwen3_5ForCausalLM")
+
+
+def qwen3_5_moe_vl_defaults() -> Any:
+    """Qwen3_5MoeConfig's defaults (text: 2048 hidden, 40 layers, 256 experts top-8, 2 KV heads of 256), served as
+    text the engine's way (``loader.served_text_config``)."""
+    from transformers import Qwen3_5MoeConfig
+
+    from hybridserve.models.loader import served_text_config
+
+    return served_text_config(_arch(Qwen3_5MoeConfig(dtype="bfloat16"), "Qwen3_5MoeForConditionalGeneration"))
+
+
+def olmo_hybrid_defaults() -> Any:
+    """OlmoHybridConfig's defaults (3840 hidden, 32 layers, attention every fourth, 30 heads of 128; gated delta
+    net 30 heads, keys 96, values 192)."""
+    from transformers import OlmoHybridConfig
+
+    return _arch(OlmoHybridConfig(dtype="bfloat16"), "OlmoHybridForCausalLM")
+
+
+def xlstm_7b() -> Any:
+    """xLSTMConfig's defaults, NX-AI's xLSTM-7b (4096 hidden, 32 mLSTM blocks of 8 heads, qk heads 256, v heads
+    512; no attention). The checkpoint's triton kernel names are left at the native ones: transformers rejects
+    the others without the ``xlstm`` package, and they choose how, not what, HF computes."""
+    from transformers import xLSTMConfig
+
+    return _arch(xLSTMConfig(dtype="bfloat16"), "xLSTMForCausalLM")
+
+
 def falcon_mamba_7b() -> Any:
     from transformers import FalconMambaConfig
 
@@ -142,6 +177,31 @@ def minimax_text_01() -> Any:
         max_position_embeddings=10240000, dtype="bfloat16"), "MiniMaxForCausalLM")
 
 
+def lfm3_defaults() -> Any:
+    """Lfm3Config's defaults (LFM3-1.7B: 2048 hidden, 24 layers: 13 short-conv, 6 full-attention and 5
+    sliding-window attention layers with a 256-token window, 4 KV heads of 128)."""
+    from transformers import Lfm3Config
+
+    return _arch(Lfm3Config(dtype="bfloat16"), "Lfm3ForCausalLM")
+
+
+#: configs with a window page group (sliding-window layers beside full ones): their sequences hold the window
+def kimi_linear_defaults() -> Any:
+    """KimiLinearConfig's defaults (Kimi-Linear-48B-A3B: 2304 hidden, 27 layers, MLA on every fourth from layer 4
+    with a 512 + 64 latent, 32 KDA heads of 128, 256 experts top-8)."""
+    from transformers import KimiLinearConfig
+
+    return _arch(KimiLinearConfig(dtype="bfloat16"), "KimiLinearForCausalLM")
+
+
+#: layers' KV for the last ``window`` tokens only, in pages sized as the larger group's
+#: (tests/test_sliding_window.py checks their planner bytes exactly; they are kept out of REAL_CONFIGS' 1% bar,
+#: which a window group's page padding and its one extra page per sequence do not meet at 1,000 tokens)
+WINDOWED_CONFIGS: dict[str, Callable[[], Any]] = {
+    "lfm3-defaults": lfm3_defaults,
+}
+
+
 #: family -> config builder; a family whose model class is not registered yet is skipped by the tests
 REAL_CONFIGS: dict[str, Callable[[], Any]] = {
     "llama-3-8b": llama_3_8b,
@@ -155,6 +215,11 @@ REAL_CONFIGS: dict[str, Callable[[], Any]] = {
     "zamba2-7b": zamba2_7b,
     "lfm2-1.2b": lfm2_1_2b,
     "lfm2-moe-defaults": lfm2_moe_defaults,
+    "qwen3.5-defaults": qwen3_5_defaults,
+    "qwen3.5-moe-vl-defaults": qwen3_5_moe_vl_defaults,
+    "olmo-hybrid-defaults": olmo_hybrid_defaults,
     "falcon-mamba-7b": falcon_mamba_7b,
+    "xlstm-7b": xlstm_7b,
     "minimax-text-01": minimax_text_01,
+    "kimi-linear-defaults": kimi_linear_defaults,
 }

@@ -130,9 +130,9 @@ def test_cpu_kernels_default_and_cli_flag():
         assert EngineConfig(**{**kwargs, "model": "x"}).cpu_kernels is False
 
 
-ALL_FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", "lfm2_moe", "zamba2", "falcon_h1",
-                "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_latent", "bamba", "llama",
-                "mamba2"]
+ALL_FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", "lfm2_moe", "lfm3", "zamba2",
+                "falcon_h1", "granitemoehybrid", "granitemoehybrid_dense", "nemotron_h", "nemotron_h_latent", "bamba",
+                "llama", "mamba2", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "xlstm", "kimi_linear"]
 
 
 def _mean_logprob_error(run, reference):

@@ -480,9 +480,10 @@ def test_linear_attention_matches_ref(act_dtype, state_dtype):
     _assert_pool_close(pool.buf, copy, state_dtype, "linear attention states")
 
 
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])  # Qwen3-Next's beta; OLMo-Hybrid's 2 sigmoid(b)
 @pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
-def test_gated_delta_rule_matches_ref(act_dtype, state_dtype):
+def test_gated_delta_rule_matches_ref(act_dtype, state_dtype, beta_scale):
     """Qwen3-Next: two value heads per key head, l2-normalized q/k, varlen, strided pool slots; the
     projection split into the conv input and z as ``GatedDeltaNet._project`` does."""
     from hybridserve.ops.gated_delta import gated_delta_rule_varlen_ref
@@ -502,9 +503,9 @@ def test_gated_delta_rule_matches_ref(act_dtype, state_dtype):
     states = pool.view(3, (Hv, Dk, Dv))
     index = torch.tensor(slots, dtype=torch.int64)
     out = torch.full((T, Hv * Dv), float("nan")).to(act_dtype)
-    assert recurrent.gated_delta_rule(states, mixed, ba, A_log, dt_bias, True, cu(lens), index, out, Hk)
+    assert recurrent.gated_delta_rule(states, mixed, ba, A_log, dt_bias, True, cu(lens), index, out, Hk, beta_scale)
     b, a = torch.split(ba.view(T, Hk, 2 * R), [R, R], dim=-1)
-    beta = b.reshape(T, Hv).float().sigmoid()
+    beta = b.reshape(T, Hv).float().sigmoid() * beta_scale
     decay = -A_log.exp() * torch.nn.functional.softplus(a.reshape(T, Hv).float() + dt_bias)
     copy, expected_states = pool.expected_view(3, (Hv, Dk, Dv))
     qm, km, vm = torch.split(mixed, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)

@@ -77,6 +77,7 @@ class ServerProcess:
 
     def __init__(self, model: str, log_path: str, *args: str, api_key: str | None = None) -> None:
         """``api_key``: passed as --api-key, and sent to /metrics (for a server that protects it)."""
+        self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         args = (*args, "--api-key", api_key) if api_key else args
         self.port = free_port()

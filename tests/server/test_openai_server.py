@@ -131,6 +131,25 @@ def test_chat(client, tokenizer):
     assert r.choices[0].message.content == completion.choices[0].text
 
 
+def test_penalties_and_logit_bias_match_the_offline_engine(server, client, tokenizer):
+    from hybridserve import LLM, SamplingParams
+
+    prompt = tokenizer.encode("Hello world! Hello world! Hello")
+    banned = tokenizer.encode(" world")[-1]
+    options = dict(presence_penalty=0.7, frequency_penalty=0.4, logit_bias={banned: -100.0})
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                  presence_penalty=0.7, frequency_penalty=0.4, logit_bias={str(banned): -100},
+                                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    offline = LLM(server.model, max_model_len=MAX_MODEL_LEN, cache_memory="16MiB", enable_progress_bar=False)
+    want = offline.generate([{"prompt_token_ids": prompt}],
+                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                                           **options))[0].outputs[0]
+    assert r.choices[0].text == want.text and banned not in want.token_ids
+    plain = offline.generate([{"prompt_token_ids": prompt}],
+                             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    assert plain.token_ids != want.token_ids
+
+
 # ------------------------------------------------------------------------------------------- streaming
 def _stream_completion(client, **kw) -> tuple[str, str | None, object]:
     text, finish, usage = "", None, None
@@ -262,7 +281,12 @@ def test_auth(server):
     (dict(max_tokens=0), "max_tokens"),
     (dict(n=0), "n"),
     (dict(extra_body={"n": "many"}), "n"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3.0), "frequency_penalty"),
+    (dict(extra_body={"repetition_penalty": 0.0}), "repetition_penalty"),
+    (dict(logit_bias={"abc": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias"),
+    (dict(logit_bias={str(10 ** 7): 1}), "logit_bias"),
     (dict(max_tokens=MAX_MODEL_LEN), "prompt"),
 ])
 def test_bad_parameters_are_400(client, kw, param):
@@ -403,24 +427,27 @@ def test_streaming_disconnect_frees_cache(server, client):
     assert server.metrics()["hybridserve:generation_tokens_total"] - before < 4 * 200  # aborted, not finished
 
 
-def test_non_streaming_disconnect_frees_cache(server):
-    """A non-streaming client that hangs up mid-generation has its request aborted at once."""
+def test_non_streaming_disconnect_frees_cache(plain):
+    """A non-streaming client that hangs up mid-generation has its request aborted at once.
+
+    On the server that runs one sequence at a time, so the n completions take n times as long as one:
+    long enough to be cut short on a fast machine too."""
     import json as _json
     import socket
     from urllib.parse import urlparse
 
-    before = server.metrics()["hybridserve:generation_tokens_total"]
-    max_tokens, n = MAX_MODEL_LEN - 16, 8  # long enough to be cut short on a loaded machine too
-    body = _json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": max_tokens, "n": n,
+    before = plain.metrics()["hybridserve:generation_tokens_total"]
+    max_tokens, n = MAX_MODEL_LEN - 16, 16
+    body = _json.dumps({"model": PLAIN, "prompt": [5, 6, 7], "max_tokens": max_tokens, "n": n,
                         "ignore_eos": True}).encode()
-    url = urlparse(server.url)
+    url = urlparse(plain.url)
     sock = socket.create_connection((url.hostname, url.port))
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-    wait_for(lambda: server.metrics()["hybridserve:num_requests_running"] == 1, what="the request to run")
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(lambda: plain.metrics()["hybridserve:num_requests_running"] == 1, what="the request to run")
     sock.close()  # the client gives up while its request is generating
-    wait_for(lambda: idle(server), timeout=5.0, what="running requests and cache usage to drop to 0")
-    assert server.metrics()["hybridserve:generation_tokens_total"] - before < n * max_tokens
+    wait_for(lambda: idle(plain), timeout=5.0, what="running requests and cache usage to drop to 0")
+    assert plain.metrics()["hybridserve:generation_tokens_total"] - before < n * max_tokens
 
 
 # ------------------------------------------------------------------------------------------ metrics

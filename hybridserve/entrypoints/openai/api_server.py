@@ -1,9 +1,10 @@
 """The FastAPI app and its uvicorn server.
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, and the API docs (``/docs``, ``/redoc``, ``/openapi.json``). With an
-API key set, the ``/v1`` routes need ``Authorization: Bearer KEY``; ``/metrics`` and the docs too
-with ``protect_metrics_and_docs`` (``/health`` stays open, for probes).
+``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, and the API docs (``/docs``,
+``/redoc``, ``/openapi.json``). With an API key set, the ``/v1`` routes and the tokenizer's need
+``Authorization: Bearer KEY``; ``/metrics`` and the docs too with ``protect_metrics_and_docs``
+(``/health`` stays open, for probes).
 
 In front of every route: the Host header check (:mod:`hosts`), then the body size limit
 (:mod:`body_limit`); in every route, the body checks of :mod:`routing`. Docs: ``docs/server.md``.
@@ -25,7 +26,7 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
 from hybridserve.engine.async_engine import AsyncEngine
 from hybridserve.engine.llm_engine import LLMEngine
@@ -34,12 +35,20 @@ from hybridserve.entrypoints.openai.body_limit import BodySizeLimit
 from hybridserve.entrypoints.openai.errors import APIError, install_error_handlers
 from hybridserve.entrypoints.openai.hosts import AllowedHosts
 from hybridserve.entrypoints.openai.limits import ServerLimits
-from hybridserve.entrypoints.openai.metrics import render_metrics
-from hybridserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from hybridserve.entrypoints.openai.metrics import metrics_registry, render
+from hybridserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from hybridserve.entrypoints.openai.routing import CheckedRoute
 from hybridserve.entrypoints.openai.serving_chat import create_chat_completion
 from hybridserve.entrypoints.openai.serving_common import ServerState
 from hybridserve.entrypoints.openai.serving_completion import create_completion
+from hybridserve.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
 logger = logging.getLogger(__name__)
@@ -84,10 +93,12 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
             raise APIError(503, "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", dependencies=guarded)
-    async def metrics() -> Any:
-        return PlainTextResponse(render_metrics(state.engine, state.model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    registry = metrics_registry(state.engine, state.model_name)  # this server's own
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"], dependencies=guarded)  # HEAD: scrapers' reachability probe
+    async def metrics(request: Request) -> Any:
+        body, content_type = render(registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
     async def openapi() -> Any:
@@ -103,8 +114,9 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> Any:
-        card = ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=name, root=state.model_name, max_model_len=state.max_model_len)
+                 for name in state.model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, raw: Request) -> Any:
@@ -113,6 +125,14 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return _respond(await create_chat_completion(state, body, raw))
+
+    @app.post("/tokenize", dependencies=v1)
+    async def tokenize_route(body: TokenizeRequest) -> Any:
+        return _respond(await tokenize(state, body))
+
+    @app.post("/detokenize", dependencies=v1)
+    async def detokenize_route(body: DetokenizeRequest) -> Any:
+        return _respond(await detokenize(state, body))
 
     return app
 
@@ -159,20 +179,25 @@ class _Server(uvicorn.Server):
 
 
 def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               model_name: str, max_waiting_requests: int | None = None, shutdown_timeout: float = 30.0,
+               model_name: str | list[str] | tuple[str, ...], max_waiting_requests: int | None = None,
+               shutdown_timeout: float = 30.0,
                log_level: str = "info", limits: ServerLimits | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: tuple[str, ...] | None = None) -> int:
     """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start.
+
+    ``model_name``: the name requests may use, or several (the first is the one responses carry).
 
     Raises ValueError for a key that cannot be used (empty, say) or docs protection without a key.
     """
     api_key = check_api_key(api_key)
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("--protect-metrics-and-docs needs --api-key")
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
     state = ServerState(engine=AsyncEngine(engine, max_waiting_requests),
                         tokenizer=TokenizerWorker(engine.config.tokenizer or engine.config.model, engine.max_model_len),
-                        model_name=model_name, max_model_len=engine.max_model_len, api_key=api_key,
-                        limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs)
+                        model_name=names[0], max_model_len=engine.max_model_len, api_key=api_key,
+                        limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs,
+                        extra_model_names=names[1:])
     config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0)
     server = _Server(config, state.engine, shutdown_timeout)

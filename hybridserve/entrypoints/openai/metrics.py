@@ -1,90 +1,170 @@
-"""``GET /metrics``: the engine's gauges, counters and latency histograms in Prometheus text format."""
+"""``GET /metrics``: the engine's gauges, counters and latency histograms, exposed with prometheus_client.
+
+Every metric is one row of :data:`METRICS`: its name after the ``hybridserve:`` prefix, its help text and a
+function that reads its value from the :class:`AsyncEngine` at scrape time (the engine counts in plain Python,
+see ``engine/metrics.py``; this module only exposes). Each series carries the ``model_name`` label. Adding a
+metric is adding a row; a row whose reader returns ``None`` is left out of that scrape.
+
+Each server has its own :class:`~prometheus_client.CollectorRegistry` (:func:`metrics_registry`), so several
+servers in one process never share or clash on series. :func:`render` writes Prometheus text (format 0.0.4), or
+OpenMetrics when the scraper's ``Accept`` header asks for it.
+"""
 
 from __future__ import annotations
 
-from hybridserve.engine.async_engine import AsyncEngine
-from hybridserve.engine.metrics import Histogram
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
 from hybridserve.kernels import fallbacks
 
+if TYPE_CHECKING:
+    from hybridserve.engine.async_engine import AsyncEngine
+    from hybridserve.engine.metrics import Histogram
+
 PREFIX = "hybridserve:"
+_FAMILIES = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
 
 
-def _label(model_name: str) -> str:
-    return f'model_name="{_escape(model_name)}"'
+def _check_kind(name: str, kind: str) -> None:
+    if kind not in _FAMILIES:
+        raise ValueError(f"metric {name!r}: kind={kind!r}; allowed: {sorted(_FAMILIES)}")
+    if (kind == "counter") != name.endswith("_total"):
+        raise ValueError(f"metric {name!r}: a counter's name ends in _total, and only a counter's")
 
 
-def _num(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    return repr(float(value)) if isinstance(value, float) else str(value)
+@dataclass(frozen=True)
+class Scalar:
+    """A counter or gauge with one value (``read(engine)``; None: not exposed now)."""
+
+    name: str
+    kind: str  # "counter" (name ends in _total) or "gauge"
+    help: str
+    read: Callable[[AsyncEngine], float | None]
+
+    def __post_init__(self) -> None:
+        _check_kind(self.name, self.kind)
+
+    def family(self, engine: AsyncEngine, model_name: str) -> Metric | None:
+        value = self.read(engine)
+        if value is None:
+            return None
+        family = _FAMILIES[self.kind](PREFIX + self.name, self.help, labels=["model_name"])
+        family.add_metric([model_name], value)
+        return family
 
 
-def _scalar(lines: list[str], name: str, kind: str, help_text: str, label: str, value: float) -> None:
-    lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}",
-              f"{PREFIX}{name}{{{label}}} {_num(value)}"]
+@dataclass(frozen=True)
+class Labeled:
+    """A counter or gauge with one value per combination of extra labels (``read(engine)``: {values: count})."""
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...]
+    read: Callable[[AsyncEngine], Mapping[tuple[str, ...], float]]
+
+    def __post_init__(self) -> None:
+        _check_kind(self.name, self.kind)
+
+    def family(self, engine: AsyncEngine, model_name: str) -> Metric:
+        family = _FAMILIES[self.kind](PREFIX + self.name, self.help, labels=["model_name", *self.labels])
+        for values, count in sorted(self.read(engine).items()):
+            family.add_metric([model_name, *values], count)
+        return family
 
 
-def _histogram(lines: list[str], name: str, help_text: str, label: str, hist: Histogram) -> None:
-    buckets, total, count = hist.collect()
-    lines += [f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} histogram"]
-    for bound, cumulative in buckets:
-        lines.append(f'{PREFIX}{name}_bucket{{{label},le="{_num(bound)}"}} {cumulative}')
-    lines += [f"{PREFIX}{name}_sum{{{label}}} {_num(total)}", f"{PREFIX}{name}_count{{{label}}} {count}"]
+@dataclass(frozen=True)
+class Hist:
+    """A histogram the engine keeps (``read(engine)``: an ``engine.metrics.Histogram``)."""
+
+    name: str
+    help: str
+    read: Callable[[AsyncEngine], Histogram]
+
+    def family(self, engine: AsyncEngine, model_name: str) -> Metric:
+        buckets, total, _ = self.read(engine).collect()
+        family = HistogramMetricFamily(PREFIX + self.name, self.help, labels=["model_name"])
+        family.add_metric([model_name], [(floatToGoString(bound), count) for bound, count in buckets], total)
+        return family
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _prefix_cache(*keys: str) -> Callable[[AsyncEngine], float | None]:
+    """Reads the sum of ``keys`` of the prefix cache's stats (None before the engine's first snapshot)."""
+
+    def read(engine: AsyncEngine) -> float | None:
+        stats = engine.snapshot.prefix_cache
+        return sum(stats[key] for key in keys) if stats else None
+
+    return read
 
 
-def _kernel_fallbacks(lines: list[str], label: str) -> None:
-    name = f"{PREFIX}kernel_fallbacks_total"
-    lines += [f"# HELP {name} Calls a layer ran in plain PyTorch while its CPU kernels were on, by op and reason.",
-              f"# TYPE {name} counter"]
-    for (op, reason), count in sorted(fallbacks.counts().items()):
-        lines.append(f'{name}{{{label},op="{_escape(op)}",reason="{_escape(reason)}"}} {count}')
+Row = Scalar | Labeled | Hist
+
+METRICS: tuple[Row, ...] = (
+    Scalar("num_requests_running", "gauge", "Requests running in the engine (prefilling or decoding).",
+           lambda e: e.snapshot.num_requests_running),
+    Scalar("num_requests_waiting", "gauge", "Requests accepted and waiting to run.", lambda e: e.num_waiting()),
+    Scalar("cache_usage_perc", "gauge", "Fraction of the KV + state cache pool held by requests (1 means 100 percent).",
+           lambda e: e.snapshot.cache_usage),
+    Scalar("prompt_tokens_total", "counter", "Prompt tokens of the requests accepted.",
+           lambda e: e.snapshot.prompt_tokens),
+    Scalar("generation_tokens_total", "counter", "Tokens generated.", lambda e: e.snapshot.generation_tokens),
+    Scalar("num_preemptions_total", "counter", "Sequences preempted (their cache freed, to be recomputed).",
+           lambda e: e.snapshot.num_preemptions),
+    Scalar("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           _prefix_cache("queries")),
+    Scalar("prefix_cache_hits_total", "counter", "Prompt tokens resumed from the prefix cache instead of computed.",
+           _prefix_cache("hits")),
+    Scalar("prefix_cache_kv_beyond_snapshot_total", "counter",
+           "Lookups whose cached KV reached further than any recurrent-state snapshot (the shortfall is computed, "
+           "and a snapshot is taken at the divergence point for the next request).",
+           _prefix_cache("kv_beyond_snapshot")),
+    Scalar("prefix_cache_snapshots", "gauge", "Recurrent-state snapshots held by the prefix cache.",
+           _prefix_cache("snapshots")),
+    Scalar("prefix_cache_snapshot_bytes", "gauge", "Pool bytes of the prefix cache's state snapshots.",
+           _prefix_cache("snapshot_bytes")),
+    Scalar("prefix_cache_bytes", "gauge",
+           "Pool bytes held only by the prefix cache (KV pages and snapshots; evicted whenever requests need them).",
+           _prefix_cache("cached_bytes")),
+    Scalar("prefix_cache_evictions_total", "counter", "Cached pages and snapshots evicted.",
+           _prefix_cache("evicted_pages", "evicted_snapshots")),
+    Labeled("kernel_fallbacks_total", "counter",
+            "Calls a layer ran in plain PyTorch while its CPU kernels were on, by op and reason.",
+            ("op", "reason"), lambda e: fallbacks.counts()),
+    Hist("time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", lambda e: e.ttft),
+    Hist("inter_token_latency_seconds", "Seconds between successive tokens of a request.", lambda e: e.itl),
+)
 
 
-def _prefix_cache(lines: list[str], label: str, stats: dict[str, int]) -> None:
-    if not stats:
-        return
-    _scalar(lines, "prefix_cache_queries_total", "counter",
-            "Prompt tokens looked up in the prefix cache.", label, stats["queries"])
-    _scalar(lines, "prefix_cache_hits_total", "counter",
-            "Prompt tokens resumed from the prefix cache instead of computed.", label, stats["hits"])
-    _scalar(lines, "prefix_cache_kv_beyond_snapshot_total", "counter",
-            "Lookups whose cached KV reached further than any recurrent-state snapshot (the shortfall "
-            "is computed, and a snapshot is taken at the divergence point for the next request).",
-            label, stats["kv_beyond_snapshot"])
-    _scalar(lines, "prefix_cache_snapshots", "gauge", "Recurrent-state snapshots held by the prefix cache.",
-            label, stats["snapshots"])
-    _scalar(lines, "prefix_cache_snapshot_bytes", "gauge", "Pool bytes of the prefix cache's state snapshots.",
-            label, stats["snapshot_bytes"])
-    _scalar(lines, "prefix_cache_bytes", "gauge",
-            "Pool bytes held only by the prefix cache (KV pages and snapshots; evicted whenever requests need them).",
-            label, stats["cached_bytes"])
-    _scalar(lines, "prefix_cache_evictions_total", "counter", "Cached pages and snapshots evicted.",
-            label, stats["evicted_pages"] + stats["evicted_snapshots"])
+class EngineCollector(Collector):
+    """Reads ``rows`` (default :data:`METRICS`) from ``engine`` on every scrape, labelled ``model_name``."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, rows: tuple[Row, ...] = METRICS) -> None:
+        self.engine, self.model_name, self.rows = engine, model_name, rows
+
+    def collect(self) -> Iterator[Metric]:
+        for row in self.rows:
+            family = row.family(self.engine, self.model_name)
+            if family is not None:
+                yield family
 
 
-def render_metrics(engine: AsyncEngine, model_name: str) -> str:
-    snap = engine.snapshot
-    label = _label(model_name)
-    lines: list[str] = []
-    _scalar(lines, "num_requests_running", "gauge", "Requests running in the engine (prefilling or decoding).",
-            label, snap.num_requests_running)
-    _scalar(lines, "num_requests_waiting", "gauge", "Requests accepted and waiting to run.",
-            label, engine.num_waiting())
-    _scalar(lines, "cache_usage_perc", "gauge",
-            "Fraction of the KV + state cache pool held by requests (1 means 100 percent).", label, snap.cache_usage)
-    _scalar(lines, "prompt_tokens_total", "counter", "Prompt tokens of the requests accepted.",
-            label, snap.prompt_tokens)
-    _scalar(lines, "generation_tokens_total", "counter", "Tokens generated.", label, snap.generation_tokens)
-    _scalar(lines, "num_preemptions_total", "counter", "Sequences preempted (their cache freed, to be recomputed).",
-            label, snap.num_preemptions)
-    _prefix_cache(lines, label, snap.prefix_cache)
-    _kernel_fallbacks(lines, label)
-    _histogram(lines, "time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
-               label, engine.ttft)
-    _histogram(lines, "inter_token_latency_seconds", "Seconds between successive tokens of a request.",
-               label, engine.itl)
-    return "\n".join(lines) + "\n"
+def metrics_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
+    """A registry of its own for one server, holding the engine's metrics."""
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, model_name))
+    return registry
+
+
+def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """The registry's metrics and their Content-Type, in the format the scraper's ``Accept`` header asks for:
+    OpenMetrics or Prometheus text (0.0.4 when it names none)."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

@@ -60,6 +60,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the output is JSON valid under ``schema`` (enforced, ``strict`` or not)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -75,23 +89,25 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
-    logit_bias: dict[str, Any] | None = None  # not supported: only its neutral value (absent or empty) is accepted
+    logit_bias: dict[str, Float] | None = None  # {"token id": bias in [-100, 100]}
     user: str | None = None
     # extensions
+    repetition_penalty: Float = 1.0
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     min_tokens: Int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output (docs/structured_output.md): OpenAI's response_format, vLLM's structured_outputs, guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # one of json, json_object, regex, choice, grammar
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> str | None:
         """The name of a field set to a value this server does not implement, if any."""
-        if self.presence_penalty:
-            return "presence_penalty"
-        if self.frequency_penalty:
-            return "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias"
         return None
 
 
@@ -104,8 +120,6 @@ class CompletionRequest(_SamplingFields):
     best_of: Int | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
         if self.suffix:
             return "suffix"
         if self.best_of is not None and self.best_of != self.n:
@@ -131,7 +145,8 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.type != "text":
-                raise ValueError(f"message content of type {part.type!r} is not supported (text only)")
+                raise ValueError(f"message content of type {part.type!r} is not supported: this server serves "
+                                 "text only; the allowed content part type is 'text'")
             parts.append(part.text or "")
         return "".join(parts)
 
@@ -258,3 +273,31 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ------------------------------------------------------------------ /tokenize and /detokenize
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: either ``prompt`` (a text) or ``messages`` (a chat, rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # chat only: end with the assistant's turn opening
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for a chat (the template adds them)
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -24,6 +24,7 @@ from hybridserve.entrypoints.openai.limits import ServerLimits
 from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from hybridserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.structured_output.api_request import StructuredOutputRequestError, structured_outputs_of
 
 #: a request (streaming or not) checks at least this often (seconds) whether its client is still there
 DISCONNECT_POLL_S = 0.25
@@ -40,10 +41,17 @@ class ServerState:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     protect_metrics_and_docs: bool = False  # /metrics and the docs routes need the API key too
+    extra_model_names: tuple[str, ...] = ()  # further names requests may use (``--served-model-name A B``)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name this server answers to; the first (``model_name``) is the one responses and /metrics carry."""
+        return (self.model_name, *self.extra_model_names)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+        if model is not None and model not in self.model_names:
+            served = ", ".join(f"`{name}`" for name in self.model_names)
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
 
 
@@ -51,16 +59,31 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams of an API request; a bad value is a 400 naming the field."""
+def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams of an API request; a bad value is a 400 naming the field.
+
+    ``max_tokens=0`` (prefill only) is valid only with completions' ``echo=true``, as in vLLM: it returns
+    the prompt and its logprobs, and nothing else."""
     name = request.unsupported()
     if name is not None:
         raise APIError(400, f"{name} is not supported by this server", param=name)
+    if max_tokens == 0 and not getattr(request, "echo", False):
+        param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) == 0 else "max_tokens"
+        raise APIError(400, f"{param}=0 is not valid here: it must be >= 1 (0 is allowed only on /v1/completions "
+                            "with echo=true, which returns the prompt and its logprobs alone)", param=param)
     fields: dict[str, Any] = dict(
         n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output)
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, logit_bias=_logit_bias(request.logit_bias))
+    try:
+        fields["structured_outputs"] = structured_outputs_of(request)
+    except StructuredOutputRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
     for name in ("temperature", "top_p", "top_k", "min_p"):
         value = getattr(request, name)
         if value is not None:
@@ -69,6 +92,19 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None) 
         return SamplingParams(**fields)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split("=", 1)[0]) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer keys; a bad key is a 400."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias key {key!r:.40} is not a token id (a non-negative integer)",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 class EngineRequests:
@@ -99,7 +135,11 @@ class EngineRequests:
             await self.engine.add_requests(new, self._sink)
         except ValueError as exc:
             self._pending.clear()  # nothing was queued
-            raise APIError(400, str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+            message = str(exc)
+            param = ("logit_bias" if "logit_bias" in message
+                     else "structured_outputs" if "structured_outputs" in message
+                     else "prompt" if "prompt" in message else None)
+            raise APIError(400, message, param=param) from None
         except (QueueFullError, EngineStoppedError) as exc:
             self._pending.clear()
             raise APIError(503, str(exc)) from None

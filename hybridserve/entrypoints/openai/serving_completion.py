@@ -1,12 +1,20 @@
-"""``POST /v1/completions``."""
+"""``POST /v1/completions``.
+
+With ``echo=true`` each choice's text starts with its prompt, and with ``logprobs`` its logprobs cover
+the prompt's tokens first (the first one has none: nothing predicts it), then the generated ones, as
+OpenAI and vLLM answer; ``max_tokens=0`` then returns the prompt alone (what lm-eval's loglikelihood
+requests need). A stream sends each choice's prompt in its first chunk.
+"""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.entrypoints.openai.echo import OffsetTracker, PromptEcho, echo_prompts, token_offsets
 from hybridserve.entrypoints.openai.errors import APIError
 from hybridserve.entrypoints.openai.limit_checks import check_completions
 from hybridserve.entrypoints.openai.protocol import (
@@ -31,7 +39,7 @@ from hybridserve.entrypoints.openai.serving_common import (
     top_entries,
     usage_of,
 )
-from hybridserve.outputs import CompletionOutput
+from hybridserve.outputs import CompletionOutput, PositionLogprobs
 
 
 def _prompt_items(prompt: str | list) -> list:
@@ -54,9 +62,44 @@ async def _prompts(state: ServerState, items: list) -> list[tuple[list[int], str
     return [(next(encoded), item) if isinstance(item, str) else (list(item), None) for item in items]
 
 
-def _logprobs(c: CompletionOutput, tokens: range, k: int, offset: int) -> CompletionLogprobs:
-    """Legacy completions logprobs of tokens ``tokens`` of ``c``; text offsets start at ``offset``."""
-    result = CompletionLogprobs()
+T = TypeVar("T")
+
+
+async def _in_tokenizer_thread(state: ServerState, fn: Callable[[Detokenizer], T]) -> T:
+    """``fn(detokenizer)``, run in the tokenizer's own thread (the only one that may use it)."""
+    worker = state.tokenizer
+    return await worker._run(lambda: fn(Detokenizer(worker._tokenizer)))
+
+
+async def _echoes(state: ServerState, request: CompletionRequest,
+                  prompts: list[tuple[list[int], str | None]]) -> list[PromptEcho] | None:
+    """Each prompt's echo (None without ``echo``)."""
+    if not request.echo:
+        return None
+    return await _in_tokenizer_thread(state, lambda d: echo_prompts(d, prompts, request.skip_special_tokens))
+
+
+def _prompt_logprobs(echo: PromptEcho, ids: list[int], entries: list[PositionLogprobs | None] | None,
+                     k: int) -> CompletionLogprobs:
+    """Legacy completions logprobs of a prompt's tokens: position 0 has no logprob and no top logprobs."""
+    result = CompletionLogprobs(tokens=list(echo.tokens), text_offset=list(echo.offsets))
+    for i, tid in enumerate(ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(entry[tid].logprob if tid in entry else None)
+        result.top_logprobs.append({token_str(entry, t): lp.logprob for t, lp in top_entries(entry, k)})
+    return result
+
+
+def _logprobs(c: CompletionOutput, tokens: range, k: int, offsets: list[int],
+              before: CompletionLogprobs | None = None) -> CompletionLogprobs:
+    """Legacy completions logprobs of tokens ``tokens`` of ``c`` (starting in the choice's text at ``offsets``),
+    after ``before`` (the echoed prompt's, if any)."""
+    result = before.model_copy(deep=True) if before is not None else CompletionLogprobs()
+    result.text_offset.extend(offsets)
     for i in tokens:
         entry = c.logprobs[i] if c.logprobs is not None else {}
         tid = c.token_ids[i]
@@ -64,8 +107,6 @@ def _logprobs(c: CompletionOutput, tokens: range, k: int, offset: int) -> Comple
         result.tokens.append(text)
         result.token_logprobs.append(entry[tid].logprob if tid in entry else None)
         result.top_logprobs.append({token_str(entry, t): lp.logprob for t, lp in top_entries(entry, k)})
-        result.text_offset.append(offset)
-        offset += len(text)
     return result
 
 
@@ -73,37 +114,69 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     state.check_model(request.model)
     items = _prompt_items(request.prompt)
     check_completions(state.limits, request.n, len(items))
-    params = sampling_params(request, request.max_tokens, request.logprobs)
+    params = sampling_params(request, request.max_tokens, request.logprobs,
+                             prompt_logprobs=request.logprobs if request.echo else None)
     prompts = await _prompts(state, items)
+    echoes = await _echoes(state, request, prompts)
     requests = EngineRequests(state.engine, new_id("cmpl"), prompts, params)
     await requests.start()
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(sse_stream(_events(state, request, requests, include_usage, raw), requests),
-                                 media_type="text/event-stream")
+        return StreamingResponse(sse_stream(_events(state, request, requests, echoes, include_usage, raw),
+                                            requests), media_type="text/event-stream")
     try:
         while not requests.done:
             await requests.wait(raw)
     finally:
         requests.abort()
     n = params.n
+    outs = [choices_of(out, n) for out in requests.latest]
+    offsets = None
+    if request.logprobs is not None:
+        offsets = await _in_tokenizer_thread(state, lambda d: [[token_offsets(
+            d, c.token_ids, request.skip_special_tokens, len(echoes[p].text) if echoes else 0) if c else []
+            for c in cs] for p, cs in enumerate(outs)])
     choices = []
     for p, out in enumerate(requests.latest):
-        for i, c in enumerate(choices_of(out, n)):
+        echo_text, before = _echo_parts(request, echoes, prompts, out, p)
+        for i, c in enumerate(outs[p]):
             logprobs = None
-            if request.logprobs is not None and c is not None:
-                logprobs = _logprobs(c, range(len(c.token_ids)), request.logprobs, 0)
-            choices.append(CompletionChoice(index=p * n + i, text=c.text if c is not None else "", logprobs=logprobs,
-                                            finish_reason=finish_reason(c)))
+            if offsets is not None:
+                logprobs = (_logprobs(c, range(len(c.token_ids)), request.logprobs, offsets[p][i], before)
+                            if c is not None else before)
+            choices.append(CompletionChoice(index=p * n + i, text=echo_text + (c.text if c is not None else ""),
+                                            logprobs=logprobs, finish_reason=finish_reason(c)))
     return CompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
                               usage=UsageInfo(**usage_of(requests.latest, prompts)))
 
 
+def _echo_parts(request: CompletionRequest, echoes: list[PromptEcho] | None,
+                prompts: list[tuple[list[int], str | None]], out, p: int) -> tuple[str, CompletionLogprobs | None]:
+    """Prompt ``p``'s echoed text ("" without echo) and its logprobs (None unless echo with logprobs)."""
+    if echoes is None:
+        return "", None
+    if request.logprobs is None:
+        return echoes[p].text, None
+    entries = out.prompt_logprobs if out is not None else None
+    return echoes[p].text, _prompt_logprobs(echoes[p], prompts[p][0], entries, request.logprobs)
+
+
 async def _events(state: ServerState, request: CompletionRequest, requests: EngineRequests,
-                  include_usage: bool, raw: Request) -> AsyncIterator[str]:
+                  echoes: list[PromptEcho] | None, include_usage: bool, raw: Request) -> AsyncIterator[str]:
     n = requests.params.n
     deltas = [[TextDelta(holdback_of(requests.params)) for _ in range(n)] for _ in requests.prompts]
     finished = [[False] * n for _ in requests.prompts]
+    echoed = [[echoes is None] * n for _ in requests.prompts]  # whether the choice's prompt has been sent
+    trackers: dict[tuple[int, int], OffsetTracker] = {}  # (prompt, choice) -> its tokens' text offsets
+
+    def offsets_of(p: int, i: int, c: CompletionOutput, tokens: range) -> Callable[[Detokenizer], list[int]]:
+        def run(detokenizer: Detokenizer) -> list[int]:
+            if (p, i) not in trackers:
+                start = len(echoes[p].text) if echoes is not None else 0
+                trackers[p, i] = OffsetTracker(detokenizer, request.skip_special_tokens, start)
+            return trackers[p, i].advance(c.token_ids, tokens.stop)
+        return run
+
     while not requests.done:
         for p in await requests.wait(raw):
             out = requests.latest[p]
@@ -111,14 +184,17 @@ async def _events(state: ServerState, request: CompletionRequest, requests: Engi
                 if finished[p][i]:
                     continue
                 done = out.finished or (c is not None and c.finish_reason is not None)
-                delta = deltas[p][i]
-                offset = delta.text_len
-                text, tokens = delta.advance(c)
+                text, tokens = deltas[p][i].advance(c)
                 if not text and not tokens and not done:
                     continue
-                logprobs = None
+                before = None
+                if not echoed[p][i]:  # the first chunk of this choice: its prompt comes first
+                    echo_text, before = _echo_parts(request, echoes, requests.prompts, out, p)
+                    text, echoed[p][i] = echo_text + text, True
+                logprobs = before
                 if request.logprobs is not None and c is not None:
-                    logprobs = _logprobs(c, tokens, request.logprobs, offset)
+                    offsets = await _in_tokenizer_thread(state, offsets_of(p, i, c, tokens)) if tokens else []
+                    logprobs = _logprobs(c, tokens, request.logprobs, offsets, before)
                 finished[p][i] = done
                 choice = CompletionChoice(index=p * n + i, text=text, logprobs=logprobs,
                                           finish_reason=finish_reason(c) if done else None)

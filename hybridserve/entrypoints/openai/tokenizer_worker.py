@@ -26,6 +26,7 @@ class TokenizerWorker:
         self.max_model_len = max_model_len
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridserve-tokenizer")
         self._tokenizer: Any = None  # touched only in the executor's thread
+        self.vocab_size = 0  # token ids 0 .. vocab_size - 1 (added tokens included), set by _load
         self.has_tokenizer, self.has_chat_template, self.max_token_chars = (
             self._executor.submit(self._load, path).result())
 
@@ -37,17 +38,29 @@ class TokenizerWorker:
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def encode_prompts(self, texts: list[str]) -> list[list[int]]:
-        """The token ids of each prompt (with the tokenizer's special tokens, as offline)."""
+    async def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """The token ids of each prompt (with the tokenizer's special tokens, as offline, unless told not to)."""
         if not self.has_tokenizer:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids", param="prompt")
         for i, text in enumerate(texts):
             self._check_length(text, f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
-        return await self._run(self._encode_all, texts)
+        return await self._run(self._encode_all, texts, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The token ids of the chat template applied to ``messages``, with the generation prompt."""
-        return await self._run(self._encode_chat, messages)
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
+        """The token ids of the chat template applied to ``messages`` (with the generation prompt unless told
+        not to; the template writes the special tokens, so none are added unless asked)."""
+        return await self._run(self._encode_chat, messages, add_generation_prompt, add_special_tokens)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept); a 400 naming the first id outside the vocabulary."""
+        self._check_ids(token_ids)
+        return await self._run(lambda: self._tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token id's string in the vocabulary (``convert_ids_to_tokens``)."""
+        self._check_ids(token_ids)
+        return await self._run(lambda: [str(t) for t in self._tokenizer.convert_ids_to_tokens(token_ids)])
 
     # ------------------------------------------------------- executor thread
     async def _run(self, fn: Callable, *args: Any) -> Any:
@@ -58,8 +71,17 @@ class TokenizerWorker:
         self._tokenizer = tokenizer
         if tokenizer is None:
             return False, False, 0
+        self.vocab_size = len(tokenizer)
         longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
         return True, bool(getattr(tokenizer, "chat_template", None)), max(1, longest)
+
+    def _check_ids(self, token_ids: list[int]) -> None:
+        if not self.has_tokenizer:
+            raise APIError(400, "this model has no tokenizer: token ids cannot be turned into text", param="tokens")
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < self.vocab_size:
+                raise APIError(400, f"tokens[{i}]: token id {t} is not in this tokenizer's vocabulary "
+                                    f"(ids 0 to {self.vocab_size - 1})", param="tokens")
 
     def _check_length(self, text: str, subject: str, param: str) -> None:
         if len(text) > self.max_chars:
@@ -74,15 +96,18 @@ class TokenizerWorker:
             raise APIError(400, f"{subject} could not be tokenized ({type(exc).__name__}): it must be "
                                 "valid text", param=param) from None
 
-    def _encode_all(self, texts: list[str]) -> list[list[int]]:
-        return [self._encode(text, f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
+    def _encode_all(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self._encode(text, f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt",
+                             add_special_tokens=add_special_tokens)
                 for i, text in enumerate(texts)]
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> list[int]:
         from jinja2 import TemplateError
 
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False)
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused these messages: {_short(exc)}", param="messages") from None
         except (TypeError, UnicodeError) as exc:
@@ -92,7 +117,7 @@ class TokenizerWorker:
             raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
         self._check_length(text, "the chat, rendered by its template,", "messages")
         # what apply_chat_template(tokenize=True) does: the template writes the special tokens itself
-        return self._encode(text, "the rendered chat", "messages", add_special_tokens=False)
+        return self._encode(text, "the rendered chat", "messages", add_special_tokens=add_special_tokens)
 
 
 def _short(exc: BaseException, limit: int = 500) -> str:

@@ -81,10 +81,15 @@ int hs_linear_attention(int act_dtype, int state_dtype, int64_t num_seqs, const 
 
 int hs_gated_delta_rule(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                         const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
-                        const float* A_log, const float* dt_bias, int l2norm, void* states, int64_t slot_stride,
-                        void* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+                        const float* A_log, const float* dt_bias, int l2norm, float beta_scale, void* states,
+                        int64_t slot_stride, void* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
 int hs_gdn_split(int dtype, int64_t T, int64_t Hk, int64_t Dk, int64_t RDv, const void* qkvz, int64_t qs, void* mixed,
                  void* z);
+int hs_mlstm(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+             const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* o,
+             int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap, void* c_states,
+             void* n_states, void* m_states, int64_t slot_stride, const void* norm_w, const void* norm_b,
+             float norm_eps, float eps, void* out, int64_t out_stride, int64_t H, int64_t Dk, int64_t Dv);
 
 // ---- gemm.cpp: 16-bit (and float32) linears over packed weights
 int hs_gemm_supported();

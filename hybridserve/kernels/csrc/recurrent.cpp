@@ -428,6 +428,86 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
   }
 }
 
+// xLSTM's mLSTM cell, one (sequence, head) per iteration: the head's matrix memory C (Dk, Dv), normalizer
+// n (Dk) and max state m in float32 through the sequence's tokens, stored back at its end. Per token, from
+// q, k (Dk), v, o (Dv) and the raw gate pre-activations i, f (one each per head), in the activation dtype
+// (each op on them rounded to it, as HF's soft cap and output gate run in the model's dtype):
+//   i, f <- cap * tanh(i / cap), cap * tanh(f / cap)   (cap > 0; none when cap <= 0)
+//   m' = max(logsigmoid(f) + m, i); C = exp(logsigmoid(f) + m - m') C + exp(i - m') k v^T; n likewise with k
+//   h = (q C) Dk^-1/2 / (max(|q n| Dk^-1/2, exp(-m')) + eps), rounded to the activation dtype
+//   out = sigmoid(o) * (layer_norm(h) * w + b)   over the head's Dv values, norm in float32
+// At the end, m is rounded to the state dtype and C, n scaled by exp(m - rounded m): the same state, m exact.
+template <typename AT, typename ST>
+void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* q, int64_t qs,
+                const AT* k, int64_t ks, const AT* v, int64_t vs, const AT* o, int64_t os, const AT* ig, int64_t igs,
+                const AT* fg, int64_t fgs, float cap, ST* c_states, ST* n_states, ST* m_states, int64_t slot_stride,
+                const AT* norm_w, const AT* norm_b, float norm_eps, float eps, AT* out, int64_t out_stride, int64_t H,
+                int64_t Dk, int64_t Dv) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+  auto rnd = [](float x) { return to_f32(from_f32<AT>(x)); };
+  auto capped = [&](float x) { return cap > 0.0f ? rnd(cap * rnd(std::tanh(rnd(x / cap)))) : x; };
+#pragma omp parallel
+  {
+    std::vector<float> C(Dk * Dv), n(Dk), qv(Dk), kv(Dk), num(Dv), hv(Dv);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < H; ++h) {
+        ST* cst = c_states + slots[s] * slot_stride + h * Dk * Dv;
+        ST* nst = n_states + slots[s] * slot_stride + h * Dk;
+        ST* mst = m_states + slots[s] * slot_stride + h;
+        for (int64_t a = 0; a < Dk * Dv; ++a) C[a] = to_f32(cst[a]);
+        for (int64_t a = 0; a < Dk; ++a) n[a] = to_f32(nst[a]);
+        float m = to_f32(*mst);
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+          const AT* qr = q + t * qs + h * Dk;
+          const AT* kr = k + t * ks + h * Dk;
+          const AT* vr = v + t * vs + h * Dv;
+          const float i = capped(to_f32(ig[t * igs + h])), f = capped(to_f32(fg[t * fgs + h]));
+          const float logf = std::fmin(f, 0.0f) - std::log1p(std::exp(-std::fabs(f)));  // torch's log_sigmoid
+          const float m_new = std::fmax(logf + m, i);
+          const float fa = std::exp(logf + m - m_new), ia = std::exp(i - m_new);
+          m = m_new;
+          for (int64_t j = 0; j < Dv; ++j) num[j] = 0.0f;
+          float den = 0.0f;
+          for (int64_t a = 0; a < Dk; ++a) {
+            const float ka = to_f32(kr[a]), qa = to_f32(qr[a]) * scale;
+            float* Ca = &C[a * Dv];
+            for (int64_t j = 0; j < Dv; ++j) {
+              Ca[j] = fa * Ca[j] + ia * (ka * to_f32(vr[j]));
+              num[j] += qa * Ca[j];
+            }
+            n[a] = fa * n[a] + ia * ka;
+            den += qa * n[a];
+          }
+          const float denom = std::fmax(std::fabs(den), std::exp(-m)) + eps;
+          float mean = 0.0f;
+          for (int64_t j = 0; j < Dv; ++j) {
+            hv[j] = rnd(num[j] / denom);
+            mean += hv[j];
+          }
+          mean /= static_cast<float>(Dv);
+          float var = 0.0f;
+          for (int64_t j = 0; j < Dv; ++j) var += (hv[j] - mean) * (hv[j] - mean);
+          const float inv = 1.0f / std::sqrt(var / static_cast<float>(Dv) + norm_eps);
+          const AT* orow = o + t * os + h * Dv;
+          AT* yr = out + t * out_stride + h * Dv;
+          for (int64_t j = 0; j < Dv; ++j) {
+            float y = rnd(rnd((hv[j] - mean) * inv) * to_f32(norm_w[h * Dv + j]));
+            if (norm_b != nullptr) y = rnd(y + to_f32(norm_b[h * Dv + j]));
+            const float gate = rnd(1.0f / (1.0f + std::exp(-to_f32(orow[j]))));
+            yr[j] = from_f32<AT>(gate * y);
+          }
+        }
+        // m stored exactly: its rounding to the state dtype moves into C and n (the same state)
+        const float m_fit = to_f32(from_f32<ST>(m)), fit = std::exp(m - m_fit);
+        for (int64_t a = 0; a < Dk * Dv; ++a) cst[a] = from_f32<ST>(C[a] * fit);
+        for (int64_t a = 0; a < Dk; ++a) nst[a] = from_f32<ST>(n[a] * fit);
+        *mst = from_f32<ST>(m_fit);
+      }
+    }
+  }
+}
+
 // Decayed linear attention (MiniMax's lightning attention), one (sequence, head) per iteration: the
 // head's state S (Dk, Dv) in float32 through the sequence's tokens, stored back at its end.
 //   S = exp(-decay) * S + k v^T;  y = q S
@@ -470,12 +550,14 @@ void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const in
 // Dv) in float32 through the sequence's tokens, stored back at its end. Value head h reads key head
 // h / R (R = Hv / Hk). Per token, from the conv output [q (Hk Dk) | k (Hk Dk) | v (Hv Dv)] and the
 // b, a projection (per key head [b (R) | a (R)]):
-//   beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); q, k l2-normalized (eps 1e-6), q *= Dk^-1/2
+//   beta = beta_scale * sigmoid(b) (OLMo-Hybrid's negative eigenvalues: beta_scale 2);
+//   g = -exp(A_log) * softplus(a + dt_bias); q, k l2-normalized (eps 1e-6), q *= Dk^-1/2
 //   S *= exp(g); u = beta * (v - S^T k); S += k u^T; out = S^T q
 template <typename AT, typename ST>
 void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* conv, int64_t cs,
-                      const AT* ba, int64_t bas, const float* A_log, const float* dt_bias, int l2norm, ST* states,
-                      int64_t slot_stride, AT* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+                      const AT* ba, int64_t bas, const float* A_log, const float* dt_bias, int l2norm,
+                      float beta_scale, ST* states, int64_t slot_stride, AT* out, int64_t os, int64_t Hk, int64_t Hv,
+                      int64_t Dk, int64_t Dv) {
   const int64_t R = Hv / Hk;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
 #pragma omp parallel
@@ -503,7 +585,7 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
             k[i] = k[i] * kn;
           }
           const AT* bar = ba + t * bas + kh * 2 * R;
-          const float beta = 1.0f / (1.0f + std::exp(-to_f32(bar[r])));
+          const float beta = beta_scale / (1.0f + std::exp(-to_f32(bar[r])));
           const float decay = std::exp(-A * softplus(to_f32(bar[R + r]) + dt_bias[h]));
           const AT* v = row + 2 * Hk * Dk + h * Dv;
           for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
@@ -538,19 +620,20 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 extern "C" {
 
 // Qwen3-Next's gated delta rule, varlen (see gated_delta_impl). conv: (T, 2 Hk Dk + Hv Dv) rows (the
-// conv output), ba: (T, 2 Hv) rows, both act dtype; A_log, dt_bias: (Hv,) float32; states: slot s at
-// states + slots[s] * slot_stride, (Hv, Dk, Dv) contiguous; out: (T, Hv Dv) act dtype rows.
+// conv output), ba: (T, 2 Hv) rows, both act dtype; A_log, dt_bias: (Hv,) float32; beta_scale: beta's
+// multiplier (1, or 2 for OLMo-Hybrid); states: slot s at states + slots[s] * slot_stride, (Hv, Dk, Dv)
+// contiguous; out: (T, Hv Dv) act dtype rows.
 int hs_gated_delta_rule(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                         const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
-                        const float* A_log, const float* dt_bias, int l2norm, void* states, int64_t slot_stride,
-                        void* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+                        const float* A_log, const float* dt_bias, int l2norm, float beta_scale, void* states,
+                        int64_t slot_stride, void* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
   if (Hk < 1 || Hv % Hk != 0 || Dv > 1024) return 1;
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
     gated_delta_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(conv), cs, static_cast<const AT*>(ba),
-                             bas, A_log, dt_bias, l2norm, static_cast<ST*>(states), slot_stride, static_cast<AT*>(out),
-                             os, Hk, Hv, Dk, Dv);
+                             bas, A_log, dt_bias, l2norm, beta_scale, static_cast<ST*>(states), slot_stride,
+                             static_cast<AT*>(out), os, Hk, Hv, Dk, Dv);
   });
 }
 
@@ -573,6 +656,28 @@ int hs_gdn_split(int dtype, int64_t T, int64_t Hk, int64_t Dk, int64_t RDv, cons
         std::memcpy(zr + h * RDv, g + 2 * Dk + RDv, RDv * sizeof(AT));
       }
     }
+  });
+}
+
+// xLSTM's mLSTM cell with its multi-head norm and output gate, varlen. q, k (H Dk), v, o (H Dv), ig, fg (H):
+// token t at base + t * its stride, act dtype; states: slot s at {c,n,m}_states + slots[s] * slot_stride,
+// C (H, Dk, Dv), n (H, Dk), m (H) contiguous, state dtype; norm_w, norm_b (H Dv, norm_b may be null): act
+// dtype; out: (T, H Dv) act dtype rows.
+int hs_mlstm(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+             const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* o,
+             int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap, void* c_states,
+             void* n_states, void* m_states, int64_t slot_stride, const void* norm_w, const void* norm_b,
+             float norm_eps, float eps, void* out, int64_t out_stride, int64_t H, int64_t Dk, int64_t Dv) {
+  if (H < 1 || Dk < 1 || Dv < 1) return 1;
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
+    using AT = decltype(act);
+    using ST = decltype(state);
+    mlstm_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
+                       static_cast<const AT*>(v), vs, static_cast<const AT*>(o), os, static_cast<const AT*>(ig), igs,
+                       static_cast<const AT*>(fg), fgs, gate_cap, static_cast<ST*>(c_states),
+                       static_cast<ST*>(n_states), static_cast<ST*>(m_states), slot_stride,
+                       static_cast<const AT*>(norm_w), static_cast<const AT*>(norm_b), norm_eps, eps,
+                       static_cast<AT*>(out), out_stride, H, Dk, Dv);
   });
 }
 
@@ -654,4 +759,5 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 }  // extern "C"
 
 HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
-            HS_KERNEL(hs_linear_attention) HS_KERNEL(hs_gated_delta_rule) HS_KERNEL(hs_gdn_split))
+            HS_KERNEL(hs_linear_attention) HS_KERNEL(hs_gated_delta_rule) HS_KERNEL(hs_gdn_split)
+            HS_KERNEL(hs_mlstm))

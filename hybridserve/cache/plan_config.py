@@ -1,0 +1,141 @@
+"""The engine options a cache plan depends on, validated without torch (``hybridserve plan``).
+
+:class:`PlanConfig` holds the fields of :class:`hybridserve.config.EngineConfig` that decide the cache
+(dtype options, block size, cache memory, length, device, capture and prefix caching) and checks them
+with the same rules and messages; its dtypes resolve to names (:class:`ResolvedDtypeNames`). The
+planner takes either class. ``tests/test_plan_cmd.py`` checks both agree.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from hybridserve.cache.dtypes import (
+    DEVICES,
+    KV_CACHE_DTYPE_NAMES,
+    MODEL_DTYPE_NAMES,
+    STATE_DTYPE_NAMES,
+    canonical_option,
+    checkpoint_dtype_name,
+    checkpoint_ssm_dtype_name,
+)
+from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """A byte count given as an int or a string such as "2GiB", "512MB" (as ``config.parse_size``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None:
+            raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
+        size = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+    if size <= 0:
+        raise ValueError(f"cache_memory={value!r} must be a positive size")
+    return size
+
+
+@dataclass(frozen=True)
+class ResolvedDtypeNames:
+    """The concrete dtypes of a plan, by name (``config.ResolvedDtypes`` holds torch dtypes)."""
+
+    model: str
+    kv_cache: str
+    conv_state: str
+    ssm_state: str
+
+    def as_names(self) -> dict[str, str]:
+        return {"dtype": self.model, "kv_cache_dtype": self.kv_cache, "mamba_cache_dtype": self.conv_state,
+                "mamba_ssm_cache_dtype": self.ssm_state}
+
+
+def _positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+@dataclass
+class PlanConfig:
+    """The cache-deciding engine options, checked as ``EngineConfig`` checks them; no torch needed."""
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    cache_memory: int | str = "1GiB"
+    block_size: int = 16
+    device: str = "auto"
+    cpu_kernels: bool = True
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
+
+    def __post_init__(self) -> None:
+        self.dtype = canonical_option("dtype", self.dtype, ("auto", *MODEL_DTYPE_NAMES))
+        self.kv_cache_dtype = canonical_option("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPE_NAMES))
+        self.mamba_cache_dtype = canonical_option("mamba_cache_dtype", self.mamba_cache_dtype,
+                                                  ("auto", *STATE_DTYPE_NAMES))
+        self.mamba_ssm_cache_dtype = canonical_option("mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype,
+                                                      ("auto", *STATE_DTYPE_NAMES))
+        self.device = canonical_option("device", self.device, DEVICES)
+        _positive("block_size", self.block_size)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not 1 <= self.block_size <= 64:
+            raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
+        if not isinstance(self.prefix_snapshot_interval, int) or isinstance(self.prefix_snapshot_interval, bool) \
+                or self.prefix_snapshot_interval < 0:
+            raise ValueError(f"prefix_snapshot_interval={self.prefix_snapshot_interval!r} must be a whole number "
+                             "of tokens >= 0 (0: no periodic snapshots)")
+        for name in ("cpu_kernels", "enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        self.cache_memory = parse_size(self.cache_memory)
+
+    def resolve_dtypes(self, config: Any) -> ResolvedDtypeNames:
+        """Every ``auto`` resolved against the checkpoint's config, as ``EngineConfig.resolve_dtypes``."""
+        model = self.dtype if self.dtype != "auto" else checkpoint_dtype_name(config)
+        kv = model if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        conv = model if self.mamba_cache_dtype == "auto" else self.mamba_cache_dtype
+        ssm = (self.mamba_ssm_cache_dtype if self.mamba_ssm_cache_dtype != "auto"
+               else checkpoint_ssm_dtype_name(config) or conv)
+        return ResolvedDtypeNames(model=model, kv_cache=kv, conv_state=conv, ssm_state=ssm)
+
+    def resolve_device(self) -> SimpleNamespace:
+        """The device the engine would run on (``.type``: "cpu" or "cuda"); see :func:`cuda_available`."""
+        if self.device == "auto":
+            return SimpleNamespace(type="cuda" if cuda_available() else "cpu")
+        if self.device == "cuda" and not cuda_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available; allowed here: auto, cpu")
+        return SimpleNamespace(type=self.device)
+
+
+def cuda_available() -> bool:
+    """``torch.cuda.is_available()``, without importing torch where the answer is plain: a CPU-only torch
+    build ("+cpu") or a machine with no GPU device node has no CUDA; otherwise torch is asked."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return False
+    if version.endswith("+cpu"):
+        return False
+    if not any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -1,0 +1,107 @@
+"""The grammar engine, llguidance: its tokenizer view, grammars from :class:`StructuredOutputsParams`, and
+compiled grammars, cached per tokenizer and grammar key (see docs/structured_output.md for why llguidance)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from hybridserve.structured_output.params import StructuredOutputsParams
+
+#: JSON schemas compile to compact JSON (no whitespace between tokens: ``{"a":1,"b":[2,3]}``), so a schema with
+#: bounded strings and arrays bounds the output; a schema's own ``"x-guidance"`` options override these
+JSON_DEFAULTS = {"whitespace_flexible": False}
+#: compiled grammars kept per process (least recently used dropped first)
+MAX_CACHED_GRAMMARS = 128
+_ERROR_CHARS = 400
+
+_lock = threading.Lock()
+_tokenizers: dict[tuple[str, int, int | None], Any] = {}
+_grammars: OrderedDict[tuple, Any] = OrderedDict()
+
+
+def llguidance_module():
+    """The ``llguidance`` module; ImportError saying how to install it when it is missing."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise ImportError("structured output needs the llguidance package (a core dependency of hybridserve): "
+                          "pip install 'llguidance==1.9.1'") from exc
+    return llguidance
+
+
+def short_error(message: str) -> str:
+    """An engine error message cut to its first lines (llguidance appends its parser state)."""
+    message = message.strip().split("\n<state>", 1)[0].strip()
+    return message if len(message) <= _ERROR_CHARS else message[:_ERROR_CHARS] + " ..."
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar for ``params``; ValueError naming the field when it cannot be read."""
+    llg = llguidance_module()
+    kind, text = params.key()
+    try:
+        if kind == "json":
+            return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+        if kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_DEFAULTS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(text)
+        if kind == "choice":
+            return llg.grammar_from("choice", text)
+        return llg.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+    except Exception as exc:  # noqa: BLE001 - the engine reports bad grammars with assorted exception types
+        raise ValueError(f"structured_outputs.{kind} is not valid: {short_error(str(exc))}") from None
+
+
+def check(params: StructuredOutputsParams) -> None:
+    """Compile ``params``' grammar without a tokenizer: ValueError naming the field and the problem if it is bad."""
+    grammar = grammar_text(params)
+    error = llguidance_module().LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"structured_outputs.{params.kind} is not valid: {short_error(error)}")
+
+
+def tokenizer_key(hf_tokenizer: Any) -> str:
+    """What identifies a tokenizer's vocabulary: the hash of its tokenizers JSON."""
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"structured output needs a fast (tokenizers) tokenizer; {type(hf_tokenizer).__name__} "
+                         "has none")
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()
+
+
+def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> Any:
+    """llguidance's view of ``hf_tokenizer`` with ``vocab_size`` token ids (the model's logits width, which may
+    exceed the tokenizer's: ids it lacks are never allowed), cached per process."""
+    key = (tokenizer_key(hf_tokenizer), vocab_size, eos_token_id)
+    with _lock:
+        tok = _tokenizers.get(key)
+    if tok is None:
+        llg = llguidance_module()
+        tok = llg.LLTokenizer(hf_tokenizer.backend_tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos_token_id)
+        with _lock:
+            tok = _tokenizers.setdefault(key, tok)
+    return tok
+
+
+def compile_grammar(tokenizer: Any, tokenizer_id: tuple, params: StructuredOutputsParams) -> Any:
+    """A fresh llguidance matcher of ``params``' grammar on ``tokenizer`` (a copy of the cached compiled one);
+    ValueError naming the field and the problem if the grammar does not compile."""
+    key = (tokenizer_id, params.key())
+    with _lock:
+        template = _grammars.get(key)
+        if template is not None:
+            _grammars.move_to_end(key)
+    if template is None:
+        llg = llguidance_module()
+        template = llg.LLMatcher(tokenizer, grammar_text(params), log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is not valid: {short_error(template.get_error())}")
+        with _lock:
+            _grammars[key] = template
+            while len(_grammars) > MAX_CACHED_GRAMMARS:
+                _grammars.popitem(last=False)
+    return template.deep_copy()

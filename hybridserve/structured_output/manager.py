@@ -1,0 +1,86 @@
+"""The engine's structured output: compiles each request's grammar when it is added, keeps one matcher per
+sequence while it runs, and tells the engine each step's masks and when a grammar is complete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridserve.sampling_params import SamplingParams
+from hybridserve.structured_output import backend
+from hybridserve.structured_output.matcher import SequenceMatcher
+from hybridserve.structured_output.params import StructuredOutputsParams
+
+
+class StructuredOutputManager:
+    """Grammars and matchers of one engine.
+
+    ``vocab_size`` is the model's logits width (``hf_config.vocab_size``, which may exceed the tokenizer's: ids
+    the tokenizer lacks are never allowed; a tokenizer wider than the logits makes wider bitmasks, cut to the
+    logits when applied).
+    Matchers are keyed by sequence object and made at a sequence's first masked step (a fresh copy of the
+    compiled grammar, advanced by any output the sequence already has), so ``n > 1`` children get their own;
+    a preempted sequence keeps its output tokens and so its matcher. :meth:`release` drops them.
+    """
+
+    def __init__(self, hf_tokenizer: Any | None, vocab_size: int, eos_token_id: int | None) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._tokenizer: Any | None = None
+        self._tokenizer_id: tuple | None = None
+        self._mask_vocab = vocab_size  # the bitmasks' width: the logits' or, if larger, the tokenizer's
+        self._matchers: dict[Any, SequenceMatcher] = {}
+
+    def _ll_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self.hf_tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and this engine has none")
+            vocab = max(self.vocab_size, len(self.hf_tokenizer))
+            self._tokenizer = backend.ll_tokenizer(self.hf_tokenizer, vocab, self.eos_token_id)
+            self._tokenizer_id = (backend.tokenizer_key(self.hf_tokenizer), vocab, self.eos_token_id)
+            self._mask_vocab = vocab
+        return self._tokenizer
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the grammar of ``params``; ValueError naming the problem if it fails."""
+        if params.structured_outputs is not None:
+            self._compile(params.structured_outputs)
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        tokenizer = self._ll_tokenizer()
+        return backend.compile_grammar(tokenizer, self._tokenizer_id, spec)
+
+    def matcher(self, seq: Any) -> SequenceMatcher:
+        """The matcher of ``seq`` (a Sequence whose params have ``structured_outputs``), made on first use."""
+        found = self._matchers.get(seq)
+        if found is None:
+            params = seq.params
+            found = SequenceMatcher(self._compile(params.structured_outputs), self._mask_vocab,
+                                    params.stop_token_ids, seq.eos_token_id)
+            for token in seq.output_token_ids:  # none, unless the sequence already generated some
+                found.accept(token)
+            self._matchers[seq] = found
+        return found
+
+    def accept(self, seq: Any, token: int) -> None:
+        """Advance ``seq``'s grammar by its new ``token`` (GrammarRefusedToken if it is not allowed)."""
+        if seq.params.structured_outputs is not None:
+            self.matcher(seq).accept(token)
+
+    def finished(self, seq: Any) -> bool:
+        """Whether ``seq`` is constrained and its grammar admits no further token."""
+        found = self._matchers.get(seq)
+        return found is not None and found.finished
+
+    def release(self, seqs: list[Any]) -> None:
+        """Forget the matchers of ``seqs`` (finished or aborted)."""
+        for seq in seqs:
+            self._matchers.pop(seq, None)
+
+    def release_all(self) -> None:
+        self._matchers.clear()
+
+    @property
+    def num_matchers(self) -> int:
+        """Matchers held now (0 once every constrained sequence has finished)."""
+        return len(self._matchers)
