@@ -83,7 +83,8 @@ CACHE_SETTINGS = {
 # RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections; pure
 # Mamba2; Llama (attention only); Granite-4.0-H with experts; Nemotron-H (Mamba2, attention, relu2
 # MLP and MoE layers), also with its latent expert projection; Mamba, FalconMamba and Jamba (Mamba1);
-# Falcon-H1; Zamba2; LFM2; MiniMax; Qwen3-Next; Qwen3.5, dense and MoE; OLMo-Hybrid, with and without RoPE.
+# Falcon-H1; Zamba2; LFM2; MiniMax; Qwen3-Next; Qwen3.5, dense and MoE; OLMo-Hybrid, with and without RoPE;
+# xLSTM; Kimi Linear.
 MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
           "bamba partial rope": ("bamba", {"partial_rotary_factor": 0.5}),
@@ -107,7 +108,8 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "qwen3.5-moe": ("qwen3_5_moe", {}),  # ... and an always-renormalized MoE on every layer
           "olmo-hybrid": ("olmo_hybrid", {}),  # Qwen3-Next's delta net (beta in [0, 2]), post-norm attention
           "olmo-hybrid nope": ("olmo_hybrid", {"rope_parameters": {"rope_type": "default", "rope_theta": None}}),
-          "xlstm": ("xlstm", {})}  # mLSTM cell (matrix memory, normalizer, max state), gate and logit soft caps
+          "xlstm": ("xlstm", {}),  # mLSTM cell (matrix memory, normalizer, max state), gate and logit soft caps
+          "kimi-linear": ("kimi_linear", {})}  # KDA (per-channel decay), NoPE MLA over a latent cache, MoE
 
 
 @needs_compiler

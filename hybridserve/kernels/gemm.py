@@ -159,6 +159,26 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = t
     return out
 
 
+def per_head_linear_f32(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out[:, h] = (x[:, h].float() @ weight[h].T).to(out.dtype)`` for every head h, sums in float32
+    (``hs_linear_f32`` once per head): a batched per-head matmul, MLA's absorbed up projections. x (T, H, K)
+    and out (T, H, N), each with contiguous heads, float32 or 16-bit; weight (H, N, K) contiguous float32.
+    Returns False, doing nothing, when not covered."""
+    lib = _library()
+    if (lib is None or x.dim() != 3 or out.dim() != 3 or weight.dim() != 3 or x.device.type != "cpu"
+            or out.device.type != "cpu" or x.dtype not in DTYPE_CODES or out.dtype not in DTYPE_CODES
+            or x.stride(2) != 1 or out.stride(2) != 1 or weight.dtype != torch.float32 or not weight.is_contiguous()
+            or weight.device.type != "cpu" or x.shape[:2] != out.shape[:2] or weight.shape[0] != x.shape[1]
+            or weight.shape[1] != out.shape[2] or weight.shape[2] != x.shape[2]):
+        return False
+    T, H, K = x.shape
+    N = out.shape[2]
+    for h in range(H):
+        check(lib.hs_linear_f32(DTYPE_CODES[x.dtype], DTYPE_CODES[out.dtype], T, N, K, x[:, h].data_ptr(), x.stride(0),
+                                weight[h].data_ptr(), out[:, h].data_ptr(), out.stride(0)), "hs_linear_f32")
+    return True
+
+
 def router_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
                            normalize: bool, scale: float,
                            eps: float = 1e-20) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -256,3 +256,38 @@ def mlstm(states: tuple[torch.Tensor, torch.Tensor, torch.Tensor], q: torch.Tens
                        C.stride(0), norm_weight.data_ptr(), ptr(norm_bias), float(norm_eps), float(eps),
                        out.data_ptr(), out.stride(0), H, Dk, Dv), "hs_mlstm")
     return True
+
+
+def kda(states: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
+        A_log: torch.Tensor, dt_bias: torch.Tensor, use_qk_l2norm: bool, cu_seqlens: torch.Tensor,
+        state_indices: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None, norm_eps: float = 1e-6) -> bool:
+    """Kimi delta attention over packed sequences, continuing each slot's state (updated in place):
+    the gated delta rule with a per-channel decay ``g = -exp(A_log[h]) * softplus(f + dt_bias)`` and
+    ``beta = sigmoid(b)`` (``ops/kda.py``), then, with a gate, the sigmoid-gated norm
+    ``norm_weight * rms_norm(o) * sigmoid(gate)`` per head. states: (num_slots, H, Dk, Dv) pool view;
+    q, k, f: (T, H Dk), v: (T, H Dv), b: (T, H), gate: (T, H Dv) or None, rows in one activation dtype;
+    A_log: (H,), dt_bias: (H Dk,), norm_weight: (Dv,) float32 contiguous; out: (T, H Dv) rows in the
+    activation dtype. Returns False, doing nothing, when not covered."""
+    lib = _library()
+    if lib is None or states.dim() != 4 or states.device.type != "cpu" or states.dtype not in DTYPE_CODES:
+        return False
+    _, H, Dk, Dv = states.shape
+    act = q.dtype
+    acts = [t for t in (q, k, v, f, b, gate, out) if t is not None]
+    if (act not in DTYPE_CODES or states.stride()[1:] != (Dk * Dv, Dv, 1)
+            or not all(rows_ok(t) and t.dtype == act and t.shape[0] == q.shape[0] for t in acts)
+            or q.shape[1] != H * Dk or k.shape[1] != H * Dk or f.shape[1] != H * Dk or v.shape[1] != H * Dv
+            or b.shape[1] != H or out.shape[1] != H * Dv or (gate is not None and gate.shape[1] != H * Dv)
+            or not float_param_ok(A_log) or A_log is None or A_log.shape != (H,)
+            or not float_param_ok(dt_bias) or dt_bias is None or dt_bias.shape != (H * Dk,)
+            or (gate is not None and (norm_weight is None or norm_weight.shape != (Dv,)))
+            or not float_param_ok(norm_weight) or not index_ok(cu_seqlens) or not index_ok(state_indices)):
+        return False
+    check(lib.hs_kda(DTYPE_CODES[act], DTYPE_CODES[states.dtype], state_indices.numel(), cu_seqlens.data_ptr(),
+                     state_indices.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                     v.stride(0), f.data_ptr(), f.stride(0), b.data_ptr(), b.stride(0), A_log.data_ptr(),
+                     dt_bias.data_ptr(), int(use_qk_l2norm), states.data_ptr(), states.stride(0), ptr(gate),
+                     0 if gate is None else gate.stride(0), ptr(norm_weight), float(norm_eps), out.data_ptr(),
+                     out.stride(0), H, Dk, Dv), "hs_kda")
+    return True

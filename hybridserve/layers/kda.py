@@ -14,6 +14,8 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.kda import kda_update, kda_varlen
 
@@ -85,10 +87,17 @@ class KimiDeltaAttention(nn.Module):
             dtypes.temporal_state("recurrent", (num_heads, head_dim, head_dim)),
         ))
 
+    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
         conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
+        if self.use_cpu_kernels:
+            y = self._forward_kernels(x, batch, conv_states, rec_states)
+            if y is not None:
+                return y
+            fallbacks.record("kda", fallbacks.describe(x, rec_states))
         t, H, D = x.shape[0], self.num_heads, self.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, 3 H D)
         g = self.forget_gate(x)  # (T, H, D) float32
@@ -122,3 +131,46 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x))  # (T, H D)
         y = self.o_norm(out.to(x.dtype).reshape(t * H, D), gate.reshape(t * H, D))  # (T H, D)
         return self.o_proj(y.reshape(t, H * D))
+
+    def _kernel_params(self) -> tuple:
+        """The float32 parameters the kernels take, made once per weight: the conv weight of q, k and v
+        apart, tap-major (K, H D) each; A_log (H,); dt_bias (H D,); the norm weight (D,)."""
+        fg = self.forget_gate
+        key = (self.conv1d.weight.data_ptr(), fg.A_log.data_ptr(), fg.dt_bias.data_ptr(), self.o_norm.weight.data_ptr())
+        if getattr(self, "_kernel_key", None) != key:
+            n = self.qkv_dim
+            convs = tuple(recurrent_kernels.tap_major(self.conv1d.weight[i * n:(i + 1) * n]) for i in range(3))
+            self._kernel_tensors = (convs, fg.A_log.detach().float().reshape(-1).contiguous(),
+                                    fg.dt_bias.detach().float().contiguous(),
+                                    self.o_norm.weight.detach().float().contiguous())
+            self._kernel_key = key
+        return self._kernel_tensors
+
+    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+                         rec_states: torch.Tensor) -> torch.Tensor | None:
+        """The CPU-kernel path: the projections, the conv of q, k and v (each over its own channels of
+        the conv state), the KDA recurrence with the sigmoid-gated norm per group into (T, H D) in x's
+        dtype (``recurrent_kernels.kda``), o_proj; None when declined before any state changed."""
+        convs, A_log, dt_bias, norm_w = self._kernel_params()
+        n = self.qkv_dim
+        conv_parts = [conv_states[:, i * n:(i + 1) * n] for i in range(3)]  # (slots, H D, K-1) each
+        if not all(recurrent_kernels.conv_supported(st, w, None, x.dtype, self.activation)
+                   for st, w in zip(conv_parts, convs)):
+            return None
+        t = x.shape[0]
+        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # (T, H D) each
+        f = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(x))  # (T, H D) raw forget projection
+        b = self.b_proj(x)  # (T, H) raw beta projection
+        gate = self.g_b_proj(self.g_a_proj(x))  # (T, H D)
+        out = torch.empty(t, n, dtype=x.dtype)  # (T, H D)
+        for i, g in enumerate(batch.groups):
+            q, k, v = (recurrent_kernels.causal_conv1d(p[g.tokens], st, w, None, g.cu_seqlens_q, g.state_indices,
+                                                       self.activation)
+                       for p, st, w in zip(projected, conv_parts, convs))
+            if i == 0 and q is None:
+                return None
+            if (q is None or k is None or v is None or not recurrent_kernels.kda(
+                    rec_states, q, k, v, f[g.tokens], b[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q,
+                    g.state_indices, out[g.tokens], gate[g.tokens], norm_w, self.o_norm.eps)):
+                raise RuntimeError("a Kimi delta attention kernel declined after another ran")
+        return self.o_proj(out)

@@ -25,6 +25,8 @@ from torch import nn
 from hybridserve.cache.pool import LayerCache
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
+from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import paged_attend
 from hybridserve.layers.norms import RMSNorm
 
@@ -71,6 +73,11 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
+        if self.use_cpu_kernels:
+            y = self._forward_kernels(x, batch)
+            if y is not None:
+                return y
+            fallbacks.record("latent_attention", fallbacks.describe(x, self.kv_b_proj.weight))
         t, H = x.shape[0], self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(t, H, self.nope + self.rope)  # (T, H, nope + rope)
@@ -84,3 +91,33 @@ class LatentAttention(nn.Module):
         out = paged_attend(q_full, latent, latent, batch, pages, self.scale, None, self.use_cpu_kernels)
         o = torch.einsum("thr,hvr->thv", out[..., :self.rank].float(), w_uv)  # (T, H, v)
         return self.o_proj(o.to(x.dtype).reshape(t, H * self.v_dim))
+
+    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """The CPU-kernel path: the same steps, the latent's concatenation and both absorbed up
+        projections on kernels (``gemm.per_head_linear_f32``: float32 sums rounded to x's dtype, as the
+        einsums' results are); None when declined before the cache changed."""
+        t, H, qk = x.shape[0], self.num_heads, self.nope + self.rope
+        _, w_uv = self._absorbed()
+        if getattr(self, "_w_uk_t_key", None) != self._absorbed_key:  # W_uk per head as (rank, nope)
+            self._w_uk_t = self._absorbed()[0].transpose(1, 2).contiguous()  # (H, rank, nope)
+            self._w_uk_t_key = self._absorbed_key
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(t, H, qk)  # (T, H, nope + rope)
+        kv = self.kv_a_proj_with_mqa(x)  # (T, rank + rope)
+        latent = pointwise_kernels.concat_cols(self.kv_a_layernorm(kv[:, :self.rank]), kv[:, self.rank:])
+        q_lat = torch.empty(t, H, self.rank, dtype=x.dtype)  # (T, H, rank)
+        if latent is None or not gemm.per_head_linear_f32(q[..., :self.nope], self._w_uk_t, q_lat):
+            return None
+        q_full = pointwise_kernels.concat_cols(q_lat.view(t * H, self.rank),
+                                               q.view(t * H, qk)[:, self.nope:])  # (T H, rank + rope)
+        if q_full is None:
+            return None
+        latent = latent.view(t, 1, self.rank + self.rope)
+        cache = batch.caches[self.layer_index]
+        pages = LayerCache(k=cache.latent, v=cache.latent, k_scale=cache.k_scale, v_scale=cache.k_scale)
+        out = paged_attend(q_full.view(t, H, self.rank + self.rope), latent, latent, batch, pages, self.scale, None,
+                           True)  # (T, H, rank + rope)
+        o = torch.empty(t, H, self.v_dim, dtype=x.dtype)  # (T, H, v)
+        if not gemm.per_head_linear_f32(out[..., :self.rank], w_uv, o):
+            raise RuntimeError("the absorbed value projection declined after attention ran")
+        return self.o_proj(o.view(t, H * self.v_dim))

@@ -255,3 +255,25 @@ def test_one_group_sigmoid_router_matches_torch(bias, eps):
     assert torch.equal(index.sort(-1).values, expected_index.sort(-1).values)
     order_got, order_want = index.argsort(-1), expected_index.argsort(-1)
     torch.testing.assert_close(weight.gather(1, order_got), expected.gather(1, order_want), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_per_head_linear_f32_matches_einsum(dtype):
+    """MLA's absorbed projections: per head ``x[:, h] @ w[h].T`` over a column slice of each head (the
+    query's nope part), float32 sums rounded once to the output dtype (within one ulp of the einsum's)."""
+    g = torch.Generator().manual_seed(3)
+    T, H, K, N = 5, 3, 16, 40
+    q = torch.randn(T, H, K + 8, generator=g).to(dtype)  # (T, H, K + rope)
+    x = q[..., :K]  # (T, H, K), heads of stride K + 8
+    w = torch.randn(H, N, K, generator=g)  # (H, N, K) float32
+    out = torch.full((T, H, N), float("nan"), dtype=dtype)
+    assert gemm.per_head_linear_f32(x, w, out)
+    expected = torch.einsum("thk,hnk->thn", x.float(), w)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert_within_ulps(out, expected.to(dtype), dtype, ulps=1, atol=1e-6)
+    untouched = torch.zeros(T, H, N, dtype=dtype)
+    assert not gemm.per_head_linear_f32(x, w[:, :, :K - 1].contiguous(), untouched)  # K mismatch
+    assert not gemm.per_head_linear_f32(x, w.to(torch.bfloat16), untouched)  # the weight must be float32
+    assert not untouched.any()

@@ -515,3 +515,78 @@ def test_gated_delta_rule_matches_ref(act_dtype, state_dtype, beta_scale):
     _assert_output_close(out, y_ref.reshape(T, Hv * Dv).to(act_dtype), act_dtype, "gated delta out")
     expected_states[index] = final.to(state_dtype)
     _assert_pool_close(pool.buf, copy, state_dtype, "gated delta states")
+
+
+def _kda_case(act_dtype, state_dtype, seed=12):
+    """A KDA call's inputs: q, k, v, f column slices of one wide projection, varlen, strided pool slots."""
+    g = torch.Generator().manual_seed(seed)
+    lens, slots, H, Dk, Dv = [1, 7, 1, 3], [4, 0, 2, 5], 3, 16, 16
+    T = sum(lens)
+    wide = torch.randn(T, 4 * H * Dk + 5, generator=g).to(act_dtype)  # (T, [q | k | v | f | 5 more])
+    q, k, v, f = (wide[:, i * H * Dk:(i + 1) * H * Dk] for i in range(4))  # (T, H Dk) rows of stride 4 H Dk + 5
+    b = torch.randn(T, H, generator=g).to(act_dtype)
+    gate = torch.randn(T, H * Dv, generator=g).to(act_dtype)
+    A_log, dt_bias = torch.randn(H, generator=g) * 0.5, torch.randn(H * Dk, generator=g)
+    norm_w = torch.randn(Dv, generator=g)
+    return dict(lens=lens, slots=torch.tensor(slots, dtype=torch.int64), H=H, Dk=Dk, Dv=Dv, q=q, k=k, v=v, f=f, b=b,
+                gate=gate, A_log=A_log, dt_bias=dt_bias, norm_w=norm_w)
+
+
+def _run_kda(c, state_dtype, gated, pool_seed=13):
+    H, Dk, Dv, T = c["H"], c["Dk"], c["Dv"], c["q"].shape[0]
+    pool = Pool(6, H * Dk * Dv + 5, state_dtype, seed=pool_seed)
+    out = torch.full((T, H * Dv), float("nan")).to(c["q"].dtype)
+    assert recurrent.kda(pool.view(3, (H, Dk, Dv)), c["q"], c["k"], c["v"], c["f"], c["b"], c["A_log"], c["dt_bias"],
+                         True, cu(c["lens"]), c["slots"], out, c["gate"] if gated else None,
+                         c["norm_w"] if gated else None, 1e-6)
+    return out, pool
+
+
+@pytest.mark.parametrize("state_dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
+def test_kda_matches_ref(act_dtype, state_dtype):
+    """Kimi delta attention against ``ops/kda.py``'s token-by-token reference: per-channel decay from the
+    forget projection as ``KimiForgetGate`` computes it, beta = sigmoid(b), l2-normalized q/k. Without a
+    gate the output is the recurrence's (one rounding: within one ulp of the reference); with one, the
+    sigmoid-gated norm of that very output (``SigmoidGatedRMSNorm``, within one ulp) and the same states."""
+    from hybridserve.layers.kda import SigmoidGatedRMSNorm
+    from hybridserve.ops.kda import kda_varlen_ref
+
+    c = _kda_case(act_dtype, state_dtype)
+    H, Dk, Dv, T = c["H"], c["Dk"], c["Dv"], c["q"].shape[0]
+    out, pool = _run_kda(c, state_dtype, gated=False)
+    copy, expected_states = Pool(6, H * Dk * Dv + 5, state_dtype, seed=13).expected_view(3, (H, Dk, Dv))
+    decay = -c["A_log"].exp().view(H, 1) * torch.nn.functional.softplus(
+        c["f"].float() + c["dt_bias"]).view(T, H, Dk)  # (T, H, Dk)
+    beta = c["b"].float().sigmoid()  # (T, H)
+    idx = c["slots"]
+    y_ref, final = kda_varlen_ref(c["q"].reshape(T, H, Dk), c["k"].reshape(T, H, Dk), c["v"].reshape(T, H, Dv),
+                                  decay, beta, cu(c["lens"]), expected_states[idx].float(), use_qk_l2norm=True)
+    _assert_output_close(out, y_ref.reshape(T, H * Dv).to(act_dtype), act_dtype, "kda out")
+    expected_states[idx] = final.to(state_dtype)
+    _assert_pool_close(pool.buf, copy, state_dtype, "kda states")
+
+    gated, gated_pool = _run_kda(c, state_dtype, gated=True)
+    assert_bits_equal(gated_pool.buf, pool.buf, "kda states with the gated norm")
+    norm = SigmoidGatedRMSNorm(Dv, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(c["norm_w"])
+        expected = norm(out.view(T * H, Dv), c["gate"].view(T * H, Dv)).view(T, H * Dv)
+    _assert_output_close(gated, expected, act_dtype, "kda gated norm")
+
+
+def test_kda_declines_uncovered_calls():
+    c = _kda_case(torch.bfloat16, torch.float32)
+    H, Dk, Dv, T = c["H"], c["Dk"], c["Dv"], c["q"].shape[0]
+    pool = Pool(6, H * Dk * Dv + 5, torch.float32, seed=13)
+    before = pool.buf.clone()
+    out = torch.zeros(T, H * Dv, dtype=torch.bfloat16)
+    states = pool.view(3, (H, Dk, Dv))
+    args = [states, c["q"], c["k"], c["v"], c["f"], c["b"], c["A_log"], c["dt_bias"], True, cu(c["lens"]),
+            c["slots"], out]
+    for position, bad in ((1, c["q"].float()), (6, c["A_log"].to(torch.bfloat16)), (7, c["dt_bias"][:H]),
+                          (11, out[:, :H * Dv - 1])):
+        assert not recurrent.kda(*args[:position], bad, *args[position + 1:]), position
+    assert not recurrent.kda(*args, c["gate"], None)  # a gate needs the norm weight
+    assert_bits_equal(pool.buf, before, "declined calls leave the pool alone")
+    assert not out.any()

@@ -90,6 +90,11 @@ int hs_mlstm(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu
              int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap, void* c_states,
              void* n_states, void* m_states, int64_t slot_stride, const void* norm_w, const void* norm_b,
              float norm_eps, float eps, void* out, int64_t out_stride, int64_t H, int64_t Dk, int64_t Dv);
+int hs_kda(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+           const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* f, int64_t fs,
+           const void* b, int64_t bs, const float* A_log, const float* dt_bias, int l2norm, void* states,
+           int64_t slot_stride, const void* gate, int64_t gs, const float* norm_w, float norm_eps, void* out,
+           int64_t os, int64_t H, int64_t Dk, int64_t Dv);
 
 // ---- gemm.cpp: 16-bit (and float32) linears over packed weights
 int hs_gemm_supported();

@@ -615,9 +615,119 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
   }
 }
 
+// Kimi delta attention (KDA), one (sequence, head) per iteration: the head's state S (Dk, Dv) in float32
+// through the sequence's tokens, stored back at its end. Per token, from q, k (H Dk), v (H Dv), the forget
+// projection f (H Dk) and the beta projection b (H), in the activation dtype:
+//   g = -exp(A_log[h]) * softplus(f + dt_bias) (one per key channel); beta = sigmoid(b)
+//   q, k l2-normalized (eps 1e-6) when l2norm, q *= Dk^-1/2
+//   S = diag(exp(g)) S; u = beta * (v - S^T k); S += k u^T; o = S^T q, rounded to the activation dtype
+// then, with a gate (H Dv), the sigmoid-gated norm over the head's Dv values, in float32:
+//   out = norm_w * (o * rsqrt(mean(o^2) + eps)) * sigmoid(gate); without one, out = o.
+template <typename AT, typename ST>
+void kda_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* q, int64_t qs, const AT* k,
+              int64_t ks, const AT* v, int64_t vs, const AT* f, int64_t fs, const AT* b, int64_t bs, const float* A_log,
+              const float* dt_bias, int l2norm, ST* states, int64_t slot_stride, const AT* gate, int64_t gs,
+              const float* norm_w, float norm_eps, AT* out, int64_t os, int64_t H, int64_t Dk, int64_t Dv) {
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
+#pragma omp parallel
+  {
+    std::vector<float> S(Dk * Dv), qv(Dk), kv(Dk), decay(Dk), u(Dv), o(Dv);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t h = 0; h < H; ++h) {
+        ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
+        for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
+        const float A = std::exp(A_log[h]);
+        const float* bias = dt_bias + h * Dk;
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+          const AT* qr = q + t * qs + h * Dk;
+          const AT* kr = k + t * ks + h * Dk;
+          const AT* fr = f + t * fs + h * Dk;
+          float qq = 0.0f, kk = 0.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            qv[i] = to_f32(qr[i]);
+            kv[i] = to_f32(kr[i]);
+            qq += qv[i] * qv[i];
+            kk += kv[i] * kv[i];
+            decay[i] = std::exp(-A * softplus(to_f32(fr[i]) + bias[i]));
+          }
+          const float qn = l2norm ? 1.0f / std::sqrt(qq + 1e-6f) : 1.0f;
+          const float kn = l2norm ? 1.0f / std::sqrt(kk + 1e-6f) : 1.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            qv[i] = qv[i] * qn * qscale;
+            kv[i] = kv[i] * kn;
+          }
+          const float beta = 1.0f / (1.0f + std::exp(-to_f32(b[t * bs + h])));
+          const AT* vr = v + t * vs + h * Dv;
+          for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
+          for (int64_t i = 0; i < Dk; ++i) {
+            float* Si = &S[i * Dv];
+            const float di = decay[i], ki = kv[i];
+#pragma omp simd
+            for (int64_t j = 0; j < Dv; ++j) {
+              Si[j] *= di;
+              u[j] += Si[j] * ki;
+            }
+          }
+          for (int64_t j = 0; j < Dv; ++j) {
+            u[j] = beta * (to_f32(vr[j]) - u[j]);
+            o[j] = 0.0f;
+          }
+          for (int64_t i = 0; i < Dk; ++i) {
+            float* Si = &S[i * Dv];
+            const float ki = kv[i], qi = qv[i];
+#pragma omp simd
+            for (int64_t j = 0; j < Dv; ++j) {
+              Si[j] += ki * u[j];
+              o[j] += Si[j] * qi;
+            }
+          }
+          AT* yr = out + t * os + h * Dv;
+          if (gate == nullptr) {
+            for (int64_t j = 0; j < Dv; ++j) yr[j] = from_f32<AT>(o[j]);
+            continue;
+          }
+          float ms = 0.0f;
+          for (int64_t j = 0; j < Dv; ++j) {
+            o[j] = to_f32(from_f32<AT>(o[j]));  // the recurrence's output in the activation dtype
+            ms += o[j] * o[j];
+          }
+          const float r = 1.0f / std::sqrt(ms / static_cast<float>(Dv) + norm_eps);
+          const AT* gr = gate + t * gs + h * Dv;
+          for (int64_t j = 0; j < Dv; ++j) {
+            const float sig = 1.0f / (1.0f + std::exp(-to_f32(gr[j])));
+            yr[j] = from_f32<AT>(norm_w[j] * (o[j] * r) * sig);
+          }
+        }
+        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = from_f32<ST>(S[i]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Kimi delta attention, varlen (see kda_impl). q, k, f: (T, H Dk) rows, v: (T, H Dv) rows, b: (T, H) rows,
+// gate: (T, H Dv) rows or null, all act dtype with their own strides; A_log: (H,), dt_bias: (H Dk,),
+// norm_w: (Dv,) float32 (unread without a gate); states: slot s at states + slots[s] * slot_stride, (H, Dk,
+// Dv) contiguous, state dtype; out: (T, H Dv) act dtype rows.
+int hs_kda(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+           const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* f, int64_t fs,
+           const void* b, int64_t bs, const float* A_log, const float* dt_bias, int l2norm, void* states,
+           int64_t slot_stride, const void* gate, int64_t gs, const float* norm_w, float norm_eps, void* out,
+           int64_t os, int64_t H, int64_t Dk, int64_t Dv) {
+  if (H < 1 || Dk < 1 || Dv < 1 || (gate != nullptr && norm_w == nullptr)) return 1;
+  return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
+    using AT = decltype(act);
+    using ST = decltype(state);
+    kda_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
+                     static_cast<const AT*>(v), vs, static_cast<const AT*>(f), fs, static_cast<const AT*>(b), bs, A_log,
+                     dt_bias, l2norm, static_cast<ST*>(states), slot_stride, static_cast<const AT*>(gate), gs, norm_w,
+                     norm_eps, static_cast<AT*>(out), os, H, Dk, Dv);
+  });
+}
 
 // Qwen3-Next's gated delta rule, varlen (see gated_delta_impl). conv: (T, 2 Hk Dk + Hv Dv) rows (the
 // conv output), ba: (T, 2 Hv) rows, both act dtype; A_log, dt_bias: (Hv,) float32; beta_scale: beta's
@@ -760,4 +870,4 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 
 HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
             HS_KERNEL(hs_linear_attention) HS_KERNEL(hs_gated_delta_rule) HS_KERNEL(hs_gdn_split)
-            HS_KERNEL(hs_mlstm))
+            HS_KERNEL(hs_mlstm) HS_KERNEL(hs_kda))
