@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridserve.cache.dtypes import DTYPE_ALIASES
-from hybridserve.cache.plan_config import parse_size
+from hybridserve.cache.plan_config import check_cache_shape_options, check_positive_int, parse_size
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 
@@ -127,16 +127,9 @@ class EngineConfig:
             "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *STATE_DTYPES))
         self.device = _check_choice("device", self.device, DEVICES)
         self.cpu_isa = _check_choice("cpu_isa", self.cpu_isa, CPU_ISA_CHOICES)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _check_positive_int(name, getattr(self, name))
-        if self.max_model_len is not None:
-            _check_positive_int("max_model_len", self.max_model_len)
-        if not 1 <= self.block_size <= 64:
-            raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
-        if not isinstance(self.prefix_snapshot_interval, int) or isinstance(self.prefix_snapshot_interval, bool) \
-                or self.prefix_snapshot_interval < 0:
-            raise ValueError(f"prefix_snapshot_interval={self.prefix_snapshot_interval!r} must be a whole number "
-                             "of tokens >= 0 (0: no periodic snapshots)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            check_positive_int(name, getattr(self, name))
+        check_cache_shape_options(self)
         for name in ("cpu_weight_prepack", "cpu_kernels", "enforce_eager", "enable_progress_bar",
                      "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
@@ -172,11 +165,6 @@ class EngineConfig:
             fields["resolved"] = resolved.as_names()
         blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 def _dtype_from_config_value(value: Any) -> torch.dtype | None:

@@ -61,9 +61,23 @@ class ResolvedDtypeNames:
                 "mamba_ssm_cache_dtype": self.ssm_state}
 
 
-def _positive(name: str, value: Any) -> None:
+def check_positive_int(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is an integer > 0 (a boolean is not)."""
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def check_cache_shape_options(options: Any) -> None:
+    """The checks EngineConfig and PlanConfig share: ``block_size``, ``max_model_len``, ``prefix_snapshot_interval``."""
+    check_positive_int("block_size", options.block_size)
+    if options.max_model_len is not None:
+        check_positive_int("max_model_len", options.max_model_len)
+    if not 1 <= options.block_size <= 64:
+        raise ValueError(f"block_size={options.block_size!r} must be between 1 and 64 tokens")
+    interval = options.prefix_snapshot_interval
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise ValueError(f"prefix_snapshot_interval={interval!r} must be a whole number "
+                         "of tokens >= 0 (0: no periodic snapshots)")
 
 
 @dataclass
@@ -91,15 +105,7 @@ class PlanConfig:
         self.mamba_ssm_cache_dtype = canonical_option("mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype,
                                                       ("auto", *STATE_DTYPE_NAMES))
         self.device = canonical_option("device", self.device, DEVICES)
-        _positive("block_size", self.block_size)
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-        if not 1 <= self.block_size <= 64:
-            raise ValueError(f"block_size={self.block_size!r} must be between 1 and 64 tokens")
-        if not isinstance(self.prefix_snapshot_interval, int) or isinstance(self.prefix_snapshot_interval, bool) \
-                or self.prefix_snapshot_interval < 0:
-            raise ValueError(f"prefix_snapshot_interval={self.prefix_snapshot_interval!r} must be a whole number "
-                             "of tokens >= 0 (0: no periodic snapshots)")
+        check_cache_shape_options(self)
         for name in ("cpu_kernels", "enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -16,3 +16,19 @@ def packed_positions(cu_seqlens: torch.Tensor, num_tokens: int, device: torch.de
     seq_id = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=num_tokens)  # (T,)
     pos = torch.arange(num_tokens, device=device) - cu[seq_id]  # (T,)
     return cu, lens, seq_id, pos
+
+
+def chunk_grid(lens: torch.Tensor, chunk_size: int) -> tuple[int, int]:
+    """(l, nc): the chunk length (one short chunk when every sequence fits in it) and chunks per padded sequence."""
+    longest = int(lens.max()) if lens.numel() else 0
+    l = max(min(chunk_size, longest), 1)
+    return l, -(-longest // l)
+
+
+def pad_to_chunks(t: torch.Tensor, seq_id: torch.Tensor, pos: torch.Tensor, num_seqs: int, nc: int,
+                  l: int) -> torch.Tensor:
+    """Packed (T, H, ...) -> float32 (S, H, nc, l, ...), zeros past each sequence's end."""
+    out = torch.zeros(num_seqs, nc * l, *t.shape[1:], dtype=torch.float32, device=t.device)
+    out[seq_id, pos] = t
+    out = out.view(num_seqs, nc, l, *t.shape[1:])
+    return out.permute(0, 3, 1, 2, *range(4, out.dim()))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.ops._varlen import packed_positions
+from hybridserve.ops._varlen import chunk_grid, packed_positions, pad_to_chunks
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -98,16 +98,10 @@ def gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, initial_states, *, sca
     dev = v.device
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
-    Lmax = int(lens.max()) if S else 0
-    l = max(min(chunk_size, Lmax), 1)  # one short chunk when every sequence fits in it
-    nc = -(-Lmax // l)  # chunks per padded sequence
+    l, nc = chunk_grid(lens, chunk_size)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
-        """(T, Hv, ...) -> (S, Hv, c, l, ...), zeros past each sequence's end."""
-        out = torch.zeros(S, nc * l, *t.shape[1:], dtype=torch.float32, device=dev)
-        out[seq_id, pos] = t
-        out = out.view(S, nc, l, *t.shape[1:])
-        return out.permute(0, 3, 1, 2, *range(4, out.dim()))
+        return pad_to_chunks(t, seq_id, pos, S, nc, l)
 
     qc, kc, vc = pad(q), pad(k), pad(v)  # (S, H, c, l, Dk|Dv)
     gc, bc = pad(g), pad(beta)  # (S, H, c, l)

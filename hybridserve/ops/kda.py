@@ -25,17 +25,8 @@ from __future__ import annotations
 import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.ops._varlen import packed_positions
-from hybridserve.ops.gated_delta import l2norm
-
-
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
-    """q, k: (N, H, Dk); v: (N, H, Dv); g: (N, H, Dk); beta: (N, H) -> float32, q/k normalized, q scaled."""
-    q, k = q.float(), k.float()
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (k.shape[-1] ** -0.5 if scale is None else scale)
-    return q, k, v.float(), g.float(), beta.float()
+from hybridserve.ops._varlen import chunk_grid, packed_positions, pad_to_chunks
+from hybridserve.ops.gated_delta import _prepare  # _prepare: one q/k head per value head here
 
 
 def kda_varlen_ref(q, k, v, g, beta, cu_seqlens, initial_states, *, scale=None, use_qk_l2norm=False,
@@ -77,16 +68,10 @@ def kda_varlen(q, k, v, g, beta, cu_seqlens, initial_states, *, scale=None, use_
     dev = v.device
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     _, lens, seq_id, pos = packed_positions(cu_seqlens, T, dev)  # pos: position within its sequence
-    Lmax = int(lens.max()) if S else 0
-    l = max(min(chunk_size, Lmax), 1)  # one short chunk when every sequence fits in it
-    nc = -(-Lmax // l)  # chunks per padded sequence
+    l, nc = chunk_grid(lens, chunk_size)
 
     def pad(t: torch.Tensor) -> torch.Tensor:
-        """(T, H, ...) -> (S, H, c, l, ...), zeros past each sequence's end."""
-        out = torch.zeros(S, nc * l, *t.shape[1:], dtype=torch.float32, device=dev)
-        out[seq_id, pos] = t
-        out = out.view(S, nc, l, *t.shape[1:])
-        return out.permute(0, 3, 1, 2, *range(4, out.dim()))
+        return pad_to_chunks(t, seq_id, pos, S, nc, l)
 
     qc, kc, vc, gc = pad(q), pad(k), pad(v), pad(g)  # (S, H, c, l, Dk|Dv)
     bc = pad(beta)  # (S, H, c, l)
