@@ -64,21 +64,28 @@ def gated_delta_rule_varlen_ref(q, k, v, g, beta, cu_seqlens, initial_states, *,
     initial_states: (S, Hv, Dk, Dv) or None (zeros); scale: None means Dk ** -0.5.
     Returns out: (T, Hv, Dv) float32 and final_states: (S, Hv, Dk, Dv) float32.
     """
-    T, Hv, Dv = v.shape
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    return delta_rule_varlen_loop(q, k, v, g[..., None], beta, cu_seqlens, initial_states)
+
+
+def delta_rule_varlen_loop(q, k, v, log_decay, beta, cu_seqlens, initial_states):
+    """The delta rule token by token on prepared float32 inputs, the one reference recurrence of the gated
+    delta net (``log_decay`` (T, H, 1): one decay per head) and of Kimi delta attention ((T, H, Dk): one per
+    key channel). q, k: (T, H, Dk); v: (T, H, Dv); beta: (T, H); initial_states: (S, H, Dk, Dv) or None.
+    Returns out: (T, H, Dv) and final_states: (S, H, Dk, Dv), float32.
+    """
+    T, H, Dv = v.shape
     Dk = k.shape[2]
     S = cu_seqlens.numel() - 1
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    out = torch.empty(T, Hv, Dv, dtype=torch.float32, device=v.device)  # (T, Hv, Dv)
-    final = torch.empty(S, Hv, Dk, Dv, dtype=torch.float32, device=v.device)  # (S, Hv, Dk, Dv)
+    out = torch.empty(T, H, Dv, dtype=torch.float32, device=v.device)  # (T, H, Dv)
+    final = torch.empty(S, H, Dk, Dv, dtype=torch.float32, device=v.device)  # (S, H, Dk, Dv)
     for s in range(S):
-        if initial_states is None:
-            state = torch.zeros(Hv, Dk, Dv, dtype=torch.float32, device=v.device)  # (Hv, Dk, Dv)
-        else:
-            state = initial_states[s].float()  # (Hv, Dk, Dv)
+        state = (torch.zeros(H, Dk, Dv, dtype=torch.float32, device=v.device) if initial_states is None
+                 else initial_states[s].float())  # (H, Dk, Dv)
         for t in range(int(cu_seqlens[s]), int(cu_seqlens[s + 1])):
-            state = state * g[t].exp()[:, None, None]
-            kv_mem = (state * k[t][:, :, None]).sum(1)  # (Hv, Dv)
-            u = beta[t][:, None] * (v[t] - kv_mem)  # (Hv, Dv)
+            state = state * log_decay[t].exp()[:, :, None]
+            kv_mem = (state * k[t][:, :, None]).sum(1)  # (H, Dv)
+            u = beta[t][:, None] * (v[t] - kv_mem)  # (H, Dv)
             state = state + k[t][:, :, None] * u[:, None, :]
             out[t] = (state * q[t][:, :, None]).sum(1)
         final[s] = state
@@ -150,11 +157,18 @@ def gated_delta_rule_update_ref(states, q, k, v, g, beta, state_indices, *, scal
     Returns out: (B, Hv, Dv) float32.
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # (B, Hv, Dv)
+    return delta_rule_update_loop(states, q, k, v, g[..., None], beta, state_indices)
+
+
+def delta_rule_update_loop(states, q, k, v, log_decay, beta, state_indices):
+    """One delta-rule step per sequence on prepared float32 inputs, updating ``states`` (num_slots, H, Dk, Dv)
+    in place in its own dtype; ``log_decay`` (B, H, 1) per head or (B, H, Dk) per key channel (see
+    :func:`delta_rule_varlen_loop`). Returns out: (B, H, Dv) float32."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # (B, H, Dv)
     for b in range(v.shape[0]):
         slot = int(state_indices[b])
-        state = states[slot].float() * g[b].exp()[:, None, None]  # (Hv, Dk, Dv)
-        kv_mem = (state * k[b][:, :, None]).sum(1)  # (Hv, Dv)
+        state = states[slot].float() * log_decay[b].exp()[:, :, None]  # (H, Dk, Dv)
+        kv_mem = (state * k[b][:, :, None]).sum(1)  # (H, Dv)
         u = beta[b][:, None] * (v[b] - kv_mem)
         state = state + k[b][:, :, None] * u[:, None, :]
         out[b] = (state * q[b][:, :, None]).sum(1)

@@ -26,7 +26,11 @@ import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.ops._varlen import chunk_grid, packed_positions, pad_to_chunks
-from hybridserve.ops.gated_delta import _prepare  # _prepare: one q/k head per value head here
+from hybridserve.ops.gated_delta import (  # _prepare: one q/k head per value head here
+    _prepare,
+    delta_rule_update_loop,
+    delta_rule_varlen_loop,
+)
 
 
 def kda_varlen_ref(q, k, v, g, beta, cu_seqlens, initial_states, *, scale=None, use_qk_l2norm=False,
@@ -37,23 +41,8 @@ def kda_varlen_ref(q, k, v, g, beta, cu_seqlens, initial_states, *, scale=None, 
     initial_states: (S, H, Dk, Dv) or None (zeros); scale: None means Dk ** -0.5.
     Returns out: (T, H, Dv) float32 and final_states: (S, H, Dk, Dv) float32.
     """
-    T, H, Dv = v.shape
-    Dk = k.shape[2]
-    S = cu_seqlens.numel() - 1
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    out = torch.empty(T, H, Dv, dtype=torch.float32, device=v.device)  # (T, H, Dv)
-    final = torch.empty(S, H, Dk, Dv, dtype=torch.float32, device=v.device)  # (S, H, Dk, Dv)
-    for s in range(S):
-        state = (torch.zeros(H, Dk, Dv, dtype=torch.float32, device=v.device) if initial_states is None
-                 else initial_states[s].float())  # (H, Dk, Dv)
-        for t in range(int(cu_seqlens[s]), int(cu_seqlens[s + 1])):
-            state = state * g[t].exp()[:, :, None]
-            kv_mem = (state * k[t][:, :, None]).sum(1)  # (H, Dv)
-            u = beta[t][:, None] * (v[t] - kv_mem)  # (H, Dv)
-            state = state + k[t][:, :, None] * u[:, None, :]
-            out[t] = (state * q[t][:, :, None]).sum(1)
-        final[s] = state
-    return out, final
+    return delta_rule_varlen_loop(q, k, v, g, beta, cu_seqlens, initial_states)
 
 
 def kda_varlen(q, k, v, g, beta, cu_seqlens, initial_states, *, scale=None, use_qk_l2norm=False, chunk_size=16):
@@ -108,15 +97,7 @@ def kda_update_ref(states, q, k, v, g, beta, state_indices, *, scale=None, use_q
     Returns out: (B, H, Dv) float32.
     """
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # (B, H, Dv)
-    for b in range(v.shape[0]):
-        slot = int(state_indices[b])
-        state = states[slot].float() * g[b].exp()[:, :, None]  # (H, Dk, Dv)
-        u = beta[b][:, None] * (v[b] - (state * k[b][:, :, None]).sum(1))  # (H, Dv)
-        state = state + k[b][:, :, None] * u[:, None, :]
-        out[b] = (state * q[b][:, :, None]).sum(1)
-        states[slot] = state.to(states.dtype)
-    return out
+    return delta_rule_update_loop(states, q, k, v, g, beta, state_indices)
 
 
 def kda_update(states, q, k, v, g, beta, state_indices, *, scale=None, use_qk_l2norm=False):
