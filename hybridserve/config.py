@@ -24,6 +24,7 @@ from hybridserve.cache.dtypes import DTYPE_ALIASES
 from hybridserve.cache.plan_config import check_cache_shape_options, check_positive_int, parse_size
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
+from hybridserve.spec_decode.config import parse_speculative_config
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -117,6 +118,7 @@ class EngineConfig:
     cpu_isa: str = "auto"
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
+    speculative_config: dict[str, Any] | str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,6 +139,7 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)
+        parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
 
     def resolve_device(self) -> torch.device:
         """The torch device: ``auto`` picks CUDA when available."""

@@ -17,6 +17,8 @@ def check_cache_invariants(engine) -> None:
         expected.update(page for page in seq.window_table if page >= 0)  # -1: released behind the window
         if seq.state_slot is not None:
             slots[seq.state_slot] += 1
+        if getattr(seq, "spec_slot", None) is not None:  # speculative decoding's second slot
+            slots[seq.spec_slot] += 1
     prefix = cache.prefix
     if prefix is not None:
         for item in prefix.index.items():

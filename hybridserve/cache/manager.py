@@ -31,6 +31,7 @@ class CacheHolder(Protocol):
     block_table: list[int]
     window_table: list[int]  # read and written only with a window page group
     state_slot: int | None
+    spec_slot: int | None  # a second slot a speculative verification runs on (None without one)
     num_computed_tokens: int
 
 
@@ -262,6 +263,9 @@ class CacheManager:
                 seq.window_table[:] = [moves.pages.get(b, b) for b in seq.window_table]
             if seq.state_slot is not None and seq.state_slot in moves.slots:
                 seq.state_slot = moves.slots[seq.state_slot]
+            spec_slot = getattr(seq, "spec_slot", None)
+            if spec_slot is not None and spec_slot in moves.slots:
+                seq.spec_slot = moves.slots[spec_slot]
         if moves.pages:
             for refs in (self.page_refs, self.seq_page_refs):
                 moved = {old: refs.pop(old) for old in moves.pages if old in refs}
@@ -334,7 +338,38 @@ class CacheManager:
         if seq.state_slot is not None:
             self.pool.free_slot(seq.state_slot)
             seq.state_slot = None
+        self.release_spec_slot(seq)
         self._holders.pop(id(seq), None)
+
+    def grant_spec_slot(self, seq: CacheHolder) -> bool:
+        """Give ``seq`` (holding its state slot) a second slot for speculative verification, unless it has
+        one; False, nothing granted, when the pool has no room for it (cached prefixes are evicted first,
+        no sequence is preempted for it)."""
+        if not self.pool.layout.has_state or getattr(seq, "spec_slot", None) is not None:
+            return True
+        if not self.make_room(0, 1):
+            return False
+        seq.spec_slot = self.allocate_raw(0, 1).slots[0]
+        return True
+
+    def release_spec_slot(self, seq: CacheHolder) -> None:
+        """Return ``seq``'s speculative slot, if it holds one."""
+        slot = getattr(seq, "spec_slot", None)
+        if slot is not None:
+            self.pool.free_slot(slot)
+            seq.spec_slot = None
+
+    def begin_verification(self, seq: CacheHolder) -> None:
+        """Copy ``seq``'s state onto its speculative slot, which the verification then advances; the state
+        slot keeps the state before the drafts."""
+        if seq.spec_slot is not None:
+            self.copy_slot(seq.state_slot, seq.spec_slot)
+
+    def end_verification(self, seq: CacheHolder, all_accepted: bool) -> None:
+        """Every draft was accepted: the speculative slot, past them all, becomes the state slot (and the
+        old one the next verification's). Otherwise the state slot, before the drafts, stays."""
+        if all_accepted and seq.spec_slot is not None:
+            seq.state_slot, seq.spec_slot = seq.spec_slot, seq.state_slot
 
     def reset_prefix_cache(self) -> bool:
         """Evict every cached prefix no request holds; True if nothing cached is left."""

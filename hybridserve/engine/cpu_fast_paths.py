@@ -35,6 +35,8 @@ class CpuFastPaths:
     torch_16bit_linears: int = 0  # 16-bit linears left on torch's matmul
     decode_captured: bool = False
     decode_reason: str | None = None
+    verify_captured: bool | None = None  # speculative verification steps captured (None: no speculation)
+    verify_reason: str | None = None
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -42,7 +44,9 @@ class CpuFastPaths:
         return {"cpu_isa": self.isa, "kernels": {"on": self.kernels, "reason": self.kernels_reason},
                 "linears": {"hybridserve_kernel": self.packed_linears, "onednn_prepacked": self.onednn_linears,
                             "torch_16bit": self.torch_16bit_linears},
-                "decode": {"captured": self.decode_captured, "reason": self.decode_reason}}
+                "decode": {"captured": self.decode_captured, "reason": self.decode_reason},
+                **({} if self.verify_captured is None else
+                   {"verify": {"captured": self.verify_captured, "reason": self.verify_reason}})}
 
     def off(self) -> list[str]:
         """One phrase per fast path that is off, with its reason."""
@@ -54,6 +58,8 @@ class CpuFastPaths:
                        f"({'slow on this CPU' if not isa.at_least('avx512') else 'not packed'})")
         if not self.decode_captured:
             out.append(f"decode not captured ({self.decode_reason})")
+        if self.verify_captured is False:
+            out.append(f"speculative verification not captured ({self.verify_reason})")
         return out + self.notes
 
     def log(self) -> None:
@@ -115,3 +121,21 @@ def attach_captured_decode(runner, model: nn.Module, pool, config: EngineConfig,
     else:
         runner.captured_decode, report.decode_reason = try_capture(model, pool, config.max_num_seqs, max_model_len)
         report.decode_captured = runner.captured_decode is not None
+
+
+def attach_captured_steps(runner, model: nn.Module, pool, max_model_len: int, report: CpuFastPaths,
+                          max_rows: int, max_tokens_per_row: int) -> None:
+    """Capture the steps of 2 to ``max_tokens_per_row`` tokens per sequence (speculative verifications
+    and the reruns after a rejected draft) for up to ``max_rows`` sequences into ``runner``, where the
+    decode is captured; otherwise they run eagerly, with the reason recorded."""
+    if runner.captured_decode is None:
+        report.verify_captured, report.verify_reason = False, f"decode is not captured ({report.decode_reason})"
+        return
+    for q in range(2, max_tokens_per_row + 1):
+        captured, reason = try_capture(model, pool, max_rows, max_model_len, q)
+        if captured is None:
+            runner.captured_steps.clear()
+            report.verify_captured, report.verify_reason = False, reason
+            return
+        runner.captured_steps[q] = captured
+    report.verify_captured, report.verify_reason = True, None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from hybridserve.cache.capacity import MIN_POOL_SHARE, padding_fits, padding_reservation, reserved_bytes
@@ -34,23 +35,35 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 
 class CapturedDecode:
-    """The captured decode graphs of one model and pool; :meth:`run` replays one step."""
+    """The captured step graphs of one model and pool for one token count per sequence; :meth:`run`
+    replays one step.
 
-    def __init__(self, model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int) -> None:
+    ``tokens_per_row`` 1 (a decode step) records the forward's decode group; more (a speculative
+    verification: the pending token and its drafts, or the replay after a rejected draft) record a
+    group of that many tokens per sequence, run by the same kernels as a prefill chunk.
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int,
+                 tokens_per_row: int = 1) -> None:
         self.model = model
         self.max_rows = max_rows
+        self.q = q = tokens_per_row
         self.block_size = pool.layout.block_size
+        if q > self.block_size:
+            raise ValueError(f"a captured step takes at most block_size={self.block_size} tokens per sequence, got {q}")
         self.has_kv, self.has_state = pool.layout.has_kv, pool.layout.has_state
-        self.pad_page, self.pad_slot = pool.reserve_padding()
-        width = -(-max_model_len // self.block_size) if self.has_kv else 1
+        reserved = pool.padding != (None, None)
+        self.pad_page, self.pad_slot = pool.padding if reserved else pool.reserve_padding()
+        width = -(-(max_model_len + q) // self.block_size) if self.has_kv else 1
         i64 = dict(dtype=torch.int64)
-        self.input_ids = torch.zeros(max_rows, **i64)  # (rows,)
-        self.positions = torch.zeros(max_rows, **i64)
-        self.cu_seqlens = torch.arange(max_rows + 1, **i64)  # one token per sequence
-        self.seq_lens = torch.ones(max_rows, **i64)  # context length after the step
+        self.input_ids = torch.zeros(max_rows * q, **i64)  # (rows * q,)
+        self.positions = torch.arange(max_rows * q, **i64) % q
+        self.cu_seqlens = torch.arange(max_rows + 1, **i64) * q  # q tokens per sequence
+        self.seq_lens = torch.full((max_rows,), q, **i64)  # context length after the step
         self.block_tables = torch.full((max_rows, width), self.pad_page or 0, **i64)  # (rows, width)
         self.state_indices = torch.full((max_rows,), self.pad_slot or 0, **i64)
-        self.slot_mapping = torch.full((max_rows,), (self.pad_page or 0) * self.block_size, **i64)
+        self._pad_slots = (self.pad_page or 0) * self.block_size + torch.arange(q, **i64)  # (q,) a padded row's
+        self.slot_mapping = self._pad_slots.repeat(max_rows)  # (rows * q,)
         self.has_window = pool.layout.has_window  # the window page group's tables and write slots too
         self.window_block_tables = torch.full((max_rows, width if self.has_window else 1), self.pad_page or 0, **i64)
         self.window_slot_mapping = self.slot_mapping.clone()
@@ -67,13 +80,16 @@ class CapturedDecode:
         self.arena: torch.Tensor | None = None
 
     def _batch(self, rows: int) -> ForwardBatch:
-        group = SeqGroup(0, rows, self.cu_seqlens[:rows + 1], self.seq_lens[:rows],
+        t = rows * self.q
+        group = SeqGroup(0, t, self.cu_seqlens[:rows + 1], self.seq_lens[:rows],
                          self.block_tables[:rows] if self.has_kv else None,
                          self.state_indices[:rows] if self.has_state else None,
                          self.window_block_tables[:rows] if self.has_window else None)
-        return ForwardBatch(slot_mapping=self.slot_mapping[:rows] if self.has_kv else None, decode=group,
-                            prefill=None, caches=self._pool.layer_caches,
-                            window_slot_mapping=self.window_slot_mapping[:rows] if self.has_window else None)
+        one_token = self.q == 1
+        return ForwardBatch(slot_mapping=self.slot_mapping[:t] if self.has_kv else None,
+                            decode=group if one_token else None, prefill=None if one_token else group,
+                            caches=self._pool.layer_caches,
+                            window_slot_mapping=self.window_slot_mapping[:t] if self.has_window else None)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -81,7 +97,8 @@ class CapturedDecode:
         fixed = [tensor_region(t) for t in self._inputs] + [tensor_region(self._pool.buffer)]
         for rows in bucket_sizes(self.max_rows):
             def forward(rows=rows):
-                return self.model(self.input_ids[:rows], self.positions[:rows], self._batch(rows))
+                t = rows * self.q
+                return self.model(self.input_ids[:t], self.positions[:t], self._batch(rows))
 
             forward()  # eagerly first: a layer's lazily derived parameters exist before the capture
             # the model's regions after the eager run, which may have derived parameters
@@ -90,8 +107,9 @@ class CapturedDecode:
         for graph in self.graphs.values():
             graph.place(self.arena)
         largest = self.graphs[self.max_rows]
-        logger.info("decode captured for %d bucket sizes up to %d sequences: %d kernel calls a step, %.1f MiB of "
-                    "temporaries", len(self.graphs), self.max_rows, largest.num_calls, self.arena.numel() / 2**20)
+        logger.info("%s captured for %d bucket sizes up to %d sequences: %d kernel calls a step, %.1f MiB of "
+                    "temporaries", "decode" if self.q == 1 else f"{self.q}-token step", len(self.graphs),
+                    self.max_rows, largest.num_calls, self.arena.numel() / 2**20)
 
     def bucket(self, rows: int) -> int | None:
         """The bucket a step of ``rows`` sequences replays, or None when it is larger than any."""
@@ -100,33 +118,38 @@ class CapturedDecode:
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
             block_tables: list[list[int]], state_slots: list[int],
             window: tuple[list[int], list[list[int]]] | None = None) -> torch.Tensor:
-        """One decode step of ``len(input_ids)`` sequences; returns their final hidden states (rows,
-        hidden), a view of the graph's output (overwritten by the next step). ``window``: the window page
-        group's (write slots, tables), with one."""
-        rows = len(input_ids)
+        """One step of ``len(seq_lens)`` sequences of ``q`` tokens each (token lists: ``q`` entries per
+        sequence, in order); returns their final hidden states (rows * q, hidden), a view of the graph's
+        output (overwritten by the next step). ``window``: the window page group's (write slots, tables),
+        with one."""
+        q = self.q
+        rows = len(input_ids) // q
         size = self.bucket(rows)
-        if size is None:
-            raise ValueError(f"a captured decode step takes 1 to {self.max_rows} sequences, got {rows}")
+        if size is None or rows * q != len(input_ids):
+            raise ValueError(f"a captured step takes 1 to {self.max_rows} sequences of {q} tokens, "
+                             f"got {len(input_ids)} tokens")
         np_ = self._np
-        np_["input_ids"][:rows] = input_ids
-        np_["input_ids"][rows:size] = 0
-        np_["positions"][:rows] = positions
-        np_["positions"][rows:size] = 0
+        t, pad_t = rows * q, size * q
+        np_["input_ids"][:t] = input_ids
+        np_["input_ids"][t:pad_t] = 0
+        np_["positions"][:t] = positions
+        np_["positions"][t:pad_t] = np.tile(np.arange(q), size - rows)
         if self.has_kv:
+            pad_slots = self._pad_slots.numpy()
             np_["seq_lens"][:rows] = seq_lens
-            np_["seq_lens"][rows:size] = 1
-            np_["slot_mapping"][:rows] = slot_mapping
-            np_["slot_mapping"][rows:size] = self.pad_page * self.block_size
+            np_["seq_lens"][rows:size] = q
+            np_["slot_mapping"][:t] = slot_mapping
+            np_["slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(block_tables, rows, size)
         if self.has_window:
             window_slots, window_tables = window
-            np_["window_slot_mapping"][:rows] = window_slots
-            np_["window_slot_mapping"][rows:size] = self.pad_page * self.block_size
+            np_["window_slot_mapping"][:t] = window_slots
+            np_["window_slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(window_tables, rows, size, "window_block_tables", self._window_written)
         if self.has_state:
             np_["state_indices"][:rows] = state_slots
             np_["state_indices"][rows:size] = self.pad_slot
-        return self.graphs[size].replay()[:rows]
+        return self.graphs[size].replay()[:t]
 
     def _write_block_tables(self, block_tables: list[list[int]], rows: int, size: int, name: str = "block_tables",
                             written: list[list[int] | None] | None = None) -> None:
@@ -149,9 +172,10 @@ class CapturedDecode:
                 written[r] = pad
 
 
-def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int
-                ) -> tuple[CapturedDecode | None, str | None]:
-    """The model's captured decode steps and None, or None and the reason it cannot be captured.
+def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int,
+                tokens_per_row: int = 1) -> tuple[CapturedDecode | None, str | None]:
+    """The model's captured steps of ``tokens_per_row`` tokens per sequence (1: decode) and None, or None
+    and the reason it cannot be captured.
 
     Padded rows need a page and a slot of their own for the pool's life; a pool so small that they would
     take more than ``1 / MIN_POOL_SHARE`` of it stays eager instead (the requests it can hold matter more)."""
@@ -160,14 +184,17 @@ def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_mode
         padding = reserved_bytes(layout, padding_reservation(layout))
         return None, (f"the cache pool ({pool.num_bytes} bytes) is too small to set aside a page and a slot for "
                       f"padded rows ({padding} bytes, over 1/{MIN_POOL_SHARE} of it)")
-    captured = CapturedDecode(model, pool, max_rows, max_model_len)
+    reserved = pool.padding != (None, None)  # another capture's: it stays
+    captured = CapturedDecode(model, pool, max_rows, max_model_len, tokens_per_row)
     try:
         captured.capture_all()
     except CaptureError as exc:
-        pool.release_padding()
+        if not reserved:
+            pool.release_padding()
         return None, str(exc)
     except (RuntimeError, ValueError) as exc:  # a kernel rejected the capture run's arguments
-        pool.release_padding()
+        if not reserved:
+            pool.release_padding()
         logger.exception("decode capture failed")
         return None, f"the capture run failed: {exc}"
     return captured, None

@@ -14,18 +14,21 @@ from hybridserve.cache.manager import CacheManager
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
-from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
+from hybridserve.engine.cpu_fast_paths import attach_captured_decode, attach_captured_steps, prepare_model
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import make_children, place_children, wants_fork
 from hybridserve.engine.logit_adjust import LogitAdjuster, RowContext
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.request_registry import RequestRegistry
-from hybridserve.engine.sampler import sample, sample_rows_alone
+from hybridserve.engine.sampler import report, sample, sample_rows_alone
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.spec_decode.acceptance import Verification, verify
+from hybridserve.spec_decode.config import parse_speculative_config
+from hybridserve.spec_decode.speculator import Speculator
 from hybridserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
+        self.spec_config = parse_speculative_config(config.speculative_config)
+        self.speculator = (Speculator(self.spec_config, self.cache, self.max_model_len, config.max_num_batched_tokens)
+                           if self.spec_config is not None else None)
         if config.max_model_len:
             from hybridserve.cache.planner import positions_warning
 
@@ -71,6 +77,10 @@ class LLMEngine:
         if self.cpu_fast_paths is not None:
             attach_captured_decode(self.runner, self.model, self.pool, config, self.max_model_len,
                                    self.cpu_fast_paths)
+            if self.spec_config is not None:
+                attach_captured_steps(self.runner, self.model, self.pool, self.max_model_len, self.cpu_fast_paths,
+                                      min(config.max_num_seqs, self.spec_config.disable_by_batch_size),
+                                      self.spec_config.num_speculative_tokens + 1)
             self.cpu_fast_paths.log()
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
@@ -182,13 +192,18 @@ class LLMEngine:
                 raise RuntimeError("the cache pool cannot hold the next waiting request")
             return self._outputs(touched, finished_only)
         solo = self.scheduler.solo
+        if self.speculator is not None and solo is None:
+            self.speculator.attach(plan.scheduled, len(self.scheduler.running))
         try:
             logits = self.runner.run(plan.scheduled)
         except Exception as exc:  # noqa: BLE001 - contained below
             self._contain_step_failure([it.seq for it in plan.scheduled], exc, touched)
             return self._outputs(touched, finished_only)
         for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            if not item.drafts:  # a verification's computed tokens depend on its verdict
+                item.seq.num_computed_tokens += item.num_tokens
+        if logits.verify_seqs:
+            self._verify_and_append(logits, touched)
         try:
             self.cache.after_step([it.seq for it in plan.scheduled])
         except Exception:  # noqa: BLE001 - caching is an optimization: the step's results stand
@@ -269,6 +284,35 @@ class LLMEngine:
                 self._fail(seq.request_id, f"output handling failed: {type(exc).__name__}: {exc}", touched)
                 continue
             touched[seq.request_id] = None
+
+    def _verify_and_append(self, logits, touched: dict[str, None]) -> None:
+        """Accept or reject each verified sequence's drafts, append the tokens its verdict emits (up to a
+        stop), and set what its cache holds (``Speculator.settle``)."""
+        items = logits.verify_seqs
+        verdicts = verify(logits.verify_logits, [Verification(it.drafts, it.seq.params, it.seq.generator)
+                                                 for it in items], self.generator, self.cpu_kernels)
+        rows = [row for v in verdicts for row in v.rows]
+        chosen = torch.tensor([t for v in verdicts for t in v.tokens])
+        params = [it.seq.params for it, v in zip(items, verdicts) for _ in v.tokens]
+        result = report(logits.verify_logits[rows].float(), chosen, params)
+        flat = 0
+        for item, verdict in zip(items, verdicts):
+            seq = item.seq
+            emitted = 0
+            if verdict.error is not None:
+                self._fail(seq.request_id, verdict.error, touched)
+            for _ in verdict.tokens:
+                if seq.is_finished:
+                    break
+                try:
+                    self._append_token(seq, flat + emitted, result)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    logger.exception("handling the token of request %s failed", seq.request_id)
+                    self._fail(seq.request_id, f"output handling failed: {type(exc).__name__}: {exc}", touched)
+                emitted += 1
+            flat += len(verdict.tokens)
+            touched[seq.request_id] = None
+            self.speculator.settle(item, verdict.num_accepted, emitted)
 
     def _logit_adjuster(self, seqs: list[Sequence]) -> LogitAdjuster | None:
         """Penalties, biases and masks of the rows about to be sampled; None when no row has any."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,10 +18,12 @@ class StepLogits:
     """Logits of one step, split by use."""
 
     order: list[ScheduledSeq]  # the scheduled sequences in batch order (decodes first)
-    sample_seqs: list[ScheduledSeq]  # sequences that reached their last token and sample now
-    sample_logits: torch.Tensor  # (len(sample_seqs), V) float32, or the model dtype exactly widened to it
+    sample_seqs: list[ScheduledSeq]  # sequences that reached their last token and sample now (no drafts)
+    sample_logits: torch.Tensor | None  # (len(sample_seqs), V) float32, or the model dtype exactly widened to it
     prompt_seqs: list[tuple[ScheduledSeq, int, int]]  # (seq, first prompt position, count)
     prompt_logits: torch.Tensor | None  # (sum of counts, V) float32
+    verify_seqs: list[ScheduledSeq] = field(default_factory=list)  # sequences whose drafts are verified now
+    verify_logits: torch.Tensor | None = None  # (sum of (drafts + 1), V): each one's rows, as sample_logits
 
 
 def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -53,22 +55,23 @@ class ModelRunner:
         self.has_state = pool.layout.has_state
         self.has_window = pool.layout.has_window  # a window page group: sequences hold window tables too
         self.captured_decode: CapturedDecode | None = None  # set by the engine when the model's decode is captured
+        self.captured_steps: dict[int, CapturedDecode] = {}  # tokens per sequence (> 1) -> its captured steps
 
     def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
         if not items:
             return None
-        if all(it.num_tokens == 1 for it in items):
+        if all(it.num_run == 1 for it in items):
             cu_seqlens = torch.arange(len(items) + 1, dtype=torch.int64, device=self.device)
         else:
             cu = [0]
             for it in items:
-                cu.append(cu[-1] + it.num_tokens)
+                cu.append(cu[-1] + it.num_run)
             cu_seqlens = _int_tensor(cu, self.device)
-        seq_lens = [it.seq.num_computed_tokens + it.num_tokens for it in items]
+        seq_lens = [it.seq.num_computed_tokens + it.num_run for it in items]
         block_tables = _tables([it.seq.block_table for it in items], self.device) if self.has_kv else None
         window_tables = _tables([it.seq.window_table for it in items], self.device) if self.has_window else None
-        state_indices = _int_tensor([it.seq.state_slot for it in items], self.device) if self.has_state else None
-        return SeqGroup(token_start, token_start + sum(it.num_tokens for it in items), cu_seqlens,
+        state_indices = _int_tensor(_state_slots(items), self.device) if self.has_state else None
+        return SeqGroup(token_start, token_start + sum(it.num_run for it in items), cu_seqlens,
                         _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables)
 
     def _replay(self, scheduled: list[ScheduledSeq]) -> StepLogits | None:
@@ -78,7 +81,7 @@ class ModelRunner:
         if captured is None or len(scheduled) > captured.max_rows:
             return None
         seqs = [item.seq for item in scheduled]
-        if any(item.num_tokens != 1 for item in scheduled) or any(
+        if any(item.num_run != 1 for item in scheduled) or any(
                 s.num_computed_tokens + 1 != s.num_tokens or s.wants_prompt_logprobs for s in seqs):
             return None
         input_ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
@@ -99,12 +102,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
-        """One forward over every scheduled sequence (decodes first, then prefill chunks)."""
+        """One forward over every scheduled sequence (decodes first, then prefill chunks and verifications)."""
         replayed = self._replay(scheduled)
         if replayed is not None:
             return replayed
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        decodes = [s for s in scheduled if s.num_run == 1]
+        prefills = [s for s in scheduled if s.num_run > 1]
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -112,36 +115,45 @@ class ModelRunner:
         window_slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[ScheduledSeq] = []
+        verify_rows: list[int] = []
+        verify_seqs: list[ScheduledSeq] = []
         prompt_rows: list[int] = []
         prompt_seqs: list[tuple[ScheduledSeq, int, int]] = []
         bs = self.block_size
         for item in order:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
+            seq, start, n, m = item.seq, item.seq.num_computed_tokens, item.num_tokens, len(item.drafts)
             offset = len(input_ids)
             input_ids.extend(seq.token_ids_slice(start, n))
-            positions.extend(range(start, start + n))
+            input_ids.extend(item.drafts)
+            end = start + n + m
+            positions.extend(range(start, end))
             if self.has_kv:
                 table = seq.block_table
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if self.has_window:
                 table = seq.window_table
-                window_slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                window_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if start + n == seq.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_seqs.append(item)
+                if m:  # the last pending token's row and each draft's: m + 1 predictions
+                    verify_rows.extend(range(offset + n - 1, offset + n + m))
+                    verify_seqs.append(item)
+                else:
+                    sample_rows.append(offset + n - 1)
+                    sample_seqs.append(item)
             if seq.wants_prompt_logprobs:
                 last = min(start + n, len(seq.prompt_token_ids) - 1)  # positions predicting a prompt token
                 if last > start:
                     prompt_rows.extend(range(offset, offset + last - start))
                     prompt_seqs.append((item, start, last - start))
-        captured = self.captured_decode
-        if captured is not None and not prefills and len(decodes) <= captured.max_rows:
-            seqs = [item.seq for item in decodes]  # every sequence decodes one token
-            hidden = captured.run(input_ids, positions, slot_mapping, [s.num_computed_tokens + 1 for s in seqs],
+        captured = self._captured_for(decodes, prefills, prompt_rows)
+        if captured is not None:
+            seqs = [item.seq for item in order]
+            hidden = captured.run(input_ids, positions, slot_mapping,
+                                  [it.seq.num_computed_tokens + it.num_run for it in order],
                                   [s.block_table for s in seqs] if self.has_kv else [],
-                                  [s.state_slot for s in seqs] if self.has_state else [],
+                                  _state_slots(order) if self.has_state else [],
                                   (window_slots, [s.window_table for s in seqs]) if self.has_window else None)
-        else:  # prefill chunks, or a decode step larger than the largest capture
+        else:  # mixed steps, or larger than the largest capture
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                 decode=self._group(decodes, 0),
@@ -150,11 +162,40 @@ class ModelRunner:
                 window_slot_mapping=_int_tensor(window_slots, self.device) if self.has_window else None,
             )
             hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
-        if len(sample_rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather needed
-            sample_logits = self.model.sampling_logits(hidden)
-        else:
-            sample_logits = self.model.sampling_logits(hidden[_int_tensor(sample_rows, self.device)])
+        sample_logits = self._logits_of(hidden, sample_rows)
+        verify_logits = self._logits_of(hidden, verify_rows)
         prompt_logits = None
         if prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[_int_tensor(prompt_rows, self.device)])
-        return StepLogits(order, sample_seqs, sample_logits, prompt_seqs, prompt_logits)
+        return StepLogits(order, sample_seqs, sample_logits, prompt_seqs, prompt_logits, verify_seqs, verify_logits)
+
+    def _captured_for(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
+                      prompt_rows: list[int]) -> CapturedDecode | None:
+        """The captured steps this step can replay: decodes only, or sequences of one same token count
+        with a capture of its own (a verification); None for any other step."""
+        if decodes and not prefills:
+            captured = self.captured_decode
+            rows = len(decodes)
+        elif prefills and not decodes and not prompt_rows:
+            q = prefills[0].num_run
+            if any(item.num_run != q for item in prefills):
+                return None
+            captured = self.captured_steps.get(q)
+            rows = len(prefills)
+        else:
+            return None
+        return captured if captured is not None and rows <= captured.max_rows else None
+
+    def _logits_of(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """Sampling logits of ``rows`` of ``hidden`` (all of them without a gather), or None for no rows."""
+        if not rows:
+            return None
+        if len(rows) == hidden.shape[0]:  # every row (a decode-only step, a single verification): no gather
+            return self.model.sampling_logits(hidden)
+        return self.model.sampling_logits(hidden[_int_tensor(rows, self.device)])
+
+
+def _state_slots(items: list[ScheduledSeq]) -> list[int]:
+    """Each sequence's state slot this step: a verification runs on its speculative slot (a copy of its
+    state: the state slot keeps the state before the drafts, for when one is rejected)."""
+    return [it.seq.spec_slot if it.drafts else it.seq.state_slot for it in items]

@@ -89,9 +89,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             gen = generators[row] or default_generator
             picks[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
         chosen = picks.to(logits.device)
-    # Log-probabilities of the raw distribution, reported to users: the sampled token's always (one
-    # logsumexp per row); ranks and top-k only when a request asks for logprobs.
-    lse = fused[1] if fused is not None else torch.logsumexp(logits, dim=-1)  # (N,)
+    lse = fused[1] if fused is not None else None
+    return report(logits, chosen, params, lse, errors)
+
+
+def report(logits: torch.Tensor, chosen: torch.Tensor, params: list[SamplingParams],
+           lse: torch.Tensor | None = None, errors: dict[int, str] | None = None) -> SampleResult:
+    """The :class:`SampleResult` of tokens ``chosen`` (N,) drawn for the rows of ``logits`` (N, V) float32.
+
+    Log-probabilities of the raw distribution, reported to users: the chosen token's always (one
+    logsumexp per row, unless ``lse`` (N,) is given); ranks and top-k only when a request asks for logprobs."""
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)  # (N,)
     sampled_logit = logits.gather(1, chosen[:, None])[:, 0]  # (N,)
     sampled_lp = sampled_logit - lse  # (N,)
     max_k = max((p.logprobs or 0) for p in params)
@@ -105,7 +114,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for row, p in enumerate(params):
             k = p.logprobs or 0
             top_ids[row], top_lps[row] = ids[row][:k], values[row][:k]
-    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps, errors)
+    return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps, errors or {})
 
 
 def sample_rows_alone(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

@@ -14,6 +14,12 @@ from hybridserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens run this step (1 for a decode, a chunk for a prefill)
+    drafts: list[int] = field(default_factory=list)  # proposed tokens verified after them (speculation)
+
+    @property
+    def num_run(self) -> int:
+        """Tokens in the forward: the step's own and its drafts."""
+        return self.num_tokens + len(self.drafts)
 
 
 @dataclass

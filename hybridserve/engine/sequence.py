@@ -36,6 +36,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.window_table: list[int] = []  # window page group's pages (-1: released behind the window)
         self.state_slot: int | None = None
+        self.spec_slot: int | None = None  # speculative decoding: the slot a verification runs on
+        self.spec = None  # speculative decoding: this sequence's drafting state (spec_decode.speculator)
         self.num_cached_tokens: int | None = None  # prompt tokens resumed from the prefix cache at admission
         self.snapshot_plan: list[int] = []  # positions where the prefix cache snapshots its state
         self.prefix_node = None  # the prefix index node of its last indexed page (prefix caching)

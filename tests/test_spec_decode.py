@@ -1,0 +1,292 @@
+"""Speculative decoding: outputs equal decoding without it, whatever the drafts and however many are rejected."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.spec_decode.acceptance import Verification, verify
+from hybridserve.spec_decode.config import parse_speculative_config
+from hybridserve.spec_decode.ngram import NgramIndex, propose
+from tests.checkpoints import make
+from tests.prefix_utils import released_everything
+
+# every state kind, and attention only: family -> what its recurrent layers are
+STATE_KINDS = {
+    "bamba": "Mamba2 + attention",
+    "mamba2": "Mamba2 only",
+    "mamba": "Mamba1 only",
+    "qwen3_next": "gated delta net + attention",
+    "minimax": "linear attention + attention",
+    "lfm2": "short conv + attention",
+    "llama": "attention only",
+}
+#: float32 rounding of the same positions run as one chunk instead of one token at a time
+LOGPROB_NOISE = 1e-4
+#: draft every step however few drafts are accepted, so rollback runs constantly
+ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "acceptance_floor": 0.0}
+
+
+def _opts(**kw):
+    return {"cache_memory": "8MiB", "enable_progress_bar": False, "max_num_batched_tokens": 64, **kw}
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a short pattern (n-gram drafts find matches) with noise around it."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        pattern = [rng.randrange(3, 120) for _ in range(rng.randrange(2, 6))]
+        out.append([rng.randrange(3, 120) for _ in range(rng.randrange(0, 4))] + pattern * rng.randrange(2, 5))
+    return out
+
+
+def _assert_same(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert ca.token_ids == cb.token_ids
+            assert ca.finish_reason == cb.finish_reason and ca.text == cb.text
+            for ea, eb in zip(ca.logprobs or [], cb.logprobs or [], strict=True):
+                assert sorted(ea) == sorted(eb)
+                for tid in ea:
+                    assert ea[tid].logprob == pytest.approx(eb[tid].logprob, abs=LOGPROB_NOISE)
+                    assert ea[tid].rank == eb[tid].rank
+
+
+def _generate(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def bamba(ckpt_dir):
+    return make(ckpt_dir, "bamba")
+
+
+@pytest.mark.parametrize("family", list(STATE_KINDS))
+def test_greedy_outputs_equal_decoding_without_speculation(ckpt_dir, family):
+    path = make(ckpt_dir, family)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = _prompts(5, seed=1)
+    plain = LLM(path, **_opts())
+    spec = LLM(path, speculative_config=ALWAYS, **_opts())
+    want_batched = _generate(plain, prompts, params)
+    _assert_same(_generate(spec, prompts, params), want_batched)  # mixed steps, eager
+    for p, want in zip(prompts, want_batched):
+        _assert_same(_generate(spec, [p], params), [want])  # one stream: captured verification steps
+    stats = spec.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_accepted_tokens  # drafts were rejected
+    assert released_everything(spec.engine)
+
+
+def test_mostly_accepted_drafts_give_the_same_tokens(bamba):
+    """A prompt the model continues by repeating it: most drafts are accepted, some runs to the end."""
+    plain = LLM(bamba, **_opts())
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # the model's own greedy continuation, repeated: its drafts are what it generates
+    seed_prompt = [5, 17, 33]
+    own = _generate(plain, [seed_prompt], params)[0].outputs[0].token_ids
+    prompt = seed_prompt + own
+    spec = LLM(bamba, speculative_config=ALWAYS, **_opts())
+    _assert_same(_generate(spec, [prompt], params), _generate(plain, [prompt], params))
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens > 0
+    assert released_everything(spec.engine)
+
+
+def test_verification_is_captured_and_matches_eager(bamba):
+    spec = LLM(bamba, speculative_config=ALWAYS, **_opts())
+    eager = LLM(bamba, speculative_config=ALWAYS, enforce_eager=True, **_opts())
+    assert spec.engine.runner.captured_steps and not eager.engine.runner.captured_steps
+    assert spec.engine.cpu_fast_paths.as_dict()["verify"] == {"captured": True, "reason": None}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    for prompt in _prompts(3, seed=2):
+        got, want = _generate(spec, [prompt], params)[0].outputs[0], _generate(eager, [prompt], params)[0].outputs[0]
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}  # bit for bit
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 7])
+def test_max_tokens_and_stops_inside_an_accepted_run(bamba, max_tokens):
+    plain = LLM(bamba, **_opts())
+    spec = LLM(bamba, speculative_config=ALWAYS, **_opts())
+    prompt = [5, 17, 33]
+    own = _generate(plain, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    prompt = prompt + own.outputs[0].token_ids  # drafts will be accepted
+    stop_id = own.outputs[0].token_ids[3]
+    for params in (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id]),
+                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=2)):
+        _assert_same(_generate(spec, [prompt], params), _generate(plain, [prompt], params))
+    assert released_everything(spec.engine)
+
+
+def test_stop_strings_inside_an_accepted_run():
+    plain, spec = LLM(**_opts()), LLM(speculative_config=ALWAYS, **_opts())  # the shipped model, with a tokenizer
+    text = _generate(plain, [plain.get_tokenizer().encode("Once upon a time")],
+                     SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=40, stop=[stop])
+    _assert_same(spec.generate(["Once upon a time"], params, use_tqdm=False),
+                 plain.generate(["Once upon a time"], params, use_tqdm=False))
+
+
+def test_n_greater_than_one_and_seeded_sampling_complete(bamba):
+    spec = LLM(bamba, speculative_config=ALWAYS, **_opts())
+    plain = LLM(bamba, **_opts())
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(2, seed=3)
+    _assert_same(_generate(spec, prompts, greedy), _generate(plain, prompts, greedy))
+    sampled = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    first = _generate(spec, prompts, sampled)
+    again = _generate(spec, prompts, sampled)
+    for a, b in zip(first, again):  # a seeded request is reproducible with speculation too
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert all(len(c.token_ids) == 16 for c in a.outputs)
+    assert released_everything(spec.engine)
+
+
+@pytest.mark.parametrize("family", ["bamba", "llama"])
+def test_preemption_during_speculation_gives_the_same_outputs(ckpt_dir, family):
+    path = make(ckpt_dir, family)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = _prompts(6, seed=4)
+    want = _generate(LLM(path, **_opts()), prompts, params)
+    tight = LLM(path, speculative_config=ALWAYS, **_opts(cache_memory="160KiB"))
+    got = _generate(tight, prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    _assert_same(got, want)
+    assert released_everything(tight.engine)
+
+
+def test_aborts_mid_verification_release_everything(bamba):
+    spec = LLM(bamba, speculative_config=ALWAYS, **_opts())
+    engine = spec.engine
+    for i, prompt in enumerate(_prompts(4, seed=5)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    verifying = 0
+    for _ in range(40):
+        engine.step()
+        verifying += sum(1 for s in engine.scheduler.running if s.spec_slot is not None)
+        if verifying >= 3:
+            break
+    assert verifying >= 3
+    engine.abort_request("r0")
+    engine.abort_all()
+    assert released_everything(engine)
+
+
+def test_drafting_backs_off_when_drafts_are_rejected(bamba):
+    spec = LLM(bamba, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                          "acceptance_floor": 0.99}, **_opts())
+    _generate(spec, _prompts(1, seed=6), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    stats = spec.engine.speculator.stats
+    assert stats.num_backoffs > 0
+    assert stats.num_drafts < 60 // 2  # it stopped drafting for whole stretches
+
+
+def test_no_drafting_beside_large_batches(bamba):
+    spec = LLM(bamba, speculative_config={**ALWAYS, "disable_by_batch_size": 2}, **_opts())
+    _generate(spec, _prompts(4, seed=7), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert spec.engine.speculator.stats.num_drafts == 0
+
+
+# ------------------------------------------------------------------------------ the rejection rule
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of Pearson's chi-square test of ``counts`` (V,) against ``probs`` (V,) (cells with p > 0)."""
+    keep = probs > 0
+    n = counts.sum()
+    expected = probs[keep] * n
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.mark.parametrize("draft_kind", ["deterministic", "draft_model"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_tokens_keep_the_target_distribution(draft_kind, temperature):
+    """The first and second tokens a verification emits follow the target's distribution exactly."""
+    vocab, trials = 6, 6000
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab) * 1.5  # rows: after the pending token, after draft 1, after draft 2
+    params = SamplingParams(temperature=temperature)
+    p = (logits / temperature).softmax(-1)
+    q = torch.randn(2, vocab).softmax(-1)  # a draft model's (poor) distribution
+    gen, default = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    draft_gen = torch.Generator().manual_seed(3)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    first_seen_draft1 = 0
+    draft_1 = int(p[0].argmin())  # a deterministic draft that is mostly wrong
+    for _ in range(trials):
+        if draft_kind == "deterministic":
+            drafts, probs = [draft_1, 2], None
+        else:
+            drafts = [int(torch.multinomial(q[0], 1, generator=draft_gen)), int(torch.multinomial(q[1], 1,
+                                                                                                   generator=draft_gen))]
+            probs = q
+        verdict = verify(logits, [Verification(drafts, params, gen, probs)], default)[0]
+        first[verdict.tokens[0]] += 1
+        if verdict.tokens[0] == drafts[0] and len(verdict.tokens) > 1:
+            first_seen_draft1 += 1
+            second[verdict.tokens[1]] += 1
+    assert _chi_square_pvalue(first, p[0]) > 1e-3
+    # the token after an accepted first draft follows the target's row after that draft
+    if first_seen_draft1 > 200:
+        assert _chi_square_pvalue(second, p[1]) > 1e-3
+
+
+def test_greedy_verdicts():
+    logits = torch.full((4, 8), -5.0)
+    for row, token in enumerate([3, 4, 5, 6]):
+        logits[row, token] = 5.0
+    greedy = SamplingParams(temperature=0)
+    gen = torch.Generator()
+    all_ok, first_bad, second_bad = verify(torch.cat([logits, logits[:3], logits[:2]]), [
+        Verification([3, 4, 5], greedy, None), Verification([7, 4], greedy, None), Verification([3], greedy, None)],
+        gen)
+    assert (all_ok.tokens, all_ok.num_accepted, all_ok.rows) == ([3, 4, 5, 6], 3, [0, 1, 2, 3])
+    assert (first_bad.tokens, first_bad.num_accepted, first_bad.rows) == ([3], 0, [4])
+    assert (second_bad.tokens, second_bad.num_accepted) == ([3, 4], 1)
+
+
+# ------------------------------------------------------------------------------ drafting and config
+def test_ngram_proposals_follow_the_latest_longest_match():
+    index = NgramIndex(2)
+    tokens = [1, 2, 3, 9, 1, 2, 4, 7, 5, 1, 2]
+    assert propose(tokens, index, 3, 4) == [4, 7, 5]  # "1 2" last seen before "4 7 5"
+    tokens = [8, 1, 2, 3, 0, 6, 1, 2, 5, 8, 1, 2]
+    assert propose(tokens, NgramIndex(2), 2, 4) == [3, 0]  # "8 1 2" beats the later "1 2"
+    assert propose([1, 2, 3, 4], NgramIndex(2), 3, 4) == []  # nothing repeats
+    index = NgramIndex(1)
+    grown = [4, 5, 4]
+    assert propose(grown, index, 2, 3) == [5, 4]
+    grown += [6, 4]
+    assert propose(grown, index, 2, 3) == [6, 4]  # the index grows with the tokens
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "eagle"}, "method='eagle' is not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+    ({"method": "ngram", "num_speculative_tokens": 16}, "at most 15"),
+    ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds prompt_lookup_max"),
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "mtp", "model": "x"}, "only for a draft model"),
+    ({"method": "ngram", "lookahead": 3}, "unknown keys ['lookahead']"),
+    ('{"method": "ngram",', "not valid JSON"),
+    ([1], "must be a dict"),
+])
+def test_bad_speculative_configs_are_refused(value, message):
+    with pytest.raises(ValueError, match=None) as err:
+        parse_speculative_config(value)
+    assert message in str(err.value)
+
+
+def test_config_forms():
+    assert parse_speculative_config(None) is None
+    cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == ("ngram", 3, 5, 2)
+    assert parse_speculative_config({"model": "/some/dir"}).method == "draft_model"
