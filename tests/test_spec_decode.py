@@ -290,3 +290,74 @@ def test_config_forms():
     cfg = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == ("ngram", 3, 5, 2)
     assert parse_speculative_config({"model": "/some/dir"}).method == "draft_model"
+
+
+# ------------------------------------------------------------------------------ draft models
+#: target -> a drafter of another family with random weights: its drafts are mostly wrong
+POOR_DRAFTERS = {"bamba": "mamba2", "mamba": "llama", "qwen3_next": "lfm2", "minimax": "mamba", "lfm2": "bamba",
+                 "llama": "qwen3_next", "mamba2": "minimax"}
+
+
+@pytest.mark.parametrize("family", list(POOR_DRAFTERS))
+def test_a_poor_draft_model_gives_the_outputs_of_decoding_without_it(ckpt_dir, family):
+    path, drafter = make(ckpt_dir, family), make(ckpt_dir, POOR_DRAFTERS[family], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    prompts = _prompts(4, seed=8)
+    want = _generate(LLM(path, **_opts()), prompts, params)
+    spec = LLM(path, speculative_config={"model": drafter, "num_speculative_tokens": 3, "acceptance_floor": 0.0},
+               **_opts())
+    _assert_same(_generate(spec, prompts, params), want)
+    for p, w in zip(prompts, want):
+        _assert_same(_generate(spec, [p], params), [w])
+    stats = spec.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert released_everything(spec.engine)
+
+
+def test_the_target_as_its_own_draft_model_is_always_right(bamba):
+    """Drafts from the same weights are the target's own greedy tokens: every one is accepted, and the
+    draft model's layers (its own KV and state in the shared pool) stay in step with the target's."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = _prompts(3, seed=10)
+    want = _generate(LLM(bamba, **_opts()), prompts, params)
+    spec = LLM(bamba, speculative_config={"model": bamba, "num_speculative_tokens": 4}, **_opts())
+    assert spec.engine.draft_model.runner.captured_decode is not None
+    for p, w in zip(prompts, want):
+        _assert_same(_generate(spec, [p], params), [w])
+    stats = spec.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    layers = spec.cache_layout()["layers"]
+    assert len(layers) == 2 * len(LLM(bamba, **_opts()).cache_layout()["layers"])  # its layers are in the pool
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(bamba, ckpt_dir):
+    other = make(ckpt_dir, "llama", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target 128"):
+        LLM(bamba, speculative_config={"model": other}, **_opts())
+
+
+def test_sampling_with_a_draft_model_completes_and_is_reproducible(bamba, ckpt_dir):
+    drafter = make(ckpt_dir, "mamba2", seed=9)
+    spec = LLM(bamba, speculative_config={"model": drafter, "num_speculative_tokens": 3, "acceptance_floor": 0.0},
+               **_opts())
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    prompts = _prompts(3, seed=11)
+    first, again = _generate(spec, prompts, params), _generate(spec, prompts, params)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert spec.engine.speculator.stats.num_drafts > 0
+    assert released_everything(spec.engine)
+
+
+def test_a_near_copy_draft_model_stays_in_step_after_rejections(bamba, ckpt_dir):
+    """The target's weights in bfloat16 as drafter: nearly every draft is right, a few are not. Were the
+    draft model's state or KV out of step after a rollback, its drafts would go wrong from there on."""
+    drafter = make(ckpt_dir, "bamba", dtype=torch.bfloat16)
+    spec = LLM(bamba, speculative_config={"model": drafter, "num_speculative_tokens": 4, "acceptance_floor": 0.0},
+               **_opts())
+    plain = LLM(bamba, **_opts())
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for p in _prompts(6, seed=3):
+        _assert_same(_generate(spec, [p], params), _generate(plain, [p], params))
+    stats = spec.engine.speculator.stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks happened
+    assert stats.num_accepted_tokens > 0.85 * stats.num_draft_tokens

@@ -119,7 +119,8 @@ def attach_captured_decode(runner, model: nn.Module, pool, config: EngineConfig,
     elif config.enforce_eager:
         report.decode_reason = "--enforce-eager"
     else:
-        runner.captured_decode, report.decode_reason = try_capture(model, pool, config.max_num_seqs, max_model_len)
+        runner.captured_decode, report.decode_reason = try_capture(model, pool, config.max_num_seqs, max_model_len,
+                                                                   caches=runner.caches)
         report.decode_captured = runner.captured_decode is not None
 
 
@@ -132,7 +133,7 @@ def attach_captured_steps(runner, model: nn.Module, pool, max_model_len: int, re
         report.verify_captured, report.verify_reason = False, f"decode is not captured ({report.decode_reason})"
         return
     for q in range(2, max_tokens_per_row + 1):
-        captured, reason = try_capture(model, pool, max_rows, max_model_len, q)
+        captured, reason = try_capture(model, pool, max_rows, max_model_len, q, runner.caches)
         if captured is None:
             runner.captured_steps.clear()
             report.verify_captured, report.verify_reason = False, reason

@@ -44,8 +44,9 @@ class CapturedDecode:
     """
 
     def __init__(self, model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int,
-                 tokens_per_row: int = 1) -> None:
+                 tokens_per_row: int = 1, caches: dict | None = None) -> None:
         self.model = model
+        self.caches = pool.layer_caches if caches is None else caches  # what the model's cache indices address
         self.max_rows = max_rows
         self.q = q = tokens_per_row
         self.block_size = pool.layout.block_size
@@ -88,7 +89,7 @@ class CapturedDecode:
         one_token = self.q == 1
         return ForwardBatch(slot_mapping=self.slot_mapping[:t] if self.has_kv else None,
                             decode=group if one_token else None, prefill=None if one_token else group,
-                            caches=self._pool.layer_caches,
+                            caches=self.caches,
                             window_slot_mapping=self.window_slot_mapping[:t] if self.has_window else None)
 
     @torch.inference_mode()
@@ -173,7 +174,7 @@ class CapturedDecode:
 
 
 def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int,
-                tokens_per_row: int = 1) -> tuple[CapturedDecode | None, str | None]:
+                tokens_per_row: int = 1, caches: dict | None = None) -> tuple[CapturedDecode | None, str | None]:
     """The model's captured steps of ``tokens_per_row`` tokens per sequence (1: decode) and None, or None
     and the reason it cannot be captured.
 
@@ -185,7 +186,7 @@ def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_mode
         return None, (f"the cache pool ({pool.num_bytes} bytes) is too small to set aside a page and a slot for "
                       f"padded rows ({padding} bytes, over 1/{MIN_POOL_SHARE} of it)")
     reserved = pool.padding != (None, None)  # another capture's: it stays
-    captured = CapturedDecode(model, pool, max_rows, max_model_len, tokens_per_row)
+    captured = CapturedDecode(model, pool, max_rows, max_model_len, tokens_per_row, caches)
     try:
         captured.capture_all()
     except CaptureError as exc:

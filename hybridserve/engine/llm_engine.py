@@ -28,6 +28,7 @@ from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.spec_decode.acceptance import Verification, verify
 from hybridserve.spec_decode.config import parse_speculative_config
+from hybridserve.spec_decode.draft_model import DraftModel
 from hybridserve.spec_decode.speculator import Speculator
 from hybridserve.structured_output.manager import StructuredOutputManager
 
@@ -58,16 +59,29 @@ class LLMEngine:
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         self.cpu_fast_paths = prepare_model(self.model, config) if self.device.type == "cpu" else None
         self.cpu_kernels = self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
-        self.layout = compute_layout(self.specs, config.block_size)
+        self.spec_config = parse_speculative_config(config.speculative_config)
+        self.draft_model = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            self.draft_model = DraftModel(self.spec_config.model, self.hf_config, config, self.specs, self.device)
+            if self.device.type == "cpu":
+                self.draft_model.fast_paths = prepare_model(self.draft_model.model, config)
+        draft_specs = self.draft_model.specs if self.draft_model is not None else []
+        self.layout = compute_layout(self.specs + draft_specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
+        if self.draft_model is not None:
+            _apply_kv_scales(self.draft_model.model, self.pool, self.dtypes.kv_cache, self.draft_model.offset)
         self.cache = CacheManager(self.pool, config.enable_prefix_caching, config.prefix_snapshot_interval)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
-        self.spec_config = parse_speculative_config(config.speculative_config)
-        self.speculator = (Speculator(self.spec_config, self.cache, self.max_model_len, config.max_num_batched_tokens)
-                           if self.spec_config is not None else None)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.speculator = None
+        if self.spec_config is not None:
+            if self.draft_model is not None:
+                self.draft_model.bind(self.pool, self.device)
+            self.speculator = Speculator(self.spec_config, self.cache, self.max_model_len,
+                                         config.max_num_batched_tokens, self.draft_model, self.generator)
         if config.max_model_len:
             from hybridserve.cache.planner import positions_warning
 
@@ -82,11 +96,18 @@ class LLMEngine:
                                       min(config.max_num_seqs, self.spec_config.disable_by_batch_size),
                                       self.spec_config.num_speculative_tokens + 1)
             self.cpu_fast_paths.log()
+            if self.draft_model is not None:  # its own decode and rerun steps, captured over its view of the pool
+                draft, paths = self.draft_model, self.draft_model.fast_paths
+                attach_captured_decode(draft.runner, draft.model, self.pool, config, self.max_model_len, paths)
+                attach_captured_steps(draft.runner, draft.model, self.pool, self.max_model_len, paths,
+                                      min(config.max_num_seqs, self.spec_config.disable_by_batch_size),
+                                      self.spec_config.num_speculative_tokens + 1)
+                if paths.off():
+                    logger.warning("draft model CPU fast paths off: %s", "; ".join(paths.off()))
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,
                                                   self.eos_token_id)
-        self.generator = torch.Generator().manual_seed(config.seed)
         self.fingerprint = config.fingerprint(self.dtypes)
         self._requests = RequestRegistry()  # request id -> its sequences, by completion index
         self._arrivals = itertools.count()
@@ -192,9 +213,9 @@ class LLMEngine:
                 raise RuntimeError("the cache pool cannot hold the next waiting request")
             return self._outputs(touched, finished_only)
         solo = self.scheduler.solo
-        if self.speculator is not None and solo is None:
-            self.speculator.attach(plan.scheduled, len(self.scheduler.running))
         try:
+            if self.speculator is not None:
+                self.speculator.attach(plan.scheduled, len(self.scheduler.running), may_draft=solo is None)
             logits = self.runner.run(plan.scheduled)
         except Exception as exc:  # noqa: BLE001 - contained below
             self._contain_step_failure([it.seq for it in plan.scheduled], exc, touched)
@@ -289,8 +310,9 @@ class LLMEngine:
         """Accept or reject each verified sequence's drafts, append the tokens its verdict emits (up to a
         stop), and set what its cache holds (``Speculator.settle``)."""
         items = logits.verify_seqs
-        verdicts = verify(logits.verify_logits, [Verification(it.drafts, it.seq.params, it.seq.generator)
-                                                 for it in items], self.generator, self.cpu_kernels)
+        verdicts = verify(logits.verify_logits, [Verification(it.drafts, it.seq.params, it.seq.generator,
+                                                              it.draft_probs) for it in items],
+                          self.generator, self.cpu_kernels)
         rows = [row for v in verdicts for row in v.rows]
         chosen = torch.tensor([t for v in verdicts for t in v.tokens])
         params = [it.seq.params for it, v in zip(items, verdicts) for _ in v.tokens]
@@ -494,7 +516,7 @@ class LLMEngine:
         layout = self.layout
         return {
             **self.dtypes.as_names(),
-            "layers": [spec.describe() for spec in self.specs],
+            "layers": [spec.describe() for spec in self.specs + (self.draft_model.specs if self.draft_model else [])],
             "block_size": layout.block_size,
             "attention_block_size": layout.block_size,
             "kv_bytes_per_token": layout.kv_bytes_per_token,
@@ -513,7 +535,7 @@ class LLMEngine:
         }
 
 
-def _apply_kv_scales(model: torch.nn.Module, pool: CachePool, kv_dtype: torch.dtype) -> None:
+def _apply_kv_scales(model: torch.nn.Module, pool: CachePool, kv_dtype: torch.dtype, offset: int = 0) -> None:
     """Give each layer's fp8 K/V views the checkpoint's scales (attention modules' ``k_scale``/``v_scale``,
     set by the loader; 1.0 when the checkpoint has none). Other KV dtypes store values unscaled."""
     if kv_dtype not in FP8_KV_DTYPES:
@@ -521,7 +543,7 @@ def _apply_kv_scales(model: torch.nn.Module, pool: CachePool, kv_dtype: torch.dt
     for module in model.modules():
         spec = getattr(module, "spec", None)
         if isinstance(spec, LayerCacheSpec) and spec.attention is not None:
-            cache = pool.layer_caches[spec.index]
+            cache = pool.layer_caches[spec.index + offset]  # offset: a draft model's layers follow the target's
             cache.k_scale = float(getattr(module, "k_scale", 1.0))
             cache.v_scale = float(getattr(module, "v_scale", 1.0))
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.cache.pool import CachePool
+from hybridserve.cache.pool import CachePool, LayerCache
 from hybridserve.engine.decode_capture import CapturedDecode
 from hybridserve.engine.scheduler import ScheduledSeq
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
@@ -46,9 +46,13 @@ def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 class ModelRunner:
     """Owns the model and the cache pool's views; turns a schedule into logits."""
 
-    def __init__(self, model: CausalLM, pool: CachePool, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, pool: CachePool, device: torch.device,
+                 caches: dict[int, LayerCache] | None = None) -> None:
+        """``caches``: the layer caches the model's cache indices address (default: the pool's, by the same
+        indices; a draft model sharing the pool gets its own view of the pool's layers)."""
         self.model = model
         self.pool = pool
+        self.caches = pool.layer_caches if caches is None else caches
         self.device = device
         self.block_size = pool.layout.block_size
         self.has_kv = pool.layout.has_kv
@@ -97,7 +101,7 @@ class ModelRunner:
             window = ([s.window_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
                       [s.window_table for s in seqs])
         hidden = captured.run(input_ids, positions, slot_mapping, [p + 1 for p in positions], tables,
-                              [s.state_slot for s in seqs] if self.has_state else [], window)
+                              _state_slots(scheduled) if self.has_state else [], window)
         return StepLogits(list(scheduled), list(scheduled), self.model.sampling_logits(hidden), [], None)
 
     @torch.inference_mode()
@@ -158,7 +162,7 @@ class ModelRunner:
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                 decode=self._group(decodes, 0),
                 prefill=self._group(prefills, len(decodes)),
-                caches=self.pool.layer_caches,
+                caches=self.caches,
                 window_slot_mapping=_int_tensor(window_slots, self.device) if self.has_window else None,
             )
             hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
@@ -195,7 +199,38 @@ class ModelRunner:
         return self.model.sampling_logits(hidden[_int_tensor(rows, self.device)])
 
 
+    @torch.inference_mode()
+    def run_one_token_rows(self, seqs: list, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One token per sequence at the given positions, on each sequence's speculative slot (a draft model's
+        drafting steps); returns sampling logits (len(seqs), V). The tokens are not the sequences' own: the
+        caller keeps track of what the speculative slot has absorbed."""
+        bs = self.block_size
+        slot_mapping = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] if self.has_kv else []
+        seq_lens = [p + 1 for p in positions]
+        slots = [s.spec_slot for s in seqs]
+        window = None
+        if self.has_window:
+            window = ([s.window_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+                      [s.window_table for s in seqs])
+        captured = self.captured_decode
+        if captured is not None and len(seqs) <= captured.max_rows:
+            hidden = captured.run(token_ids, positions, slot_mapping, seq_lens,
+                                  [s.block_table for s in seqs] if self.has_kv else [], slots if self.has_state else [],
+                                  window)
+        else:
+            n = len(seqs)
+            group = SeqGroup(0, n, torch.arange(n + 1, dtype=torch.int64), _int_tensor(seq_lens, self.device),
+                             _tables([s.block_table for s in seqs], self.device) if self.has_kv else None,
+                             _int_tensor(slots, self.device) if self.has_state else None,
+                             _tables([s.window_table for s in seqs], self.device) if self.has_window else None)
+            batch = ForwardBatch(slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
+                                 decode=group, prefill=None, caches=self.caches,
+                                 window_slot_mapping=_int_tensor(window[0], self.device) if window else None)
+            hidden = self.model(_int_tensor(token_ids, self.device), _int_tensor(positions, self.device), batch)
+        return self.model.sampling_logits(hidden)
+
+
 def _state_slots(items: list[ScheduledSeq]) -> list[int]:
     """Each sequence's state slot this step: a verification runs on its speculative slot (a copy of its
     state: the state slot keeps the state before the drafts, for when one is rejected)."""
-    return [it.seq.spec_slot if it.drafts else it.seq.state_slot for it in items]
+    return [it.seq.spec_slot if it.on_spec_slot else it.seq.state_slot for it in items]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridserve.cache.manager import CacheManager
 from hybridserve.cache.prefix_sharing import MAX_COMPARED, waits_for_leader
@@ -15,6 +16,8 @@ class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens run this step (1 for a decode, a chunk for a prefill)
     drafts: list[int] = field(default_factory=list)  # proposed tokens verified after them (speculation)
+    draft_probs: Any = None  # (len(drafts), V) the draft model's probabilities of them, when it sampled them
+    on_spec_slot: bool = False  # runs on the sequence's speculative slot (it verifies drafts)
 
     @property
     def num_run(self) -> int:

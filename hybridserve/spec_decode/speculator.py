@@ -67,8 +67,12 @@ class Speculator:
     """Drafts for the eligible sequences of a step, and the bookkeeping of their verdicts."""
 
     def __init__(self, config: SpeculativeConfig, cache: CacheManager, max_model_len: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, draft_model=None, default_generator=None) -> None:
+        """``draft_model``: the :class:`~hybridserve.spec_decode.draft_model.DraftModel` of method
+        ``draft_model`` (bound to the pool); ``default_generator``: what draws for unseeded requests."""
         self.config = config
+        self.draft_model = draft_model
+        self.default_generator = default_generator
         self.k = config.num_speculative_tokens
         self.cache = cache
         self.max_model_len = max_model_len
@@ -96,29 +100,38 @@ class Speculator:
             room = min(room, plan[0] - seq.num_computed_tokens - 1)
         return max(0, room)
 
-    def attach(self, scheduled: list[ScheduledSeq], num_running: int) -> int:
+    def attach(self, scheduled: list[ScheduledSeq], num_running: int, may_draft: bool = True) -> int:
         """Give the eligible sequences of this step their drafts, with the pages and slot to verify them;
-        returns how many sequences draft."""
-        if num_running > self.config.disable_by_batch_size:
-            return 0
-        budget = self.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
-        drafting = 0
-        for item in scheduled:
-            if budget <= 0:
-                break
-            room = min(self._room(item), budget)
-            if room <= 0:
-                continue
-            seq = item.seq
-            if seq.spec is None:
-                seq.spec = SeqSpecState(ngram=NgramIndex(self.config.prompt_lookup_min))
-            drafts = propose(seq.all_token_ids, seq.spec.ngram, room, self.config.prompt_lookup_max)
-            if not drafts or not self._grant(item, len(drafts)):
-                continue
-            item.drafts = drafts
-            budget -= len(drafts)
-            drafting += 1
-        return drafting
+        returns how many sequences draft. A draft model also runs the step's tokens (it absorbs what the
+        target absorbs), drafting or not."""
+        drafting: list[tuple[ScheduledSeq, int]] = []
+        if may_draft and num_running <= self.config.disable_by_batch_size:
+            budget = self.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
+            for item in scheduled:
+                if budget <= 0:
+                    break
+                room = min(self._room(item), budget)
+                if room <= 0:
+                    continue
+                seq = item.seq
+                if seq.spec is None:
+                    seq.spec = SeqSpecState(ngram=NgramIndex(self.config.prompt_lookup_min)
+                                            if self.config.method == "ngram" else None)
+                if self.config.method == "ngram":
+                    drafts = propose(seq.all_token_ids, seq.spec.ngram, room, self.config.prompt_lookup_max)
+                    if not drafts or not self._grant(item, len(drafts)):
+                        continue
+                    item.drafts, item.on_spec_slot = drafts, True
+                    room = len(drafts)
+                else:  # the draft model drafts below, once every drafting sequence has its room
+                    if not self._grant(item, room):
+                        continue
+                    item.on_spec_slot = True
+                budget -= room
+                drafting.append((item, room))
+        if self.draft_model is not None:
+            self.draft_model.step(scheduled, drafting, self.default_generator)
+        return len(drafting)
 
     def _grant(self, item: ScheduledSeq, num_drafts: int) -> bool:
         """Pages for the drafts and, with recurrent state, the second slot (state copied onto it)."""
