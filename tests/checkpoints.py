@@ -420,3 +420,131 @@ def make(tmp_dir: str, family: str, dtype: torch.dtype = torch.float32, seed: in
     if not os.path.isfile(os.path.join(path, "config.json")):
         build({**BUILDERS, **VL_BUILDERS}[family](**overrides), path, seed=seed, dtype=dtype)
     return path
+
+
+# ----------------------------------------------------------------------------------- multi-token prediction
+def _qwen3_next_mtp_shapes(cfg: dict, num_layers: int) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next / Qwen3.5 ``mtp.*`` names and shapes (vLLM's qwen3_next_mtp.py / qwen3_5_mtp.py layout), one
+    full-attention layer per MTP module with the MoE of the model (or its dense MLP), experts per expert."""
+    h = cfg["hidden_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dh = cfg.get("head_dim") or h // heads
+    shapes: dict[str, tuple[int, ...]] = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                                          "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    num_experts = cfg.get("num_experts") or 0
+    for i in range(num_layers):
+        p = f"mtp.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (2 * heads * dh, h),  # per head [query, gate]
+                       p + "self_attn.k_proj.weight": (kv_heads * dh, h),
+                       p + "self_attn.v_proj.weight": (kv_heads * dh, h),
+                       p + "self_attn.o_proj.weight": (h, heads * dh), p + "self_attn.q_norm.weight": (dh,),
+                       p + "self_attn.k_norm.weight": (dh,)})
+        moe = (num_experts > 0 and i not in (cfg.get("mlp_only_layers") or [])
+               and (i + 1) % (cfg.get("decoder_sparse_step") or 1) == 0)
+        if moe:
+            inter, shared = cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (num_experts, h)
+            for e in range(num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (inter, h), q + "up_proj.weight": (inter, h),
+                               q + "down_proj.weight": (h, inter)})
+            shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h),
+                           p + "mlp.shared_expert.up_proj.weight": (shared, h),
+                           p + "mlp.shared_expert.down_proj.weight": (h, shared),
+                           p + "mlp.shared_expert_gate.weight": (1, h)})
+        else:
+            inter = cfg["intermediate_size"]
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                           p + "mlp.down_proj.weight": (h, inter)})
+    return shapes
+
+
+#: the MTP module of the Nemotron-H test checkpoints: an attention block, then an MoE block (Nemotron-3 Super's)
+NEMOTRON_H_MTP_KINDS = ["full_attention", "moe"]
+
+
+def _nemotron_h_mtp_shapes(cfg: dict, num_layers: int) -> dict[str, tuple[int, ...]]:
+    """Nemotron-H ``mtp.layers.{k}.*`` names and shapes (vLLM's nemotron_h_mtp.py layout), blocks of the kinds
+    ``NEMOTRON_H_MTP_KINDS`` per module; the first block fuses (enorm, hnorm, eh_proj), the last ends in
+    final_layernorm."""
+    h = cfg["hidden_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dh = cfg.get("head_dim") or h // heads
+    shapes: dict[str, tuple[int, ...]] = {}
+    kinds = NEMOTRON_H_MTP_KINDS
+    for k in range(num_layers * len(kinds)):
+        p, j = f"mtp.layers.{k}.", k % len(kinds)
+        shapes[p + "norm.weight"] = (h,)
+        if j == 0:
+            shapes.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h)})
+        if j == len(kinds) - 1:
+            shapes[p + "final_layernorm.weight"] = (h,)
+        if kinds[j] == "full_attention":
+            shapes.update({p + "mixer.q_proj.weight": (heads * dh, h), p + "mixer.k_proj.weight": (kv_heads * dh, h),
+                           p + "mixer.v_proj.weight": (kv_heads * dh, h), p + "mixer.o_proj.weight": (h, heads * dh)})
+        else:
+            e_num, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+            shared = cfg["moe_shared_expert_intermediate_size"]
+            d_in = cfg.get("moe_latent_size") or h
+            shapes.update({p + "mixer.gate.weight": (e_num, h), p + "mixer.gate.e_score_correction_bias": (e_num,),
+                           p + "mixer.shared_experts.up_proj.weight": (shared, h),
+                           p + "mixer.shared_experts.down_proj.weight": (h, shared)})
+            for e in range(e_num):
+                shapes.update({f"{p}mixer.experts.{e}.up_proj.weight": (inter, d_in),
+                               f"{p}mixer.experts.{e}.down_proj.weight": (d_in, inter)})
+            if cfg.get("moe_latent_size"):
+                shapes.update({p + "mixer.fc1_latent_proj.weight": (d_in, h),
+                               p + "mixer.fc2_latent_proj.weight": (h, d_in)})
+    return shapes
+
+
+def add_mtp_weights(path: str, num_layers: int = 1, seed: int = 0, std: float = 0.08, out: str | None = None) -> str:
+    """A copy of the checkpoint at ``path`` with random multi-token-prediction weights: every ``mtp.*`` tensor
+    of the family's published layout (real names and shapes) added to its safetensors, and the MTP layer
+    count in its config.json (Qwen3-Next / Qwen3.5: ``mtp_num_hidden_layers``, in ``text_config`` for a
+    vision-language checkpoint; Nemotron-H: ``num_nextn_predict_layers`` and ``mtp_layers_block_type``).
+    Norm weights are small around their identity (zero-centered for Qwen), matrices ``N(0, std)``.
+    ``path`` is left unchanged; the copy goes to ``out`` (default ``{path}-mtp{num_layers}-s{seed}``), reused
+    when it exists. Returns the copy's path."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = out or f"{path}-mtp{num_layers}-s{seed}"
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(path, tmp)
+    with open(os.path.join(tmp, "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    if config.get("model_type") == "nemotron_h":
+        text.update(num_nextn_predict_layers=num_layers, mtp_layers_block_type=list(NEMOTRON_H_MTP_KINDS))
+        shapes, zero_centered = _nemotron_h_mtp_shapes(text, num_layers), False
+    elif str(config.get("model_type", "")).startswith(("qwen3_next", "qwen3_5")):
+        text["mtp_num_hidden_layers"] = num_layers
+        shapes, zero_centered = _qwen3_next_mtp_shapes(text, num_layers), True
+    else:
+        raise ValueError(f"no MTP layout for model_type {config.get('model_type')!r}")
+    files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"expected one safetensors file in {path!r}, found {files}")
+    weights = load_file(os.path.join(tmp, files[0]))
+    dtype = next(iter(weights.values())).dtype
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in shapes.items():
+        if len(shape) >= 2:
+            t = torch.randn(shape, generator=gen) * std
+        elif name.endswith("e_score_correction_bias"):
+            t = torch.randn(shape, generator=gen) * 0.1
+        else:  # a norm weight: gamma - 1 (zero-centered) or gamma, a little off its identity
+            t = torch.randn(shape, generator=gen) * 0.1 + (0.0 if zero_centered else 1.0)
+        weights[name] = t.to(dtype)
+    save_file(weights, os.path.join(tmp, files[0]), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, out)
+    return out

@@ -59,18 +59,23 @@ def _uses_moe(config: Any, index: int) -> bool:
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
+    def __init__(self, config: Any, index: int, dtypes: CacheDtypes, layer_type: str | None = None,
+                 cache_index: int | None = None) -> None:
+        """``layer_type`` and ``cache_index`` override ``config.layer_types[index]`` and the cache index
+        (default ``index``): a multi-token-prediction layer (``models/mtp_qwen3_next.py``) is a full-attention
+        layer whose MoE rule reads its place among the MTP layers and whose cache sits after the model's."""
         super().__init__()
-        self.kind = config.layer_types[index]
+        self.kind = layer_type or config.layer_types[index]
+        cache_index = index if cache_index is None else cache_index
         if self.kind == "linear_attention":
             self.linear_attn = GatedDeltaNet(
-                index, config.hidden_size, num_k_heads=config.linear_num_key_heads,
+                cache_index, config.hidden_size, num_k_heads=config.linear_num_key_heads,
                 num_v_heads=config.linear_num_value_heads, head_k_dim=config.linear_key_head_dim,
                 head_v_dim=config.linear_value_head_dim, conv_kernel=config.linear_conv_kernel_dim,
                 dtypes=dtypes, norm_eps=config.rms_norm_eps, activation=config.hidden_act)
         elif self.kind == "full_attention":
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            self.self_attn = Attention(index, config.hidden_size, config.num_attention_heads,
+            self.self_attn = Attention(cache_index, config.hidden_size, config.num_attention_heads,
                                        config.num_key_value_heads, head_dim, dtypes,
                                        bias=getattr(config, "attention_bias", False),
                                        qk_norm_eps=config.rms_norm_eps, qk_norm_zero_centered=True,
