@@ -361,3 +361,29 @@ def test_a_near_copy_draft_model_stays_in_step_after_rejections(bamba, ckpt_dir)
     stats = spec.engine.speculator.stats
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # rollbacks happened
     assert stats.num_accepted_tokens > 0.85 * stats.num_draft_tokens
+
+
+# ------------------------------------------------------------------------------ MTP heads
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "nemotron_h_latent"])
+def test_mtp_drafts_give_the_outputs_of_decoding_without_them(ckpt_dir, family):
+    from tests.checkpoints import add_mtp_weights
+
+    path = add_mtp_weights(make(ckpt_dir, family), num_layers=1, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    prompts = _prompts(4, seed=12)
+    want = _generate(LLM(path, **_opts()), prompts, params)
+    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "acceptance_floor": 0.0},
+               **_opts())
+    _assert_same(_generate(spec, prompts, params), want)
+    for p, w in zip(prompts, want):
+        _assert_same(_generate(spec, [p], params), [w])
+    stats = spec.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert released_everything(spec.engine)
+
+
+def test_mtp_on_a_checkpoint_without_mtp_weights_is_refused(bamba, ckpt_dir):
+    with pytest.raises(ValueError, match="no multi-token-prediction"):
+        LLM(bamba, speculative_config={"method": "mtp"}, **_opts())
+    with pytest.raises(ValueError, match="declares no MTP layers"):
+        LLM(make(ckpt_dir, "qwen3_next"), speculative_config={"method": "mtp"}, **_opts())

@@ -107,6 +107,7 @@ class EngineSnapshot:
     generation_tokens: int = 0
     num_preemptions: int = 0
     prefix_cache: dict[str, int] = field(default_factory=dict)  # LLMEngine.prefix_cache_stats()
+    spec_decode: dict | None = None  # LLMEngine.spec_decode_stats() (None: no speculative decoding)
 
 
 @dataclass
@@ -348,6 +349,7 @@ class AsyncEngine:
             generation_tokens=engine.stats["generation_tokens"],
             num_preemptions=scheduler.num_preemptions,
             prefix_cache=engine.prefix_cache_stats(),
+            spec_decode=engine.spec_decode_stats(),
         )
 
     def _call(self, fn, *args) -> None:

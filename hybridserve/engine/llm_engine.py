@@ -24,11 +24,13 @@ from hybridserve.engine.sampler import report, sample, sample_rows_alone
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.models.loader import build_model, load_hf_config
+from hybridserve.models.mtp import build_mtp_head
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.spec_decode.acceptance import Verification, verify
 from hybridserve.spec_decode.config import parse_speculative_config
 from hybridserve.spec_decode.draft_model import DraftModel
+from hybridserve.spec_decode.mtp import MTPDrafter
 from hybridserve.spec_decode.speculator import Speculator
 from hybridserve.structured_output.manager import StructuredOutputManager
 
@@ -65,8 +67,18 @@ class LLMEngine:
             self.draft_model = DraftModel(self.spec_config.model, self.hf_config, config, self.specs, self.device)
             if self.device.type == "cpu":
                 self.draft_model.fast_paths = prepare_model(self.draft_model.model, config)
+        self.mtp_head = None
+        if self.spec_config is not None and self.spec_config.method == "mtp":
+            self.mtp_head = build_mtp_head(config.model, self.hf_config, self.model, self.dtypes.model,
+                                           CacheDtypes.from_resolved(self.dtypes), self.device,
+                                           max(s.index for s in self.specs) + 1)
+            if self.device.type == "cpu":
+                prepare_model(self.mtp_head, config)
         draft_specs = self.draft_model.specs if self.draft_model is not None else []
-        self.layout = compute_layout(self.specs + draft_specs, config.block_size)
+        if self.mtp_head is not None:
+            draft_specs = self.mtp_head.cache_specs()
+        self.layout_specs = self.specs + draft_specs  # the target's layers, then a drafter's (draft model, MTP)
+        self.layout = compute_layout(self.layout_specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
         _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
         if self.draft_model is not None:
@@ -80,8 +92,10 @@ class LLMEngine:
         if self.spec_config is not None:
             if self.draft_model is not None:
                 self.draft_model.bind(self.pool, self.device)
+            mtp = (MTPDrafter(self.mtp_head, self.cache, self.spec_config.num_speculative_tokens)
+                   if self.mtp_head is not None else None)
             self.speculator = Speculator(self.spec_config, self.cache, self.max_model_len,
-                                         config.max_num_batched_tokens, self.draft_model, self.generator)
+                                         config.max_num_batched_tokens, self.draft_model, self.generator, mtp)
         if config.max_model_len:
             from hybridserve.cache.planner import positions_warning
 
@@ -240,6 +254,11 @@ class LLMEngine:
         if logits.sample_seqs:
             self._end_prefill_only(logits.sample_seqs, touched)
             self._sample_and_append(logits, touched)
+        if self.speculator is not None and self.speculator.mtp is not None:
+            try:
+                self.speculator.after_step(logits)
+            except Exception:  # noqa: BLE001 - drafting is an optimization: the step's results stand
+                logger.exception("the MTP head failed after a step; no drafts from it this step")
         if solo is not None and (solo.is_finished or solo.num_pending_tokens <= 1):
             self.scheduler.cleared(solo)
         return self._outputs(touched, finished_only)
@@ -510,13 +529,18 @@ class LLMEngine:
                      cached_pages=prefix.num_cached_pages, cached_bytes=self.cache.cached_bytes())
         return stats
 
+    def spec_decode_stats(self) -> dict | None:
+        """Speculative decoding's counters (``SpecStats.as_dict``: verifications, draft and accepted tokens,
+        acceptance length histogram, back-offs), or None when it is off."""
+        return self.speculator.stats.as_dict() if self.speculator is not None else None
+
     # ----------------------------------------------------------------- inspect
     def cache_layout(self) -> dict[str, Any]:
         """Resolved dtypes, every layer's cached tensors, and pool totals (what the engine really uses)."""
         layout = self.layout
         return {
             **self.dtypes.as_names(),
-            "layers": [spec.describe() for spec in self.specs + (self.draft_model.specs if self.draft_model else [])],
+            "layers": [spec.describe() for spec in self.layout_specs],
             "block_size": layout.block_size,
             "attention_block_size": layout.block_size,
             "kv_bytes_per_token": layout.kv_bytes_per_token,

@@ -30,3 +30,19 @@ class Histogram:
             acc += c
             cumulative.append((bound, acc))
         return cumulative, total, acc
+
+
+class CountsHistogram:
+    """A histogram of small whole numbers given as counts (``counts[v]``: observations of value ``v``), read
+    through the same ``collect`` as :class:`Histogram` (buckets at 0, 1, ..., len(counts) - 1)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = list(counts)
+
+    def collect(self) -> tuple[list[tuple[float, int]], float, int]:
+        cumulative, acc = [], 0
+        for value, count in enumerate(self.counts):
+            acc += count
+            cumulative.append((float(value), acc))
+        cumulative.append((float("inf"), acc))
+        return cumulative, float(sum(v * c for v, c in enumerate(self.counts))), acc

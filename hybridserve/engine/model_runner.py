@@ -24,6 +24,9 @@ class StepLogits:
     prompt_logits: torch.Tensor | None  # (sum of counts, V) float32
     verify_seqs: list[ScheduledSeq] = field(default_factory=list)  # sequences whose drafts are verified now
     verify_logits: torch.Tensor | None = None  # (sum of (drafts + 1), V): each one's rows, as sample_logits
+    hidden: torch.Tensor | None = None  # (T, hidden) final hidden states of every row (valid until the next step)
+    starts: list[int] = field(default_factory=list)  # per sequence of ``order``: its first row's position
+    offsets: list[int] = field(default_factory=list)  # per sequence of ``order``: its first row in ``hidden``
 
 
 def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -102,7 +105,8 @@ class ModelRunner:
                       [s.window_table for s in seqs])
         hidden = captured.run(input_ids, positions, slot_mapping, [p + 1 for p in positions], tables,
                               _state_slots(scheduled) if self.has_state else [], window)
-        return StepLogits(list(scheduled), list(scheduled), self.model.sampling_logits(hidden), [], None)
+        return StepLogits(list(scheduled), list(scheduled), self.model.sampling_logits(hidden), [], None,
+                          hidden=hidden, starts=positions, offsets=list(range(len(scheduled))))
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
@@ -123,10 +127,14 @@ class ModelRunner:
         verify_seqs: list[ScheduledSeq] = []
         prompt_rows: list[int] = []
         prompt_seqs: list[tuple[ScheduledSeq, int, int]] = []
+        starts: list[int] = []
+        offsets: list[int] = []
         bs = self.block_size
         for item in order:
             seq, start, n, m = item.seq, item.seq.num_computed_tokens, item.num_tokens, len(item.drafts)
             offset = len(input_ids)
+            starts.append(start)
+            offsets.append(offset)
             input_ids.extend(seq.token_ids_slice(start, n))
             input_ids.extend(item.drafts)
             end = start + n + m
@@ -171,7 +179,8 @@ class ModelRunner:
         prompt_logits = None
         if prompt_rows:
             prompt_logits = self.model.compute_logits(hidden[_int_tensor(prompt_rows, self.device)])
-        return StepLogits(order, sample_seqs, sample_logits, prompt_seqs, prompt_logits, verify_seqs, verify_logits)
+        return StepLogits(order, sample_seqs, sample_logits, prompt_seqs, prompt_logits, verify_seqs, verify_logits,
+                          hidden, starts, offsets)
 
     def _captured_for(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
                       prompt_rows: list[int]) -> CapturedDecode | None:

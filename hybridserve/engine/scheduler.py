@@ -18,6 +18,7 @@ class ScheduledSeq:
     drafts: list[int] = field(default_factory=list)  # proposed tokens verified after them (speculation)
     draft_probs: Any = None  # (len(drafts), V) the draft model's probabilities of them, when it sampled them
     on_spec_slot: bool = False  # runs on the sequence's speculative slot (it verifies drafts)
+    num_accepted: int = 0  # drafts its verification accepted (set once verified)
 
     @property
     def num_run(self) -> int:

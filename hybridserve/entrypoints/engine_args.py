@@ -65,6 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                         help="resume prompts from cached prefixes: shared KV pages and recurrent-state "
                              "snapshots in the one pool, evicted whenever requests need the room")
+    parser.add_argument("--speculative-config", default=None,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\', '
+                             '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\' or \'{"method": "mtp"}\' '
+                             "(docs/spec_decode.md)")
     parser.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="tokens between the state snapshots of a long prefill (0: only at prompt ends, "
                              "generation ends and branch points)")
@@ -73,7 +77,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
                  "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa",
-                 "enable_prefix_caching", "prefix_snapshot_interval")
+                 "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

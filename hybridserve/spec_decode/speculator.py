@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridserve.cache.manager import CacheManager
 from hybridserve.engine.scheduler import ScheduledSeq
 from hybridserve.spec_decode.config import SpeculativeConfig
@@ -41,6 +43,9 @@ class SeqSpecState:
     window_verifications: int = 0
     cooldown: int = 0  # steps left without drafting
     next_cooldown: int = FIRST_COOLDOWN
+    mtp_drafts: list[int] = field(default_factory=list)  # the MTP head's drafts for its next step
+    mtp_probs: list = field(default_factory=list)  # their distributions (sampled requests)
+    mtp_base: int = -1  # the token count they were drafted at (stale once it changed)
 
 
 @dataclass
@@ -67,11 +72,13 @@ class Speculator:
     """Drafts for the eligible sequences of a step, and the bookkeeping of their verdicts."""
 
     def __init__(self, config: SpeculativeConfig, cache: CacheManager, max_model_len: int,
-                 max_num_batched_tokens: int, draft_model=None, default_generator=None) -> None:
+                 max_num_batched_tokens: int, draft_model=None, default_generator=None, mtp=None) -> None:
         """``draft_model``: the :class:`~hybridserve.spec_decode.draft_model.DraftModel` of method
-        ``draft_model`` (bound to the pool); ``default_generator``: what draws for unseeded requests."""
+        ``draft_model`` (bound to the pool); ``mtp``: the :class:`~hybridserve.spec_decode.mtp.MTPDrafter` of
+        method ``mtp``; ``default_generator``: what draws for unseeded requests."""
         self.config = config
         self.draft_model = draft_model
+        self.mtp = mtp
         self.default_generator = default_generator
         self.k = config.num_speculative_tokens
         self.cache = cache
@@ -83,14 +90,21 @@ class Speculator:
     # ------------------------------------------------------------- drafting
     def _room(self, item: ScheduledSeq) -> int:
         """How many drafts ``item`` may take this step (0: it does not draft)."""
-        seq = item.seq
+        if item.num_tokens != 1:
+            return 0
+        return self.room(item.seq, count_cooldown=True)
+
+    def room(self, seq, count_cooldown: bool = False) -> int:
+        """How many drafts ``seq`` may verify in its next step (0: it does not draft); ``count_cooldown``:
+        this is that step (a step of its back-off passes)."""
         params = seq.params
-        if (item.num_tokens != 1 or seq.num_pending_tokens != 1 or seq.wants_prompt_logprobs or params.adjusts_logits
-                or not seq.output_token_ids or params.max_tokens is None):
+        if (seq.num_pending_tokens != 1 or seq.wants_prompt_logprobs or params.adjusts_logits
+                or not seq.output_token_ids or params.max_tokens is None or seq.is_finished):
             return 0
         state = seq.spec
         if state is not None and state.cooldown > 0:
-            state.cooldown -= 1
+            if count_cooldown:
+                state.cooldown -= 1
             return 0
         # the verification emits up to drafts + 1 tokens: no more than the request may still take
         left = min(params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens)
@@ -117,11 +131,11 @@ class Speculator:
                 if seq.spec is None:
                     seq.spec = SeqSpecState(ngram=NgramIndex(self.config.prompt_lookup_min)
                                             if self.config.method == "ngram" else None)
-                if self.config.method == "ngram":
-                    drafts = propose(seq.all_token_ids, seq.spec.ngram, room, self.config.prompt_lookup_max)
+                if self.config.method in ("ngram", "mtp"):
+                    drafts, probs = self._proposal(seq, room)
                     if not drafts or not self._grant(item, len(drafts)):
                         continue
-                    item.drafts, item.on_spec_slot = drafts, True
+                    item.drafts, item.draft_probs, item.on_spec_slot = drafts, probs, True
                     room = len(drafts)
                 else:  # the draft model drafts below, once every drafting sequence has its room
                     if not self._grant(item, room):
@@ -132,6 +146,27 @@ class Speculator:
         if self.draft_model is not None:
             self.draft_model.step(scheduled, drafting, self.default_generator)
         return len(drafting)
+
+    def _proposal(self, seq, room: int) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``room`` drafts of the n-gram lookup, or those the MTP head left after the last step (with
+        their distributions where the request samples)."""
+        if self.config.method == "ngram":
+            return propose(seq.all_token_ids, seq.spec.ngram, room, self.config.prompt_lookup_max), None
+        state = seq.spec
+        if state.mtp_base != seq.num_tokens or not state.mtp_drafts:
+            return [], None
+        drafts = state.mtp_drafts[:room]
+        probs = torch.stack(state.mtp_probs[:len(drafts)]) if state.mtp_probs else None
+        return drafts, probs
+
+    def after_step(self, logits) -> None:
+        """With an MTP head: run it over the step's rows and leave each next-decoding sequence its drafts."""
+        if self.mtp is None:
+            return
+        for item in logits.order:
+            if item.seq.spec is None and not item.seq.is_finished:
+                item.seq.spec = SeqSpecState()
+        self.mtp.after_step(logits, self.room, self.default_generator)
 
     def _grant(self, item: ScheduledSeq, num_drafts: int) -> bool:
         """Pages for the drafts and, with recurrent state, the second slot (state copied onto it)."""
@@ -150,6 +185,7 @@ class Speculator:
         tokens of the verdict (fewer when it stopped inside it): set what its cache now holds."""
         seq = item.seq
         m = len(item.drafts)
+        item.num_accepted = num_accepted
         self._record(seq, m, num_accepted, num_emitted)
         if seq.is_finished:
             return  # its cache is released

@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from hybridserve.engine.metrics import CountsHistogram
 from hybridserve.kernels import fallbacks
 
 if TYPE_CHECKING:
@@ -86,10 +87,13 @@ class Hist:
 
     name: str
     help: str
-    read: Callable[[AsyncEngine], Histogram]
+    read: Callable[[AsyncEngine], Histogram | CountsHistogram | None]  # None: not exposed now
 
-    def family(self, engine: AsyncEngine, model_name: str) -> Metric:
-        buckets, total, _ = self.read(engine).collect()
+    def family(self, engine: AsyncEngine, model_name: str) -> Metric | None:
+        histogram = self.read(engine)
+        if histogram is None:
+            return None
+        buckets, total, _ = histogram.collect()
         family = HistogramMetricFamily(PREFIX + self.name, self.help, labels=["model_name"])
         family.add_metric([model_name], [(floatToGoString(bound), count) for bound, count in buckets], total)
         return family
@@ -103,6 +107,21 @@ def _prefix_cache(*keys: str) -> Callable[[AsyncEngine], float | None]:
         return sum(stats[key] for key in keys) if stats else None
 
     return read
+
+
+def _spec_decode(key: str) -> Callable[[AsyncEngine], float | None]:
+    """Reads a counter of speculative decoding (None when it is off)."""
+
+    def read(engine: AsyncEngine) -> float | None:
+        stats = engine.snapshot.spec_decode
+        return stats[key] if stats else None
+
+    return read
+
+
+def _acceptance_lengths(engine: AsyncEngine) -> CountsHistogram | None:
+    stats = engine.snapshot.spec_decode
+    return CountsHistogram(stats["accepted_length_counts"]) if stats else None
 
 
 Row = Scalar | Labeled | Hist
@@ -138,6 +157,14 @@ METRICS: tuple[Row, ...] = (
     Labeled("kernel_fallbacks_total", "counter",
             "Calls a layer ran in plain PyTorch while its CPU kernels were on, by op and reason.",
             ("op", "reason"), lambda e: fallbacks.counts()),
+    Scalar("spec_decode_num_drafts_total", "counter", "Speculative verifications (a sequence's drafts checked in "
+           "one forward).", _spec_decode("num_drafts")),
+    Scalar("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed and verified.",
+           _spec_decode("num_draft_tokens")),
+    Scalar("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+           _spec_decode("num_accepted_tokens")),
+    Hist("spec_decode_acceptance_length", "Draft tokens accepted per verification (0 to num_speculative_tokens).",
+         _acceptance_lengths),
     Hist("time_to_first_token_seconds", "Seconds from a request's arrival to its first token.", lambda e: e.ttft),
     Hist("inter_token_latency_seconds", "Seconds between successive tokens of a request.", lambda e: e.itl),
 )
