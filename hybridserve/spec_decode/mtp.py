@@ -67,7 +67,8 @@ class MTPDrafter:
         out = self.head(_ints(ids), _ints(positions), hidden, self._batch(seqs, slots, cu, seq_lens), step=0)
         drafting = []  # (index into seqs, room)
         for i, seq in enumerate(seqs):
-            seq_room = room_of(seq) if seq_lens[i] == seq.num_tokens - 1 else 0  # its last row is before its pending token
+            # it drafts when its last row is the one before its pending token
+            seq_room = room_of(seq) if seq_lens[i] == seq.num_tokens - 1 else 0
             if seq.spec is not None:
                 seq.spec.mtp_drafts, seq.spec.mtp_probs, seq.spec.mtp_base = [], [], seq.num_tokens
             if seq_room > 0 and seq.spec is not None:
