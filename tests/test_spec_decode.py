@@ -387,3 +387,42 @@ def test_mtp_on_a_checkpoint_without_mtp_weights_is_refused(bamba, ckpt_dir):
         LLM(bamba, speculative_config={"method": "mtp"}, **_opts())
     with pytest.raises(ValueError, match="declares no MTP layers"):
         LLM(make(ckpt_dir, "qwen3_next"), speculative_config={"method": "mtp"}, **_opts())
+
+
+# ------------------------------------------------------------------------------ the pool and the planner
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "mtp"])
+def test_the_planner_counts_what_speculation_adds(ckpt_dir, kind):
+    """``hybridserve plan --speculative-config`` lays out the drafter's layers and counts the verification
+    slot exactly as the engine does."""
+    from hybridserve.cache.plan_config import PlanConfig
+    from hybridserve.cache.planner import load_config, plan_cache
+    from tests.checkpoints import add_mtp_weights
+
+    target = make(ckpt_dir, "bamba")
+    spec = {"ngram": {"method": "ngram"}, "draft_model": {"model": make(ckpt_dir, "mamba2", seed=9)},
+            "mtp": {"method": "mtp"}}[kind]
+    if kind == "mtp":
+        target = add_mtp_weights(make(ckpt_dir, "qwen3_next"), num_layers=1, seed=4)
+    engine = LLM(target, speculative_config=spec, **_opts()).engine
+    plan = plan_cache(load_config(target), PlanConfig(cache_memory="8MiB", speculative_config=spec),
+                      engine.max_model_len)
+    layout = engine.cache_layout()
+    assert plan.to_dict()["layers"] == layout["layers"]
+    assert (plan.layout.page_bytes, plan.layout.slot_bytes) == (layout["page_bytes"], layout["slot_bytes"])
+    assert plan.summary()["speculation"] == layout["speculation"]
+    assert layout["speculation"]["drafter_cache_layers"] == {"ngram": 0, "draft_model": 3, "mtp": 1}[kind]
+    assert plan.max_concurrent_sequences == layout["max_concurrent_sequences"]
+    assert layout["speculation"]["verification_slot_bytes"] == layout["slot_bytes"]
+
+
+def test_verification_slots_give_way_to_requests(bamba):
+    """A pool too small for every sequence's verification slot: requests still run without preemption beyond
+    what the plain engine needs, and the outputs are the plain ones."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = _prompts(6, seed=13)
+    plain = LLM(bamba, **_opts(cache_memory="160KiB"))
+    want = _generate(plain, prompts, params)
+    spec = LLM(bamba, speculative_config=ALWAYS, **_opts(cache_memory="160KiB"))
+    _assert_same(_generate(spec, prompts, params), want)
+    assert spec.engine.scheduler.num_preemptions <= plain.engine.scheduler.num_preemptions
+    assert released_everything(spec.engine)

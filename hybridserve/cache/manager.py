@@ -51,6 +51,7 @@ class CacheManager:
         self.seq_page_refs: dict[int, int] = {}  # page -> references of sequences alone
         self.window = pool.layout.window  # tokens the window page group keeps, None without one
         self.window_pages_released = 0  # window-group pages given back behind running sequences' windows
+        self._verifying: set[int] = set()  # id(seq) of the sequences verifying drafts on their speculative slot now
         self.prefix = PrefixCache(self, snapshot_interval) if prefix_caching else None
 
     def pages_for(self, num_tokens: int) -> int:
@@ -100,7 +101,19 @@ class CacheManager:
         """Whether ``num_pages`` pages and ``num_slots`` slots fit, evicting cached prefixes if they must."""
         if self.pool.can_allocate(num_pages, num_slots):
             return True
-        return self.prefix is not None and self.prefix.evict_for(num_pages, num_slots)
+        if self.prefix is not None and self.prefix.evict_for(num_pages, num_slots):
+            return True
+        return self.reclaim_spec_slots() and self.pool.can_allocate(num_pages, num_slots)
+
+    def reclaim_spec_slots(self) -> bool:
+        """Free every sequence's speculative slot but those of this step's verifications (between steps it is
+        scratch: a verification copies the state onto it first); True if any was freed. Room a request needs
+        comes before any speculation."""
+        holders = [seq for key, seq in self._holders.items()
+                   if getattr(seq, "spec_slot", None) is not None and key not in self._verifying]
+        for seq in holders:
+            self.release_spec_slot(seq)
+        return bool(holders)
 
     def grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
@@ -355,6 +368,7 @@ class CacheManager:
     def release_spec_slot(self, seq: CacheHolder) -> None:
         """Return ``seq``'s speculative slot, if it holds one."""
         slot = getattr(seq, "spec_slot", None)
+        self._verifying.discard(id(seq))
         if slot is not None:
             self.pool.free_slot(slot)
             seq.spec_slot = None
@@ -364,10 +378,12 @@ class CacheManager:
         slot keeps the state before the drafts."""
         if seq.spec_slot is not None:
             self.copy_slot(seq.state_slot, seq.spec_slot)
+            self._verifying.add(id(seq))
 
     def end_verification(self, seq: CacheHolder, all_accepted: bool) -> None:
         """Every draft was accepted: the speculative slot, past them all, becomes the state slot (and the
         old one the next verification's). Otherwise the state slot, before the drafts, stays."""
+        self._verifying.discard(id(seq))
         if all_accepted and seq.spec_slot is not None:
             seq.state_slot, seq.spec_slot = seq.spec_slot, seq.state_slot
 

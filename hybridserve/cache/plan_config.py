@@ -96,6 +96,7 @@ class PlanConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
+    speculative_config: Any = None  # as EngineConfig's: a dict, a JSON string or None
 
     def __post_init__(self) -> None:
         self.dtype = canonical_option("dtype", self.dtype, ("auto", *MODEL_DTYPE_NAMES))
@@ -110,6 +111,9 @@ class PlanConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         self.cache_memory = parse_size(self.cache_memory)
+        from hybridserve.spec_decode.config import parse_speculative_config
+
+        parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
 
     def resolve_dtypes(self, config: Any) -> ResolvedDtypeNames:
         """Every ``auto`` resolved against the checkpoint's config, as ``EngineConfig.resolve_dtypes``."""

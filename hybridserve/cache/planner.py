@@ -33,6 +33,7 @@ from hybridserve.cache.dtypes import FP8_KV_DTYPE_NAMES, dtype_name
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.models import config_specs
+from hybridserve.spec_decode.config import parse_speculative_config
 
 DTYPE_OPTIONS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
 #: max_model_len when none is given: the model's max positions, capped here (``llm_engine.DEFAULT_MAX_MODEL_LEN``)
@@ -107,6 +108,9 @@ class CachePlan:
     reserved: tuple[int, int] = (0, 0)  # (pages, slots) the padded rows of captured decode steps hold
     prefix_caching: bool = True
     snapshot_interval: int = 0  # tokens between the state snapshots of a long prefill (0: none periodic)
+    speculation: Any = None  # spec_decode.config.SpeculativeConfig, or None
+    num_drafter_layers: int = 0  # cache layers of a draft model or MTP head, after the target's in ``specs``
+
 
     @property
     def max_concurrent_sequences(self) -> int:
@@ -170,7 +174,14 @@ class CachePlan:
             "max_concurrent_sequences": self.max_concurrent_sequences,
             "ideal_max_sequences": self.ideal_max_sequences,
             **self.snapshot_cost(),
+            **self.speculation_cost(),
         }
+
+    def speculation_cost(self) -> dict[str, Any]:
+        """What speculative decoding adds: the drafter's layers (already in the page and slot bytes above) and
+        the second state slot each drafting sequence verifies on (taken from free room only: reclaimed before
+        any request would wait or be preempted for it)."""
+        return {"speculation": speculation_summary(self.speculation, self.layout, self.num_drafter_layers)}
 
     def to_dict(self) -> dict[str, Any]:
         """``summary()`` plus ``architecture`` and ``layers`` (the same entries as ``LLM.cache_layout()``)."""
@@ -187,13 +198,47 @@ def plan_cache(hf_config: Any, config: Any, max_model_len: int | None = None,
     """
     dtypes = config.resolve_dtypes(hf_config)
     specs = cache_specs_from_config(hf_config, dtypes)
+    speculation = parse_speculative_config(getattr(config, "speculative_config", None))
+    drafter = drafter_specs(hf_config, specs, speculation, config) if speculation is not None else []
+    specs = specs + drafter
     layout = compute_layout(specs, config.block_size)
     length = max_model_len or config.max_model_len or default_max_model_len(hf_config)
     options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
     reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
     return CachePlan(label, config_specs.architecture_of(hf_config), options, dtypes, tuple(specs), layout,
                      int(config.cache_memory), int(length), reserved, config.enable_prefix_caching,
-                     config.prefix_snapshot_interval)
+                     config.prefix_snapshot_interval, speculation, len(drafter))
+
+
+def speculation_summary(speculation: Any, layout: PoolLayout, num_drafter_layers: int) -> dict[str, Any] | None:
+    """The speculation figures of a plan and of ``LLM.cache_layout()`` (None without speculation)."""
+    if speculation is None:
+        return None
+    slot = layout.slot_bytes if layout.has_state else 0
+    return {"method": speculation.method, "num_speculative_tokens": speculation.num_speculative_tokens,
+            "drafter_cache_layers": num_drafter_layers, "verification_slot_bytes": slot,
+            "verification_slots_bytes_at_most": slot * speculation.disable_by_batch_size}
+
+
+def drafter_specs(hf_config: Any, specs: list[LayerCacheSpec], speculation: Any, config: Any) -> list[LayerCacheSpec]:
+    """The cache layers a speculative drafter adds after the target's ``specs``, as the engine lays them out:
+    a draft model's own (its config read from its directory, its dtypes resolved as the target's options
+    say), or the MTP head's attention layers (the target's full-attention KV shape); none for n-gram."""
+    offset = max((s.index for s in specs), default=-1) + 1
+    if speculation.method == "draft_model":
+        draft_config = load_config(speculation.model)
+        draft = cache_specs_from_config(draft_config, config.resolve_dtypes(draft_config))
+        return [dataclasses.replace(s, index=s.index + offset) for s in draft]
+    if speculation.method == "mtp":
+        from hybridserve.models.mtp_config import mtp_attention_layer_count
+
+        attention = next((s.attention for s in specs if s.attention is not None and not s.attention.sliding_window),
+                         None)
+        count = mtp_attention_layer_count(hf_config)
+        if attention is None or count == 0:
+            raise ValueError(f"{config_specs.architecture_of(hf_config)} declares no MTP layers to plan for")
+        return [LayerCacheSpec(offset + i, "attention", attention) for i in range(count)]
+    return []
 
 
 def _captures_decode(config: Any, dtypes: Any, layout) -> bool:

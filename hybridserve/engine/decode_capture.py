@@ -131,21 +131,25 @@ class CapturedDecode:
                              f"got {len(input_ids)} tokens")
         np_ = self._np
         t, pad_t = rows * q, size * q
+        padded = size > rows
         np_["input_ids"][:t] = input_ids
-        np_["input_ids"][t:pad_t] = 0
         np_["positions"][:t] = positions
-        np_["positions"][t:pad_t] = np.tile(np.arange(q), size - rows)
+        if padded:
+            np_["input_ids"][t:pad_t] = 0
+            np_["positions"][t:pad_t] = np.tile(np.arange(q), size - rows)
+        pad_slots = self._pad_slots.numpy()
         if self.has_kv:
-            pad_slots = self._pad_slots.numpy()
             np_["seq_lens"][:rows] = seq_lens
             np_["seq_lens"][rows:size] = q
             np_["slot_mapping"][:t] = slot_mapping
-            np_["slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
+            if padded:
+                np_["slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(block_tables, rows, size)
         if self.has_window:
             window_slots, window_tables = window
             np_["window_slot_mapping"][:t] = window_slots
-            np_["window_slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
+            if padded:
+                np_["window_slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(window_tables, rows, size, "window_block_tables", self._window_written)
         if self.has_state:
             np_["state_indices"][:rows] = state_slots

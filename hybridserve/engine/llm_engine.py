@@ -11,6 +11,7 @@ import torch
 from hybridserve.cache.capacity import max_sequences
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.manager import CacheManager
+from hybridserve.cache.planner import speculation_summary
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
@@ -20,9 +21,10 @@ from hybridserve.engine.fork import make_children, place_children, wants_fork
 from hybridserve.engine.logit_adjust import LogitAdjuster, RowContext
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.request_registry import RequestRegistry
-from hybridserve.engine.sampler import report, sample, sample_rows_alone
+from hybridserve.engine.sampler import SampleResult, report, sample, sample_rows_alone
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
+from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.models.mtp import build_mtp_head
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -329,13 +331,20 @@ class LLMEngine:
         """Accept or reject each verified sequence's drafts, append the tokens its verdict emits (up to a
         stop), and set what its cache holds (``Speculator.settle``)."""
         items = logits.verify_seqs
+        fused = pointwise_kernels.argmax_logsumexp(logits.verify_logits, with_max=True) if self.cpu_kernels else None
         verdicts = verify(logits.verify_logits, [Verification(it.drafts, it.seq.params, it.seq.generator,
                                                               it.draft_probs) for it in items],
-                          self.generator, self.cpu_kernels)
+                          self.generator, self.cpu_kernels, fused[0] if fused is not None else None)
         rows = [row for v in verdicts for row in v.rows]
-        chosen = torch.tensor([t for v in verdicts for t in v.tokens])
+        chosen = [t for v in verdicts for t in v.tokens]
         params = [it.seq.params for it, v in zip(items, verdicts) for _ in v.tokens]
-        result = report(logits.verify_logits[rows].float(), chosen, params)
+        if fused is not None and all(p.greedy and p.logprobs is None for p in params):
+            # every token is its row's argmax: its logprob is the row's maximum less its logsumexp
+            _, lse, mx = fused
+            lp = (mx - lse).tolist()  # float32 subtraction, as the sampler's
+            result = SampleResult(chosen, [lp[r] for r in rows], [0] * len(rows), [[]] * len(rows), [[]] * len(rows))
+        else:
+            result = report(logits.verify_logits[rows].float(), torch.tensor(chosen), params)
         flat = 0
         for item, verdict in zip(items, verdicts):
             seq = item.seq
@@ -556,6 +565,7 @@ class LLMEngine:
             "prefix_snapshot_interval": self.config.prefix_snapshot_interval,
             "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len,
                                                       self.pool.reserved_counts()),
+            "speculation": speculation_summary(self.spec_config, layout, len(self.layout_specs) - len(self.specs)),
         }
 
 

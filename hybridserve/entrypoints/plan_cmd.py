@@ -39,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="plan for an engine that caches prefixes: shows what a state snapshot costs")
     p.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                    help="tokens between the state snapshots of a long prefill (0: none periodic)")
+    p.add_argument("--speculative-config", default=None,
+                   help="speculative decoding as JSON (as for generate/serve): the drafter's layers and the "
+                        "verification slot are counted")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of tables: every layer (layers) and the kinds of layer "
                         "with their counts (layer_groups)")
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                         max_model_len=args.max_model_len, device=args.device, cpu_kernels=args.cpu_kernels,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                         prefix_snapshot_interval=args.prefix_snapshot_interval,
+                        speculative_config=args.speculative_config,
                         **{name: getattr(args, name) for name in DTYPE_OPTIONS})
     hf_config = load_config(args.model)
     plan = plan_cache(hf_config, config)
@@ -162,6 +166,11 @@ def print_plan(plan, alternatives) -> None:
                        f"every {s['prefix_snapshot_interval']:,} tokens and the prompt's end)"
                        if s["prefix_snapshot_interval"] else
                        f"{s['snapshots_per_max_len_prefill']} (the prompt's end)")
+    spec = s["speculation"]
+    if spec is not None:
+        totals.add_row("speculation", f"{spec['method']}, {spec['num_speculative_tokens']} drafts; drafter cache "
+                       f"layers {spec['drafter_cache_layers']}; verification slot "
+                       f"{_size(spec['verification_slot_bytes'])} per sequence")
     console.print(totals)
     alt = Table(title=f"Alternatives ({_size(s['cache_memory_bytes'])}, {s['max_model_len']:,} tokens, "
                       f"block {s['attention_block_size']})", title_justify="left")

@@ -229,8 +229,8 @@ def _jamba(c: Any, dtypes: CacheDtypes) -> list[LayerCacheSpec]:
             for i in range(k.num_hidden_layers)]
 
 
-_NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
-_NEMOTRON_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
+NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+NEMOTRON_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def _nemotron_h(c: Any, dtypes: CacheDtypes) -> list[LayerCacheSpec]:
@@ -240,11 +240,11 @@ def _nemotron_h(c: Any, dtypes: CacheDtypes) -> list[LayerCacheSpec]:
     kinds = k.first("layers_block_type", "layer_types")
     if kinds is None:
         pattern = getattr(c, "hybrid_override_pattern", None)
-        kinds = ([_NEMOTRON_PATTERN[ch] for ch in pattern] if pattern is not None
+        kinds = ([NEMOTRON_PATTERN[ch] for ch in pattern] if pattern is not None
                  else ["linear_attention", "moe", "full_attention", "mlp"])
     specs = []
     for i, kind in enumerate(kinds):
-        kind = _NEMOTRON_ALIASES.get(kind, kind)
+        kind = NEMOTRON_ALIASES.get(kind, kind)
         if kind == "linear_attention":
             specs.append(_mamba2(i, intermediate=k.mamba_num_heads * k.mamba_head_dim,
                                  n_groups=k.first("n_groups", "mamba_n_groups"), d_state=k.ssm_state_size,

@@ -31,43 +31,11 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.models.base import CausalLM, merge_specs
+from hybridserve.models.mtp_config import MTP_COUNT_KEYS, mtp_layer_count
+from hybridserve.models.mtp_config import architecture_name as _architecture
 
 #: a raw checkpoint name of an MTP weight: ``mtp.*``, also under a vision-language wrapper's language model
 MTP_NAME = r"^(?:model\.language_model\.|language_model\.)?mtp\."
-
-#: architecture -> the config key counting its MTP modules
-MTP_COUNT_KEYS = {
-    "Qwen3NextForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5ForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5MoeForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5ForConditionalGeneration": "mtp_num_hidden_layers",
-    "Qwen3_5MoeForConditionalGeneration": "mtp_num_hidden_layers",
-    "NemotronHForCausalLM": "num_nextn_predict_layers",
-}
-
-
-def _architecture(hf_config: Any) -> str:
-    archs = getattr(hf_config, "architectures", None) or []
-    if archs:
-        return archs[0]
-    from hybridserve.models.loader import architecture_of
-
-    return architecture_of(hf_config)
-
-
-def mtp_layer_count(hf_config: Any) -> int:
-    """Number of MTP modules the checkpoint declares (Qwen3-Next/Qwen3.5: ``mtp_num_hidden_layers``;
-    Nemotron-H: ``num_nextn_predict_layers``); 0 if none or family without MTP."""
-    key = MTP_COUNT_KEYS.get(_architecture(hf_config))
-    if key is None:
-        return 0
-    text = getattr(hf_config, "text_config", None)
-    for config in (hf_config, text):
-        value = getattr(config, key, None) if config is not None else None
-        if value:
-            return int(value)
-    return 0
-
 
 class MTPHead(nn.Module):
     """Base of the family heads: cache specs, the shared modules, the loader's hooks.

@@ -25,23 +25,8 @@ from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.moe import stack_expert_weights
 from hybridserve.models.mtp import MTPHead
-from hybridserve.models.nemotron_h import KIND_ALIASES, NemotronHBlock, NemotronHForCausalLM, NemotronHRMSNorm
-
-MTP_KINDS = ("full_attention", "moe", "mlp")
-
-
-def mtp_block_kinds(config: Any) -> list[str]:
-    """The block kinds of one MTP module (transformers' names); ValueError on a kind the head does not build."""
-    kinds = getattr(config, "mtp_layers_block_type", None)
-    if not kinds:
-        pattern = getattr(config, "mtp_hybrid_override_pattern", None) or ""
-        kinds = [{"*": "full_attention", "E": "moe", "-": "mlp", "M": "linear_attention"}.get(c, c) for c in pattern]
-    kinds = [KIND_ALIASES.get(k, k) for k in kinds]
-    bad = [k for k in kinds if k not in MTP_KINDS]
-    if not kinds or bad:
-        raise ValueError(f"Nemotron-H MTP block kinds {kinds or '(none)'} are not supported; an MTP module's "
-                         f"blocks may be {', '.join(MTP_KINDS)} (mtp_layers_block_type)")
-    return kinds
+from hybridserve.models.mtp_config import nemotron_h_mtp_block_kinds
+from hybridserve.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM, NemotronHRMSNorm
 
 
 class NemotronHMTPHead(MTPHead):
@@ -51,7 +36,7 @@ class NemotronHMTPHead(MTPHead):
                  first_layer_index: int) -> None:
         super().__init__(hf_config, num_layers, first_layer_index)
         config = hf_config
-        kinds = mtp_block_kinds(config)
+        kinds = nemotron_h_mtp_block_kinds(config)
         self.pattern_len = len(kinds)
         h, eps = config.hidden_size, config.layer_norm_epsilon
         blocks, cache_index = [], first_layer_index

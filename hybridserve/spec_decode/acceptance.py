@@ -45,13 +45,15 @@ class Verdict:
 
 
 def verify(logits: torch.Tensor, items: list[Verification], default_generator: torch.Generator,
-           use_cpu_kernels: bool = False) -> list[Verdict]:
+           use_cpu_kernels: bool = False, argmax: torch.Tensor | None = None) -> list[Verdict]:
     """The verdict of each item; ``logits`` (sum of (m + 1), V) holds each item's rows in order, float32 or
-    the model dtype exactly widened to it."""
+    the model dtype exactly widened to it; ``argmax`` (R,): each row's, when the caller has it."""
     greedy_argmax: list[int] | None = None
     if any(it.params.greedy for it in items):
-        fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None
-        greedy_argmax = (fused[0] if fused is not None else logits.argmax(dim=-1)).tolist()  # (R,)
+        if argmax is None:
+            fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None
+            argmax = fused[0] if fused is not None else logits.argmax(dim=-1)
+        greedy_argmax = argmax.tolist()  # (R,)
     verdicts: list[Verdict] = []
     offset = 0
     for it in items:
