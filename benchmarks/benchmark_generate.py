@@ -41,7 +41,7 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
                                     cache_memory=args["cache_memory"], max_num_seqs=max(len(prompts), 1),
                                     max_num_batched_tokens=args["max_num_batched_tokens"],
                                     max_model_len=max(len(p) for p in prompts) + args["output_len"],
-                                    enable_progress_bar=False))
+                                    enable_progress_bar=False, speculative_config=args["speculative_config"]))
     # token ids only, as the vLLM runner asks of vLLM (detokenize=False): the same work for both
     params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True, detokenize=False)
     # warm-up
@@ -61,7 +61,7 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
     generated = sum(len(t) for t in tokens.values())
     queue.put({"engine": "hybridserve", "seconds": elapsed, "generated_tokens": generated,
                "tokens_per_s": generated / elapsed, "ttft_median_s": statistics.median(first.values()),
-               "peak_rss_mib": _peak_rss_mib(),
+               "peak_rss_mib": _peak_rss_mib(), "spec_decode": engine.spec_decode_stats(),
                "tokens": [tokens[str(i)] for i in range(len(prompts))]})
 
 
@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--speculative-config", default=None,
+                        help="hybridserve's speculative decoding, as JSON (its figures are printed too)")
     parser.add_argument("--json", default=None, help="write results to this file")
     a = parser.parse_args()
     if a.model is None:
@@ -142,6 +144,11 @@ def main() -> None:
         ratio = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         same = sum(x == y for x, y in zip(results[0]["tokens"], results[1]["tokens"]))
         print(f"hybridserve / HF generated tok/s: {ratio:.2f}x; identical greedy outputs: {same}/{len(prompts)}")
+    spec = results[0].get("spec_decode")
+    if spec:
+        print(f"speculative decoding: {spec['num_drafts']} verifications, {spec['num_accepted_tokens']}/"
+              f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.1%}), mean acceptance "
+              f"length {spec['mean_acceptance_length']:.2f}, accepted per verification {spec['accepted_length_counts']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in results], f, indent=2)

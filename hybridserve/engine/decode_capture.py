@@ -127,8 +127,8 @@ class CapturedDecode:
         rows = len(input_ids) // q
         size = self.bucket(rows)
         if size is None or rows * q != len(input_ids):
-            raise ValueError(f"a captured step takes 1 to {self.max_rows} sequences of {q} tokens, "
-                             f"got {len(input_ids)} tokens")
+            raise ValueError(f"a captured step takes 1 to {self.max_rows} sequences, got {len(input_ids) / q:g} "
+                             f"({q} tokens each)")
         np_ = self._np
         t, pad_t = rows * q, size * q
         padded = size > rows

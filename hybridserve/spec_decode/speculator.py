@@ -27,10 +27,10 @@ from hybridserve.spec_decode.ngram import NgramIndex, propose
 logger = logging.getLogger(__name__)
 
 #: drafting pauses this many steps after a poor acceptance window, doubling each time (at most MAX_COOLDOWN)
-FIRST_COOLDOWN = 4
+FIRST_COOLDOWN = 8
 MAX_COOLDOWN = 256
 #: proposals in an acceptance window
-WINDOW = 4
+WINDOW = 2
 
 
 @dataclass
