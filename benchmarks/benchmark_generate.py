@@ -148,7 +148,8 @@ def main() -> None:
     if spec:
         print(f"speculative decoding: {spec['num_drafts']} verifications, {spec['num_accepted_tokens']}/"
               f"{spec['num_draft_tokens']} draft tokens accepted ({spec['acceptance_rate']:.1%}), mean acceptance "
-              f"length {spec['mean_acceptance_length']:.2f}, accepted per verification {spec['accepted_length_counts']}")
+              f"length {spec['mean_acceptance_length']:.2f}, verifications accepting 0, 1, ... drafts: "
+              f"{spec['accepted_length_counts']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in results], f, indent=2)
