@@ -426,3 +426,59 @@ def test_verification_slots_give_way_to_requests(bamba):
     _assert_same(_generate(spec, prompts, params), want)
     assert spec.engine.scheduler.num_preemptions <= plain.engine.scheduler.num_preemptions
     assert released_everything(spec.engine)
+
+
+def test_mtp_drafts_are_the_heads_predictions(ckpt_dir):
+    """Each step's MTP drafts are the head's own predictions as a plain-PyTorch reference computes them from
+    the checkpoint (tests/test_mtp_head.py) over the whole sequence: draft 1 from the target's hidden state
+    before the pending token and the pending token itself, draft 2 from the head's output and draft 1."""
+    from tests.checkpoints import add_mtp_weights
+    from tests.test_mtp_head import BLOCK, _group, _load, _pool, _reference
+
+    path = add_mtp_weights(make(ckpt_dir, "qwen3_next"), num_layers=1, seed=4)
+    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "acceptance_floor": 0.0},
+               **_opts())
+    engine = spec.engine
+    prompt = _prompts(1, seed=14)[0]
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    seq = engine.scheduler.waiting[0]
+    records = []  # (token count, drafts) after each step
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not seq.is_finished and seq.spec is not None and seq.spec.mtp_base == seq.num_tokens and seq.spec.mtp_drafts:
+            records.append((seq.num_tokens, list(seq.spec.mtp_drafts)))
+    tokens = seq.all_token_ids
+    assert len(records) >= 5
+    # the reference: the target over the whole sequence in one prefill, then the head's reference over it
+    _, target, _head = _load(path)
+    pool = _pool(target, _head)
+    n = len(tokens)
+    got = pool.allocate(-(-n // BLOCK), 1 if pool.layout.has_state else 0)
+    tables = torch.tensor([got.pages], dtype=torch.int64)
+    slots = torch.tensor(got.slots, dtype=torch.int64) if got.slots else None
+    positions = torch.arange(n)
+    from hybridserve.forward_batch import ForwardBatch
+
+    batch = ForwardBatch(tables[0][positions // BLOCK] * BLOCK + positions % BLOCK, None,
+                         _group([(0, n)], 0, tables, slots),
+                         pool.layer_caches)
+    ids = torch.tensor(tokens)
+    with torch.inference_mode():
+        hidden = target(ids, positions, batch)  # (n, H)
+    checked = 0
+    for count, drafts in records:
+        rows = _reference(path, ids[1:count], hidden[:count - 1], 0)  # row p predicts the token at p + 2
+        logits = target.compute_logits(rows[-1:])[0]
+        top2 = logits.topk(2).values
+        if float(top2[0] - top2[1]) > 1e-3:  # not a near-tie: the argmax is well defined
+            assert drafts[0] == int(logits.argmax())
+            checked += 1
+        if len(drafts) > 1:  # draft 2: the head on its own output and draft 1, one position on
+            chain = _reference(path, torch.cat([ids[1:count], torch.tensor(drafts[:1])]),
+                               torch.cat([hidden[:count - 1], rows[-1:]]), 0)
+            logits = target.compute_logits(chain[-1:])[0]
+            top2 = logits.topk(2).values
+            if float(top2[0] - top2[1]) > 1e-3:
+                assert drafts[1] == int(logits.argmax())
+                checked += 1
+    assert checked >= len(records)
