@@ -22,6 +22,9 @@ STATE_KINDS = {
     "qwen3_next": "gated delta net + attention",
     "minimax": "linear attention + attention",
     "lfm2": "short conv + attention",
+    "kimi_linear": "Kimi delta attention + MLA latent pages",
+    "lfm3": "short conv + sliding-window and full attention (window pages released)",
+    "xlstm": "mLSTM only",
     "llama": "attention only",
 }
 #: float32 rounding of the same positions run as one chunk instead of one token at a time
@@ -96,9 +99,11 @@ def test_mostly_accepted_drafts_give_the_same_tokens(bamba):
     assert released_everything(spec.engine)
 
 
-def test_verification_is_captured_and_matches_eager(bamba):
-    spec = LLM(bamba, speculative_config=ALWAYS, **_opts())
-    eager = LLM(bamba, speculative_config=ALWAYS, enforce_eager=True, **_opts())
+@pytest.mark.parametrize("family", list(STATE_KINDS))
+def test_verification_is_captured_and_matches_eager(ckpt_dir, family):
+    path = make(ckpt_dir, family)
+    spec = LLM(path, speculative_config=ALWAYS, **_opts())
+    eager = LLM(path, speculative_config=ALWAYS, enforce_eager=True, **_opts())
     assert spec.engine.runner.captured_steps and not eager.engine.runner.captured_steps
     assert spec.engine.cpu_fast_paths.as_dict()["verify"] == {"captured": True, "reason": None}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
