@@ -63,6 +63,20 @@ def _generate(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def _equals_plain_batched_and_alone(path, speculative_config, prompts, params):
+    """Outputs with speculation equal those without it, batched (mixed steps, eager) and one stream at a time
+    (captured verification steps); some drafts were rejected, and nothing is left held. Returns the engine."""
+    want = _generate(LLM(path, **_opts()), prompts, params)
+    spec = LLM(path, speculative_config=speculative_config, **_opts())
+    _assert_same(_generate(spec, prompts, params), want)
+    for p, w in zip(prompts, want):
+        _assert_same(_generate(spec, [p], params), [w])
+    stats = spec.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert released_everything(spec.engine)
+    return spec.engine
+
+
 @pytest.fixture(scope="module")
 def bamba(ckpt_dir):
     return make(ckpt_dir, "bamba")
@@ -70,18 +84,8 @@ def bamba(ckpt_dir):
 
 @pytest.mark.parametrize("family", list(STATE_KINDS))
 def test_greedy_outputs_equal_decoding_without_speculation(ckpt_dir, family):
-    path = make(ckpt_dir, family)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    prompts = _prompts(5, seed=1)
-    plain = LLM(path, **_opts())
-    spec = LLM(path, speculative_config=ALWAYS, **_opts())
-    want_batched = _generate(plain, prompts, params)
-    _assert_same(_generate(spec, prompts, params), want_batched)  # mixed steps, eager
-    for p, want in zip(prompts, want_batched):
-        _assert_same(_generate(spec, [p], params), [want])  # one stream: captured verification steps
-    stats = spec.engine.speculator.stats
-    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_accepted_tokens  # drafts were rejected
-    assert released_everything(spec.engine)
+    _equals_plain_batched_and_alone(make(ckpt_dir, family), ALWAYS, _prompts(5, seed=1), params)
 
 
 def test_mostly_accepted_drafts_give_the_same_tokens(bamba):
@@ -305,18 +309,10 @@ POOR_DRAFTERS = {"bamba": "mamba2", "mamba": "llama", "qwen3_next": "lfm2", "min
 
 @pytest.mark.parametrize("family", list(POOR_DRAFTERS))
 def test_a_poor_draft_model_gives_the_outputs_of_decoding_without_it(ckpt_dir, family):
-    path, drafter = make(ckpt_dir, family), make(ckpt_dir, POOR_DRAFTERS[family], seed=9)
+    drafter = make(ckpt_dir, POOR_DRAFTERS[family], seed=9)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    prompts = _prompts(4, seed=8)
-    want = _generate(LLM(path, **_opts()), prompts, params)
-    spec = LLM(path, speculative_config={"model": drafter, "num_speculative_tokens": 3, "acceptance_floor": 0.0},
-               **_opts())
-    _assert_same(_generate(spec, prompts, params), want)
-    for p, w in zip(prompts, want):
-        _assert_same(_generate(spec, [p], params), [w])
-    stats = spec.engine.speculator.stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
-    assert released_everything(spec.engine)
+    _equals_plain_batched_and_alone(make(ckpt_dir, family), {"model": drafter, "num_speculative_tokens": 3,
+                                                             "acceptance_floor": 0.0}, _prompts(4, seed=8), params)
 
 
 def test_the_target_as_its_own_draft_model_is_always_right(bamba):
@@ -375,16 +371,8 @@ def test_mtp_drafts_give_the_outputs_of_decoding_without_them(ckpt_dir, family):
 
     path = add_mtp_weights(make(ckpt_dir, family), num_layers=1, seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    prompts = _prompts(4, seed=12)
-    want = _generate(LLM(path, **_opts()), prompts, params)
-    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3, "acceptance_floor": 0.0},
-               **_opts())
-    _assert_same(_generate(spec, prompts, params), want)
-    for p, w in zip(prompts, want):
-        _assert_same(_generate(spec, [p], params), [w])
-    stats = spec.engine.speculator.stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
-    assert released_everything(spec.engine)
+    _equals_plain_batched_and_alone(path, {"method": "mtp", "num_speculative_tokens": 3, "acceptance_floor": 0.0},
+                                    _prompts(4, seed=12), params)
 
 
 def test_mtp_on_a_checkpoint_without_mtp_weights_is_refused(bamba, ckpt_dir):
