@@ -25,6 +25,10 @@ class SeqGroup:
     block_tables: torch.Tensor | None  # (S, max_blocks) int64, or None without attention
     state_indices: torch.Tensor | None  # (S,) int64 slot ids, or None without state
     window_block_tables: torch.Tensor | None = None  # (S, max_blocks) the window page group's, or None
+    # leading sequences whose tokens are all generated ones (speculative verifications, reruns after a rejected
+    # draft): a layer whose prefill and decode rules differ (Mamba2's dt clamp) gives them the decode rule, as
+    # decoding them one by one would
+    num_generated: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -37,6 +41,19 @@ class SeqGroup:
     @property
     def tokens(self) -> slice:
         return slice(self.token_start, self.token_end)
+
+    def split(self, n: int) -> tuple["SeqGroup", "SeqGroup"]:
+        """The group's first ``n`` sequences and the rest, as two groups over the same tokens."""
+        cut = int(self.cu_seqlens_q[n])
+
+        def part(rows: slice, start: int, end: int, cu: torch.Tensor) -> SeqGroup:
+            pick = (lambda t: None if t is None else t[rows])
+            return SeqGroup(start, end, cu, self.seq_lens[rows], pick(self.block_tables), pick(self.state_indices),
+                            pick(self.window_block_tables), max(0, min(self.num_generated, rows.stop or self.num_seqs)
+                                                                - (rows.start or 0)))
+
+        return (part(slice(0, n), self.token_start, self.token_start + cut, self.cu_seqlens_q[:n + 1]),
+                part(slice(n, None), self.token_start + cut, self.token_end, self.cu_seqlens_q[n:] - cut))
 
 
 @dataclass

@@ -475,3 +475,37 @@ def test_mtp_drafts_are_the_heads_predictions(ckpt_dir):
                 assert drafts[1] == int(logits.argmax())
                 checked += 1
     assert checked >= len(records)
+
+
+# ------------------------------------------------------------------------------ decode rules in a verification
+def _run_staggered(engine, prompts, params) -> dict[str, list[int]]:
+    """Requests arriving one every other step: prompt chunks share steps with verifications."""
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for o in engine.step():
+            out[o.request_id] = o.outputs[0].token_ids
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("family", ["zamba2", "falcon_h1", "granitemoehybrid", "bamba"])
+def test_bfloat16_verifications_follow_the_decode_rule(ckpt_dir, family):
+    """Zamba2, Falcon-H1 and Granite-4.0-H clamp dt in the prefill scan but not in the one-token step, as HF
+    does: verifying generated tokens must follow the step's rule (bf16 shows any difference), also when a
+    prompt chunk shares the step."""
+    path = make(ckpt_dir, family, dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = _prompts(5, seed=1)
+    kw = _opts(mamba_ssm_cache_dtype="float32")
+    plain, spec = LLM(path, **kw), LLM(path, speculative_config=ALWAYS, **kw)
+    for p in prompts:
+        _assert_same(_generate(spec, [p], params), _generate(plain, [p], params))
+    staggered = _run_staggered(spec.engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    want = _run_staggered(plain.engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert staggered == want
+    assert spec.engine.speculator.stats.num_drafts > 0

@@ -85,7 +85,8 @@ class CapturedDecode:
         group = SeqGroup(0, t, self.cu_seqlens[:rows + 1], self.seq_lens[:rows],
                          self.block_tables[:rows] if self.has_kv else None,
                          self.state_indices[:rows] if self.has_state else None,
-                         self.window_block_tables[:rows] if self.has_window else None)
+                         self.window_block_tables[:rows] if self.has_window else None,
+                         num_generated=rows)  # a step of several tokens each replays generated ones only
         one_token = self.q == 1
         return ForwardBatch(slot_mapping=self.slot_mapping[:t] if self.has_kv else None,
                             decode=group if one_token else None, prefill=None if one_token else group,

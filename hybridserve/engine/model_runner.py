@@ -64,7 +64,7 @@ class ModelRunner:
         self.captured_decode: CapturedDecode | None = None  # set by the engine when the model's decode is captured
         self.captured_steps: dict[int, CapturedDecode] = {}  # tokens per sequence (> 1) -> its captured steps
 
-    def _group(self, items: list[ScheduledSeq], token_start: int) -> SeqGroup | None:
+    def _group(self, items: list[ScheduledSeq], token_start: int, num_generated: int = 0) -> SeqGroup | None:
         if not items:
             return None
         if all(it.num_run == 1 for it in items):
@@ -79,7 +79,7 @@ class ModelRunner:
         window_tables = _tables([it.seq.window_table for it in items], self.device) if self.has_window else None
         state_indices = _int_tensor(_state_slots(items), self.device) if self.has_state else None
         return SeqGroup(token_start, token_start + sum(it.num_run for it in items), cu_seqlens,
-                        _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables)
+                        _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables, num_generated)
 
     def _replay(self, scheduled: list[ScheduledSeq]) -> StepLogits | None:
         """A decode-only step of sequences that sample now and want no prompt logprobs, replayed from
@@ -115,7 +115,9 @@ class ModelRunner:
         if replayed is not None:
             return replayed
         decodes = [s for s in scheduled if s.num_run == 1]
-        prefills = [s for s in scheduled if s.num_run > 1]
+        chunks = [s for s in scheduled if s.num_run > 1]
+        generated = [s for s in chunks if _generated(s)]  # verifications and reruns first: see SeqGroup.num_generated
+        prefills = generated + [s for s in chunks if not _generated(s)]
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -169,7 +171,7 @@ class ModelRunner:
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                 decode=self._group(decodes, 0),
-                prefill=self._group(prefills, len(decodes)),
+                prefill=self._group(prefills, len(decodes), len(generated)),
                 caches=self.caches,
                 window_slot_mapping=_int_tensor(window_slots, self.device) if self.has_window else None,
             )
@@ -190,8 +192,8 @@ class ModelRunner:
             captured = self.captured_decode
             rows = len(decodes)
         elif prefills and not decodes and not prompt_rows:
-            q = prefills[0].num_run
-            if any(item.num_run != q for item in prefills):
+            q = prefills[0].num_run  # captured as generated tokens: prompt chunks run eagerly
+            if any(item.num_run != q or not _generated(item) for item in prefills):
                 return None
             captured = self.captured_steps.get(q)
             rows = len(prefills)
@@ -237,6 +239,11 @@ class ModelRunner:
                                  window_slot_mapping=_int_tensor(window[0], self.device) if window else None)
             hidden = self.model(_int_tensor(token_ids, self.device), _int_tensor(positions, self.device), batch)
         return self.model.sampling_logits(hidden)
+
+
+def _generated(item: ScheduledSeq) -> bool:
+    """Whether every token ``item`` runs is a generated one (or a draft): it starts past the prompt."""
+    return item.seq.num_computed_tokens >= len(item.seq.prompt_token_ids)
 
 
 def _state_slots(items: list[ScheduledSeq]) -> list[int]:

@@ -101,9 +101,18 @@ class Mamba2Mixer(nn.Module):
 
         xbc: (T, conv_dim), dt: (T, H), y: (T, H, P) float32.
         """
+        if not decode and g.num_generated and self.decode_time_step_limit != self.time_step_limit:
+            if g.num_generated < g.num_seqs:  # generated tokens get the decode rule, prompt chunks the scan's
+                generated, prompts = g.split(g.num_generated)
+                self._scan_group(generated, xbc, dt, y, conv_states, ssm_states, decode=False)
+                self._scan_group(prompts, xbc, dt, y, conv_states, ssm_states, decode=False)
+                return
+            decode_rule = True
+        else:
+            decode_rule = decode
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
         n, idx = g.num_tokens, g.state_indices
-        dt_limit = self.decode_time_step_limit if decode else self.time_step_limit
+        dt_limit = self.decode_time_step_limit if decode_rule else self.time_step_limit
         if self.use_cpu_kernels and recurrent_kernels.scan_state_supported(ssm_states, xbc.dtype):
             conv_w, conv_b, A32, D32, dt_bias32 = self._kernel_params()
             conv_out = recurrent_kernels.causal_conv1d(xbc[g.tokens], conv_states, conv_w, conv_b, g.cu_seqlens_q, idx,
