@@ -46,14 +46,17 @@ class SeqGroup:
         """The group's first ``n`` sequences and the rest, as two groups over the same tokens."""
         cut = int(self.cu_seqlens_q[n])
 
-        def part(rows: slice, start: int, end: int, cu: torch.Tensor) -> SeqGroup:
-            pick = (lambda t: None if t is None else t[rows])
-            return SeqGroup(start, end, cu, self.seq_lens[rows], pick(self.block_tables), pick(self.state_indices),
-                            pick(self.window_block_tables), max(0, min(self.num_generated, rows.stop or self.num_seqs)
-                                                                - (rows.start or 0)))
+        def rows(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+            return None if t is None else t[part]
 
-        return (part(slice(0, n), self.token_start, self.token_start + cut, self.cu_seqlens_q[:n + 1]),
-                part(slice(n, None), self.token_start + cut, self.token_end, self.cu_seqlens_q[n:] - cut))
+        head, tail = slice(0, n), slice(n, None)
+        first = SeqGroup(self.token_start, self.token_start + cut, self.cu_seqlens_q[:n + 1], self.seq_lens[head],
+                         rows(self.block_tables, head), rows(self.state_indices, head),
+                         rows(self.window_block_tables, head), min(self.num_generated, n))
+        rest = SeqGroup(self.token_start + cut, self.token_end, self.cu_seqlens_q[n:] - cut, self.seq_lens[tail],
+                        rows(self.block_tables, tail), rows(self.state_indices, tail),
+                        rows(self.window_block_tables, tail), max(0, self.num_generated - n))
+        return first, rest
 
 
 @dataclass
