@@ -159,14 +159,18 @@ def test_n_greater_than_one_and_seeded_sampling_complete(bamba):
 
 
 @pytest.mark.parametrize("family", ["bamba", "llama"])
-def test_preemption_during_speculation_gives_the_same_outputs(ckpt_dir, family):
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_preemption_during_speculation_gives_the_same_outputs(ckpt_dir, family, drafter):
     path = make(ckpt_dir, family)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = _prompts(6, seed=4)
     want = _generate(LLM(path, **_opts()), prompts, params)
-    tight = LLM(path, speculative_config=ALWAYS, **_opts(cache_memory="160KiB"))
+    config = ALWAYS if drafter == "ngram" else {"model": make(ckpt_dir, "bamba", dtype=torch.bfloat16),
+                                                 "num_speculative_tokens": 3}
+    # the draft model's layers make pages and slots larger: a smaller pool preempts as often
+    tight = LLM(path, speculative_config=config, **_opts(cache_memory="160KiB" if drafter == "ngram" else "120KiB"))
     got = _generate(tight, prompts, params)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.speculator.stats.num_drafts > 0
     _assert_same(got, want)
     assert released_everything(tight.engine)
 
