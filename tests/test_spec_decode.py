@@ -133,6 +133,27 @@ def test_max_tokens_and_stops_inside_an_accepted_run(bamba, max_tokens):
     assert released_everything(spec.engine)
 
 
+def test_penalties_biases_and_min_tokens_apply_at_every_verified_position(bamba):
+    """Row j of a verification is adjusted as decoding would adjust it after the first j drafts: the
+    repetition, presence and frequency penalties see those drafts, min_tokens counts them."""
+    plain, spec = LLM(bamba, **_opts()), LLM(bamba, speculative_config=ALWAYS, **_opts())
+    prompt = [5, 17, 33]
+    own = _generate(plain, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    prompt = prompt + own.outputs[0].token_ids  # drafts will be proposed and mostly accepted
+    favourite = own.outputs[0].token_ids[2]
+    cases = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, presence_penalty=0.4,
+                            frequency_penalty=0.3),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={favourite: -3.0}),
+             SamplingParams(temperature=0, max_tokens=24, min_tokens=6, stop_token_ids=[own.outputs[0].token_ids[1]]),
+             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.1, logprobs=3)]
+    before = spec.engine.speculator.stats.num_drafts
+    for params in cases:
+        _assert_same(_generate(spec, [prompt], params), _generate(plain, [prompt], params))
+    assert spec.engine.speculator.stats.num_drafts > before
+    assert released_everything(spec.engine)
+
+
 def test_stop_strings_inside_an_accepted_run():
     plain, spec = LLM(**_opts()), LLM(speculative_config=ALWAYS, **_opts())  # the shipped model, with a tokenizer
     text = _generate(plain, [plain.get_tokenizer().encode("Once upon a time")],

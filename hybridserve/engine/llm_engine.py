@@ -331,9 +331,12 @@ class LLMEngine:
         """Accept or reject each verified sequence's drafts, append the tokens its verdict emits (up to a
         stop), and set what its cache holds (``Speculator.settle``)."""
         items = logits.verify_seqs
-        fused = pointwise_kernels.argmax_logsumexp(logits.verify_logits, with_max=True) if self.cpu_kernels else None
-        verdicts = verify(logits.verify_logits, [Verification(it.drafts, it.seq.params, it.seq.generator,
-                                                              it.draft_probs) for it in items],
+        adjust = self._verify_adjuster(items)
+        fused = (pointwise_kernels.argmax_logsumexp(logits.verify_logits, with_max=True)
+                 if self.cpu_kernels and adjust is None else None)
+        draw_from = adjust(logits.verify_logits.float()) if adjust is not None else logits.verify_logits
+        verdicts = verify(draw_from, [Verification(it.drafts, it.seq.params, it.seq.generator, it.draft_probs)
+                                      for it in items],
                           self.generator, self.cpu_kernels, fused[0] if fused is not None else None)
         rows = [row for v in verdicts for row in v.rows]
         chosen = [t for v in verdicts for t in v.tokens]
@@ -363,6 +366,16 @@ class LLMEngine:
             flat += len(verdict.tokens)
             touched[seq.request_id] = None
             self.speculator.settle(item, verdict.num_accepted, emitted)
+
+    def _verify_adjuster(self, items) -> LogitAdjuster | None:
+        """Penalties, biases and stop masks of every verification row (row ``j`` of a sequence as after its first
+        ``j`` drafts, the context decoding would have there); None when no row has any."""
+        if not any(it.seq.params.adjusts_logits for it in items):
+            return None
+        rows = [RowContext(it.seq.params, it.seq.prompt_token_ids, it.seq.output_token_ids + it.drafts[:j],
+                           it.seq.eos_token_id) for it in items for j in range(len(it.drafts) + 1)]
+        adjuster = LogitAdjuster(rows)
+        return adjuster if adjuster else None
 
     def _logit_adjuster(self, seqs: list[Sequence]) -> LogitAdjuster | None:
         """Penalties, biases and masks of the rows about to be sampled; None when no row has any."""

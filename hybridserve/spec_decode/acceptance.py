@@ -47,7 +47,8 @@ class Verdict:
 def verify(logits: torch.Tensor, items: list[Verification], default_generator: torch.Generator,
            use_cpu_kernels: bool = False, argmax: torch.Tensor | None = None) -> list[Verdict]:
     """The verdict of each item; ``logits`` (sum of (m + 1), V) holds each item's rows in order, float32 or
-    the model dtype exactly widened to it; ``argmax`` (R,): each row's, when the caller has it."""
+    the model dtype exactly widened to it: the logits tokens are drawn from (penalties, biases and stop masks
+    applied to row ``j`` as after the first ``j`` drafts); ``argmax`` (R,): each row's, when the caller has it."""
     greedy_argmax: list[int] | None = None
     if any(it.params.greedy for it in items):
         if argmax is None:
