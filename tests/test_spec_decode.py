@@ -29,8 +29,9 @@ STATE_KINDS = {
 }
 #: float32 rounding of the same positions run as one chunk instead of one token at a time
 LOGPROB_NOISE = 1e-4
-#: draft every step however few drafts are accepted, so rollback runs constantly
-ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "acceptance_floor": 0.0}
+#: draft every step however few drafts are accepted (and in batches of up to 8), so rollback runs constantly
+ALWAYS = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "acceptance_floor": 0.0,
+          "disable_by_batch_size": 8}
 
 
 def _opts(**kw):
@@ -187,7 +188,7 @@ def test_preemption_during_speculation_gives_the_same_outputs(ckpt_dir, family, 
     prompts = _prompts(6, seed=4)
     want = _generate(LLM(path, **_opts()), prompts, params)
     config = ALWAYS if drafter == "ngram" else {"model": make(ckpt_dir, "bamba", dtype=torch.bfloat16),
-                                                 "num_speculative_tokens": 3}
+                                                 "num_speculative_tokens": 3, "disable_by_batch_size": 8}
     # the draft model's layers make pages and slots larger: a smaller pool preempts as often
     tight = LLM(path, speculative_config=config, **_opts(cache_memory="160KiB" if drafter == "ngram" else "120KiB"))
     got = _generate(tight, prompts, params)
@@ -220,6 +221,17 @@ def test_drafting_backs_off_when_drafts_are_rejected(bamba):
     stats = spec.engine.speculator.stats
     assert stats.num_backoffs > 0
     assert stats.num_drafts < 60 // 2  # it stopped drafting for whole stretches
+
+
+def test_the_automatic_batch_limit_comes_from_the_captured_steps(bamba):
+    spec = LLM(bamba, speculative_config={**ALWAYS, "disable_by_batch_size": "auto"}, **_opts())
+    engine = spec.engine
+    assert engine.spec_config.disable_by_batch_size is None
+    assert engine.speculator.batch_limit in engine.runner.captured_decode.graphs  # a timed bucket
+    eager = LLM(bamba, speculative_config={**ALWAYS, "disable_by_batch_size": "auto"}, enforce_eager=True,
+                **_opts()).engine
+    assert eager.speculator.batch_limit == eager.spec_config.max_batch_size  # nothing to time
+    assert parse_speculative_config({"method": "ngram", "disable_by_batch_size": "auto"}).disable_by_batch_size is None
 
 
 def test_no_drafting_beside_large_batches(bamba):
@@ -337,7 +349,8 @@ def test_a_poor_draft_model_gives_the_outputs_of_decoding_without_it(ckpt_dir, f
     drafter = make(ckpt_dir, POOR_DRAFTERS[family], seed=9)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     _equals_plain_batched_and_alone(make(ckpt_dir, family), {"model": drafter, "num_speculative_tokens": 3,
-                                                             "acceptance_floor": 0.0}, _prompts(4, seed=8), params)
+                                                             "acceptance_floor": 0.0,
+                                     "disable_by_batch_size": 8}, _prompts(4, seed=8), params)
 
 
 def test_the_target_as_its_own_draft_model_is_always_right(bamba):
@@ -364,7 +377,8 @@ def test_a_draft_model_with_another_vocabulary_is_refused(bamba, ckpt_dir):
 
 def test_sampling_with_a_draft_model_completes_and_is_reproducible(bamba, ckpt_dir):
     drafter = make(ckpt_dir, "mamba2", seed=9)
-    spec = LLM(bamba, speculative_config={"model": drafter, "num_speculative_tokens": 3, "acceptance_floor": 0.0},
+    spec = LLM(bamba, speculative_config={"model": drafter, "num_speculative_tokens": 3, "acceptance_floor": 0.0,
+                                     "disable_by_batch_size": 8},
                **_opts())
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
     prompts = _prompts(3, seed=11)
@@ -378,7 +392,8 @@ def test_a_near_copy_draft_model_stays_in_step_after_rejections(bamba, ckpt_dir)
     """The target's weights in bfloat16 as drafter: nearly every draft is right, a few are not. Were the
     draft model's state or KV out of step after a rollback, its drafts would go wrong from there on."""
     drafter = make(ckpt_dir, "bamba", dtype=torch.bfloat16)
-    spec = LLM(bamba, speculative_config={"model": drafter, "num_speculative_tokens": 4, "acceptance_floor": 0.0},
+    spec = LLM(bamba, speculative_config={"model": drafter, "num_speculative_tokens": 4, "acceptance_floor": 0.0,
+                                     "disable_by_batch_size": 8},
                **_opts())
     plain = LLM(bamba, **_opts())
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -396,7 +411,8 @@ def test_mtp_drafts_give_the_outputs_of_decoding_without_them(ckpt_dir, family):
 
     path = add_mtp_weights(make(ckpt_dir, family), num_layers=1, seed=4)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    _equals_plain_batched_and_alone(path, {"method": "mtp", "num_speculative_tokens": 3, "acceptance_floor": 0.0},
+    _equals_plain_batched_and_alone(path, {"method": "mtp", "num_speculative_tokens": 3, "acceptance_floor": 0.0,
+                                     "disable_by_batch_size": 8},
                                     _prompts(4, seed=12), params)
 
 
@@ -454,7 +470,8 @@ def test_mtp_drafts_are_the_heads_predictions(ckpt_dir):
     from tests.test_mtp_head import BLOCK, _group, _load, _pool, _reference
 
     path = add_mtp_weights(make(ckpt_dir, "qwen3_next"), num_layers=1, seed=4)
-    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "acceptance_floor": 0.0},
+    spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "acceptance_floor": 0.0,
+                                     "disable_by_batch_size": 8},
                **_opts())
     engine = spec.engine
     prompt = _prompts(1, seed=14)[0]

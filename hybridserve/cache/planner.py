@@ -217,7 +217,7 @@ def speculation_summary(speculation: Any, layout: PoolLayout, num_drafter_layers
     slot = layout.slot_bytes if layout.has_state else 0
     return {"method": speculation.method, "num_speculative_tokens": speculation.num_speculative_tokens,
             "drafter_cache_layers": num_drafter_layers, "verification_slot_bytes": slot,
-            "verification_slots_bytes_at_most": slot * speculation.disable_by_batch_size}
+            "verification_slots_bytes_at_most": slot * speculation.max_batch_size}
 
 
 def drafter_specs(hf_config: Any, specs: list[LayerCacheSpec], speculation: Any, config: Any) -> list[LayerCacheSpec]:

@@ -30,6 +30,7 @@ from hybridserve.models.mtp import build_mtp_head
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.spec_decode.acceptance import Verification, verify
+from hybridserve.spec_decode.batch_limit import choose_batch_limit
 from hybridserve.spec_decode.config import parse_speculative_config
 from hybridserve.spec_decode.draft_model import DraftModel
 from hybridserve.spec_decode.mtp import MTPDrafter
@@ -109,17 +110,20 @@ class LLMEngine:
                                    self.cpu_fast_paths)
             if self.spec_config is not None:
                 attach_captured_steps(self.runner, self.model, self.pool, self.max_model_len, self.cpu_fast_paths,
-                                      min(config.max_num_seqs, self.spec_config.disable_by_batch_size),
+                                      min(config.max_num_seqs, self.spec_config.max_batch_size),
                                       self.spec_config.num_speculative_tokens + 1)
             self.cpu_fast_paths.log()
             if self.draft_model is not None:  # its own decode and rerun steps, captured over its view of the pool
                 draft, paths = self.draft_model, self.draft_model.fast_paths
                 attach_captured_decode(draft.runner, draft.model, self.pool, config, self.max_model_len, paths)
                 attach_captured_steps(draft.runner, draft.model, self.pool, self.max_model_len, paths,
-                                      min(config.max_num_seqs, self.spec_config.disable_by_batch_size),
+                                      min(config.max_num_seqs, self.spec_config.max_batch_size),
                                       self.spec_config.num_speculative_tokens + 1)
                 if paths.off():
                     logger.warning("draft model CPU fast paths off: %s", "; ".join(paths.off()))
+        if self.speculator is not None:
+            self.speculator.batch_limit = (self.spec_config.disable_by_batch_size
+                                           or choose_batch_limit(self.runner, self.spec_config))
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,

@@ -117,7 +117,10 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_run == 1]
         chunks = [s for s in scheduled if s.num_run > 1]
         generated = [s for s in chunks if _generated(s)]  # verifications and reruns first: see SeqGroup.num_generated
-        prefills = generated + [s for s in chunks if not _generated(s)]
+        prompt_chunks = [s for s in chunks if not _generated(s)]
+        if not prompt_chunks:  # by token count: each count's sequences may replay one capture
+            generated.sort(key=lambda s: s.num_run)
+        prefills = generated + prompt_chunks
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -159,15 +162,10 @@ class ModelRunner:
                 if last > start:
                     prompt_rows.extend(range(offset, offset + last - start))
                     prompt_seqs.append((item, start, last - start))
-        captured = self._captured_for(decodes, prefills, prompt_rows)
-        if captured is not None:
-            seqs = [item.seq for item in order]
-            hidden = captured.run(input_ids, positions, slot_mapping,
-                                  [it.seq.num_computed_tokens + it.num_run for it in order],
-                                  [s.block_table for s in seqs] if self.has_kv else [],
-                                  _state_slots(order) if self.has_state else [],
-                                  (window_slots, [s.window_table for s in seqs]) if self.has_window else None)
-        else:  # mixed steps, or larger than the largest capture
+        groups = self._captured_groups(order, prompt_chunks, prompt_rows)
+        if groups is not None:
+            hidden = self._replay_groups(groups, order, input_ids, positions, slot_mapping, window_slots)
+        else:  # prompt chunks, prompt logprobs, or more sequences than the captures take
             batch = ForwardBatch(
                 slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                 decode=self._group(decodes, 0),
@@ -184,22 +182,47 @@ class ModelRunner:
         return StepLogits(order, sample_seqs, sample_logits, prompt_seqs, prompt_logits, verify_seqs, verify_logits,
                           hidden, starts, offsets)
 
-    def _captured_for(self, decodes: list[ScheduledSeq], prefills: list[ScheduledSeq],
-                      prompt_rows: list[int]) -> CapturedDecode | None:
-        """The captured steps this step can replay: decodes only, or sequences of one same token count
-        with a capture of its own (a verification); None for any other step."""
-        if decodes and not prefills:
-            captured = self.captured_decode
-            rows = len(decodes)
-        elif prefills and not decodes and not prompt_rows:
-            q = prefills[0].num_run  # captured as generated tokens: prompt chunks run eagerly
-            if any(item.num_run != q or not _generated(item) for item in prefills):
-                return None
-            captured = self.captured_steps.get(q)
-            rows = len(prefills)
-        else:
+    def _captured_groups(self, order: list[ScheduledSeq], prompt_chunks: list[ScheduledSeq], prompt_rows: list[int]
+                         ) -> list[tuple[CapturedDecode, int, int]] | None:
+        """The captures this step replays, one per token count, as (capture, first item, end item) over
+        ``order`` (sorted by count): decodes on the decode capture, verifications and reruns of ``q`` tokens on
+        that count's; None when any sequence has none (prompt chunks, prompt logprobs, too many sequences)."""
+        if prompt_chunks or prompt_rows:
             return None
-        return captured if captured is not None and rows <= captured.max_rows else None
+        groups = []
+        start = 0
+        while start < len(order):
+            q = order[start].num_run
+            end = start
+            while end < len(order) and order[end].num_run == q:
+                end += 1
+            captured = self.captured_decode if q == 1 else self.captured_steps.get(q)
+            if captured is None or end - start > captured.max_rows:
+                return None
+            groups.append((captured, start, end))
+            start = end
+        return groups
+
+    def _replay_groups(self, groups: list[tuple[CapturedDecode, int, int]], order: list[ScheduledSeq],
+                       input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                       window_slots: list[int]) -> torch.Tensor:
+        """Replay each group's capture over its sequences' slice of the step; their hidden states (T, hidden)
+        in ``order`` (one view when one capture ran; each capture's output stays valid until it replays again)."""
+        outs = []
+        token = 0
+        for captured, first, end in groups:
+            items = order[first:end]
+            n = sum(it.num_run for it in items)
+            span = slice(token, token + n)
+            seqs = [it.seq for it in items]
+            outs.append(captured.run(input_ids[span], positions[span], slot_mapping[span] if self.has_kv else [],
+                                     [s.num_computed_tokens + it.num_run for s, it in zip(seqs, items)],
+                                     [s.block_table for s in seqs] if self.has_kv else [],
+                                     _state_slots(items) if self.has_state else [],
+                                     (window_slots[span], [s.window_table for s in seqs]) if self.has_window
+                                     else None))
+            token += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _logits_of(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         """Sampling logits of ``rows`` of ``hidden`` (all of them without a gather), or None for no rows."""

@@ -28,7 +28,8 @@ class SpeculativeConfig:
     """A validated speculative-decoding configuration.
 
     ``disable_by_batch_size``: no sequence speculates in a step with more running sequences than this (a
-    large batch is compute-bound: verifying drafts there costs more than it saves). ``acceptance_floor``:
+    large batch is compute-bound: verifying drafts there costs more than it saves); None (``"auto"``): the
+    engine times its captured steps at start and picks it (``spec_decode/batch_limit.py``). ``acceptance_floor``:
     a sequence whose recent drafts were accepted at a lower rate stops drafting for a while (docs/spec_decode.md).
     """
 
@@ -37,11 +38,17 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None
     acceptance_floor: float = 0.2
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most running sequences a drafting step may have: the configured limit, or the largest the
+        automatic one may pick (the captured verification steps go that far)."""
+        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
 def _positive_int(name: str, value: Any, upper: int | None = None) -> int:
@@ -90,7 +97,8 @@ def parse_speculative_config(value: Any) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
     if method != "ngram" and ("prompt_lookup_max" in value or "prompt_lookup_min" in value):
         raise ValueError(f"speculative_config prompt_lookup_max/min are for method 'ngram', not {method!r}")
-    batch = _positive_int("disable_by_batch_size", value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE))
+    batch = value.get("disable_by_batch_size", "auto")
+    batch = None if batch in ("auto", None) else _positive_int("disable_by_batch_size", batch)
     floor = value.get("acceptance_floor", 0.2)
     if not isinstance(floor, (int, float)) or isinstance(floor, bool) or not 0.0 <= floor < 1.0:
         raise ValueError(f"speculative_config acceptance_floor={floor!r} must be a number in [0, 1)")

@@ -86,6 +86,7 @@ class Speculator:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.has_state = cache.pool.layout.has_state
         self.stats = SpecStats(accepted_length_counts=[0] * (self.k + 1))
+        self.batch_limit = config.max_batch_size  # the engine sets it (spec_decode/batch_limit.py)
 
     # ------------------------------------------------------------- drafting
     def _room(self, item: ScheduledSeq) -> int:
@@ -119,7 +120,7 @@ class Speculator:
         returns how many sequences draft. A draft model also runs the step's tokens (it absorbs what the
         target absorbs), drafting or not."""
         drafting: list[tuple[ScheduledSeq, int]] = []
-        if may_draft and num_running <= self.config.disable_by_batch_size:
+        if may_draft and num_running <= self.batch_limit:
             budget = self.max_num_batched_tokens - sum(item.num_tokens for item in scheduled)
             for item in scheduled:
                 if budget <= 0:
