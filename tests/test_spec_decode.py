@@ -155,6 +155,29 @@ def test_penalties_biases_and_min_tokens_apply_at_every_verified_position(bamba)
     assert released_everything(spec.engine)
 
 
+@pytest.mark.parametrize("kind", ["regex", "json", "choice"])
+def test_structured_output_masks_every_verified_position(kind):
+    """Row j of a verification is masked by the grammar as after the first j drafts (llguidance advanced
+    through them and rolled back); drafts the grammar refuses are rejected; outputs equal decoding without
+    speculation, and the grammar's own state ends where the emitted tokens put it."""
+    from hybridserve import StructuredOutputsParams
+
+    plain = LLM(**_opts(cache_memory="32MiB"))
+    spec = LLM(speculative_config=ALWAYS, **_opts(cache_memory="32MiB"))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 60},
+                                               "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    structured = {"regex": StructuredOutputsParams(regex=r"(I am sure I shall be very much in love with (him|her)\. )+"),
+                  "json": StructuredOutputsParams(json=schema),
+                  "choice": StructuredOutputsParams(choice=["I am sure I shall be very much in love with him. " * 3,
+                                                            "no"])}[kind]
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=structured, logprobs=2)
+    prompt = "Once upon a time or two, and that I am sure I shall be very much in love with him. I am sure"
+    _assert_same(spec.generate([prompt], params, use_tqdm=False), plain.generate([prompt], params, use_tqdm=False))
+    assert spec.engine.speculator.stats.num_drafts > 0
+    assert released_everything(spec.engine)
+
+
 def test_stop_strings_inside_an_accepted_run():
     plain, spec = LLM(**_opts()), LLM(speculative_config=ALWAYS, **_opts())  # the shipped model, with a tokenizer
     text = _generate(plain, [plain.get_tokenizer().encode("Once upon a time")],

@@ -36,6 +36,7 @@ from hybridserve.spec_decode.draft_model import DraftModel
 from hybridserve.spec_decode.mtp import MTPDrafter
 from hybridserve.spec_decode.speculator import Speculator
 from hybridserve.structured_output.manager import StructuredOutputManager
+from hybridserve.structured_output.matcher import FixedMask
 
 logger = logging.getLogger(__name__)
 
@@ -372,12 +373,21 @@ class LLMEngine:
             self.speculator.settle(item, verdict.num_accepted, emitted)
 
     def _verify_adjuster(self, items) -> LogitAdjuster | None:
-        """Penalties, biases and stop masks of every verification row (row ``j`` of a sequence as after its first
-        ``j`` drafts, the context decoding would have there); None when no row has any."""
+        """Penalties, biases, stop masks and grammar masks of every verification row (row ``j`` of a sequence as
+        after its first ``j`` drafts, the context decoding would have there); None when no row has any."""
         if not any(it.seq.params.adjusts_logits for it in items):
             return None
-        rows = [RowContext(it.seq.params, it.seq.prompt_token_ids, it.seq.output_token_ids + it.drafts[:j],
-                           it.seq.eos_token_id) for it in items for j in range(len(it.drafts) + 1)]
+        rows = []
+        for it in items:
+            seq, m = it.seq, len(it.drafts)
+            masks = None
+            if seq.params.structured_outputs is not None:  # the grammar's masks as after each draft
+                matcher = self.structured.matcher(seq)
+                masks = torch.empty(m + 1, matcher.num_words, dtype=torch.int32)  # (m + 1, W)
+                matcher.draft_masks(it.drafts, masks)
+            rows += [RowContext(seq.params, seq.prompt_token_ids, seq.output_token_ids + it.drafts[:j],
+                                seq.eos_token_id, FixedMask(masks[j]) if masks is not None else None)
+                     for j in range(m + 1)]
         adjuster = LogitAdjuster(rows)
         return adjuster if adjuster else None
 

@@ -99,8 +99,8 @@ class Speculator:
         """How many drafts ``seq`` may verify in its next step (0: it does not draft); ``count_cooldown``:
         this is that step (a step of its back-off passes)."""
         params = seq.params
-        if (seq.num_pending_tokens != 1 or seq.wants_prompt_logprobs or params.structured_outputs is not None
-                or not seq.output_token_ids or params.max_tokens is None or seq.is_finished):
+        if (seq.num_pending_tokens != 1 or seq.wants_prompt_logprobs or not seq.output_token_ids
+                or params.max_tokens is None or seq.is_finished):
             return 0
         state = seq.spec
         if state is not None and state.cooldown > 0:

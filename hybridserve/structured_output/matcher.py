@@ -57,6 +57,27 @@ class SequenceMatcher:
             raise GrammarRefusedToken(f"structured output: the grammar does not allow token {token} here: "
                                       f"{short_error(self.matcher.get_error()) or 'no reason given'}")
 
+    def draft_masks(self, drafts: list[int], words: torch.Tensor) -> None:
+        """Fill ``words`` ((len(drafts) + 1, W) int32) with the allowed tokens after the first ``j`` drafts, row
+        ``j``, for a speculative verification; the matcher ends where it began. Rows past a draft the grammar
+        refuses (or past one that would end the request) are never used: they repeat the last row reached."""
+        consumed = reached = 0
+        for j in range(len(drafts) + 1):
+            self.fill_bitmask(words[j])
+            reached = j
+            if j == len(drafts) or self.matcher.is_stopped():
+                break
+            draft = drafts[j]
+            allowed = 0 <= draft < self.vocab_size and bool(int(words[j, draft // 32]) >> (draft % 32) & 1)
+            if not allowed or (draft in self.stop_token_ids and self.matcher.is_accepting()):
+                break
+            if not self.matcher.consume_token(draft):
+                break
+            consumed += 1
+        words[reached + 1:] = words[reached]
+        if consumed:
+            self.matcher.rollback(consumed)
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and admits no further token (EOS included once it has been taken)."""
@@ -74,3 +95,18 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], masks: list[Seque
     for r, m in enumerate(masks):
         m.fill_bitmask(bitmask[r])
     apply_token_bitmask(logits, bitmask, rows)
+
+
+class FixedMask:
+    """One logits row's precomputed allowed tokens (a row of :meth:`SequenceMatcher.draft_masks`), usable where
+    a :class:`SequenceMatcher` is (``RowContext.token_mask``)."""
+
+    def __init__(self, words: torch.Tensor) -> None:
+        self.words = words  # (W,) int32
+        self.num_words = words.shape[0]
+
+    def fill_bitmask(self, words: torch.Tensor) -> None:
+        words.copy_(self.words)
+
+    def __call__(self, logits: torch.Tensor, row: int) -> None:
+        apply_token_bitmask(logits, self.words[None], [row])
