@@ -167,7 +167,8 @@ def test_structured_output_masks_every_verified_position(kind):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 60},
                                                "tags": {"type": "array", "items": {"type": "string"}}},
               "required": ["name", "tags"]}
-    structured = {"regex": StructuredOutputsParams(regex=r"(I am sure I shall be very much in love with (him|her)\. )+"),
+    sentence = r"(I am sure I shall be very much in love with (him|her)\. )+"
+    structured = {"regex": StructuredOutputsParams(regex=sentence),
                   "json": StructuredOutputsParams(json=schema),
                   "choice": StructuredOutputsParams(choice=["I am sure I shall be very much in love with him. " * 3,
                                                             "no"])}[kind]
