@@ -15,7 +15,7 @@ from hybridserve.cache.planner import speculation_summary
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
-from hybridserve.engine.cpu_fast_paths import attach_captured_decode, attach_captured_steps, prepare_model
+from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import make_children, place_children, wants_fork
 from hybridserve.engine.logit_adjust import LogitAdjuster, RowContext
@@ -26,15 +26,11 @@ from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.models.loader import build_model, load_hf_config
-from hybridserve.models.mtp import build_mtp_head
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.spec_decode.acceptance import Verification, verify
-from hybridserve.spec_decode.batch_limit import choose_batch_limit
 from hybridserve.spec_decode.config import parse_speculative_config
-from hybridserve.spec_decode.draft_model import DraftModel
-from hybridserve.spec_decode.mtp import MTPDrafter
-from hybridserve.spec_decode.speculator import Speculator
+from hybridserve.spec_decode.setup import capture_speculation, load_drafter, make_speculator
 from hybridserve.structured_output.manager import StructuredOutputManager
 from hybridserve.structured_output.matcher import FixedMask
 
@@ -66,21 +62,9 @@ class LLMEngine:
         self.cpu_fast_paths = prepare_model(self.model, config) if self.device.type == "cpu" else None
         self.cpu_kernels = self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
         self.spec_config = parse_speculative_config(config.speculative_config)
-        self.draft_model = None
-        if self.spec_config is not None and self.spec_config.method == "draft_model":
-            self.draft_model = DraftModel(self.spec_config.model, self.hf_config, config, self.specs, self.device)
-            if self.device.type == "cpu":
-                self.draft_model.fast_paths = prepare_model(self.draft_model.model, config)
-        self.mtp_head = None
-        if self.spec_config is not None and self.spec_config.method == "mtp":
-            self.mtp_head = build_mtp_head(config.model, self.hf_config, self.model, self.dtypes.model,
-                                           CacheDtypes.from_resolved(self.dtypes), self.device,
-                                           max(s.index for s in self.specs) + 1)
-            if self.device.type == "cpu":
-                prepare_model(self.mtp_head, config)
-        draft_specs = self.draft_model.specs if self.draft_model is not None else []
-        if self.mtp_head is not None:
-            draft_specs = self.mtp_head.cache_specs()
+        self.draft_model, self.mtp_head, draft_specs = (
+            load_drafter(self.spec_config, config, self.hf_config, self.model, self.specs, self.dtypes, self.device)
+            if self.spec_config is not None else (None, None, []))
         self.layout_specs = self.specs + draft_specs  # the target's layers, then a drafter's (draft model, MTP)
         self.layout = compute_layout(self.layout_specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
@@ -92,14 +76,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.device)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.speculator = None
-        if self.spec_config is not None:
-            if self.draft_model is not None:
-                self.draft_model.bind(self.pool, self.device)
-            mtp = (MTPDrafter(self.mtp_head, self.cache, self.spec_config.num_speculative_tokens)
-                   if self.mtp_head is not None else None)
-            self.speculator = Speculator(self.spec_config, self.cache, self.max_model_len,
-                                         config.max_num_batched_tokens, self.draft_model, self.generator, mtp)
+        self.speculator = (make_speculator(self.spec_config, config, self.cache, self.pool, self.device,
+                                           self.max_model_len, self.draft_model, self.mtp_head, self.generator)
+                           if self.spec_config is not None else None)
         if config.max_model_len:
             from hybridserve.cache.planner import positions_warning
 
@@ -109,22 +88,11 @@ class LLMEngine:
         if self.cpu_fast_paths is not None:
             attach_captured_decode(self.runner, self.model, self.pool, config, self.max_model_len,
                                    self.cpu_fast_paths)
-            if self.spec_config is not None:
-                attach_captured_steps(self.runner, self.model, self.pool, self.max_model_len, self.cpu_fast_paths,
-                                      min(config.max_num_seqs, self.spec_config.max_batch_size),
-                                      self.spec_config.num_speculative_tokens + 1)
-            self.cpu_fast_paths.log()
-            if self.draft_model is not None:  # its own decode and rerun steps, captured over its view of the pool
-                draft, paths = self.draft_model, self.draft_model.fast_paths
-                attach_captured_decode(draft.runner, draft.model, self.pool, config, self.max_model_len, paths)
-                attach_captured_steps(draft.runner, draft.model, self.pool, self.max_model_len, paths,
-                                      min(config.max_num_seqs, self.spec_config.max_batch_size),
-                                      self.spec_config.num_speculative_tokens + 1)
-                if paths.off():
-                    logger.warning("draft model CPU fast paths off: %s", "; ".join(paths.off()))
         if self.speculator is not None:
-            self.speculator.batch_limit = (self.spec_config.disable_by_batch_size
-                                           or choose_batch_limit(self.runner, self.spec_config))
+            capture_speculation(self.speculator, self.runner, self.model, self.pool, config, self.max_model_len,
+                                self.cpu_fast_paths)
+        if self.cpu_fast_paths is not None:
+            self.cpu_fast_paths.log()
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,
