@@ -379,6 +379,8 @@ int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
 
 }  // namespace
 
+#include "gemm_w8.h"  // the 8-bit weight linears, on the vector helpers above
+
 extern "C" {
 
 // 1 when hs_linear_bf16 uses AVX-512 BF16 dot products on even K (built for avx512_bf16), else 0
@@ -425,9 +427,15 @@ namespace {
 
 enum Activation : int { kSilu = 0, kRelu2 = 1 };
 
-// x (n, K) @ W.T -> out (n, N) through the packed kernel of storage type T.
+// x (n, K) @ W.T -> out (n, N) through the packed kernel of storage type T, or, for 8-bit weights
+// (wfmt: WeightFormat), the 8-bit kernel with its scale groups of `group` k.
 template <typename T>
-int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packed, T* out) {
+int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packed, T* out, int wfmt = 0,
+                  int64_t group = 0) {
+  if (wfmt != kNativeWeights) {
+    constexpr int code = std::is_same_v<T, BF16> ? kBF16 : std::is_same_v<T, float> ? kF32 : kF16;
+    return hs_linear_w8(code, wfmt, n, N, K, group, x, K, static_cast<const uint8_t*>(packed), nullptr, out, N);
+  }
   if constexpr (std::is_same_v<T, BF16>) {
     return hs_linear_bf16(n, N, K, reinterpret_cast<const uint16_t*>(x), K, static_cast<const uint16_t*>(packed),
                           nullptr, reinterpret_cast<uint16_t*>(out), N);
@@ -447,7 +455,7 @@ template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v));
 template <typename T, typename WT>
 int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, const T* x, int64_t xs,
                      const int64_t* index, const WT* weight, const int64_t* up, const int64_t* down, int gated, int act,
-                     const T* shared, int64_t ss, T* out, int64_t os) {
+                     int wfmt, int64_t group, const T* shared, int64_t ss, T* out, int64_t os) {
   for (int64_t a = 0; a < T_ * k; ++a)
     if (index[a] < 0 || index[a] >= E) return 1;
   const int64_t up_rows = gated ? 2 * I : I;
@@ -464,7 +472,9 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
     ab.resize(n * I);
     yb.resize(n * H);
     for (int64_t r = 0; r < n; ++r) std::memcpy(&xb[r * H], x + (rows[r] / k) * xs, H * sizeof(T));
-    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data()) != 0) return 1;
+    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data(), wfmt,
+                         group) != 0)
+      return 1;
     for (int64_t r = 0; r < n; ++r) {
       const T* hr = &hb[r * up_rows];
       for (int64_t i = 0; i < I; ++i) {
@@ -476,7 +486,9 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
         }
       }
     }
-    if (packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), yb.data()) != 0) return 1;
+    if (packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), yb.data(), wfmt,
+                         group) != 0)
+      return 1;
     for (int64_t r = 0; r < n; ++r) {
       const float w = to_f32(weight[rows[r]]);
       float* dst = &acc[(rows[r] / k) * H];
@@ -627,15 +639,17 @@ int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logi
 
 int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const void* x,
                    int64_t xs, const int64_t* index, const void* weight, const int64_t* up, const int64_t* down,
-                   int gated, int act, const void* shared, int64_t ss, void* out, int64_t os) {
-  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1) return 1;
+                   int gated, int act, int wfmt, int64_t group, const void* shared, int64_t ss, void* out,
+                   int64_t os) {
+  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1 || wfmt < 0 || wfmt > 2) return 1;
   int rc = 2;
   auto run = [&](auto t) {
     using AT = decltype(t);
     rc = dispatch_dtype(weight_dtype, [&](auto w) {
       using W = decltype(w);
       rc = moe_experts_impl<AT, W>(T, H, I, E, k, static_cast<const AT*>(x), xs, index, static_cast<const W*>(weight),
-                                   up, down, gated, act, static_cast<const AT*>(shared), ss, static_cast<AT*>(out), os);
+                                   up, down, gated, act, wfmt, group, static_cast<const AT*>(shared), ss,
+                                   static_cast<AT*>(out), os);
     }) == 0 ? rc : 2;
   };
   if (dtype == kBF16) run(BF16{});
@@ -658,4 +672,4 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 
 HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
             HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
-            HS_KERNEL(hs_router_grouped_sigmoid))
+            HS_KERNEL(hs_router_grouped_sigmoid) HS_KERNEL(hs_pack_w8) HS_KERNEL(hs_linear_w8))
