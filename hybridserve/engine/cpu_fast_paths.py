@@ -89,6 +89,23 @@ def _count_w8_linears(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
+    """Give the fp8 linears the kernels did not pack (kernels unavailable) dequantized weights."""
+    from hybridserve.layers.packed_linear import is_fp8_linear
+    from hybridserve.ops.linear_w8 import dequantize
+
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
+                 torch.float32)
+    count = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and is_fp8_linear(m):
+            m.weight.data = dequantize(m.weight.data, m.weight_scale, m.weight_group).to(dtype)
+            del m.weight_scale, m.weight_group
+            count += 1
+    if count:
+        report.notes.append(f"{count} fp8 linears dequantized to {dtype} (the 8-bit kernel is not available)")
+
+
 def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
     """Cap the ISA, switch the model's layers to the compiled kernels and pack its 16-bit linears."""
     level = isa.set_cap(config.cpu_isa)
@@ -111,6 +128,7 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.packed_linears = pack_kernel_linear_layers(model, config.quantization)
         report.w8_linears = _count_w8_linears(model)
         report.quantization = ("int8" if config.quantization == "int8" else "fp8" if report.w8_linears else "none")
+    _dequantize_unpacked_fp8(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take
     if report.packed_linears or report.onednn_linears:

@@ -23,6 +23,7 @@ from hybridserve.engine.request_registry import RequestRegistry
 from hybridserve.engine.sampler import sample, sample_rows_alone
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
+from hybridserve.layers.weight_bytes import weight_bytes
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -50,8 +51,9 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
         torch.manual_seed(config.seed)
+        keep_fp8 = self.device.type == "cpu" and config.cpu_kernels and config.quantization != "none"
         self.model = build_model(config.model, self.hf_config, self.dtypes.model,
-                                 CacheDtypes.from_resolved(self.dtypes), self.device)
+                                 CacheDtypes.from_resolved(self.dtypes), self.device, keep_fp8)
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         self.cpu_fast_paths = prepare_model(self.model, config) if self.device.type == "cpu" else None
         self.cpu_kernels = self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
@@ -466,6 +468,8 @@ class LLMEngine:
             "prefix_snapshot_interval": self.config.prefix_snapshot_interval,
             "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len,
                                                       self.pool.reserved_counts()),
+            "quantization": self.cpu_fast_paths.quantization if self.cpu_fast_paths is not None else "none",
+            "weight_bytes": weight_bytes(self.model),
         }
 
 

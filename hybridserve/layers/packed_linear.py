@@ -130,7 +130,9 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
     weights) or a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's fp8 weights; with
     ``quantization="int8"`` every linear, quantized per output channel, or per ``group`` in-features), and
     pack the experts of every ``FusedExperts`` block likewise; returns how many linears and experts were
-    packed. The packed weights share one allocation per dtype."""
+    packed. Routers (``quantize = False`` on their linear: their logits pick experts, a discrete choice that
+    int8 rounding would flip; llama.cpp keeps them unquantized too) stay 16-bit. The packed weights share
+    one allocation per dtype."""
     if not gemm.available():
         return 0
     int8 = quantization == "int8"
@@ -141,7 +143,7 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
         if is_fp8_linear(lin):
             sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape,
                                                                                      lin.weight_group)))
-        elif int8 and gemm.packable(lin.weight):
+        elif int8 and gemm.packable(lin.weight) and getattr(lin, "quantize", True):
             sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape, group)))
         elif gemm.packable(lin.weight):
             sizes.setdefault(_key(lin.weight), (lin.weight.dtype, gemm.packed_numel(*lin.weight.shape)))
@@ -154,7 +156,7 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
         slot = slots.get(_key(weight))
         if slot is None:
             return None
-        if int8:
+        if slot.dtype == torch.uint8:
             q, scales = quantize_int8(weight, group)
             return linear_w8.pack(q, scales, group, out=slot)
         return gemm.pack(weight, slot)
@@ -167,7 +169,7 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
     def make(lin: nn.Linear, packed: torch.Tensor) -> nn.Module:
         if is_fp8_linear(lin):
             return W8Linear(lin, packed, torch.float8_e4m3fn, lin.weight_group)
-        return W8Linear(lin, packed, torch.int8, group) if int8 else KernelLinear(lin, packed)
+        return W8Linear(lin, packed, torch.int8, group) if packed.dtype == torch.uint8 else KernelLinear(lin, packed)
 
     count = _replace_linears(model, pack_linear, make)
     for block in experts:
