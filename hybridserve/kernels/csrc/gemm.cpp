@@ -68,7 +68,7 @@ struct Ahead {
 
 template <int MR, int NR>
 void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel_elems, const uint16_t* bias,
-          uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+          const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   // Fewer than 8 rows: in a call of at most 8 rows, each weight line is read once; the non-temporal
   // hint keeps the stream out of L3, which then still holds the activations, states and interpreter
   // data between the matmuls of a one-sequence decode step (about 1 ms of its 12 on the bench model).
@@ -101,8 +101,11 @@ void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t 
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
     __m512 b = _mm512_setzero_ps();
     if (bias != nullptr) b = bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col));
+    // 8-bit weights (gemm_w8.h): the sums of x * q times each column's scale
+    const __m512 s = scale != nullptr ? _mm512_maskz_loadu_ps(mask, scale + col) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < MR; ++r) {
-      const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
+      const __m512 sum = scale != nullptr ? _mm512_fmadd_ps(acc[r][j], s, b) : _mm512_add_ps(acc[r][j], b);
+      const __m256i y = (__m256i)_mm512_cvtneps_pbh(sum);
       _mm256_mask_storeu_epi16(out + r * os + col, mask, y);
     }
   }
@@ -113,21 +116,21 @@ constexpr int max_panels(int MR) { return MR == 1 ? 8 : MR <= 4 ? 4 : 3; }
 
 template <int MR, int NR>
 void tile_any(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t pe, const uint16_t* bias,
-              uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+              const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   if constexpr (NR > 1) {
-    if (nr < NR) return tile_any<MR, NR - 1>(nr, K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
+    if (nr < NR) return tile_any<MR, NR - 1>(nr, K2, x, xs, w, pe, bias, scale, out, os, n0, N, ahead);
   }
-  tile<MR, NR>(K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
+  tile<MR, NR>(K2, x, xs, w, pe, bias, scale, out, os, n0, N, ahead);
 }
 
 template <int MR>
 void rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t pe, const uint16_t* bias,
-          uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
-  tile_any<MR, max_panels(MR)>(nr, K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
+          const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+  tile_any<MR, max_panels(MR)>(nr, K2, x, xs, w, pe, bias, scale, out, os, n0, N, ahead);
 }
 
-using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
-                        int64_t, int64_t, int64_t, Ahead);
+using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*,
+                        const float*, uint16_t*, int64_t, int64_t, int64_t, Ahead);
 constexpr RowsFn kRows[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
 
 // The avx512_bf16 path of hs_linear_bf16 (K even).
@@ -157,7 +160,7 @@ int dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
       const char* begin = std::min(next + t * slice, next_end);
       const Ahead ahead{begin, std::min(begin + slice, next_end), per_step};
       // tail rows (M % 8) take this group too: narrower tiles allow at least as many panels
-      kRows[mr](nr, K2, x + m0 * xs, xs, w, panel_elems, bias, out + m0 * os, os, n0, N, ahead);
+      kRows[mr](nr, K2, x + m0 * xs, xs, w, panel_elems, bias, nullptr, out + m0 * os, os, n0, N, ahead);
     }
   }
   return 0;

@@ -21,6 +21,7 @@
 namespace {
 
 enum WeightFormat : int { kNativeWeights = 0, kInt8Weights = 1, kFp8E4m3Weights = 2 };
+constexpr int64_t kW8DotRows = 4;  // rows from which avx512_bf16 runs bf16 activations on dot products
 
 typedef uint8_t vb8 __attribute__((vector_size(kLanes)));
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
@@ -185,12 +186,61 @@ int w8linear(int64_t M, int64_t N, int64_t K, int64_t group, const A* x, int64_t
   return 0;
 }
 
+#if HS_HAVE_BF16_DOT
+// The avx512_bf16 path for bf16 activations, per-channel scales, even K and kW8DotRows rows or more:
+// each panel group's codes are widened once per call into a thread's scratch in the bf16 k-pair layout
+// (exactly: an int8 code has at most 7 significant bits, an e4m3 one 4, and bf16 holds 8), and every
+// row tile runs the 16-bit kernel's vdpbf16ps tile over it, its float32 sums times the column scales.
+// Against the float32 vector path at 32 rows: 193 us instead of 433 for a 3224 x 768 weight, 2.5 ms
+// instead of 4.4 for the 32000 x 768 LM head (benchmark model shapes, 2 threads, Zen 5).
+template <int F>
+void widen_pairs(const uint8_t* panel, int64_t K2, uint16_t* dst) {  // [K][16] codes -> [K/2][16][2] bf16
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const __m512i even = _mm512_castps_si512(reinterpret_cast<__m512>(widen8<F>(panel + 2 * kk * kPanel)));
+    const __m512i odd = _mm512_castps_si512(reinterpret_cast<__m512>(widen8<F>(panel + (2 * kk + 1) * kPanel)));
+    _mm512_storeu_si512(dst + kk * 2 * kPanel, _mm512_or_si512(_mm512_and_si512(odd, hi), _mm512_srli_epi32(even, 16)));
+  }
+}
+
+template <int F>
+int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint8_t* packed,
+                  const uint16_t* bias, uint16_t* out, int64_t os) {
+  const int64_t K2 = K / 2, pe = K * kPanel, panels = (N + kPanel - 1) / kPanel;
+  const float* scales = reinterpret_cast<const float*>(packed + panels * pe);  // (panels * 16,): one group
+  const int MR = M >= 8 ? 8 : static_cast<int>(M);
+  const int64_t group = max_panels(MR), groups = (panels + group - 1) / group;
+  const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t g = 0; g < groups; ++g) {
+    static thread_local std::vector<uint16_t> scratch;
+    const int nr = static_cast<int>(std::min(group, panels - g * group));
+    if (static_cast<int64_t>(scratch.size()) < nr * K * kPanel) scratch.resize(nr * K * kPanel);
+    for (int j = 0; j < nr; ++j) widen_pairs<F>(packed + (g * group + j) * pe, K2, scratch.data() + j * K * kPanel);
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
+      kRows[mr](nr, K2, x + m0 * xs, xs, scratch.data(), K * kPanel, bias, scales, out + m0 * os, os,
+                g * group * kPanel, N, Ahead{nullptr, nullptr, 0});
+    }
+  }
+  return 0;
+}
+#endif
+
 template <typename A>
 int w8linear_any(int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const A* x, int64_t xs,
                  const uint8_t* packed, const A* bias, A* out, int64_t os) {
   if (M < 0 || N < 1 || K < 1 || group < 0) return 1;
   if (M == 0) return 0;
   const bool grouped = w8_groups(K, group) > 1;
+#if HS_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    if (!grouped && K % 2 == 0 && M >= kW8DotRows) {
+      if (wfmt == kInt8Weights) return w8_dot_linear<kInt8Weights>(M, N, K, x, xs, packed, bias, out, os);
+      if (wfmt == kFp8E4m3Weights) return w8_dot_linear<kFp8E4m3Weights>(M, N, K, x, xs, packed, bias, out, os);
+    }
+  }
+#endif
   if (wfmt == kInt8Weights)
     return grouped ? w8linear<kInt8Weights, true>(M, N, K, group, x, xs, packed, bias, out, os)
                    : w8linear<kInt8Weights, false>(M, N, K, group, x, xs, packed, bias, out, os);
