@@ -114,3 +114,21 @@ def test_quantization_option_is_validated_and_on_the_cli():
     assert EngineConfig(**{**engine_kwargs(args), "model": "x"}).quantization == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "some/dir", "--quantization", "int4"])
+
+
+@needs_compiler
+@pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build")
+def test_plan_shows_the_weight_bytes_the_engine_holds(ckpt_dir, capsys):
+    """``hybridserve plan --json``: bytes per stored dtype, and an int8 estimate that is the engine's exact
+    figure for a model without routers or tied weights."""
+    import json
+
+    from hybridserve.entrypoints.cli import main
+
+    path = make(ckpt_dir, "mamba2", dtype=torch.bfloat16)
+    assert main(["plan", path, "--json"]) == 0
+    weights = json.loads(capsys.readouterr().out)["weight_bytes"]
+    llm, _ = _run(path, quantization="int8")
+    assert weights["int8"] == llm.cache_layout()["weight_bytes"]
+    assert set(weights["checkpoint"]) == {"bfloat16"}
+    assert weights["checkpoint"]["bfloat16"] > sum(weights["int8"].values())

@@ -44,7 +44,11 @@ def w8_variant(level: str | None = None) -> str:
     """The 8-bit weight linears' variant at ``level`` (default: the level in force)."""
     level = level or isa.level_in_force()
     lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
-    return f"{level}: 8-bit codes widened to float32 in registers ({lanes}), float32 sums, scale per channel"
+    fma = f"8-bit codes widened to float32 in registers ({lanes}), float32 sums, a scale per channel"
+    if level == "avx512_bf16":
+        return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
+                f"to bf16; others {fma}")
+    return f"{level}: {fma}"
 
 
 def op_variants() -> dict[str, dict[str, str | None]]:
