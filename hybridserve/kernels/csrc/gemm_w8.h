@@ -193,18 +193,84 @@ int w8linear(int64_t M, int64_t N, int64_t K, int64_t group, const A* x, int64_t
 // row tile runs the 16-bit kernel's vdpbf16ps tile over it, its float32 sums times the column scales.
 // Against the float32 vector path at 32 rows: 193 us instead of 433 for a 3224 x 768 weight, 2.5 ms
 // instead of 4.4 for the 32000 x 768 LM head (benchmark model shapes, 2 threads, Zen 5).
+// bf16 words [k even: c0..c15 | k odd: c0..c15] -> pairs (c0 k even, c0 k odd, c1 k even, ...)
+inline __m512i pair_order() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                          19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+// The k-pair kk of a [K][16] panel of codes as 16 bf16 pairs (exact: the codes fit bf16).
 template <int F>
-void widen_pairs(const uint8_t* panel, int64_t K2, uint16_t* dst) {  // [K][16] codes -> [K/2][16][2] bf16
-  // bf16 words [k even: c0..c15 | k odd: c0..c15] -> pairs (c0 k even, c0 k odd, c1 k even, ...)
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+inline __m512i widen_pair_bf16(const uint8_t* panel, int64_t kk, __m512i order) {
+  const __m512 even = reinterpret_cast<__m512>(widen8<F>(panel + 2 * kk * kPanel));
+  const __m512 odd = reinterpret_cast<__m512>(widen8<F>(panel + (2 * kk + 1) * kPanel));
+  return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// The first row tile of a panel group: tile() of gemm.cpp with its weights widened from the codes as
+// it goes (the conversions overlap the dot products) and stored to `w` for the group's other row tiles.
+template <int MR, int NR, int F>
+void widen_tile(int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
+                int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0,
+                int64_t N, Ahead ahead) {
+  const __m512i order = pair_order();
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int32_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * xs);
   for (int64_t kk = 0; kk < K2; ++kk) {
-    const __m512 even = reinterpret_cast<__m512>(widen8<F>(panel + 2 * kk * kPanel));
-    const __m512 odd = reinterpret_cast<__m512>(widen8<F>(panel + (2 * kk + 1) * kPanel));
-    const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // exact: the codes fit bf16
-    _mm512_storeu_si512(dst + kk * 2 * kPanel, _mm512_permutexvar_epi16(order, words));
+    for (int l = 0; l < ahead.per_step && ahead.begin < ahead.end; ++l, ahead.begin += 64)
+      _mm_prefetch(ahead.begin, _MM_HINT_T1);
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512i v = widen_pair_bf16<F>(codes + j * pe, kk, order);
+      _mm512_storeu_si512(w + j * panel_elems + kk * 2 * kPanel, v);
+      wv[j] = (__m512bh)v;
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kk]);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t col = n0 + j * kPanel;
+    const int64_t valid = N - col < kPanel ? N - col : kPanel;
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + col);
+    for (int r = 0; r < MR; ++r)
+      _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][j], s, b)));
   }
 }
+
+template <int MR, int NR, int F>
+void widen_tile_any(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
+                    int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os,
+                    int64_t n0, int64_t N, Ahead ahead) {
+  if constexpr (NR > 1) {
+    if (nr < NR)
+      return widen_tile_any<MR, NR - 1, F>(nr, K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N,
+                                           ahead);
+  }
+  widen_tile<MR, NR, F>(K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N, ahead);
+}
+
+template <int F, int MR>
+void widen_rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
+                int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0,
+                int64_t N, Ahead ahead) {
+  widen_tile_any<MR, max_panels(MR), F>(nr, K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N, ahead);
+}
+
+template <int F>
+using WidenRowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint8_t*, int64_t, uint16_t*, int64_t,
+                             const uint16_t*, const float*, uint16_t*, int64_t, int64_t, int64_t, Ahead);
+template <int F>
+constexpr WidenRowsFn<F> kWidenRows[9] = {nullptr, widen_rows<F, 1>, widen_rows<F, 2>, widen_rows<F, 3>,
+                                          widen_rows<F, 4>, widen_rows<F, 5>, widen_rows<F, 6>, widen_rows<F, 7>,
+                                          widen_rows<F, 8>};
 
 template <int F>
 int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint8_t* packed,
@@ -219,7 +285,6 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
     static thread_local std::vector<uint16_t> scratch;
     const int nr = static_cast<int>(std::min(group, panels - g * group));
     if (static_cast<int64_t>(scratch.size()) < nr * K * kPanel) scratch.resize(nr * K * kPanel);
-    for (int j = 0; j < nr; ++j) widen_pairs<F>(packed + (g * group + j) * pe, K2, scratch.data() + j * K * kPanel);
     // while the row tiles compute, they request the next group's codes into L2 (a slice each), so its
     // widening does not wait on memory: 8.4 -> 6.1 ms of linears in a 32-sequence decode step of the
     // benchmark model (the 16-bit path's look-ahead, over the 8-bit codes)
@@ -232,8 +297,13 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
     for (int64_t m0 = 0, t = 0; m0 < M; m0 += 8, ++t) {
       const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
       const char* begin = std::min(next + t * slice, next_end);
-      kRows[mr](nr, K2, x + m0 * xs, xs, scratch.data(), K * kPanel, bias, scales, out + m0 * os, os,
-                g * group * kPanel, N, Ahead{begin, std::min(begin + slice, next_end), per_step});
+      const Ahead ahead{begin, std::min(begin + slice, next_end), per_step};
+      if (t == 0)  // widens the group's codes into the scratch as it computes
+        kWidenRows<F>[mr](nr, K2, x, xs, packed + g * group * pe, pe, scratch.data(), K * kPanel, bias, scales, out,
+                          os, g * group * kPanel, N, ahead);
+      else
+        kRows[mr](nr, K2, x + m0 * xs, xs, scratch.data(), K * kPanel, bias, scales, out + m0 * os, os,
+                  g * group * kPanel, N, ahead);
     }
   }
   return 0;
