@@ -1,6 +1,6 @@
 """Linear layers with prepacked 16-bit weights for the CPU.
 
-Two packings, both chosen after loading, each releasing the original weight so memory does not
+Three packings, each chosen after loading, each releasing the original weight so memory does not
 grow (a tied LM head keeps the embedding's weight):
 
 * :class:`KernelLinear`, with the CPU kernels on (``EngineConfig.cpu_kernels``), for every bf16 and
@@ -12,6 +12,9 @@ grow (a tied LM head keeps the embedding's weight):
   registers, where torch's own bf16 matmul would fall onto a scalar path (0.3 GFLOP/s on AVX2). Its
   float32 sums are rounded once to the activation dtype, as oneDNN's are, but in another order, so
   the last bit of an output can differ.
+* :class:`~hybridserve.layers.linear_w8.W8Linear` for 8-bit weights: every linear with
+  ``EngineConfig.quantization="int8"`` (quantized here, per output channel) and a checkpoint's fp8 ones
+  (``docs/quantization.md``).
 * :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``), on CPUs
   where oneDNN's bf16 matmul runs natively (AVX-512 BW/VL/DQ, with the ISA in force allowing it):
   oneDNN's prepacked matmul, bit-identical to ``torch.nn.functional.linear`` on bf16 and 15-35%

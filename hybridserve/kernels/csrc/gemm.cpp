@@ -10,6 +10,9 @@
 //   fp16: panel p holds W[16p : 16p + 16] as [Kp][16] (k major), widened by F16C's vcvtph2ps.
 //   float32: the fp16 layout, loaded as it is.
 //
+// 8-bit weights (int8, fp8 e4m3) with float32 scales have their own packing and kernels, on the same
+// tiles: gemm_w8.h, included below.
+//
 // Two implementations, chosen by the ISA level the library is built for (kernels/isa.py):
 // * avx512_bf16, bf16 weights: vdpbf16ps on bf16 activations (tile() below).
 // * every level, fp16 weights, and bf16 below avx512_bf16: GCC vector code in float32 (vtile()
