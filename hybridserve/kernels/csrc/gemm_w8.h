@@ -150,7 +150,10 @@ constexpr auto w8rows_table(std::integer_sequence<int, R...>) {
 
 // Groups of one packed weight: G groups of gs k (group 0: one group of K).
 inline int64_t w8_group_size(int64_t K, int64_t group) { return group > 0 && group < K ? group : K; }
-inline int64_t w8_groups(int64_t K, int64_t group) { return (K + w8_group_size(K, group) - 1) / w8_group_size(K, group); }
+inline int64_t w8_groups(int64_t K, int64_t group) {
+  const int64_t gs = w8_group_size(K, group);
+  return (K + gs - 1) / gs;
+}
 
 // out (M, N) = x (M, K) @ (q * s).T + bias; x, bias and out in the activation storage type A.
 template <int F, bool Grouped, typename A>
@@ -258,9 +261,9 @@ void widen_tile_any(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uin
 }
 
 template <int F, int MR>
-void widen_rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
-                int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0,
-                int64_t N, Ahead ahead) {
+void widen_tile_rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe,
+                     uint16_t* w, int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out,
+                     int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   widen_tile_any<MR, max_panels(MR), F>(nr, K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N, ahead);
 }
 
@@ -268,9 +271,10 @@ template <int F>
 using WidenRowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint8_t*, int64_t, uint16_t*, int64_t,
                              const uint16_t*, const float*, uint16_t*, int64_t, int64_t, int64_t, Ahead);
 template <int F>
-constexpr WidenRowsFn<F> kWidenRows[9] = {nullptr, widen_rows<F, 1>, widen_rows<F, 2>, widen_rows<F, 3>,
-                                          widen_rows<F, 4>, widen_rows<F, 5>, widen_rows<F, 6>, widen_rows<F, 7>,
-                                          widen_rows<F, 8>};
+constexpr WidenRowsFn<F> kWidenRows[9] = {nullptr,
+                                          widen_tile_rows<F, 1>, widen_tile_rows<F, 2>, widen_tile_rows<F, 3>,
+                                          widen_tile_rows<F, 4>, widen_tile_rows<F, 5>, widen_tile_rows<F, 6>,
+                                          widen_tile_rows<F, 7>, widen_tile_rows<F, 8>};
 
 template <int F>
 int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint8_t* packed,
