@@ -38,6 +38,7 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
     torch.set_num_threads(args["threads"])
     engine = LLMEngine(EngineConfig(model=args["model"], dtype=args["dtype"],
                                     mamba_ssm_cache_dtype=args["mamba_ssm_cache_dtype"],
+                                    quantization=args.get("quantization", "auto"),
                                     cache_memory=args["cache_memory"], max_num_seqs=max(len(prompts), 1),
                                     max_num_batched_tokens=args["max_num_batched_tokens"],
                                     max_model_len=max(len(p) for p in prompts) + args["output_len"],
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
     parser.add_argument("--cache-memory", default="2GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
@@ -140,6 +142,8 @@ def main() -> None:
     for r in results:
         print(f"{r['engine']:<18}{r['tokens_per_s']:>12.1f}{r['ttft_median_s']:>12.3f}{r['seconds']:>10.2f}"
               f"{r['peak_rss_mib']:>14.0f}")
+        if a.num_requests == 1 and a.output_len > 1:  # one stream: its decode rate, prefill excluded
+            print(f"{r['engine']} decode: {(a.output_len - 1) / (r['seconds'] - r['ttft_median_s']):.1f} tok/s")
     if len(results) == 2:
         ratio = results[0]["tokens_per_s"] / results[1]["tokens_per_s"]
         same = sum(x == y for x, y in zip(results[0]["tokens"], results[1]["tokens"]))

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="time the first step (prefill) instead")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no captured decode steps")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
     a = parser.parse_args()
 
     import torch
@@ -50,6 +51,7 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, cache_memory="4GiB", max_num_seqs=a.requests,
+                                    quantization=a.quantization,
                                     max_num_batched_tokens=2048, max_model_len=a.prompt_len + a.steps + 16,
                                     enable_progress_bar=False, cpu_kernels=a.cpu_kernels,
                                     enforce_eager=a.enforce_eager))

@@ -40,6 +40,9 @@ STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
 #: KV-cache dtypes stored scaled (value / scale), with the checkpoint's k/v scales where it has them
 FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEVICES = ("auto", "cpu", "cuda")
+#: weight quantization: auto (a checkpoint's own fp8 weights as they are, else none), none (fp8 weights
+#: dequantized at load), int8 (every linear made int8 at load, fp8 ones kept): docs/quantization.md
+QUANTIZATIONS = ("auto", "none", "int8")
 
 _DTYPE_ALIASES = DTYPE_ALIASES
 
@@ -116,6 +119,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     enforce_eager: bool = False
     cpu_isa: str = "auto"
+    quantization: str = "auto"
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
     speculative_config: dict[str, Any] | str | None = None
@@ -129,6 +133,8 @@ class EngineConfig:
             "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *STATE_DTYPES))
         self.device = _check_choice("device", self.device, DEVICES)
         self.cpu_isa = _check_choice("cpu_isa", self.cpu_isa, CPU_ISA_CHOICES)
+        self.quantization = _check_choice("quantization", "none" if self.quantization is None else self.quantization,
+                                          QUANTIZATIONS)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             check_positive_int(name, getattr(self, name))
         check_cache_shape_options(self)
@@ -140,6 +146,10 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
+        if self.quantization == "int8" and (not self.cpu_kernels or self.device == "cuda"):
+            raise ValueError("quantization='int8' runs on hybridserve's compiled CPU kernels: it needs "
+                             f"cpu_kernels=True and device cpu or auto (got cpu_kernels={self.cpu_kernels}, "
+                             f"device={self.device!r})")
 
     def resolve_device(self) -> torch.device:
         """The torch device: ``auto`` picks CUDA when available."""

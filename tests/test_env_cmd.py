@@ -61,6 +61,16 @@ def test_env_with_a_model_reports_its_capture_and_fallbacks(capsys, ckpt_dir):
     assert {"kv_write", "paged_attention"} <= ops and all(row["calls"] > 0 for row in fp8["kernel_fallbacks"])
 
 
+def test_env_with_int8_weights_reports_the_kernel_and_a_captured_decode(capsys, ckpt_dir):
+    path = make(ckpt_dir, "granitemoehybrid", dtype=torch.bfloat16)
+    report = _env(capsys, "--model", path, "--quantization", "int8")
+    model = report["model"]
+    assert model["decode"] == {"captured": True, "reason": None} and model["kernel_fallbacks"] == []
+    assert model["weights"]["quantization"] == "int8" and model["linears"]["8bit"]["int8"] > 0
+    assert model["weights"]["kernel"] == report["kernels"]["ops"]["linear_w8"]["variant"]
+    assert report["isa"]["in_force"] in model["weights"]["kernel"]
+
+
 @needs_compiler
 @pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build")
 def test_engine_capped_to_generic_matches_the_level_in_force(ckpt_dir):

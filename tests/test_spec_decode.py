@@ -575,3 +575,19 @@ def test_bfloat16_verifications_follow_the_decode_rule(ckpt_dir, family):
     want = _run_staggered(plain.engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert staggered == want
     assert spec.engine.speculator.stats.num_drafts > 0
+
+
+def test_int8_weights_with_speculation(ckpt_dir):
+    """Weight quantization and speculation are independent: int8 weights with n-gram drafts and with a draft
+    model (quantized too) give the int8 outputs without speculation."""
+    path = make(ckpt_dir, "bamba", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    kw = _opts(quantization="int8", mamba_ssm_cache_dtype="float32")
+    plain = LLM(path, **kw)
+    for config in (ALWAYS, {"model": make(ckpt_dir, "mamba2", dtype=torch.bfloat16, seed=9),
+                            "num_speculative_tokens": 3, "acceptance_floor": 0.0, "disable_by_batch_size": 8}):
+        spec = LLM(path, speculative_config=config, **kw)
+        assert spec.engine.cpu_fast_paths.as_dict()["weights"]["quantization"] == "int8"
+        for p in _prompts(3, seed=15):
+            _assert_same(_generate(spec, [p], params), _generate(plain, [p], params))
+        assert spec.engine.speculator.stats.num_drafts > 0

@@ -17,6 +17,8 @@ from torch import nn
 from hybridserve.config import EngineConfig
 from hybridserve.engine.decode_capture import try_capture
 from hybridserve.kernels import enable_cpu_kernels, gemm, isa, unavailable_reason
+from hybridserve.kernels.report import w8_variant
+from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
 from hybridserve.layers.rotary import RotaryEmbedding
 
@@ -33,6 +35,8 @@ class CpuFastPaths:
     packed_linears: int = 0  # linears and expert projections on hybridserve's kernels
     onednn_linears: int = 0  # bf16 linears on oneDNN's prepacked matmul
     torch_16bit_linears: int = 0  # 16-bit linears left on torch's matmul
+    w8_linears: dict[str, int] = field(default_factory=dict)  # 8-bit linears by code dtype (int8, fp8 e4m3)
+    quantization: str = "none"  # what the engine applied: none, int8, fp8 (a checkpoint's fp8 weights)
     decode_captured: bool = False
     decode_reason: str | None = None
     verify_captured: bool | None = None  # speculative verification steps captured (None: no speculation)
@@ -43,7 +47,8 @@ class CpuFastPaths:
         """The JSON form (``hybridserve env``)."""
         return {"cpu_isa": self.isa, "kernels": {"on": self.kernels, "reason": self.kernels_reason},
                 "linears": {"hybridserve_kernel": self.packed_linears, "onednn_prepacked": self.onednn_linears,
-                            "torch_16bit": self.torch_16bit_linears},
+                            "torch_16bit": self.torch_16bit_linears, "8bit": dict(self.w8_linears)},
+                "weights": {"quantization": self.quantization, "kernel": w8_variant() if self.w8_linears else None},
                 "decode": {"captured": self.decode_captured, "reason": self.decode_reason},
                 **({} if self.verify_captured is None else
                    {"verify": {"captured": self.verify_captured, "reason": self.verify_reason}})}
@@ -79,6 +84,34 @@ def _count_16bit_linears(model: nn.Module) -> int:
                and getattr(m, "prepack", True))
 
 
+def _count_w8_linears(model: nn.Module) -> dict[str, int]:
+    """8-bit linears and expert blocks by their codes' dtype name."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        fmt = m.fmt if isinstance(m, W8Linear) else getattr(m, "weight_format", None)
+        if fmt is not None:
+            name = "int8" if fmt == torch.int8 else "fp8_e4m3"
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
+    """Give the fp8 linears the kernels did not pack (kernels unavailable) dequantized weights."""
+    from hybridserve.layers.packed_linear import is_fp8_linear
+    from hybridserve.ops.linear_w8 import dequantize
+
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
+                 torch.float32)
+    count = 0
+    for m in model.modules():
+        if type(m) is nn.Linear and is_fp8_linear(m):
+            m.weight.data = dequantize(m.weight.data, m.weight_scale, m.weight_group).to(dtype)
+            del m.weight_scale, m.weight_group
+            count += 1
+    if count:
+        report.notes.append(f"{count} fp8 linears dequantized to {dtype} (the 8-bit kernel is not available)")
+
+
 def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
     """Cap the ISA, switch the model's layers to the compiled kernels and pack its 16-bit linears."""
     level = isa.set_cap(config.cpu_isa)
@@ -94,8 +127,14 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.kernels = enable_cpu_kernels(model)
         if not report.kernels:
             report.kernels_reason = unavailable_reason() or "a kernel library did not load"
+    if config.quantization == "int8" and not report.kernels:
+        raise ValueError("quantization='int8' needs the compiled CPU kernels, which are off here "
+                         f"({report.kernels_reason})")
     if report.kernels:
-        report.packed_linears = pack_kernel_linear_layers(model)
+        report.packed_linears = pack_kernel_linear_layers(model, config.quantization)
+        report.w8_linears = _count_w8_linears(model)
+        report.quantization = ("int8" if config.quantization == "int8" else "fp8" if report.w8_linears else "none")
+    _dequantize_unpacked_fp8(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take
     if report.packed_linears or report.onednn_linears:

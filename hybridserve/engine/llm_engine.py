@@ -25,6 +25,7 @@ from hybridserve.engine.sampler import SampleResult, report, sample, sample_rows
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.layers.weight_bytes import weight_bytes
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling_params import SamplingParams
@@ -56,8 +57,9 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
         torch.manual_seed(config.seed)
+        keep_fp8 = self.device.type == "cpu" and config.cpu_kernels and config.quantization != "none"
         self.model = build_model(config.model, self.hf_config, self.dtypes.model,
-                                 CacheDtypes.from_resolved(self.dtypes), self.device)
+                                 CacheDtypes.from_resolved(self.dtypes), self.device, keep_fp8)
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         self.cpu_fast_paths = prepare_model(self.model, config) if self.device.type == "cpu" else None
         self.cpu_kernels = self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
@@ -561,6 +563,8 @@ class LLMEngine:
             "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len,
                                                       self.pool.reserved_counts()),
             "speculation": speculation_summary(self.spec_config, layout, len(self.layout_specs) - len(self.specs)),
+            "quantization": self.cpu_fast_paths.quantization if self.cpu_fast_paths is not None else "none",
+            "weight_bytes": weight_bytes(self.model),
         }
 
 

@@ -62,6 +62,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISA_CHOICES),
                         help="cap the CPU instruction set of the compiled kernels, oneDNN and ATen (auto: the "
                              "best this CPU has); a lower level runs, and tests, that level's kernel variants")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
+                        help="weights: int8 quantizes every linear (MoE experts and the LM head too) per output "
+                             "channel at load, run on the CPU kernels; auto runs a checkpoint's own fp8 weights "
+                             "(quantization_config) as they are; none dequantizes those at load")
     parser.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                         help="resume prompts from cached prefixes: shared KV pages and recurrent-state "
                              "snapshots in the one pool, evicted whenever requests need the room")
@@ -76,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
-                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa",
+                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "quantization",
                  "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config")
 
 

@@ -90,3 +90,7 @@ def print_report(report: dict) -> None:
                                         if declined else "none"))
         if "linears" in model:
             print("  linears: " + ", ".join(f"{k} {v}" for k, v in model["linears"].items()))
+        weights = model.get("weights")
+        if weights is not None:
+            print(f"  weights: quantization {weights['quantization']}"
+                  + (f"; 8-bit kernel {weights['kernel']}" if weights["kernel"] else ""))

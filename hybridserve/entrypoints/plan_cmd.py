@@ -70,12 +70,28 @@ def run(args: argparse.Namespace) -> int:
     if warning is not None:
         print(warning, file=sys.stderr)
     alternatives = plan_alternatives(hf_config, config)
+    from hybridserve.cache.weight_plan import weight_bytes
+
+    weights = weight_bytes(args.model, bool(getattr(hf_config, "tie_word_embeddings", False)))
     if args.json:
         print(json.dumps({**plan.to_dict(), "layer_groups": layer_groups(plan.specs),
-                          "alternatives": [a.summary() for a in alternatives]}, indent=2))
+                          "alternatives": [a.summary() for a in alternatives], "weight_bytes": weights}, indent=2))
     else:
         print_plan(plan, alternatives)
+        print_weights(weights)
     return 0
+
+
+def print_weights(weights: dict | None) -> None:
+    """Weight bytes per dtype: as stored, and with --quantization int8 (an estimate from names and shapes)."""
+    if weights is None:
+        print("weights: no safetensors here (config.json only)")
+        return
+    for label, key in (("checkpoint", "checkpoint"), ("with --quantization int8 (estimate)", "int8")):
+        parts = weights[key]
+        total = sum(parts.values())
+        print(f"weights, {label}: {_size(total)} (" + ", ".join(f"{_short(k)} {_size(v)}" for k, v in parts.items())
+              + ")")
 
 
 def layer_groups(specs) -> list[dict]:

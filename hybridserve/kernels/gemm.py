@@ -93,12 +93,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 
 MOE_ACTIVATIONS = {"silu": 0, "relu2": 1}  # Activation in csrc/gemm.cpp: silu gated, relu2 not gated
+WEIGHT_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}  # WeightFormat in csrc/gemm_w8.h (0: x's dtype)
 
 
 def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_table: torch.Tensor,
                 down_table: torch.Tensor, intermediate: int, gated: bool, act: str,
-                shared: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The experts of an MoE block over their packed weights: each token's k experts (``index`` (T, k)
+                shared: torch.Tensor | None = None, weight_format: torch.dtype | None = None,
+                group: int = 0) -> torch.Tensor | None:
+    """The experts of an MoE block over their packed weights (16/32-bit packs of x's dtype, or, with
+    ``weight_format`` int8 or float8_e4m3fn, 8-bit ones of ``kernels/linear_w8.py`` with scales per
+    ``group``): each token's k experts (``index`` (T, k)
     int64, ``weight`` (T, k) float32 or x's dtype), ``up(x) -> act -> down`` per expert, summed in
     float32 by weight and rounded to x's dtype, plus ``shared`` (T, H) when given (rounded again).
     ``up_table``/``down_table``: (E,) int64 addresses of each expert's packed ``gate_up``/``up`` and
@@ -113,11 +117,15 @@ def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_t
         return None
     if shared is not None and (shared.shape != x.shape or shared.dtype != x.dtype or not rows_ok(shared)):
         return None
+    wfmt = 0 if weight_format is None else WEIGHT_FORMATS.get(weight_format)
+    if wfmt is None:
+        return None
     H = x.shape[1]
     out = torch.empty(T, H, dtype=x.dtype)
     check(lib.hs_moe_experts(DTYPE_CODES[x.dtype], DTYPE_CODES[weight.dtype], T, H, intermediate, up_table.numel(), k,
                              x.data_ptr(), x.stride(0), index.data_ptr(), weight.data_ptr(), up_table.data_ptr(),
-                             down_table.data_ptr(), int(gated), code, None if shared is None else shared.data_ptr(),
+                             down_table.data_ptr(), int(gated), code, wfmt, group,
+                             None if shared is None else shared.data_ptr(),
                              0 if shared is None else shared.stride(0), out.data_ptr(), H),
           "hs_moe_experts (an expert index outside the block)")
     return out

@@ -12,6 +12,7 @@ from hybridserve.kernels import build, isa
 OPS = {
     "linear_bf16": ("gemm", "bf16 linear layers and MoE experts"),
     "linear_f16": ("gemm", "fp16 linear layers and MoE experts"),
+    "linear_w8": ("gemm", "8-bit weight linears and MoE experts (int8, fp8 e4m3)"),
     "rms_norm": ("pointwise", "RMS norm (with the residual add)"),
     "gated_rms_norm": ("pointwise", "Mamba2 gated group RMS norm"),
     "silu_mul": ("pointwise", "silu(a) * b"),
@@ -34,7 +35,20 @@ def _variant(op: str, level: str) -> str:
         return f"{level}: weights widened to float32 in registers"
     if op == "linear_f16":
         return f"{level}: weights widened to float32 in registers"
+    if op == "linear_w8":
+        return w8_variant(level)
     return f"{level}: compiled"
+
+
+def w8_variant(level: str | None = None) -> str:
+    """The 8-bit weight linears' variant at ``level`` (default: the level in force)."""
+    level = level or isa.level_in_force()
+    lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
+    fma = f"8-bit codes widened to float32 in registers ({lanes}), float32 sums, a scale per channel"
+    if level == "avx512_bf16":
+        return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
+                f"to bf16; others {fma}")
+    return f"{level}: {fma}"
 
 
 def op_variants() -> dict[str, dict[str, str | None]]:

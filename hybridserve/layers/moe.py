@@ -13,8 +13,9 @@ import re
 import torch
 from torch import nn
 
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import fallbacks, gemm, linear_w8
 from hybridserve.layers.activations import activation
+from hybridserve.ops.linear_w8 import linear_w8_ref
 
 
 def softmax_topk(router_logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +83,9 @@ class FusedExperts(nn.Module):
         self.packed: dict[str, list[torch.Tensor]] | None = None  # parameter name -> packed weight per expert
         self.tables: dict[str, torch.Tensor] = {}  # parameter name -> (E,) int64 addresses of the packed weights
         self._out_features: dict[str, int] = {}
+        self._in_features: dict[str, int] = {}
+        self.weight_format: torch.dtype | None = None  # the packed weights' 8-bit codes (int8), None: 16/32-bit
+        self.group = 0  # in-features per scale of 8-bit weights (0: one scale per output channel)
 
     def _projections(self) -> tuple[str, ...]:
         return ("gate_up_proj" if self.gated else "up_proj", "down_proj")
@@ -94,18 +98,19 @@ class FusedExperts(nn.Module):
         """Every expert's (out, in) weight of every projection."""
         return [getattr(self, name)[e] for name in self._projections() for e in range(self.num_experts)]
 
-    def pack(self, pack_weight) -> int:
+    def pack(self, pack_weight, weight_format: torch.dtype | None = None, group: int = 0) -> int:
         """Hold the experts only in the CPU kernels' packed form, ``pack_weight(weight)`` each (a weight
-        it declines keeps the whole block unpacked); returns how many experts' projections were packed."""
+        it declines keeps the whole block unpacked): 16/32-bit packs, or, with ``weight_format`` (int8),
+        8-bit codes with scales per ``group`` in-features. Returns how many experts' projections were packed."""
         packed = {name: [pack_weight(getattr(self, name)[e].detach()) for e in range(self.num_experts)]
                   for name in self._projections()}
         if any(p is None for ps in packed.values() for p in ps):
             return 0
         for name in self._projections():
             param = getattr(self, name)
-            self._out_features[name] = param.shape[1]
+            self._out_features[name], self._in_features[name] = param.shape[1], param.shape[2]
             setattr(self, name, nn.Parameter(param.new_empty(0, *param.shape[1:]), requires_grad=False))
-        self.packed = packed
+        self.packed, self.weight_format, self.group = packed, weight_format, group
         self.tables = {name: torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64) for name, ws in packed.items()}
         return sum(len(ps) for ps in packed.values())
 
@@ -113,6 +118,13 @@ class FusedExperts(nn.Module):
         """h (n, in) through projection ``name`` of expert e -> (n, out)."""
         if self.packed is None:
             return nn.functional.linear(h, getattr(self, name)[e])
+        if self.weight_format is not None:
+            args = (self.packed[name][e], self._out_features[name], self.weight_format, self.group)
+            y = linear_w8.linear(h, *args, None)
+            if y is None:
+                q, s = linear_w8.unpack(args[0], args[1], self._in_features[name], self.weight_format, self.group)
+                y = linear_w8_ref(h, q, s, self.group)
+            return y
         y = gemm.linear(h, self.packed[name][e], self._out_features[name], None)
         if y is None:
             raise TypeError(f"packed experts take {self.packed[name][e].dtype} CPU input, got {h.dtype} on {h.device}")
@@ -125,7 +137,7 @@ class FusedExperts(nn.Module):
         if self.packed is not None:  # packed for the CPU kernels: one call for the whole block
             up, down = self._projections()
             out = gemm.moe_experts(x, topk_index, topk_weight, self.tables[up], self.tables[down],
-                                   self.intermediate_size, self.gated, self.act, shared)
+                                   self.intermediate_size, self.gated, self.act, shared, self.weight_format, self.group)
             if out is not None:
                 return out
             fallbacks.record("moe_experts", f"{self.act}, " + fallbacks.describe(x, topk_weight))

@@ -1,6 +1,6 @@
 """Linear layers with prepacked 16-bit weights for the CPU.
 
-Two packings, both chosen after loading, each releasing the original weight so memory does not
+Three packings, each chosen after loading, each releasing the original weight so memory does not
 grow (a tied LM head keeps the embedding's weight):
 
 * :class:`KernelLinear`, with the CPU kernels on (``EngineConfig.cpu_kernels``), for every bf16 and
@@ -12,6 +12,9 @@ grow (a tied LM head keeps the embedding's weight):
   registers, where torch's own bf16 matmul would fall onto a scalar path (0.3 GFLOP/s on AVX2). Its
   float32 sums are rounded once to the activation dtype, as oneDNN's are, but in another order, so
   the last bit of an output can differ.
+* :class:`~hybridserve.layers.linear_w8.W8Linear` for 8-bit weights: every linear with
+  ``EngineConfig.quantization="int8"`` (quantized here, per output channel) and a checkpoint's fp8 ones
+  (``docs/quantization.md``).
 * :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``), on CPUs
   where oneDNN's bf16 matmul runs natively (AVX-512 BW/VL/DQ, with the ISA in force allowing it):
   oneDNN's prepacked matmul, bit-identical to ``torch.nn.functional.linear`` on bf16 and 15-35%
@@ -25,8 +28,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hybridserve.kernels import gemm, hugepages, isa
+from hybridserve.kernels import gemm, hugepages, isa, linear_w8
+from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.moe import FusedExperts
+from hybridserve.ops.linear_w8 import quantize_int8
 
 
 def prepack_available() -> bool:
@@ -69,18 +74,25 @@ class KernelLinear(_PackedWeightLinear):
 
 
 def _packable_linears(model: nn.Module):
-    """(parent, name, linear) for every bf16, fp16 or float32 CPU ``nn.Linear`` that may be packed."""
+    """(parent, name, linear) for every bf16, fp16, float32 or fp8 (a checkpoint's, with its
+    ``weight_scale``) CPU ``nn.Linear`` that may be packed."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or not getattr(child, "prepack", True):
                 continue  # a layer that reads its .weight directly sets prepack = False
-            if child.weight.dtype in gemm.LINEAR_DTYPES and child.weight.device.type == "cpu":
+            if child.weight.device.type == "cpu" and (child.weight.dtype in gemm.LINEAR_DTYPES or is_fp8_linear(child)):
                 yield parent, name, child
 
 
-def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tensor | None],
+def is_fp8_linear(linear: nn.Module) -> bool:
+    """An ``nn.Linear`` holding a checkpoint's fp8 e4m3 weight (with ``weight_scale`` (N, G) float32 and
+    ``weight_group``, set by the loader)."""
+    return linear.weight.dtype == torch.float8_e4m3fn and hasattr(linear, "weight_scale")
+
+
+def _replace_linears(model: nn.Module, pack: Callable[[nn.Linear], torch.Tensor | None],
                      make: Callable[[nn.Linear, torch.Tensor], nn.Module]) -> int:
-    """Replace every bf16 CPU ``nn.Linear`` whose weight ``pack`` accepts by ``make(linear, packed)``.
+    """Replace every CPU ``nn.Linear`` that ``pack`` accepts by ``make(linear, packed)``.
 
     Layers that share one weight (tied or reused blocks) share one packed copy. Returns how many."""
     packed: dict[int, torch.Tensor | None] = {}
@@ -88,47 +100,83 @@ def _replace_linears(model: nn.Module, pack: Callable[[torch.Tensor], torch.Tens
     for parent, name, child in _packable_linears(model):
         weight = child.weight
         if id(weight) not in packed:
-            packed[id(weight)] = pack(weight.detach())
+            packed[id(weight)] = pack(child)
         if packed[id(weight)] is not None:
             setattr(parent, name, make(child, packed[id(weight)]))
             count += 1
     return count
 
 
-def pack_kernel_linear_layers(model: nn.Module) -> int:
-    """Replace every bf16/fp16 CPU ``nn.Linear`` the CPU kernels cover by a :class:`KernelLinear`, and pack
-    the experts of every ``FusedExperts`` block; returns how many linears and experts were packed.
+def _key(w: torch.Tensor) -> tuple:
+    return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype
 
-    The packed weights share one allocation on huge pages (``kernels.hugepages``), each starting on a
-    cache line."""
+
+class _Arena:
+    """One allocation on huge pages per dtype (``kernels.hugepages``) for the packed weights, each slot
+    starting on a cache line."""
+
+    def __init__(self, sizes: dict[tuple, tuple[torch.dtype, int]]) -> None:  # weight key -> (dtype, elements)
+        rounded = {k: (dt, -(-n * dt.itemsize // 64) * 64 // dt.itemsize) for k, (dt, n) in sizes.items()}
+        totals: dict[torch.dtype, int] = {}
+        for dt, n in rounded.values():
+            totals[dt] = totals.get(dt, 0) + n
+        arenas = {dt: hugepages.empty(n, dt) for dt, n in totals.items()}
+        offsets = dict.fromkeys(arenas, 0)
+        self.slots: dict[tuple, torch.Tensor] = {}
+        for k, (dt, n) in rounded.items():
+            self.slots[k] = arenas[dt][offsets[dt]:offsets[dt] + sizes[k][1]]
+            offsets[dt] += n
+
+
+def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", group: int = 0) -> int:
+    """Replace every CPU ``nn.Linear`` the CPU kernels cover by a :class:`KernelLinear` (16-bit and float32
+    weights) or a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's fp8 weights; with
+    ``quantization="int8"`` every linear, quantized per output channel, or per ``group`` in-features), and
+    pack the experts of every ``FusedExperts`` block likewise; returns how many linears and experts were
+    packed. Routers (``quantize = False`` on their linear: their logits pick experts, a discrete choice that
+    int8 rounding would flip; llama.cpp keeps them unquantized too) stay 16-bit. The packed weights share
+    one allocation per dtype."""
     if not gemm.available():
         return 0
-    def key(w: torch.Tensor) -> tuple:
-        return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype
-
+    int8 = quantization == "int8"
     experts = [m for m in model.modules() if isinstance(m, FusedExperts) and m.packable()]
-    weights = [child.weight for _, _, child in _packable_linears(model) if gemm.packable(child.weight)]
-    weights += [w for block in experts for w in block.expert_weights()]
-    sizes: dict[tuple, int] = {}  # weight -> packed elements, rounded up to 64 bytes
-    for w in weights:
-        sizes.setdefault(key(w), -(-gemm.packed_numel(*w.shape) // 32) * 32)
-    arenas = {dtype: hugepages.empty(sum(n for k, n in sizes.items() if k[3] == dtype), dtype)
-              for dtype in {k[3] for k in sizes}}  # one allocation per dtype
-    slots: dict[tuple, torch.Tensor] = {}
-    offsets = dict.fromkeys(arenas, 0)
-    for k, n in sizes.items():
-        slots[k] = arenas[k[3]][offsets[k[3]]:offsets[k[3]] + n]
-        offsets[k[3]] += n
+    linears = [child for _, _, child in _packable_linears(model)]
+    sizes: dict[tuple, tuple[torch.dtype, int]] = {}
+    for lin in linears:
+        if is_fp8_linear(lin):
+            sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape,
+                                                                                     lin.weight_group)))
+        elif int8 and gemm.packable(lin.weight) and getattr(lin, "quantize", True):
+            sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape, group)))
+        elif gemm.packable(lin.weight):
+            sizes.setdefault(_key(lin.weight), (lin.weight.dtype, gemm.packed_numel(*lin.weight.shape)))
+    for w in (w for block in experts for w in block.expert_weights()):
+        sizes.setdefault(_key(w), (torch.uint8, linear_w8.packed_bytes(*w.shape, group)) if int8
+                         else (w.dtype, gemm.packed_numel(*w.shape)))
+    slots = _Arena(sizes).slots
 
-    def pack_into_arena(weight: torch.Tensor) -> torch.Tensor | None:
-        slot = slots.get(key(weight))
+    def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+        slot = slots.get(_key(weight))
         if slot is None:
             return None
-        return gemm.pack(weight, slot[:gemm.packed_numel(*weight.shape)])
+        if slot.dtype == torch.uint8:
+            q, scales = quantize_int8(weight, group)
+            return linear_w8.pack(q, scales, group, out=slot)
+        return gemm.pack(weight, slot)
 
-    count = _replace_linears(model, pack_into_arena, KernelLinear)
+    def pack_linear(lin: nn.Linear) -> torch.Tensor | None:
+        if is_fp8_linear(lin):
+            return linear_w8.pack(lin.weight.detach(), lin.weight_scale, lin.weight_group, out=slots[_key(lin.weight)])
+        return pack_weight(lin.weight.detach())
+
+    def make(lin: nn.Linear, packed: torch.Tensor) -> nn.Module:
+        if is_fp8_linear(lin):
+            return W8Linear(lin, packed, torch.float8_e4m3fn, lin.weight_group)
+        return W8Linear(lin, packed, torch.int8, group) if packed.dtype == torch.uint8 else KernelLinear(lin, packed)
+
+    count = _replace_linears(model, pack_linear, make)
     for block in experts:
-        count += block.pack(pack_into_arena)
+        count += block.pack(pack_weight, torch.int8 if int8 else None, group)
     return count
 
 
@@ -137,7 +185,8 @@ def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:
     if not prepack_available():
         return 0
 
-    def reorder(weight: torch.Tensor) -> torch.Tensor | None:
+    def reorder(linear: nn.Linear) -> torch.Tensor | None:
+        weight = linear.weight.detach()
         if weight.dtype != torch.bfloat16:
             return None  # oneDNN's prepack is taken for bf16 only
         return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)

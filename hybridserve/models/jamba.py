@@ -27,6 +27,7 @@ class JambaSparseMoe(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # weight (E, H)
+        self.router.quantize = False  # a router: its logits pick experts (kept out of int8 weights)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act, gated=True)
 

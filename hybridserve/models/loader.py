@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
+from hybridserve.models import fp8_checkpoint
 from hybridserve.models.base import CausalLM
 from hybridserve.models.registry import SERVED_AS_TEXT, model_class
 
@@ -100,8 +101,12 @@ def _rename(name: str, renames: list[tuple[str, str]]) -> str:
     return name
 
 
-def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Load every parameter strictly: missing, unexpected and mis-shaped weights are errors naming them."""
+def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False) -> None:
+    """Load every parameter strictly: missing, unexpected and mis-shaped weights are errors naming them.
+
+    An fp8 checkpoint's weights (``models/fp8_checkpoint.py``) are dequantized to ``dtype``, except, with
+    ``keep_fp8``, those of plain ``nn.Linear`` layers: these keep their e4m3 codes, with ``weight_scale``
+    (N, G) float32 and ``weight_group`` on the layer, for the 8-bit CPU kernel."""
     renames = getattr(model, "checkpoint_renames", [])
     skip = getattr(model, "checkpoint_skip", None)  # a regex of raw names never read (a vision tower, say)
     # optional model hook: {renamed name: tensor} -> {model name: tensor} (e.g. stack per-expert weights)
@@ -111,6 +116,8 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
     loaded: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
     kv_scales: list[tuple[nn.Module, tuple[str, ...], torch.Tensor]] = []
+    qc = fp8_checkpoint.fp8_config(model.hf_config)
+    fp8_scales: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
             for raw in f.keys():
@@ -121,10 +128,15 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
                 if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight
                     kv_scales.append((*target, f.get_tensor(raw)))
                     continue
+                if qc is not None and fp8_checkpoint.is_scale(name):
+                    fp8_scales[name] = f.get_tensor(raw)
+                    continue
                 if name not in expected and transform is None:
                     unexpected.append(raw)
                     continue
                 loaded[name] = f.get_tensor(raw)
+    fp8 = {} if qc is None else fp8_checkpoint.split_fp8(
+        loaded, fp8_scales, qc, lambda n: keep_fp8 and n in expected and _is_plain_linear_weight(model, n))
     if transform is not None:
         loaded = transform(loaded)
         unexpected = [n for n in loaded if n not in expected]
@@ -141,6 +153,8 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
     model.to_empty(device=device)
     with torch.no_grad():
         for name, tensor in loaded.items():
+            if name in fp8:
+                continue
             target = expected[name]
             target_dtype = dtype if target.is_floating_point() else target.dtype
             owner, attr = _owner(model, name)
@@ -153,6 +167,10 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
+    for name, (codes, scales, group) in fp8.items():
+        owner, attr = _owner(model, name)
+        getattr(owner, attr).data = codes.to(device)
+        owner.weight_scale, owner.weight_group = scales.to(device), group
     model.tie_weights_if_needed()
     for module, attrs, tensor in kv_scales:
         for attr in attrs:
@@ -193,6 +211,12 @@ def kv_scale_target(model: nn.Module, name: str) -> tuple[nn.Module, tuple[str, 
     return None
 
 
+def _is_plain_linear_weight(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` is the weight of an ``nn.Linear`` the CPU kernels pack (not a ``prepack = False`` one)."""
+    owner, attr = _owner(model, name)
+    return type(owner) is nn.Linear and attr == "weight" and getattr(owner, "prepack", True)
+
+
 def _owner(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     *path, attr = dotted.split(".")
     mod = model
@@ -202,12 +226,13 @@ def _owner(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 
 def build_model(path: str, hf_config: Any, dtype: torch.dtype, dtypes: CacheDtypes,
-                device: torch.device) -> CausalLM:
-    """Construct the model on the meta device, then load its weights in ``dtype`` on ``device``."""
+                device: torch.device, keep_fp8: bool = False) -> CausalLM:
+    """Construct the model on the meta device, then load its weights in ``dtype`` on ``device`` (an fp8
+    checkpoint's linears as e4m3 codes with ``keep_fp8``, else dequantized)."""
     cls = model_class(architecture_of(hf_config))
     with torch.device("meta"):
         model = cls(hf_config, dtypes)
-    load_weights(model, path, dtype, device)
+    load_weights(model, path, dtype, device, keep_fp8)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -134,6 +134,7 @@ class MiniMaxSparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.gate.quantize = False  # a router: its logits pick experts (kept out of int8 weights)
         self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act)
 

@@ -29,6 +29,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.gate.quantize = False  # a router: its logits pick experts (kept out of int8 weights)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                     config.hidden_act)
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)

@@ -10,6 +10,9 @@
 //   fp16: panel p holds W[16p : 16p + 16] as [Kp][16] (k major), widened by F16C's vcvtph2ps.
 //   float32: the fp16 layout, loaded as it is.
 //
+// 8-bit weights (int8, fp8 e4m3) with float32 scales have their own packing and kernels, on the same
+// tiles: gemm_w8.h, included below.
+//
 // Two implementations, chosen by the ISA level the library is built for (kernels/isa.py):
 // * avx512_bf16, bf16 weights: vdpbf16ps on bf16 activations (tile() below).
 // * every level, fp16 weights, and bf16 below avx512_bf16: GCC vector code in float32 (vtile()
@@ -68,7 +71,7 @@ struct Ahead {
 
 template <int MR, int NR>
 void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel_elems, const uint16_t* bias,
-          uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+          const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   // Fewer than 8 rows: in a call of at most 8 rows, each weight line is read once; the non-temporal
   // hint keeps the stream out of L3, which then still holds the activations, states and interpreter
   // data between the matmuls of a one-sequence decode step (about 1 ms of its 12 on the bench model).
@@ -101,8 +104,11 @@ void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t 
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
     __m512 b = _mm512_setzero_ps();
     if (bias != nullptr) b = bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col));
+    // 8-bit weights (gemm_w8.h): the sums of x * q times each column's scale
+    const __m512 s = scale != nullptr ? _mm512_maskz_loadu_ps(mask, scale + col) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < MR; ++r) {
-      const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));
+      const __m512 sum = scale != nullptr ? _mm512_fmadd_ps(acc[r][j], s, b) : _mm512_add_ps(acc[r][j], b);
+      const __m256i y = (__m256i)_mm512_cvtneps_pbh(sum);
       _mm256_mask_storeu_epi16(out + r * os + col, mask, y);
     }
   }
@@ -113,21 +119,21 @@ constexpr int max_panels(int MR) { return MR == 1 ? 8 : MR <= 4 ? 4 : 3; }
 
 template <int MR, int NR>
 void tile_any(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t pe, const uint16_t* bias,
-              uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+              const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   if constexpr (NR > 1) {
-    if (nr < NR) return tile_any<MR, NR - 1>(nr, K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
+    if (nr < NR) return tile_any<MR, NR - 1>(nr, K2, x, xs, w, pe, bias, scale, out, os, n0, N, ahead);
   }
-  tile<MR, NR>(K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
+  tile<MR, NR>(K2, x, xs, w, pe, bias, scale, out, os, n0, N, ahead);
 }
 
 template <int MR>
 void rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t pe, const uint16_t* bias,
-          uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
-  tile_any<MR, max_panels(MR)>(nr, K2, x, xs, w, pe, bias, out, os, n0, N, ahead);
+          const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+  tile_any<MR, max_panels(MR)>(nr, K2, x, xs, w, pe, bias, scale, out, os, n0, N, ahead);
 }
 
-using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, uint16_t*,
-                        int64_t, int64_t, int64_t, Ahead);
+using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*,
+                        const float*, uint16_t*, int64_t, int64_t, int64_t, Ahead);
 constexpr RowsFn kRows[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
 
 // The avx512_bf16 path of hs_linear_bf16 (K even).
@@ -157,7 +163,7 @@ int dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
       const char* begin = std::min(next + t * slice, next_end);
       const Ahead ahead{begin, std::min(begin + slice, next_end), per_step};
       // tail rows (M % 8) take this group too: narrower tiles allow at least as many panels
-      kRows[mr](nr, K2, x + m0 * xs, xs, w, panel_elems, bias, out + m0 * os, os, n0, N, ahead);
+      kRows[mr](nr, K2, x + m0 * xs, xs, w, panel_elems, bias, nullptr, out + m0 * os, os, n0, N, ahead);
     }
   }
   return 0;
@@ -379,6 +385,8 @@ int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
 
 }  // namespace
 
+#include "gemm_w8.h"  // the 8-bit weight linears, on the vector helpers above
+
 extern "C" {
 
 // 1 when hs_linear_bf16 uses AVX-512 BF16 dot products on even K (built for avx512_bf16), else 0
@@ -425,9 +433,15 @@ namespace {
 
 enum Activation : int { kSilu = 0, kRelu2 = 1 };
 
-// x (n, K) @ W.T -> out (n, N) through the packed kernel of storage type T.
+// x (n, K) @ W.T -> out (n, N) through the packed kernel of storage type T, or, for 8-bit weights
+// (wfmt: WeightFormat), the 8-bit kernel with its scale groups of `group` k.
 template <typename T>
-int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packed, T* out) {
+int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packed, T* out, int wfmt = 0,
+                  int64_t group = 0) {
+  if (wfmt != kNativeWeights) {
+    constexpr int code = std::is_same_v<T, BF16> ? kBF16 : std::is_same_v<T, float> ? kF32 : kF16;
+    return hs_linear_w8(code, wfmt, n, N, K, group, x, K, static_cast<const uint8_t*>(packed), nullptr, out, N);
+  }
   if constexpr (std::is_same_v<T, BF16>) {
     return hs_linear_bf16(n, N, K, reinterpret_cast<const uint16_t*>(x), K, static_cast<const uint16_t*>(packed),
                           nullptr, reinterpret_cast<uint16_t*>(out), N);
@@ -447,7 +461,7 @@ template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v));
 template <typename T, typename WT>
 int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, const T* x, int64_t xs,
                      const int64_t* index, const WT* weight, const int64_t* up, const int64_t* down, int gated, int act,
-                     const T* shared, int64_t ss, T* out, int64_t os) {
+                     int wfmt, int64_t group, const T* shared, int64_t ss, T* out, int64_t os) {
   for (int64_t a = 0; a < T_ * k; ++a)
     if (index[a] < 0 || index[a] >= E) return 1;
   const int64_t up_rows = gated ? 2 * I : I;
@@ -464,7 +478,9 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
     ab.resize(n * I);
     yb.resize(n * H);
     for (int64_t r = 0; r < n; ++r) std::memcpy(&xb[r * H], x + (rows[r] / k) * xs, H * sizeof(T));
-    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data()) != 0) return 1;
+    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data(), wfmt,
+                         group) != 0)
+      return 1;
     for (int64_t r = 0; r < n; ++r) {
       const T* hr = &hb[r * up_rows];
       for (int64_t i = 0; i < I; ++i) {
@@ -476,7 +492,9 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
         }
       }
     }
-    if (packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), yb.data()) != 0) return 1;
+    if (packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), yb.data(), wfmt,
+                         group) != 0)
+      return 1;
     for (int64_t r = 0; r < n; ++r) {
       const float w = to_f32(weight[rows[r]]);
       float* dst = &acc[(rows[r] / k) * H];
@@ -627,15 +645,17 @@ int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logi
 
 int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const void* x,
                    int64_t xs, const int64_t* index, const void* weight, const int64_t* up, const int64_t* down,
-                   int gated, int act, const void* shared, int64_t ss, void* out, int64_t os) {
-  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1) return 1;
+                   int gated, int act, int wfmt, int64_t group, const void* shared, int64_t ss, void* out,
+                   int64_t os) {
+  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1 || wfmt < 0 || wfmt > 2) return 1;
   int rc = 2;
   auto run = [&](auto t) {
     using AT = decltype(t);
     rc = dispatch_dtype(weight_dtype, [&](auto w) {
       using W = decltype(w);
       rc = moe_experts_impl<AT, W>(T, H, I, E, k, static_cast<const AT*>(x), xs, index, static_cast<const W*>(weight),
-                                   up, down, gated, act, static_cast<const AT*>(shared), ss, static_cast<AT*>(out), os);
+                                   up, down, gated, act, wfmt, group, static_cast<const AT*>(shared), ss,
+                                   static_cast<AT*>(out), os);
     }) == 0 ? rc : 2;
   };
   if (dtype == kBF16) run(BF16{});
@@ -658,4 +678,4 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 
 HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
             HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
-            HS_KERNEL(hs_router_grouped_sigmoid))
+            HS_KERNEL(hs_router_grouped_sigmoid) HS_KERNEL(hs_pack_w8) HS_KERNEL(hs_linear_w8))

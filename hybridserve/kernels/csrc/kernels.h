@@ -108,13 +108,20 @@ int hs_pack_f32(int64_t N, int64_t K, const float* w, int64_t ws, float* out);
 int hs_linear_f32_packed(int64_t M, int64_t N, int64_t K, const float* x, int64_t xs, const float* packed,
                          const float* bias, float* out, int64_t os);
 
+// ---- gemm.cpp (gemm_w8.h): linears over 8-bit weights (int8, fp8 e4m3) with float32 scales
+int hs_pack_w8(int64_t N, int64_t K, int64_t group, const uint8_t* q, int64_t qs, const float* scales,
+               uint8_t* out);
+int hs_linear_w8(int act_dtype, int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const void* x, int64_t xs,
+                 const uint8_t* packed, const void* bias, void* out, int64_t os);
+
 // ---- graph.cpp: replay of a captured list of kernel calls
 int hs_graph_run(const int64_t* ops, int64_t num_ops, const int64_t* args, int64_t* failed_op, int64_t* nanoseconds);
 
 // ---- gemm.cpp: mixture-of-experts blocks over packed expert weights
 int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const void* x,
                    int64_t xs, const int64_t* index, const void* weight, const int64_t* up, const int64_t* down,
-                   int gated, int act, const void* shared, int64_t ss, void* out, int64_t os);
+                   int gated, int act, int wfmt, int64_t group, const void* shared, int64_t ss, void* out,
+                   int64_t os);
 int hs_linear_f32(int x_dtype, int out_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs,
                   const float* w, void* out, int64_t os);
 int hs_router_grouped_sigmoid(int64_t T, int64_t E, int64_t k, const float* logits, int64_t ls, const float* bias,

@@ -1,0 +1,382 @@
+// Linear layers over 8-bit weights (int8 or fp8 e4m3) with float32 scales, y = x @ (W * s).T (+ b),
+// activations bf16, fp16 or float32 (kernels/gemm.py: linear_w8). Included by gemm.cpp after its
+// float32 vector helpers (vf, kLanes, load_vec, widen_scalar, store_vec, widen_rows, float_stride).
+//
+// A weight W (N, K) of 8-bit codes q with scales s (N, G) (G groups of `group` consecutive k; group 0
+// means one group, a scale per output channel) is packed once into one byte buffer:
+//   [panels][K][16] codes (panel p holds columns 16p .. 16p + 15, k major, pad columns 0), then
+//   [panels][G][16] float32 scales (pad columns 0).
+// The kernel widens each code to float32 in registers (int8: sign extension and conversion; e4m3: its
+// sign, exponent and mantissa moved into a float32's bits, times 2^120, exact, subnormals included),
+// sums x * q in float32 over a group, and multiplies the group's sum by its scale once: per channel,
+// that is once per output, after the whole sum. The result, plus the bias, is rounded once to the
+// activation dtype. (AVX-512 VNNI's int8 dot products would need the activations quantized to 8 bits
+// too, which this weight-only path does not do.)
+#pragma once
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum WeightFormat : int { kNativeWeights = 0, kInt8Weights = 1, kFp8E4m3Weights = 2 };
+constexpr int64_t kW8DotRows = 4;  // rows from which avx512_bf16 runs bf16 activations on dot products
+
+typedef uint8_t vb8 __attribute__((vector_size(kLanes)));
+typedef int8_t vi8 __attribute__((vector_size(kLanes)));
+typedef int32_t vi32 __attribute__((vector_size(4 * kLanes)));
+
+// kLanes bytes, sign- (int8) or zero-extended (e4m3) to 32-bit lanes. GCC's generic vector
+// conversions of byte vectors are scalarized, so the x86 levels use the extension instructions.
+template <bool Signed>
+inline vu extend8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vu>(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (kLanes == 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<vu>(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  }
+#endif
+  if constexpr (Signed) return reinterpret_cast<vu>(__builtin_convertvector(load_vec<vi8>(p), vi32));
+  else return __builtin_convertvector(load_vec<vb8>(p), vu);
+}
+
+// kLanes codes of format F as float32 (the unscaled weight values).
+template <int F>
+inline vf widen8(const uint8_t* p) {
+  if constexpr (F == kInt8Weights) {
+    return __builtin_convertvector(reinterpret_cast<vi32>(extend8<true>(p)), vf);
+  } else {  // e4m3fn: s eeee mmm -> float32 s, 0000eeee, mmm0...: the value times 2^-120
+    const vu b = extend8<false>(p);
+    const vu u = ((b & 0x7fu) << 20) | ((b & 0x80u) << 24);
+    return reinterpret_cast<vf>(u) * 0x1p120f;
+  }
+}
+
+// Registers: MR x NP x kVecs sums (twice that when grouped: the group's partial sums), NP x kVecs
+// widened weights and one broadcast.
+template <bool Grouped>
+constexpr int w8_max_rows() {
+  return Grouped ? (kLanes == 16 ? 8 : 3) : (kLanes == 16 ? 8 : 6);
+}
+template <bool Grouped>
+constexpr int w8_panels(int MR) {
+  const int np = (kRegisters - 1) / (kVecs * ((Grouped ? 2 * MR : MR) + 1));
+  return np < 1 ? 1 : (np > 8 ? 8 : np);
+}
+
+// out[r, n0 + c] = sum_g s[g, c] sum_{k in g} xf[r, k] q[k, c] + bias for MR rows and NP panels.
+// w: the first panel's codes ([K][16] each, pe bytes apart); sc: its scales ([G][16] each, ps apart).
+template <int MR, int NP, int F, bool Grouped, typename A>
+void w8tile(int64_t K, int64_t gs, const float* xf, int64_t xs, const uint8_t* w, int64_t pe, const float* sc,
+            int64_t ps, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+  constexpr int NV = NP * kVecs;
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
+  for (int64_t g0 = 0, gi = 0; g0 < K; g0 += gs, ++gi) {
+    const int64_t g1 = std::min(K, g0 + gs);
+    vf part[Grouped ? MR : 1][Grouped ? NV : 1];
+    if constexpr (Grouped)
+      for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NV; ++j) part[r][j] = vf{};
+    for (int64_t k = g0; k < g1; ++k) {
+      vf wv[NV];
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* row = w + p * pe + k * kPanel;
+        if ((k & 3) == 0) __builtin_prefetch(row + 16 * kPanel, 0, 0);  // 16 k ahead: a line per 4 k
+        for (int v = 0; v < kVecs; ++v) wv[p * kVecs + v] = widen8<F>(row + v * kLanes);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const float x0 = xf[r * xs + k];
+        for (int j = 0; j < NV; ++j) {
+          if constexpr (Grouped) part[r][j] = part[r][j] + x0 * wv[j];
+          else acc[r][j] = acc[r][j] + x0 * wv[j];
+        }
+      }
+    }
+    if constexpr (Grouped) {
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < kVecs; ++v) {
+          const vf s = load_vec<vf>(sc + p * ps + gi * kPanel + v * kLanes);
+          for (int r = 0; r < MR; ++r) acc[r][p * kVecs + v] = acc[r][p * kVecs + v] + part[r][p * kVecs + v] * s;
+        }
+    }
+  }
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = n0 + j * kLanes;
+    const int valid = static_cast<int>(N - col < kLanes ? N - col : kLanes);
+    if (valid <= 0) break;
+    vf b = vf{};
+    if (bias != nullptr)
+      for (int i = 0; i < valid; ++i) b[i] = widen_scalar(bias[col + i]);
+    vf s = vf{} + 1.0f;
+    if constexpr (!Grouped) s = load_vec<vf>(sc + (j / kVecs) * ps + (j % kVecs) * kLanes);
+    for (int r = 0; r < MR; ++r) {
+      store_vec(out + r * os + col, acc[r][j] * s + b, valid);
+    }
+  }
+}
+
+template <int MR, int NP, int F, bool Grouped, typename A>
+void w8tile_any(int np, int64_t K, int64_t gs, const float* xf, int64_t xs, const uint8_t* w, int64_t pe,
+                const float* sc, int64_t ps, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+  if constexpr (NP > 1) {
+    if (np < NP) return w8tile_any<MR, NP - 1, F, Grouped>(np, K, gs, xf, xs, w, pe, sc, ps, bias, out, os, n0, N);
+  }
+  w8tile<MR, NP, F, Grouped>(K, gs, xf, xs, w, pe, sc, ps, bias, out, os, n0, N);
+}
+
+template <int F, bool Grouped, typename A, int MR>
+void w8rows(int np, int64_t K, int64_t gs, const float* xf, int64_t xs, const uint8_t* w, int64_t pe,
+            const float* sc, int64_t ps, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+  w8tile_any<MR, w8_panels<Grouped>(MR), F, Grouped>(np, K, gs, xf, xs, w, pe, sc, ps, bias, out, os, n0, N);
+}
+
+template <typename A>
+using W8RowsFn = void (*)(int, int64_t, int64_t, const float*, int64_t, const uint8_t*, int64_t, const float*,
+                          int64_t, const A*, A*, int64_t, int64_t, int64_t);
+
+template <int F, bool Grouped, typename A, int... R>
+constexpr auto w8rows_table(std::integer_sequence<int, R...>) {
+  return std::array<W8RowsFn<A>, sizeof...(R)>{w8rows<F, Grouped, A, R + 1>...};
+}
+
+// Groups of one packed weight: G groups of gs k (group 0: one group of K).
+inline int64_t w8_group_size(int64_t K, int64_t group) { return group > 0 && group < K ? group : K; }
+inline int64_t w8_groups(int64_t K, int64_t group) {
+  const int64_t gs = w8_group_size(K, group);
+  return (K + gs - 1) / gs;
+}
+
+// out (M, N) = x (M, K) @ (q * s).T + bias; x, bias and out in the activation storage type A.
+template <int F, bool Grouped, typename A>
+int w8linear(int64_t M, int64_t N, int64_t K, int64_t group, const A* x, int64_t xs, const uint8_t* packed,
+             const A* bias, A* out, int64_t os) {
+  const int64_t gs = w8_group_size(K, group), G = w8_groups(K, group);
+  const int64_t panels = (N + kPanel - 1) / kPanel, pe = K * kPanel, ps = G * kPanel;
+  const float* scales = reinterpret_cast<const float*>(packed + panels * pe);
+  const int64_t fs = float_stride(K + (K & 1));
+  static thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * fs) scratch.resize(M * fs);
+  float* xf = scratch.data();
+  widen_rows(M, K, fs, x, xs, xf);
+  constexpr int kRows = w8_max_rows<Grouped>();
+  static constexpr auto table = w8rows_table<F, Grouped, A>(std::make_integer_sequence<int, kRows>{});
+  const int64_t block = std::max<int64_t>(kRows, (192 * 1024 / (4 * K)) / kRows * kRows);  // rows kept in L2
+  const int64_t group_panels = w8_panels<Grouped>(M >= kRows ? kRows : static_cast<int>(M));
+  const int64_t tiles = (panels + group_panels - 1) / group_panels;
+  const bool parallel = tiles > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t rows = std::min(block, M - b0);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int np = static_cast<int>(std::min(group_panels, panels - t * group_panels));
+      const int64_t p0 = t * group_panels;
+      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0));
+        table[mr - 1](np, K, gs, xf + m0 * fs, fs, packed + p0 * pe, pe, scales + p0 * ps, ps, bias,
+                      out + m0 * os, os, p0 * kPanel, N);
+      }
+    }
+  }
+  return 0;
+}
+
+#if HS_HAVE_BF16_DOT
+// The avx512_bf16 path for bf16 activations, per-channel scales, even K and kW8DotRows rows or more:
+// each panel group's codes are widened once per call into a thread's scratch in the bf16 k-pair layout
+// (exactly: an int8 code has at most 7 significant bits, an e4m3 one 4, and bf16 holds 8), and every
+// row tile runs the 16-bit kernel's vdpbf16ps tile over it, its float32 sums times the column scales.
+// Against the float32 vector path at 32 rows: 193 us instead of 433 for a 3224 x 768 weight, 2.5 ms
+// instead of 4.4 for the 32000 x 768 LM head (benchmark model shapes, 2 threads, Zen 5).
+// bf16 words [k even: c0..c15 | k odd: c0..c15] -> pairs (c0 k even, c0 k odd, c1 k even, ...)
+inline __m512i pair_order() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                          19, 3, 18, 2, 17, 1, 16, 0);
+}
+
+// The k-pair kk of a [K][16] panel of codes as 16 bf16 pairs (exact: the codes fit bf16).
+template <int F>
+inline __m512i widen_pair_bf16(const uint8_t* panel, int64_t kk, __m512i order) {
+  const __m512 even = reinterpret_cast<__m512>(widen8<F>(panel + 2 * kk * kPanel));
+  const __m512 odd = reinterpret_cast<__m512>(widen8<F>(panel + (2 * kk + 1) * kPanel));
+  return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// The first row tile of a panel group: tile() of gemm.cpp with its weights widened from the codes as
+// it goes (the conversions overlap the dot products) and stored to `w` for the group's other row tiles.
+template <int MR, int NR, int F>
+void widen_tile(int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
+                int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0,
+                int64_t N, Ahead ahead) {
+  const __m512i order = pair_order();
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int32_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * xs);
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    for (int l = 0; l < ahead.per_step && ahead.begin < ahead.end; ++l, ahead.begin += 64)
+      _mm_prefetch(ahead.begin, _MM_HINT_T1);
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512i v = widen_pair_bf16<F>(codes + j * pe, kk, order);
+      _mm512_storeu_si512(w + j * panel_elems + kk * 2 * kPanel, v);
+      wv[j] = (__m512bh)v;
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kk]);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t col = n0 + j * kPanel;
+    const int64_t valid = N - col < kPanel ? N - col : kPanel;
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + col);
+    for (int r = 0; r < MR; ++r)
+      _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][j], s, b)));
+  }
+}
+
+template <int MR, int NR, int F>
+void widen_tile_any(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
+                    int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os,
+                    int64_t n0, int64_t N, Ahead ahead) {
+  if constexpr (NR > 1) {
+    if (nr < NR)
+      return widen_tile_any<MR, NR - 1, F>(nr, K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N,
+                                           ahead);
+  }
+  widen_tile<MR, NR, F>(K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N, ahead);
+}
+
+template <int F, int MR>
+void widen_tile_rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe,
+                     uint16_t* w, int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out,
+                     int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+  widen_tile_any<MR, max_panels(MR), F>(nr, K2, x, xs, codes, pe, w, panel_elems, bias, scale, out, os, n0, N, ahead);
+}
+
+template <int F>
+using WidenRowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint8_t*, int64_t, uint16_t*, int64_t,
+                             const uint16_t*, const float*, uint16_t*, int64_t, int64_t, int64_t, Ahead);
+template <int F>
+constexpr WidenRowsFn<F> kWidenRows[9] = {nullptr,
+                                          widen_tile_rows<F, 1>, widen_tile_rows<F, 2>, widen_tile_rows<F, 3>,
+                                          widen_tile_rows<F, 4>, widen_tile_rows<F, 5>, widen_tile_rows<F, 6>,
+                                          widen_tile_rows<F, 7>, widen_tile_rows<F, 8>};
+
+template <int F>
+int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint8_t* packed,
+                  const uint16_t* bias, uint16_t* out, int64_t os) {
+  const int64_t K2 = K / 2, pe = K * kPanel, panels = (N + kPanel - 1) / kPanel;
+  const float* scales = reinterpret_cast<const float*>(packed + panels * pe);  // (panels * 16,): one group
+  const int MR = M >= 8 ? 8 : static_cast<int>(M);
+  const int64_t group = max_panels(MR), groups = (panels + group - 1) / group;
+  const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t g = 0; g < groups; ++g) {
+    static thread_local std::vector<uint16_t> scratch;
+    const int nr = static_cast<int>(std::min(group, panels - g * group));
+    if (static_cast<int64_t>(scratch.size()) < nr * K * kPanel) scratch.resize(nr * K * kPanel);
+    // while the row tiles compute, they request the next group's codes into L2 (a slice each), so its
+    // widening does not wait on memory: 8.4 -> 6.1 ms of linears in a 32-sequence decode step of the
+    // benchmark model (the 16-bit path's look-ahead, over the 8-bit codes)
+    const int64_t tiles = (M + 7) / 8;
+    const char* next = reinterpret_cast<const char*>(packed + (g * group + nr) * pe);
+    const int64_t next_panels = g + 1 < groups ? std::min(group, panels - (g + 1) * group) : 0;
+    const char* next_end = next + next_panels * pe;
+    const int per_step = static_cast<int>((next_panels * pe / 64 + tiles * K2 - 1) / (tiles * K2));
+    const int64_t slice = per_step * K2 * 64;
+    for (int64_t m0 = 0, t = 0; m0 < M; m0 += 8, ++t) {
+      const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
+      const char* begin = std::min(next + t * slice, next_end);
+      const Ahead ahead{begin, std::min(begin + slice, next_end), per_step};
+      if (t == 0)  // widens the group's codes into the scratch as it computes
+        kWidenRows<F>[mr](nr, K2, x, xs, packed + g * group * pe, pe, scratch.data(), K * kPanel, bias, scales, out,
+                          os, g * group * kPanel, N, ahead);
+      else
+        kRows[mr](nr, K2, x + m0 * xs, xs, scratch.data(), K * kPanel, bias, scales, out + m0 * os, os,
+                  g * group * kPanel, N, ahead);
+    }
+  }
+  return 0;
+}
+#endif
+
+template <typename A>
+int w8linear_any(int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const A* x, int64_t xs,
+                 const uint8_t* packed, const A* bias, A* out, int64_t os) {
+  if (M < 0 || N < 1 || K < 1 || group < 0) return 1;
+  if (M == 0) return 0;
+  const bool grouped = w8_groups(K, group) > 1;
+#if HS_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    if (!grouped && K % 2 == 0 && M >= kW8DotRows) {
+      if (wfmt == kInt8Weights) return w8_dot_linear<kInt8Weights>(M, N, K, x, xs, packed, bias, out, os);
+      if (wfmt == kFp8E4m3Weights) return w8_dot_linear<kFp8E4m3Weights>(M, N, K, x, xs, packed, bias, out, os);
+    }
+  }
+#endif
+  if (wfmt == kInt8Weights)
+    return grouped ? w8linear<kInt8Weights, true>(M, N, K, group, x, xs, packed, bias, out, os)
+                   : w8linear<kInt8Weights, false>(M, N, K, group, x, xs, packed, bias, out, os);
+  if (wfmt == kFp8E4m3Weights)
+    return grouped ? w8linear<kFp8E4m3Weights, true>(M, N, K, group, x, xs, packed, bias, out, os)
+                   : w8linear<kFp8E4m3Weights, false>(M, N, K, group, x, xs, packed, bias, out, os);
+  return 3;
+}
+
+}  // namespace
+
+extern "C" {
+
+int hs_pack_w8(int64_t N, int64_t K, int64_t group, const uint8_t* q, int64_t qs, const float* scales,
+               uint8_t* out) {
+  if (N < 1 || K < 1 || group < 0) return 1;
+  const int64_t panels = (N + kPanel - 1) / kPanel, G = w8_groups(K, group), pe = K * kPanel;
+  float* sc = reinterpret_cast<float*>(out + panels * pe);
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t n = p * kPanel + c;
+        out[p * pe + k * kPanel + c] = n < N ? q[n * qs + k] : 0;
+      }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < kPanel; ++c) {
+        const int64_t n = p * kPanel + c;
+        sc[(p * G + g) * kPanel + c] = n < N ? scales[n * G + g] : 0.0f;
+      }
+  }
+  return 0;
+}
+
+int hs_linear_w8(int act_dtype, int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const void* x, int64_t xs,
+                 const uint8_t* packed, const void* bias, void* out, int64_t os) {
+  switch (act_dtype) {
+    case kF32:
+      return w8linear_any(wfmt, M, N, K, group, static_cast<const float*>(x), xs, packed,
+                          static_cast<const float*>(bias), static_cast<float*>(out), os);
+    case kBF16:
+      return w8linear_any(wfmt, M, N, K, group, static_cast<const uint16_t*>(x), xs, packed,
+                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), os);
+    case kF16:
+      return w8linear_any(wfmt, M, N, K, group, static_cast<const _Float16*>(x), xs, packed,
+                          static_cast<const _Float16*>(bias), static_cast<_Float16*>(out), os);
+    default:
+      return 2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,35 @@
+"""The bytes a loaded model's weights hold, per storage dtype (``LLM.cache_layout()["weight_bytes"]``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.layers.linear_w8 import W8Linear
+from hybridserve.layers.moe import FusedExperts
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes per dtype of every parameter, buffer and packed weight, each tensor once (a tied weight and
+    its packed copy are two). 8-bit packs count under their codes' dtype, with their float32 scales."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, int] = {}
+
+    def add(t: torch.Tensor, label: str) -> None:
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if t.numel() and key not in seen:
+            seen.add(key)
+            out[label] = out.get(label, 0) + key[1]
+
+    for m in model.modules():
+        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None:
+                add(t, _name(m.fmt) if isinstance(m, W8Linear) and name == "packed_weight" else _name(t.dtype))
+        if isinstance(m, FusedExperts) and m.packed is not None:
+            for t in (t for ts in m.packed.values() for t in ts):
+                add(t, _name(m.weight_format) if m.weight_format is not None else _name(t.dtype))
+    return dict(sorted(out.items()))
