@@ -69,6 +69,19 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor 
     return packed
 
 
+def linear_operands(x: torch.Tensor, bias: torch.Tensor | None, out_features: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x (..., K) as rows (M, K) with unit column stride and the output (M, out_features) in x's dtype, for a
+    linear kernel; None when ``bias`` is not one the kernels take (x's dtype, contiguous, (out_features,))."""
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.shape != (out_features,)):
+        return None
+    K = x.shape[-1]
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    if x2.stride(1) != 1 and K > 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``x @ W.T + bias`` for x (..., K) in the packed weight's dtype, W packed by :func:`pack`;
     (..., out_features) in that dtype. None when not covered."""
@@ -77,13 +90,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     if (lib is None or x.dtype != packed.dtype or x.dtype not in LINEAR_DTYPES or not x.is_cpu
             or packed.numel() != packed_numel(out_features, K)):
         return None
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.shape != (out_features,)):
+    operands = linear_operands(x, bias, out_features)
+    if operands is None:
         return None
-    x2 = x if x.dim() == 2 else x.reshape(-1, K)
-    if x2.stride(1) != 1 and K > 1:
-        x2 = x2.contiguous()
+    x2, out = operands
     M = x2.shape[0]
-    out = torch.empty((M, out_features), dtype=x.dtype)
     fn = LINEAR[x.dtype]
     rc = getattr(lib, fn)(M, out_features, K, x2.data_ptr(), x2.stride(0), packed.data_ptr(),
                           None if bias is None else bias.data_ptr(), out.data_ptr(), out_features)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.kernels._abi import DTYPE_CODES, check
-from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library
+from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_operands
 from hybridserve.kernels.gemm import WEIGHT_FORMATS as FORMATS  # the 8-bit weight dtypes and their codes
 
 
@@ -59,12 +59,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: torch.
     if (lib is None or x.dtype not in LINEAR_DTYPES or not x.is_cpu or fmt not in FORMATS or packed.dtype != torch.uint8
             or packed.numel() != packed_bytes(out_features, K, group)):
         return None
-    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.shape != (out_features,)):
+    operands = linear_operands(x, bias, out_features)
+    if operands is None:
         return None
-    x2 = x if x.dim() == 2 else x.reshape(-1, K)
-    if x2.stride(1) != 1 and K > 1:
-        x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+    x2, out = operands
     rc = lib.hs_linear_w8(DTYPE_CODES[x.dtype], FORMATS[fmt], x2.shape[0], out_features, K, group, x2.data_ptr(),
                           x2.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
                           out_features)
