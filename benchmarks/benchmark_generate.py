@@ -42,7 +42,7 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
                                     cache_memory=args["cache_memory"], max_num_seqs=max(len(prompts), 1),
                                     max_num_batched_tokens=args["max_num_batched_tokens"],
                                     max_model_len=max(len(p) for p in prompts) + args["output_len"],
-                                    enable_progress_bar=False, speculative_config=args["speculative_config"]))
+                                    enable_progress_bar=False, speculative_config=args.get("speculative_config")))
     # token ids only, as the vLLM runner asks of vLLM (detokenize=False): the same work for both
     params = SamplingParams(temperature=0, max_tokens=args["output_len"], ignore_eos=True, detokenize=False)
     # warm-up
