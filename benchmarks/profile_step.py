@@ -38,7 +38,12 @@ def main() -> None:
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no captured decode steps")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16)")
     a = parser.parse_args()
+
+    from hybridserve.kernels import isa
+
+    isa.cap_torch(a.cpu_isa)  # before torch dispatches anything: ATen reads its cap once
 
     import torch
 
@@ -54,7 +59,7 @@ def main() -> None:
                                     quantization=a.quantization,
                                     max_num_batched_tokens=2048, max_model_len=a.prompt_len + a.steps + 16,
                                     enable_progress_bar=False, cpu_kernels=a.cpu_kernels,
-                                    enforce_eager=a.enforce_eager))
+                                    enforce_eager=a.enforce_eager, cpu_isa=a.cpu_isa))
     vocab = engine.hf_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
