@@ -33,7 +33,7 @@ def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def _tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+def table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """(S, width) int64 of block tables, padded with page 0; a released entry (-1, behind a window) reads
     as page 0 too (never read: the attention stops at the window)."""
     width = max(len(t) for t in tables)
@@ -75,8 +75,8 @@ class ModelRunner:
                 cu.append(cu[-1] + it.num_run)
             cu_seqlens = _int_tensor(cu, self.device)
         seq_lens = [it.seq.num_computed_tokens + it.num_run for it in items]
-        block_tables = _tables([it.seq.block_table for it in items], self.device) if self.has_kv else None
-        window_tables = _tables([it.seq.window_table for it in items], self.device) if self.has_window else None
+        block_tables = table_tensor([it.seq.block_table for it in items], self.device) if self.has_kv else None
+        window_tables = table_tensor([it.seq.window_table for it in items], self.device) if self.has_window else None
         state_indices = _int_tensor(_state_slots(items), self.device) if self.has_state else None
         return SeqGroup(token_start, token_start + sum(it.num_run for it in items), cu_seqlens,
                         _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables, num_generated)
@@ -254,9 +254,9 @@ class ModelRunner:
         else:
             n = len(seqs)
             group = SeqGroup(0, n, torch.arange(n + 1, dtype=torch.int64), _int_tensor(seq_lens, self.device),
-                             _tables([s.block_table for s in seqs], self.device) if self.has_kv else None,
+                             table_tensor([s.block_table for s in seqs], self.device) if self.has_kv else None,
                              _int_tensor(slots, self.device) if self.has_state else None,
-                             _tables([s.window_table for s in seqs], self.device) if self.has_window else None)
+                             table_tensor([s.window_table for s in seqs], self.device) if self.has_window else None)
             batch = ForwardBatch(slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
                                  decode=group, prefill=None, caches=self.caches,
                                  window_slot_mapping=_int_tensor(window[0], self.device) if window else None)

@@ -99,3 +99,23 @@ def _rejection_sample(logits: torch.Tensor, it: Verification, rows: list[int],
         return Verdict(accepted + [token], j, rows[:j + 1])
     token = int(torch.multinomial(probs[m], 1, generator=gen)[0])
     return Verdict(accepted + [token], m, rows[:m + 1])
+
+
+def draw_drafts(logits: torch.Tensor, seqs: list, default_generator: torch.Generator
+                ) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """One draft per row of a drafter's ``logits`` (rows, V) for ``seqs``: the argmax for greedy requests, else a
+    draw from the request's processed distribution; returns the drafts and, per sampled row, that distribution
+    (V,) for the rejection rule (a broken one, with nan or inf, is replaced by the uniform one)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    sampled = [r for r, seq in enumerate(seqs) if not seq.params.greedy]
+    dists: dict[int, torch.Tensor] = {}
+    if sampled:
+        probs = _processed_logits(logits[sampled], [seqs[r].params for r in sampled]).softmax(-1)  # (S, V)
+        for row, r in enumerate(sampled):
+            p = probs[row]
+            if not torch.isfinite(p).all() or float(p.sum()) <= 0:
+                p = torch.full_like(p, 1.0 / p.numel())
+            tokens[r] = int(torch.multinomial(p, 1, generator=seqs[r].generator or default_generator))
+            dists[r] = p
+    return tokens, dists

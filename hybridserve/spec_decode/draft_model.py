@@ -22,9 +22,9 @@ import torch
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.engine.sampler import _processed_logits
 from hybridserve.engine.scheduler import ScheduledSeq
 from hybridserve.models.loader import build_model, load_hf_config
+from hybridserve.spec_decode.acceptance import draw_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ class DraftModel:
         probs: list[list[torch.Tensor]] = [[] for _ in drafting]
         active = list(range(len(drafting)))  # drafting items still short of their room
         for j in range(max(room for _, room in drafting)):
-            tokens = self._draw(current, [drafting[i][0] for i in active], [probs[i] for i in active],
-                                default_generator)
+            tokens, dists = draw_drafts(current, [drafting[i][0].seq for i in active], default_generator)
+            for r, p in dists.items():
+                probs[active[r]].append(p)
             for i, token in zip(active, tokens):
                 drafting[i][0].drafts.append(token)
             # absorb each new draft (the last one too: a fully accepted verification leaves both models past it)
@@ -87,22 +88,3 @@ class DraftModel:
             current = current[keep] if len(keep) != len(seqs) else current
         for (item, _), item_probs in zip(drafting, probs):
             item.draft_probs = torch.stack(item_probs) if item_probs else None
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, items: list[ScheduledSeq], probs: list[list[torch.Tensor]],
-              default_generator: torch.Generator) -> list[int]:
-        """One draft per row of ``logits`` (rows, V): the argmax for greedy requests, else a draw from the
-        request's processed distribution (kept in ``probs`` for the rejection rule)."""
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1).tolist()
-        sampled = [r for r, item in enumerate(items) if not item.seq.params.greedy]
-        if sampled:
-            dist = _processed_logits(logits[sampled], [items[r].seq.params for r in sampled]).softmax(-1)
-            for row, r in enumerate(sampled):
-                seq = items[r].seq
-                p = dist[row]
-                if not torch.isfinite(p).all() or float(p.sum()) <= 0:
-                    p = torch.full_like(p, 1.0 / p.numel())  # a broken draft distribution: uniform drafts
-                tokens[r] = int(torch.multinomial(p, 1, generator=seq.generator or default_generator))
-                probs[r].append(p)
-        return tokens

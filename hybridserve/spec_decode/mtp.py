@@ -16,9 +16,10 @@ import logging
 import torch
 
 from hybridserve.cache.manager import CacheManager
-from hybridserve.engine.sampler import _processed_logits
+from hybridserve.engine.model_runner import table_tensor
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.models.mtp import MTPHead
+from hybridserve.spec_decode.acceptance import draw_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,10 @@ class MTPDrafter:
         current = out[_ints(last)]  # (D, hidden)
         active = drafting
         for step in range(max(room for _, room in drafting)):
-            tokens = self._draw(self.head.compute_logits(current), [seqs[i] for i, _ in active], default_generator)
+            drafters = [seqs[i] for i, _ in active]
+            tokens, dists = draw_drafts(self.head.compute_logits(current), drafters, default_generator)
+            for r, p in sorted(dists.items()):
+                drafters[r].spec.mtp_probs.append(p)
             for (i, _), token in zip(active, tokens):
                 seqs[i].spec.mtp_drafts.append(token)
             keep = [r for r, (_, room) in enumerate(active) if room > step + 1]
@@ -101,23 +105,7 @@ class MTPDrafter:
 
     def _batch(self, seqs: list, slots: list[int], cu: list[int], seq_lens: list[int],
                decode: bool = False) -> ForwardBatch:
-        width = max(len(s.block_table) for s in seqs)
-        tables = _ints([b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))])
-        group = SeqGroup(0, cu[-1], _ints(cu), _ints(seq_lens), tables.view(len(seqs), width), None)
+        tables = table_tensor([s.block_table for s in seqs], torch.device("cpu"))  # (S, width)
+        group = SeqGroup(0, cu[-1], _ints(cu), _ints(seq_lens), tables, None)
         return ForwardBatch(slot_mapping=_ints(slots), decode=group if decode else None,
                             prefill=None if decode else group, caches=self.pool.layer_caches)
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, seqs: list, default_generator: torch.Generator) -> list[int]:
-        """One draft per row (rows, V): the argmax for greedy requests, else a draw from the request's
-        processed distribution (kept for the rejection rule)."""
-        tokens = logits.argmax(dim=-1).tolist()
-        for r, seq in enumerate(seqs):
-            if seq.params.greedy:
-                continue
-            p = _processed_logits(logits[r:r + 1].float(), [seq.params]).softmax(-1)[0]
-            if not torch.isfinite(p).all() or float(p.sum()) <= 0:
-                p = torch.full_like(p, 1.0 / p.numel())
-            tokens[r] = int(torch.multinomial(p, 1, generator=seq.generator or default_generator))
-            seq.spec.mtp_probs.append(p)
-        return tokens
