@@ -60,70 +60,18 @@ requests keeps shifting, about 2% of allocations move anything.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridserve.cache.capacity import fits, pool_geometry, reserved_bytes
+from hybridserve.cache.id_set import IdSet
 from hybridserve.cache.layout import PoolLayout, TensorPlacement
 from hybridserve.cache.spec import dtype_size
 
 
 class OutOfCacheError(RuntimeError):
     """Raised when the pool cannot hold what was asked for."""
-
-
-class _IdHeap:
-    """Ids kept in a heap with lazy deletion: fast min (or max) over a changing set.
-
-    Removed ids stay in the heap until they reach its top; the heap is rebuilt from the members
-    whenever it holds more than twice as many entries as there are members (plus a little), so its size
-    stays bounded by the pool's however the set churns (amortized O(1) per change).
-    """
-
-    def __init__(self, ids: range | list[int], largest_first: bool) -> None:
-        self._sign = -1 if largest_first else 1
-        self._heap = [self._sign * i for i in ids]
-        heapq.heapify(self._heap)
-        self._members = set(ids)
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __contains__(self, i: int) -> bool:
-        return i in self._members
-
-    def __iter__(self):
-        return iter(self._members)
-
-    def push(self, i: int) -> None:
-        if i not in self._members:
-            self._members.add(i)
-            heapq.heappush(self._heap, self._sign * i)
-            if len(self._heap) > 2 * len(self._members) + 16:
-                self._heap = [self._sign * m for m in self._members]
-                heapq.heapify(self._heap)
-
-    @property
-    def num_entries(self) -> int:
-        """Entries in the heap, stale ones included (bounded by ``2 * len(self) + 16``)."""
-        return len(self._heap)
-
-    def remove(self, i: int) -> None:
-        self._members.discard(i)
-
-    def peek(self) -> int | None:
-        while self._heap and self._sign * self._heap[0] not in self._members:
-            heapq.heappop(self._heap)
-        return self._sign * self._heap[0] if self._heap else None
-
-    def pop(self) -> int:
-        top = self.peek()
-        assert top is not None
-        self._members.discard(top)
-        heapq.heappop(self._heap)
-        return top
 
 
 @dataclass
@@ -180,10 +128,10 @@ class CachePool:
         self.buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
         self.num_pages = self.geometry.num_pages
         self.num_slots = self.geometry.num_slots
-        self._free_pages = _IdHeap(range(self.num_pages), largest_first=True)
-        self._free_slots = _IdHeap(range(self.num_slots), largest_first=False)
-        self._live_pages = _IdHeap([], largest_first=False)  # min live page id = KV region bottom
-        self._live_slots = _IdHeap([], largest_first=True)  # max live slot id = state region top
+        self._free_pages = IdSet(self.num_pages, range(self.num_pages), largest_first=True)
+        self._free_slots = IdSet(self.num_slots, range(self.num_slots))
+        self._live_pages = IdSet(self.num_pages)  # min live page id = KV region bottom
+        self._live_slots = IdSet(self.num_slots, largest_first=True)  # max live slot id = state region top
         self.layer_caches: dict[int, LayerCache] = {}
         self.stats = {"compactions": 0, "moved_bytes": 0}
         self.padding: tuple[int | None, int | None] = (None, None)  # (page, slot) for padded rows

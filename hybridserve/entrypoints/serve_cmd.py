@@ -90,11 +90,13 @@ def run(args: argparse.Namespace) -> int:
     from hybridserve.config import EngineConfig
     from hybridserve.default_model import default_model_path
     from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.entrypoints.gc_heap import freeze_startup_heap
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     model = args.model_dir or args.model
     path = model or default_model_path()
     engine = LLMEngine(EngineConfig(model=path, enable_progress_bar=False, **engine_kwargs(args)))
+    freeze_startup_heap()  # the engine lives as long as this process
     return run_server(engine, host=args.host, port=args.port, api_key=api_key,
                       model_name=getattr(args, "served_model_names", None) or served_model_name(model),
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,

@@ -313,33 +313,3 @@ def test_single_kind_pools(kinds):
     n = max_sequences(layout, pool.num_bytes, 16)
     got = [pool.allocate(1 if kinds == "kv" else 0, 1 if kinds == "state" else 0) for _ in range(n)]
     assert len(got) == n and not pool.can_allocate(1 if kinds == "kv" else 0, 1 if kinds == "state" else 0)
-
-
-def test_free_id_heaps_stay_bounded_under_churn():
-    """20,000 grant/release cycles next to one long-lived sequence: the free- and live-id heaps hold at most
-    about twice the pool's ids (stale entries of lazily removed ids are dropped as they pile up)."""
-    spec = LayerCacheSpec(0, "both", AttentionSpec(1, 4, torch.float32),
-                          (StateTensorSpec("s", (4,), torch.float32),))
-    layout = compute_layout([spec], 16)
-    pool = CachePool(layout, 64 * (layout.page_bytes + layout.slot_bytes), torch.device("cpu"))
-    cache = CacheManager(pool)
-    params = SamplingParams(max_tokens=4)
-    # The long-lived sequence holds the lowest live page and the highest live slot: the tops of the live-id
-    # heaps, so the lazily removed ids of every short-lived sequence pile up below them.
-    filler = Sequence("filler", [1] * 16 * 8, params, 0)
-    assert cache.grant(filler, filler.num_tokens)
-    long_lived = Sequence("long", [1] * 16, params, 1)
-    assert cache.grant(long_lived, 16)
-    cache.release(filler)
-    bound = 2 * max(pool.num_pages, pool.num_slots) + 17
-    rng = random.Random(0)
-    for cycle in range(20_000):
-        seqs = [Sequence(f"r{cycle}-{j}", [1] * rng.randint(1, 40), params, cycle + 2) for j in range(2)]
-        for seq in seqs:
-            assert cache.grant(seq, seq.num_tokens)
-        for seq in seqs:
-            cache.release(seq)
-    heaps = [pool._free_pages, pool._free_slots, pool._live_pages, pool._live_slots]
-    assert max(h.num_entries for h in heaps) <= bound, [h.num_entries for h in heaps]
-    cache.release(long_lived)
-    assert pool.usage() == 0 and pool.num_live_pages == 0 and pool.num_live_slots == 0
