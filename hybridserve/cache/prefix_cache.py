@@ -40,6 +40,10 @@ only what it can restore: a snapshot also holds the window layers' pages of the 
 before it (``Snapshot.window_pages``), and a hit resumes from a snapshot alone (shares those pages and
 copies the partly filled one); a model with window layers and no recurrent state gets no hits.
 docs/sliding_window.md.
+
+With events on (:meth:`PrefixCache.enable_events`), every page added to the index or evicted from it is
+recorded as a KV cache event for a router in front of several replicas (:mod:`hybridserve.cache.kv_events`,
+docs/data_parallel.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 * ``cache_aware`` (the router's default): every request through the router is answered with the greedy text
   of a direct call to one replica, and both replicas take work (their ``request_success_total``).
 * ``kv_aware``: the router subscribes to both replicas' KV cache events (``--kv-events-config``) and sends a
-  request to the replica that holds its prefix, which then resumes from its prefix cache.
+  request (a completion or a chat) to the replica that holds its prefix, which then resumes from its prefix cache.
 
 Skipped when ``vllm-router`` (PyPI, in the test extras) or ``pyzmq``/``msgpack`` are not installed.
 """
@@ -153,17 +153,19 @@ def test_kv_aware_router_sends_a_prefix_to_the_replica_that_caches_it(replicas, 
     for server in replicas:
         args += ["--kv-event-source", f"{server.url}={server.kv_endpoint}"]
     router = start_router(*args, env={"VLLM_ROUTER_TOKENIZER": default_model_path()})
-    # each replica caches a prompt of its own (published as BlockStored events), sent to it directly
-    prompts = [f"{topic} wrote a letter. {OPENING}{OPENING}" for topic in ("Jane", "Lydia")]
+    # each replica caches a prompt of its own (published as BlockStored events), sent to it directly: a
+    # completion on the first, a chat on the second
+    cases = [(f"{topic} wrote a letter. {OPENING}{OPENING}", chat)
+             for topic, chat in (("Jane", False), ("Lydia", True))]
     expected = []
-    for server, prompt in zip(replicas, prompts):
-        complete(server.url, prompt, chat=False)
-        expected.append(complete(server.url, prompt + " Then", chat=False))
+    for server, (prompt, chat) in zip(replicas, cases):
+        complete(server.url, prompt, chat)
+        expected.append(complete(server.url, prompt + " Then", chat))
     time.sleep(0.5)  # the events reach the router's index
     for _ in range(2):
-        for owner, prompt in enumerate(prompts):
+        for owner, (prompt, chat) in enumerate(cases):
             before = [(completed(s), s.metrics()["hybridserve:prefix_cache_hits_total"]) for s in replicas]
-            assert complete(router.url, prompt + " Then", chat=False) == expected[owner]
+            assert complete(router.url, prompt + " Then", chat) == expected[owner]
             after = [(completed(s), s.metrics()["hybridserve:prefix_cache_hits_total"]) for s in replicas]
             assert [a[0] - b[0] for a, b in zip(after, before)] == [int(i == owner) for i in range(2)], router.log()
             assert after[owner][1] - before[owner][1] >= 48  # it resumed from the cached prefix (3 blocks at least)
