@@ -40,6 +40,10 @@ only what it can restore: a snapshot also holds the window layers' pages of the 
 before it (``Snapshot.window_pages``), and a hit resumes from a snapshot alone (shares those pages and
 copies the partly filled one); a model with window layers and no recurrent state gets no hits.
 docs/sliding_window.md.
+
+With events on (:meth:`PrefixCache.enable_events`), every page added to the index or evicted from it is
+recorded as a KV cache event for a router in front of several replicas (:mod:`hybridserve.cache.kv_events`,
+docs/data_parallel.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hybridserve.cache.kv_events import KVEventRecorder
 from hybridserve.cache.prefix_index import PageNode, PrefixIndex, Snapshot
 from hybridserve.cache.prefix_sharing import follower_branch_points
 
@@ -109,6 +114,15 @@ class PrefixCache:
         self._snapshot_by_slot: dict[int, Snapshot] = {}
         self._tails: dict[int, list[Snapshot]] = {}  # page -> snapshots holding it as their tail page
         self._windows: dict[int, list[Snapshot]] = {}  # window-group page -> snapshots holding it
+        #: the block events of the index's pages, for a router (None: not recorded; see enable_events)
+        self.events: KVEventRecorder | None = None
+
+    def enable_events(self) -> KVEventRecorder:
+        """Record every page added to or taken out of the index from now on (:mod:`hybridserve.cache.kv_events`);
+        call it before anything is cached."""
+        if self.events is None:
+            self.events = KVEventRecorder(self.block_size)
+        return self.events
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, seq, queued=()) -> PrefixHit:
@@ -200,6 +214,8 @@ class PrefixCache:
                 if page is not None:
                     self.manager.ref_page(page)
                     self._node_by_page[page] = child
+                if self.events is not None:
+                    self.events.stored(child)
             node = child
             i += 1
         self._move_cursor(seq, node, i)
@@ -382,6 +398,8 @@ class PrefixCache:
             self._consider(item.node)
             return
         self.index.remove_leaf(item)
+        if self.events is not None:
+            self.events.removed(item)
         if item.page is not None:
             del self._node_by_page[item.page]
             self.manager.unref_page(item.page)
@@ -417,6 +435,8 @@ class PrefixCache:
                 self.manager.unref_page(item.page)
             item.removed = True
         self.index = PrefixIndex(self.block_size)
+        if self.events is not None:
+            self.events.cleared()
         self._node_by_page.clear()
         self._snapshot_by_slot.clear()
         self._tails.clear()

@@ -19,8 +19,9 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
+from hybridserve.cache.kv_events import KVEvent
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.metrics import Histogram
 from hybridserve.outputs import RequestOutput
@@ -136,12 +137,17 @@ class AsyncEngine:
     #: the longest pause between engine steps that keep failing
     MAX_BACKOFF_S = 1.0
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 kv_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+        """``kv_events``: called in the engine thread with the prefix cache's block events of each step
+        (:meth:`LLMEngine.take_kv_events`; the engine must record them), e.g. a publisher's ``publish``."""
         self.engine = engine
         self.max_waiting = max_waiting
+        self.kv_events = kv_events
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.snapshot = EngineSnapshot()
+        self.num_requests_finished = 0  # engine thread writes: requests that finished without an error
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
@@ -228,6 +234,13 @@ class AsyncEngine:
         """Abort a request and free its cache (as soon as the engine thread sees it; unknown ids are ignored)."""
         self._post(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Evict every cached prefix no request holds, in the engine thread between steps; True if none is left."""
+        assert self._loop is not None
+        answer = self._loop.create_future()
+        self._post(("reset_prefix_cache", answer))
+        return await answer
+
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
@@ -237,6 +250,8 @@ class AsyncEngine:
         engine = self.engine
         while True:
             self._apply_commands()
+            if self.kv_events is not None:
+                self.kv_events(engine.take_kv_events())
             if self._stop:
                 self._abort_everything()
                 self._take_snapshot()
@@ -287,6 +302,8 @@ class AsyncEngine:
                 self._abort(command[1])
             elif kind == "abort_all":
                 self._abort_everything()
+            elif kind == "reset_prefix_cache":
+                self._call(_set_result, command[1], self.engine.reset_prefix_cache())
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -333,6 +350,8 @@ class AsyncEngine:
         if out.finished:
             del self._tracked[out.request_id]
             self._mark_started(out.request_id)
+            if out.error is None:
+                self.num_requests_finished += 1
         if out.error is not None:
             self._call(tracked.sink.fail, RequestFailedError(out.request_id, out.error))
         else:

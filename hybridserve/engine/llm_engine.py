@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hybridserve.cache.capacity import max_sequences
+from hybridserve.cache.kv_events import KVEvent, KVEventRecorder
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.manager import CacheManager
 from hybridserve.cache.planner import speculation_summary
@@ -103,6 +104,7 @@ class LLMEngine:
         self._requests = RequestRegistry()  # request id -> its sequences, by completion index
         self._arrivals = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._kv_events: KVEventRecorder | None = None  # the prefix cache's block events, once enabled
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -514,6 +516,17 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Evict every cached prefix no request holds (as vLLM's ``reset_prefix_cache``); True if none is left."""
         return self.cache.reset_prefix_cache()
+
+    def enable_kv_events(self) -> None:
+        """Record the prefix cache's block events from now on (:mod:`hybridserve.cache.kv_events`; call before
+        the first request), for :meth:`take_kv_events`. ValueError with prefix caching off."""
+        if self.cache.prefix is None:
+            raise ValueError("KV cache events describe the prefix cache, which is off: drop --no-enable-prefix-caching")
+        self._kv_events = self.cache.prefix.enable_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's block events since the last call (none unless :meth:`enable_kv_events` was called)."""
+        return self._kv_events.take() if self._kv_events is not None else []
 
     def _drop_prefix_cache(self) -> None:
         """Stop caching prefixes for this engine's life (after an internal error in the cache)."""

@@ -44,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="the server's log level")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish the prefix cache's block events over ZMQ for a KV-aware router, vLLM's JSON: "
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
+                        "enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, "
+                        "max_queue_size, topic; needs pyzmq and msgpack). Blocks are 16-token KV pages")
     add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run)
@@ -80,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--protect-metrics-and-docs needs --api-key")
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     limits = limits_from_args(args)
+    kv_events = None
+    if args.kv_events_config is not None:
+        from hybridserve.entrypoints.openai.kv_events import KVEventsConfig
+
+        kv_events = KVEventsConfig.from_json(args.kv_events_config)
     try:
         from hybridserve.entrypoints.openai.api_server import run_server
     except ImportError as exc:
@@ -101,4 +111,4 @@ def run(args: argparse.Namespace) -> int:
                       model_name=getattr(args, "served_model_names", None) or served_model_name(model),
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                       log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
-                      allowed_hosts=hosts)
+                      allowed_hosts=hosts, kv_events=kv_events)

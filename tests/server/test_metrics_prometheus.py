@@ -19,6 +19,7 @@ from tests.server.server_utils import make_checkpoint, wait_for
 
 NAMES = ("alpha", "beta")
 TYPES = {"num_requests_running": "gauge", "num_requests_waiting": "gauge", "cache_usage_perc": "gauge",
+         "request_success_total": "counter",
          "prompt_tokens_total": "counter", "generation_tokens_total": "counter", "num_preemptions_total": "counter",
          "prefix_cache_queries_total": "counter", "prefix_cache_hits_total": "counter",
          "prefix_cache_kv_beyond_snapshot_total": "counter", "prefix_cache_snapshots": "gauge",
@@ -102,6 +103,7 @@ def test_counters_move_by_exact_amounts(clients):
     def delta(name: str) -> float:
         return value(after, name, "alpha") - value(before, name, "alpha")
 
+    assert delta("request_success_total") == len(requests)
     assert delta("prompt_tokens_total") == prompt_tokens
     assert delta("generation_tokens_total") == generated
     assert delta("time_to_first_token_seconds_count") == len(requests)  # one first token per request

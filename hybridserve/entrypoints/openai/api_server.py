@@ -1,10 +1,12 @@
 """The FastAPI app and its uvicorn server.
 
 Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/completions``,
-``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, and the API docs (``/docs``,
-``/redoc``, ``/openapi.json``). With an API key set, the ``/v1`` routes and the tokenizer's need
-``Authorization: Bearer KEY``; ``/metrics`` and the docs too with ``protect_metrics_and_docs``
-(``/health`` stays open, for probes).
+``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, the API docs (``/docs``,
+``/redoc``, ``/openapi.json``), and what a router in front of several replicas uses
+(:mod:`serving_router`: ``POST /v1/completions/render``, ``POST /v1/chat/completions/render``,
+``GET /get_load``, ``POST /flush_cache``, ``POST /reset_prefix_cache``). With an API key set, the ``/v1``
+routes, the tokenizer's and the router's need ``Authorization: Bearer KEY``; ``/metrics`` and the docs too
+with ``protect_metrics_and_docs`` (``/health`` stays open, for probes).
 
 In front of every route: the Host header check (:mod:`hosts`), then the body size limit
 (:mod:`body_limit`); in every route, the body checks of :mod:`routing`. Docs: ``docs/server.md``.
@@ -34,6 +36,7 @@ from hybridserve.entrypoints.openai.auth import bearer_matches, check_api_key
 from hybridserve.entrypoints.openai.body_limit import BodySizeLimit
 from hybridserve.entrypoints.openai.errors import APIError, install_error_handlers
 from hybridserve.entrypoints.openai.hosts import AllowedHosts
+from hybridserve.entrypoints.openai.kv_events import KVEventsConfig, ZmqEventPublisher
 from hybridserve.entrypoints.openai.limits import ServerLimits
 from hybridserve.entrypoints.openai.metrics import metrics_registry, render
 from hybridserve.entrypoints.openai.protocol import (
@@ -48,6 +51,7 @@ from hybridserve.entrypoints.openai.routing import CheckedRoute
 from hybridserve.entrypoints.openai.serving_chat import create_chat_completion
 from hybridserve.entrypoints.openai.serving_common import ServerState
 from hybridserve.entrypoints.openai.serving_completion import create_completion
+from hybridserve.entrypoints.openai.serving_router import flush_cache, load, render_chat, render_completion
 from hybridserve.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
 
@@ -134,6 +138,23 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
     async def detokenize_route(body: DetokenizeRequest) -> Any:
         return _respond(await detokenize(state, body))
 
+    @app.post("/v1/completions/render", dependencies=v1)
+    async def completions_render(body: CompletionRequest) -> Any:
+        return JSONResponse([p.model_dump() for p in await render_completion(state, body)])
+
+    @app.post("/v1/chat/completions/render", dependencies=v1)
+    async def chat_completions_render(body: ChatCompletionRequest) -> Any:
+        return _respond(await render_chat(state, body))
+
+    @app.get("/get_load", dependencies=[Depends(authorized)])
+    async def get_load() -> Any:
+        return _respond(load(state))
+
+    @app.post("/flush_cache", dependencies=v1)
+    @app.post("/reset_prefix_cache", dependencies=v1)
+    async def flush() -> Any:
+        return JSONResponse(await flush_cache(state))
+
     return app
 
 
@@ -182,10 +203,11 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                model_name: str | list[str] | tuple[str, ...], max_waiting_requests: int | None = None,
                shutdown_timeout: float = 30.0,
                log_level: str = "info", limits: ServerLimits | None = None, protect_metrics_and_docs: bool = False,
-               allowed_hosts: tuple[str, ...] | None = None) -> int:
+               allowed_hosts: tuple[str, ...] | None = None, kv_events: KVEventsConfig | None = None) -> int:
     """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start.
 
     ``model_name``: the name requests may use, or several (the first is the one responses carry).
+    ``kv_events``: publish the prefix cache's block events as it says (:mod:`kv_events`), when active.
 
     Raises ValueError for a key that cannot be used (empty, say) or docs protection without a key.
     """
@@ -193,7 +215,14 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("--protect-metrics-and-docs needs --api-key")
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
-    state = ServerState(engine=AsyncEngine(engine, max_waiting_requests),
+    publisher = None
+    if kv_events is not None and kv_events.active:
+        engine.enable_kv_events()
+        publisher = ZmqEventPublisher(kv_events)
+        logger.info("publishing KV cache events on %s (topic %r, block size %d)", kv_events.endpoint,
+                    kv_events.topic, engine.cache.pool.layout.block_size)
+    state = ServerState(engine=AsyncEngine(engine, max_waiting_requests,
+                                           kv_events=publisher.publish if publisher is not None else None),
                         tokenizer=TokenizerWorker(engine.config.tokenizer or engine.config.model, engine.max_model_len),
                         model_name=names[0], max_model_len=engine.max_model_len, api_key=api_key,
                         limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs,
@@ -201,5 +230,9 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
     config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0)
     server = _Server(config, state.engine, shutdown_timeout)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if publisher is not None:
+            publisher.close()
     return 0 if server.started else 1

@@ -132,6 +132,8 @@ METRICS: tuple[Row, ...] = (
     Scalar("num_requests_waiting", "gauge", "Requests accepted and waiting to run.", lambda e: e.num_waiting()),
     Scalar("cache_usage_perc", "gauge", "Fraction of the KV + state cache pool held by requests (1 means 100 percent).",
            lambda e: e.snapshot.cache_usage),
+    Scalar("request_success_total", "counter", "Requests that finished without an error (aborted ones not counted).",
+           lambda e: e.num_requests_finished),
     Scalar("prompt_tokens_total", "counter", "Prompt tokens of the requests accepted.",
            lambda e: e.snapshot.prompt_tokens),
     Scalar("generation_tokens_total", "counter", "Tokens generated.", lambda e: e.snapshot.generation_tokens),

@@ -301,3 +301,20 @@ class DetokenizeRequest(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class RenderedPrompt(BaseModel):
+    """One prompt of ``POST /v1/completions/render`` or ``/v1/chat/completions/render``: the token ids the
+    request would run (vLLM's shape)."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+
+
+class LoadResponse(BaseModel):
+    """``GET /get_load``: the requests this server holds (``load`` = running + waiting)."""
+
+    load: int
+    num_requests_running: int
+    num_requests_waiting: int

@@ -40,7 +40,7 @@ from hybridserve.entrypoints.openai.serving_common import (
 from hybridserve.outputs import CompletionOutput
 
 
-async def _prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
+async def chat_prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
     """The chat template applied to the messages, tokenized (off the event loop)."""
     if not request.messages:
         raise APIError(400, "messages is empty: at least one message is required", param="messages")
@@ -75,7 +75,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     check_completions(state.limits, request.n, 1)
     params = sampling_params(request, max_tokens, logprobs)
-    prompt_ids = await _prompt_ids(state, request)
+    prompt_ids = await chat_prompt_ids(state, request)
     requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
     await requests.start()
     if request.stream:

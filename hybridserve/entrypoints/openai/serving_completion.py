@@ -42,7 +42,7 @@ from hybridserve.entrypoints.openai.serving_common import (
 from hybridserve.outputs import CompletionOutput, PositionLogprobs
 
 
-def _prompt_items(prompt: str | list) -> list:
+def prompt_items(prompt: str | list) -> list:
     """``prompt`` as a list of prompts: a string, strings, token ids, or lists of token ids."""
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -55,7 +55,7 @@ def _prompt_items(prompt: str | list) -> list:
     return items
 
 
-async def _prompts(state: ServerState, items: list) -> list[tuple[list[int], str | None]]:
+async def tokenized_prompts(state: ServerState, items: list) -> list[tuple[list[int], str | None]]:
     """Each prompt as (token ids, text); the texts are tokenized together, off the event loop."""
     texts = [item for item in items if isinstance(item, str)]
     encoded = iter(await state.tokenizer.encode_prompts(texts) if texts else [])
@@ -112,11 +112,11 @@ def _logprobs(c: CompletionOutput, tokens: range, k: int, offsets: list[int],
 
 async def create_completion(state: ServerState, request: CompletionRequest, raw: Request):
     state.check_model(request.model)
-    items = _prompt_items(request.prompt)
+    items = prompt_items(request.prompt)
     check_completions(state.limits, request.n, len(items))
     params = sampling_params(request, request.max_tokens, request.logprobs,
                              prompt_logprobs=request.logprobs if request.echo else None)
-    prompts = await _prompts(state, items)
+    prompts = await tokenized_prompts(state, items)
     echoes = await _echoes(state, request, prompts)
     requests = EngineRequests(state.engine, new_id("cmpl"), prompts, params)
     await requests.start()
