@@ -1,0 +1,308 @@
+"""Megatron-style sharding of a model built on the meta device, before its weights load.
+
+Each sharded layer gets per-rank parameter shapes, its attributes and cache spec rewritten to the rank's
+slice (heads, groups, channels), and a slicer per parameter that cuts the rank's part out of the full
+checkpoint tensor (``model.tp_slicers``, applied by the loader). Column-parallel projections keep their
+rows of each fused segment; row-parallel projections keep their columns, their bias on rank 0 only, and
+the layer's output is summed over the ranks (a forward hook). Embedding and LM head hold a slice of the
+vocabulary (padded to a multiple of the ranks); the logits are gathered by :func:`gather_logits`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hybridserve.distributed.group import TPGroup
+from hybridserve.layers.attention import Attention
+from hybridserve.layers.embedding import Embedding
+from hybridserve.layers.mamba2 import Mamba2Mixer
+from hybridserve.layers.mlp import GatedMLP, PlainMLP
+from hybridserve.layers.moe import FusedExperts
+
+Slicer = Callable[[torch.Tensor], torch.Tensor]
+Segment = tuple[int, int]  # (start, size) along one dimension of the full tensor
+
+#: architectures whose every layer is sharded here (any other is refused)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM",
+                           "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+
+
+def check_supported(architecture: str, world: int) -> None:
+    """ValueError unless ``architecture`` can run on ``world`` > 1 tensor-parallel ranks."""
+    if world > 1 and architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"tensor parallel is not supported for {architecture} yet (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}); run it with tensor_parallel_size=1")
+
+
+def _even(what: str, count: int, world: int) -> int:
+    if count % world:
+        raise ValueError(f"{what}={count} is not divisible by tensor_parallel_size={world}")
+    return count // world
+
+
+def _segments(dim: int, segments: list[Segment], pad_to: int | None = None) -> Slicer:
+    """The concatenation of ``segments`` of ``dim``, zero-padded along it to ``pad_to``."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        parts = [t.narrow(dim, start, size) for start, size in segments if size > 0]
+        out = torch.cat(parts, dim=dim) if len(parts) != 1 else parts[0]
+        if pad_to is not None and out.shape[dim] < pad_to:
+            shape = list(out.shape)
+            shape[dim] = pad_to - out.shape[dim]
+            out = torch.cat([out, out.new_zeros(shape)], dim=dim)
+        return out.contiguous()
+    return cut
+
+
+def _rank0_only(rank: int) -> Slicer:
+    """A row-parallel bias: whole on rank 0, zeros elsewhere (the ranks' outputs are summed)."""
+    return (lambda t: t) if rank == 0 else torch.zeros_like
+
+
+class Sharder:
+    """Shards one model's modules for ``group``'s rank, collecting the slicers by parameter name."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self.rank, self.world = group.rank, group.world
+        self.slicers: dict[str, Slicer] = {}
+
+    # ---------------------------------------------------------------- helpers
+    def param(self, prefix: str, module: nn.Module, name: str, shape: tuple[int, ...], slicer: Slicer) -> None:
+        """Give ``module.name`` the per-rank ``shape`` (on meta) and record how to cut it from the checkpoint."""
+        old = getattr(module, name)
+        module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=old.dtype, device=old.device),
+                                                requires_grad=False)
+        self.slicers[f"{prefix}{name}"] = slicer
+
+    def column(self, prefix: str, linear: nn.Linear, segments: list[Segment]) -> None:
+        """Keep output rows ``segments`` of ``linear`` (and of its bias)."""
+        rows = sum(size for _, size in segments)
+        self.param(prefix, linear, "weight", (rows, linear.in_features), _segments(0, segments))
+        if linear.bias is not None:
+            self.param(prefix, linear, "bias", (rows,), _segments(0, segments))
+        linear.out_features = rows
+
+    def row(self, prefix: str, linear: nn.Linear, segment: Segment) -> None:
+        """Keep input columns ``segment`` of ``linear``; its bias on rank 0 only."""
+        self.param(prefix, linear, "weight", (linear.out_features, segment[1]), _segments(1, [segment]))
+        if linear.bias is not None:
+            self.param(prefix, linear, "bias", tuple(linear.bias.shape), _rank0_only(self.rank))
+        linear.in_features = segment[1]
+
+    def reduce_output(self, module: nn.Module) -> None:
+        """Sum ``module``'s output over the ranks (its row-parallel projection gave partial sums)."""
+        group = self.group
+        module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+
+    def share(self, n: int) -> Segment:
+        """This rank's (start, size) of ``n`` evenly split items."""
+        size = n // self.world
+        return self.rank * size, size
+
+    # ----------------------------------------------------------------- layers
+    def attention(self, prefix: str, m: Attention) -> None:
+        heads = _even("num_attention_heads", m.num_heads, self.world)
+        kv = m.num_kv_heads
+        if kv % self.world == 0:
+            kv_local, kv_start = kv // self.world, self.rank * (kv // self.world)
+        elif self.world % kv == 0:  # fewer KV heads than ranks: each rank keeps (a copy of) the one its heads use
+            kv_local, kv_start = 1, self.rank // (self.world // kv)
+        else:
+            raise ValueError(f"num_key_value_heads={kv} neither divides nor is divisible by "
+                             f"tensor_parallel_size={self.world} (num_attention_heads={m.num_heads})")
+        dh = m.head_dim
+        per_head = dh * (2 if m.output_gate else 1)
+        self.column(f"{prefix}q_proj.", m.q_proj, [(self.rank * heads * per_head, heads * per_head)])
+        self.column(f"{prefix}k_proj.", m.k_proj, [(kv_start * dh, kv_local * dh)])
+        self.column(f"{prefix}v_proj.", m.v_proj, [(kv_start * dh, kv_local * dh)])
+        if m.head_gate:
+            self.column(f"{prefix}g_proj.", m.g_proj, [(self.rank * heads, heads)])
+        self.row(f"{prefix}o_proj.", m.o_proj, (self.rank * heads * dh, heads * dh))
+        m.num_heads, m.num_kv_heads = heads, kv_local
+        m.spec = dataclasses.replace(m.spec, attention=dataclasses.replace(m.spec.attention, num_kv_heads=kv_local))
+        self.reduce_output(m)
+
+    def gated_mlp(self, prefix: str, m: GatedMLP) -> None:
+        inter = m.gate_proj.out_features
+        _even("intermediate_size", inter, self.world)
+        share = self.share(inter)
+        self.column(f"{prefix}gate_proj.", m.gate_proj, [share])
+        self.column(f"{prefix}up_proj.", m.up_proj, [share])
+        self.row(f"{prefix}down_proj.", m.down_proj, share)
+        self.reduce_output(m)
+
+    def plain_mlp(self, prefix: str, m: PlainMLP) -> None:
+        inter = m.up_proj.out_features
+        _even("intermediate_size", inter, self.world)
+        share = self.share(inter)
+        self.column(f"{prefix}up_proj.", m.up_proj, [share])
+        self.row(f"{prefix}down_proj.", m.down_proj, share)
+        self.reduce_output(m)
+
+    def fused_gate_up_mlp(self, prefix: str, m: nn.Module, up: str, down: str) -> None:
+        """An MLP whose ``up`` projection yields ``[gate | up]`` (Granite-4.0-H's shared MLP)."""
+        up_linear, down_linear = getattr(m, up), getattr(m, down)
+        inter = _even("shared_intermediate_size", up_linear.out_features // 2, self.world) * self.world
+        start, size = self.share(inter)
+        self.column(f"{prefix}{up}.", up_linear, [(start, size), (inter + start, size)])
+        self.row(f"{prefix}{down}.", down_linear, (start, size))
+        self.reduce_output(m)
+
+    def experts(self, prefix: str, m: FusedExperts) -> None:
+        """Every expert keeps its slice of the intermediate channels; a shared expert's output (already
+        summed) is added on rank 0 only."""
+        inter = m.intermediate_size
+        _even("moe_intermediate_size", inter, self.world)
+        start, size = self.share(inter)
+        e, d_in = m.down_proj.shape[0], m.down_proj.shape[1]
+        if m.gated:
+            self.param(prefix, m, "gate_up_proj", (e, 2 * size, d_in), _segments(1, [(start, size), (inter + start, size)]))
+        else:
+            self.param(prefix, m, "up_proj", (e, size, d_in), _segments(1, [(start, size)]))
+        self.param(prefix, m, "down_proj", (e, d_in, size), _segments(2, [(start, size)]))
+        m.intermediate_size = size
+        if self.rank != 0:
+            m.register_forward_pre_hook(_drop_shared, with_kwargs=True)
+        self.reduce_output(m)
+
+    def mamba2(self, prefix: str, m: Mamba2Mixer) -> None:
+        w, r = self.world, self.rank
+        H, G, N, inter = m.num_heads, m.n_groups, m.d_state, m.intermediate
+        heads = _even("mamba num_heads", H, w)
+        inter_l = _even("mamba intermediate_size", inter, w)
+        if G % w == 0:
+            groups, g_start = G // w, r * (G // w)
+        elif w % G == 0:  # fewer groups than ranks: each rank keeps (a copy of) the group its heads read
+            groups, g_start = 1, r // (w // G)
+            if m.norm is not None and inter_l % m.norm.group_size:
+                raise ValueError(f"mamba n_groups={G} is below tensor_parallel_size={w} and its gated norm's "
+                                 f"groups of {m.norm.group_size} channels would span ranks")
+        else:
+            raise ValueError(f"mamba n_groups={G} neither divides nor is divisible by tensor_parallel_size={w}")
+        x_seg = (r * inter_l, inter_l)
+        b_seg, c_seg = (g_start * N, groups * N), (G * N + g_start * N, groups * N)
+        proj = [x_seg, (inter + x_seg[0], inter_l), (2 * inter + b_seg[0], b_seg[1]), (2 * inter + c_seg[0], c_seg[1]),
+                (2 * inter + 2 * G * N + r * heads, heads)]
+        self.column(f"{prefix}in_proj.", m.in_proj, proj)
+        conv = [x_seg, (inter + b_seg[0], b_seg[1]), (inter + c_seg[0], c_seg[1])]
+        conv_dim = inter_l + 2 * groups * N
+        k = m.conv1d.weight.shape[-1]
+        self.param(f"{prefix}conv1d.", m.conv1d, "weight", (conv_dim, 1, k), _segments(0, conv))
+        if m.conv1d.bias is not None:
+            self.param(f"{prefix}conv1d.", m.conv1d, "bias", (conv_dim,), _segments(0, conv))
+        m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = conv_dim
+        for name in ("dt_bias", "A_log", "D"):
+            self.param(prefix, m, name, (heads,), _segments(0, [(r * heads, heads)]))
+        if m.norm is not None:
+            self.param(f"{prefix}norm.", m.norm, "weight", (inter_l,), _segments(0, [x_seg]))
+        self.row(f"{prefix}out_proj.", m.out_proj, x_seg)
+        m.num_heads, m.n_groups, m.intermediate, m.conv_dim = heads, groups, inter_l, conv_dim
+        if m.proj_multipliers is not None:
+            m.proj_scale = torch.empty(m.in_proj.out_features, device=m.proj_scale.device)
+        shapes = {"conv": (conv_dim, k - 1), "ssm": (heads, m.head_dim, N)}
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
+    def embedding(self, prefix: str, m: Embedding) -> None:
+        vocab = m.num_embeddings
+        local = -(-vocab // self.world)
+        start = self.rank * local
+        real = max(0, min(vocab, start + local) - start)
+        self.param(prefix, m, "weight", (local, m.embedding_dim), _segments(0, [(start, real)], pad_to=local))
+        m.__class__ = VocabParallelEmbedding
+        m.num_embeddings, m.vocab_start, m.group = local, start, self.group
+
+    def lm_head(self, prefix: str, m: nn.Linear, vocab: int) -> None:
+        local = -(-vocab // self.world)
+        start = self.rank * local
+        real = max(0, min(vocab, start + local) - start)
+        self.param(prefix, m, "weight", (local, m.in_features), _segments(0, [(start, real)], pad_to=local))
+        if m.bias is not None:
+            self.param(prefix, m, "bias", (local,), _segments(0, [(start, real)], pad_to=local))
+        m.out_features = local
+
+
+def _drop_shared(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """FusedExperts on ranks other than 0: no shared-expert output to add (rank 0 adds it once)."""
+    if len(args) > 3:
+        args = args[:3]
+    kwargs.pop("shared", None)
+    return args, kwargs
+
+
+class VocabParallelEmbedding(Embedding):
+    """An :class:`Embedding` holding rows ``vocab_start ..`` of the vocabulary: ids outside them embed to zero
+    here, and the ranks' embeddings are summed."""
+
+    vocab_start: int
+    group: TPGroup
+
+    def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """ids: (T,) int64 over the whole vocabulary -> (T, embedding_dim)."""
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_embeddings)  # (T,)
+        x = super().forward(torch.where(inside, local, torch.zeros_like(local)), scale)  # (T, D)
+        x = x.masked_fill(~inside[:, None], 0)
+        return self.group.all_reduce(x)
+
+
+def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
+    """Shard ``model`` (built on the meta device) for ``group``'s rank; sets ``model.tp_slicers`` and
+    ``model.tp_vocab_size``. A config whose counts cannot be split raises ValueError naming them."""
+    check_supported(architecture, group.world)
+    sharder = Sharder(group)
+    vocab = model.hf_config.vocab_size
+    handlers: list[tuple[type, Callable[[str, Any], None]]] = [
+        (Attention, sharder.attention), (Mamba2Mixer, sharder.mamba2), (GatedMLP, sharder.gated_mlp),
+        (PlainMLP, sharder.plain_mlp), (FusedExperts, sharder.experts), (Embedding, sharder.embedding)]
+    for name, module in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        if type(module).__name__ == "GraniteMoeHybridMLP":
+            sharder.fused_gate_up_mlp(prefix, module, "input_linear", "output_linear")
+            continue
+        for cls, handler in handlers:
+            if type(module) is cls:
+                handler(prefix, module)
+                break
+    sharder.lm_head("lm_head.", model.lm_head, vocab)
+    model.tp_slicers = sharder.slicers
+    model.tp_vocab_size = vocab
+    model.tp_group = group
+
+
+def gather_logits(model: nn.Module, method: str, hidden: torch.Tensor) -> torch.Tensor:
+    """``model.<method>(hidden)`` (compute_logits or sampling_logits) over the whole vocabulary: each rank's
+    slice (N, V / ranks), gathered (N, V)."""
+    local = getattr(model, method)(hidden)  # (N, V_local)
+    full = model.tp_group.all_gather_last(local)  # (N, ranks * V_local)
+    vocab = model.tp_vocab_size
+    return full if full.shape[-1] == vocab else full[:, :vocab].contiguous()
+
+
+@dataclasses.dataclass
+class RankGeometry:
+    """Rank and world size alone: enough to shard a meta model for a check (nothing runs on it)."""
+
+    rank: int
+    world: int
+
+
+def check_shardable(hf_config: Any, cache_dtypes: Any, world: int) -> None:
+    """Shard a meta copy of the model for rank 0 of ``world``: ValueError (naming the counts, or the
+    architecture) when it cannot run tensor-parallel. Cheap: no weights are read."""
+    from hybridserve.models import fp8_checkpoint
+    from hybridserve.models.loader import architecture_of
+    from hybridserve.models.registry import model_class
+
+    architecture = architecture_of(hf_config)
+    check_supported(architecture, world)
+    if fp8_checkpoint.fp8_config(hf_config) is not None:
+        raise ValueError(f"tensor parallel does not shard fp8 checkpoints yet (tensor_parallel_size={world})")
+    with torch.device("meta"):
+        model = model_class(architecture)(hf_config, cache_dtypes)
+    shard_model(model, architecture, RankGeometry(0, world))
