@@ -19,6 +19,7 @@ from torch import nn
 from hybridserve.distributed.group import TPGroup
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
+from hybridserve.layers.gated_deltanet import GatedDeltaNet
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP, PlainMLP
 from hybridserve.layers.moe import FusedExperts
@@ -28,7 +29,9 @@ Segment = tuple[int, int]  # (start, size) along one dimension of the full tenso
 
 #: architectures whose every layer is sharded here (any other is refused)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM",
-                           "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM")
+                           "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM",
+                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
+                           "Qwen3_5MoeForConditionalGeneration")
 
 
 def check_supported(architecture: str, world: int) -> None:
@@ -208,6 +211,32 @@ class Sharder:
                                                           for s in m.spec.state))
         self.reduce_output(m)
 
+    def gated_delta_net(self, prefix: str, m: GatedDeltaNet) -> None:
+        """Key heads split over the ranks, each with the value heads that read it (grouped projections)."""
+        w, r = self.world, self.rank
+        Hk, Hv, Dk, Dv = m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+        hk = _even("linear_num_key_heads", Hk, w)
+        hv, R = Hv // w, Hv // Hk
+        block = 2 * Dk + 2 * R * Dv  # in_proj_qkvz rows per key head
+        self.column(f"{prefix}in_proj_qkvz.", m.in_proj_qkvz, [(r * hk * block, hk * block)])
+        self.column(f"{prefix}in_proj_ba.", m.in_proj_ba, [(r * hk * 2 * R, hk * 2 * R)])
+        conv = [(r * hk * Dk, hk * Dk), (Hk * Dk + r * hk * Dk, hk * Dk), (2 * Hk * Dk + r * hv * Dv, hv * Dv)]
+        conv_dim = 2 * hk * Dk + hv * Dv
+        k = m.conv1d.weight.shape[-1]
+        self.param(f"{prefix}conv1d.", m.conv1d, "weight", (conv_dim, 1, k), _segments(0, conv))
+        if m.conv1d.bias is not None:
+            self.param(f"{prefix}conv1d.", m.conv1d, "bias", (conv_dim,), _segments(0, conv))
+        m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = conv_dim
+        for name in ("dt_bias", "A_log"):
+            self.param(prefix, m, name, (hv,), _segments(0, [(r * hv, hv)]))
+        self.row(f"{prefix}out_proj.", m.out_proj, (r * hv * Dv, hv * Dv))
+        m.num_k_heads, m.num_v_heads = hk, hv
+        m.key_dim, m.value_dim, m.conv_dim = hk * Dk, hv * Dv, conv_dim
+        shapes = {"conv": (conv_dim, k - 1), "recurrent": (hv, Dk, Dv)}
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
     def embedding(self, prefix: str, m: Embedding) -> None:
         vocab = m.num_embeddings
         local = -(-vocab // self.world)
@@ -259,7 +288,8 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
     vocab = model.hf_config.vocab_size
     handlers: list[tuple[type, Callable[[str, Any], None]]] = [
         (Attention, sharder.attention), (Mamba2Mixer, sharder.mamba2), (GatedMLP, sharder.gated_mlp),
-        (PlainMLP, sharder.plain_mlp), (FusedExperts, sharder.experts), (Embedding, sharder.embedding)]
+        (PlainMLP, sharder.plain_mlp), (FusedExperts, sharder.experts), (Embedding, sharder.embedding),
+        (GatedDeltaNet, sharder.gated_delta_net)]
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
         if type(module).__name__ == "GraniteMoeHybridMLP":
@@ -269,6 +299,9 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
             if type(module) is cls:
                 handler(prefix, module)
                 break
+            if isinstance(module, cls):  # a subclass may compute over more than one rank's slice
+                raise ValueError(f"tensor parallel is not supported for {architecture} yet: its "
+                                 f"{type(module).__name__} ({name}) is not sharded")
     sharder.lm_head("lm_head.", model.lm_head, vocab)
     model.tp_slicers = sharder.slicers
     model.tp_vocab_size = vocab
