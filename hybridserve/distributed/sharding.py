@@ -31,7 +31,7 @@ Segment = tuple[int, int]  # (start, size) along one dimension of the full tenso
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM",
                            "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM",
                            "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                           "Qwen3_5MoeForConditionalGeneration")
+                           "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM")
 
 
 def check_supported(architecture: str, world: int) -> None:
@@ -118,15 +118,36 @@ class Sharder:
             raise ValueError(f"num_key_value_heads={kv} neither divides nor is divisible by "
                              f"tensor_parallel_size={self.world} (num_attention_heads={m.num_heads})")
         dh = m.head_dim
-        per_head = dh * (2 if m.output_gate else 1)
-        self.column(f"{prefix}q_proj.", m.q_proj, [(self.rank * heads * per_head, heads * per_head)])
-        self.column(f"{prefix}k_proj.", m.k_proj, [(kv_start * dh, kv_local * dh)])
-        self.column(f"{prefix}v_proj.", m.v_proj, [(kv_start * dh, kv_local * dh)])
-        if m.head_gate:
+        per_head = dh * (2 if getattr(m, "output_gate", False) else 1)
+        q_rows, kv_rows = [(self.rank * heads * per_head, heads * per_head)], [(kv_start * dh, kv_local * dh)]
+        self.column(f"{prefix}q_proj.", m.q_proj, q_rows)
+        self.column(f"{prefix}k_proj.", m.k_proj, kv_rows)
+        self.column(f"{prefix}v_proj.", m.v_proj, kv_rows)
+        if getattr(m, "head_gate", False):
             self.column(f"{prefix}g_proj.", m.g_proj, [(self.rank * heads, heads)])
+        if getattr(m, "use_adapter", False):  # Zamba2's per-use low-rank adapters, added to q, k and v
+            for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+                self.adapters(f"{prefix}linear_{name}_adapter_list.", getattr(m, f"linear_{name}_adapter_list"), rows)
         self.row(f"{prefix}o_proj.", m.o_proj, (self.rank * heads * dh, heads * dh))
         m.num_heads, m.num_kv_heads = heads, kv_local
         m.spec = dataclasses.replace(m.spec, attention=dataclasses.replace(m.spec.attention, num_kv_heads=kv_local))
+        self.reduce_output(m)
+
+    def adapters(self, prefix: str, adapters: nn.ModuleList, rows: list[Segment]) -> None:
+        """Low-rank adapters (``Sequential(down, up)`` per use) added to a column-parallel output: ``up``
+        keeps the same rows, ``down`` stays whole."""
+        for i, adapter in enumerate(adapters):
+            if isinstance(adapter, nn.Sequential):
+                self.column(f"{prefix}{i}.1.", adapter[1], rows)
+
+    def zamba2_mlp(self, prefix: str, m: nn.Module) -> None:
+        """Zamba2's MLP: ``gate_up_proj`` (and its adapters) yields ``[gate | up]``."""
+        inter = _even("intermediate_size", m.down_proj.in_features, self.world) * self.world
+        start, size = self.share(inter)
+        rows = [(start, size), (inter + start, size)]
+        self.column(f"{prefix}gate_up_proj.", m.gate_up_proj, rows)
+        self.adapters(f"{prefix}gate_up_proj_adapter_list.", m.gate_up_proj_adapter_list, rows)
+        self.row(f"{prefix}down_proj.", m.down_proj, (start, size))
         self.reduce_output(m)
 
     def gated_mlp(self, prefix: str, m: GatedMLP) -> None:
@@ -290,10 +311,15 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
         (Attention, sharder.attention), (Mamba2Mixer, sharder.mamba2), (GatedMLP, sharder.gated_mlp),
         (PlainMLP, sharder.plain_mlp), (FusedExperts, sharder.experts), (Embedding, sharder.embedding),
         (GatedDeltaNet, sharder.gated_delta_net)]
+    named: dict[str, Callable[[str, Any], None]] = {  # a family's own layers, by class name
+        "GraniteMoeHybridMLP": lambda p, m: sharder.fused_gate_up_mlp(p, m, "input_linear", "output_linear"),
+        "FalconH1MLP": sharder.gated_mlp, "FalconH1Attention": sharder.attention,
+        "Zamba2Attention": sharder.attention, "Zamba2MLP": sharder.zamba2_mlp}
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
-        if type(module).__name__ == "GraniteMoeHybridMLP":
-            sharder.fused_gate_up_mlp(prefix, module, "input_linear", "output_linear")
+        by_name = named.get(type(module).__name__)
+        if by_name is not None:
+            by_name(prefix, module)
             continue
         for cls, handler in handlers:
             if type(module) is cls:
