@@ -17,11 +17,15 @@ from tests.prefix_utils import released_everything
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
-#: family -> checkpoint overrides (head counts TP 2 can split)
+#: test id -> (family, checkpoint overrides): head counts TP 2 can split
 FAMILIES = {
-    "llama": {}, "mamba2": {}, "bamba": {}, "granitemoehybrid": {}, "granitemoehybrid_dense": {},
-    "nemotron_h": {}, "nemotron_h_latent": {}, "zamba2": {}, "falcon_h1": {}, "qwen3_next": {},
-    "qwen3_5_moe": {"linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    "llama": ("llama", {}), "mamba2": ("mamba2", {}), "bamba": ("bamba", {}),
+    "granitemoehybrid": ("granitemoehybrid", {}), "granitemoehybrid_dense": ("granitemoehybrid_dense", {}),
+    "nemotron_h": ("nemotron_h", {}), "nemotron_h_latent": ("nemotron_h_latent", {}), "zamba2": ("zamba2", {}),
+    "falcon_h1": ("falcon_h1", {}), "qwen3_next": ("qwen3_next", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    # one group on 2 ranks: B and C on both, the gated norm's sums of squares summed over them
+    "mamba2_one_group": ("mamba2", {"n_groups": 1}), "bamba_one_group": ("bamba", {"mamba_n_groups": 1}),
 }
 
 
@@ -49,7 +53,8 @@ def _assert_same(tp1, tp2) -> None:
 def test_tp2_matches_tp1(ckpt_dir, family):
     """Prompts of several lengths, chunked prefill (16-token budget), decoding, then a second turn resumed
     from the prefix cache (the snapshot copies replayed on rank 1): TP 2 gives TP 1's tokens."""
-    path = make(ckpt_dir, family, **FAMILIES[family])
+    name, overrides = FAMILIES[family]
+    path = make(ckpt_dir, name, **overrides)
     prompts = [list(range(3, 40))] + _prompts(3, longest=40)
     opts = dict(cache_memory="16MiB", max_num_batched_tokens=16, enable_progress_bar=False)
     tp1 = LLM(path, **opts)

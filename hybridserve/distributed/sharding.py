@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hybridserve.distributed.group import TPGroup
+from hybridserve.distributed.layers import SpanningNormMamba2Mixer, VocabParallelEmbedding
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet
@@ -184,7 +185,8 @@ class Sharder:
         start, size = self.share(inter)
         e, d_in = m.down_proj.shape[0], m.down_proj.shape[1]
         if m.gated:
-            self.param(prefix, m, "gate_up_proj", (e, 2 * size, d_in), _segments(1, [(start, size), (inter + start, size)]))
+            rows = [(start, size), (inter + start, size)]  # gate rows, then up rows
+            self.param(prefix, m, "gate_up_proj", (e, 2 * size, d_in), _segments(1, rows))
         else:
             self.param(prefix, m, "up_proj", (e, size, d_in), _segments(1, [(start, size)]))
         self.param(prefix, m, "down_proj", (e, d_in, size), _segments(2, [(start, size)]))
@@ -202,9 +204,12 @@ class Sharder:
             groups, g_start = G // w, r * (G // w)
         elif w % G == 0:  # fewer groups than ranks: each rank keeps (a copy of) the group its heads read
             groups, g_start = 1, r // (w // G)
-            if m.norm is not None and inter_l % m.norm.group_size:
-                raise ValueError(f"mamba n_groups={G} is below tensor_parallel_size={w} and its gated norm's "
-                                 f"groups of {m.norm.group_size} channels would span ranks")
+            if m.norm is not None and m.norm.group_size > inter_l:  # the norm's group spans w / G ranks
+                if m.norm.group_size != inter // G:
+                    raise ValueError(f"mamba norm groups of {m.norm.group_size} channels (n_groups={G}) cannot be "
+                                     f"split over tensor_parallel_size={w}")
+                m.__class__ = SpanningNormMamba2Mixer
+                m.group, m.norm_group, m.norm_groups, m.norm_group_size = self.group, g_start, G, m.norm.group_size
         else:
             raise ValueError(f"mamba n_groups={G} neither divides nor is divisible by tensor_parallel_size={w}")
         x_seg = (r * inter_l, inter_l)
@@ -283,22 +288,6 @@ def _drop_shared(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
         args = args[:3]
     kwargs.pop("shared", None)
     return args, kwargs
-
-
-class VocabParallelEmbedding(Embedding):
-    """An :class:`Embedding` holding rows ``vocab_start ..`` of the vocabulary: ids outside them embed to zero
-    here, and the ranks' embeddings are summed."""
-
-    vocab_start: int
-    group: TPGroup
-
-    def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        """ids: (T,) int64 over the whole vocabulary -> (T, embedding_dim)."""
-        local = ids - self.vocab_start
-        inside = (local >= 0) & (local < self.num_embeddings)  # (T,)
-        x = super().forward(torch.where(inside, local, torch.zeros_like(local)), scale)  # (T, D)
-        x = x.masked_fill(~inside[:, None], 0)
-        return self.group.all_reduce(x)
 
 
 def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
