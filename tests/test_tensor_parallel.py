@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.cache.plan_config import PlanConfig
+from hybridserve.cache.planner import plan_cache
 from hybridserve.distributed.group import TensorParallelError
+from hybridserve.models.loader import load_hf_config
 from tests.checkpoints import make
 from tests.prefix_utils import released_everything
 
@@ -65,6 +68,11 @@ def test_tp2_matches_tp1(ckpt_dir, family):
     try:
         _assert_same(expected, _gen(llm, prompts))
         _assert_same(expected2, _gen(llm, turn2))
+        plan = plan_cache(load_hf_config(path), PlanConfig(tensor_parallel_size=2, cache_memory="16MiB")).summary()
+        layout = llm.cache_layout()
+        for key in ("page_bytes", "slot_bytes", "num_pages", "num_slots", "kv_bytes_per_token",
+                    "state_bytes_per_sequence"):
+            assert plan[key] == layout[key], key  # the plan's figures are one rank's, as the engine's
         hits = llm.engine.prefix_cache_stats()["hits"]
         assert hits == tp1.engine.prefix_cache_stats()["hits"]
         assert hits > 0
@@ -133,7 +141,6 @@ def test_head_counts_checked_before_any_worker_starts(ckpt_dir, family, override
     from hybridserve.cache.spec import CacheDtypes
     from hybridserve.config import EngineConfig
     from hybridserve.distributed.sharding import check_shardable
-    from hybridserve.models.loader import load_hf_config
 
     path = make(ckpt_dir, family, **overrides)
     hf = load_hf_config(path)
@@ -166,3 +173,17 @@ def test_unsupported_family_and_options_refused(ckpt_dir):
         LLM(path, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="'mtp' does not run with tensor_parallel_size=2"):
         LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, speculative_config={"method": "mtp"})
+
+
+def test_plan_and_env_commands(ckpt_dir, capsys):
+    """``plan --tensor-parallel-size 2`` shows one rank's figures; ``env`` says why decode runs eagerly."""
+    from hybridserve.entrypoints.cli import main
+
+    path = make(ckpt_dir, "bamba")
+    assert main(["plan", path, "--tensor-parallel-size", "2", "--cache-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel: 2 ranks" in out and "(1, 16)" in out and "per rank" in out
+    assert main(["plan", make(ckpt_dir, "mamba"), "-tp", "2"]) == 2
+    assert "tensor parallel is not supported for MambaForCausalLM yet" in capsys.readouterr().err
+    assert main(["env", "--model", path, "--tensor-parallel-size", "2", "--json"]) == 0
+    assert "tensor parallel (tensor_parallel_size=2)" in capsys.readouterr().out
