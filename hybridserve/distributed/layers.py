@@ -7,6 +7,7 @@ from torch import nn
 
 from hybridserve.distributed.group import TPGroup
 from hybridserve.kernels import fallbacks
+from hybridserve.layers import dense
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 
@@ -25,6 +26,18 @@ class VocabParallelEmbedding(Embedding):
         x = super().forward(torch.where(inside, local, torch.zeros_like(local)), scale)  # (T, D)
         x = x.masked_fill(~inside[:, None], 0)
         return self.group.all_reduce(x)
+
+
+class RowParallelLinear(nn.Linear):
+    """An ``nn.Linear`` holding a slice of its input features, whose output is summed over the ranks (a
+    projection inside a layer whose result every rank needs whole, e.g. Mamba1's ``x_proj``). Not packed
+    for the CPU kernels (the packers take plain ``nn.Linear`` only): these projections are small."""
+
+    group: TPGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in_features / ranks) -> (..., out_features), the same on every rank."""
+        return self.group.all_reduce(dense.linear(x, self.weight, self.bias))
 
 
 class SpanningNormMamba2Mixer(Mamba2Mixer):

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from hybridserve.distributed.group import TPGroup
-from hybridserve.distributed.layers import SpanningNormMamba2Mixer, VocabParallelEmbedding
+from hybridserve.distributed.layers import RowParallelLinear, SpanningNormMamba2Mixer, VocabParallelEmbedding
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet
+from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP, PlainMLP
 from hybridserve.layers.moe import FusedExperts
@@ -32,7 +33,9 @@ Segment = tuple[int, int]  # (start, size) along one dimension of the full tenso
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM",
                            "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM",
                            "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                           "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM")
+                           "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM",
+                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
+                           "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
 
 
 def check_supported(architecture: str, world: int) -> None:
@@ -237,6 +240,57 @@ class Sharder:
                                                           for s in m.spec.state))
         self.reduce_output(m)
 
+    def mamba1(self, prefix: str, m: Mamba1Mixer) -> None:
+        """Channels split over the ranks; ``x_proj`` (dt, B, C from every channel) sums its partial outputs."""
+        inter = m.intermediate
+        _even("mamba intermediate_size", inter, self.world)
+        start, size = self.share(inter)
+        self.column(f"{prefix}in_proj.", m.in_proj, [(start, size), (inter + start, size)])
+        k = m.conv1d.weight.shape[-1]
+        self.param(f"{prefix}conv1d.", m.conv1d, "weight", (size, 1, k), _segments(0, [(start, size)]))
+        if m.conv1d.bias is not None:
+            self.param(f"{prefix}conv1d.", m.conv1d, "bias", (size,), _segments(0, [(start, size)]))
+        m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = size
+        self.param(f"{prefix}x_proj.", m.x_proj, "weight", (m.x_proj.out_features, size), _segments(1, [(start, size)]))
+        m.x_proj.in_features = size
+        m.x_proj.__class__ = RowParallelLinear
+        m.x_proj.group = self.group
+        self.column(f"{prefix}dt_proj.", m.dt_proj, [(start, size)])
+        self.param(prefix, m, "A_log", (size, m.d_state), _segments(0, [(start, size)]))
+        self.param(prefix, m, "D", (size,), _segments(0, [(start, size)]))
+        self.row(f"{prefix}out_proj.", m.out_proj, (start, size))
+        m.intermediate = size
+        shapes = {"conv": (size, k - 1), "ssm": (size, m.d_state)}
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
+    def short_conv(self, prefix: str, m: nn.Module) -> None:
+        """LFM2's gated short conv: channels split; ``in_proj`` yields ``[b | c | h]``, each ``hidden`` wide."""
+        hidden = m.out_proj.in_features
+        _even("hidden_size (short conv channels)", hidden, self.world)
+        start, size = self.share(hidden)
+        self.column(f"{prefix}in_proj.", m.in_proj, [(i * hidden + start, size) for i in range(3)])
+        k = m.conv.weight.shape[-1]
+        self.param(f"{prefix}conv.", m.conv, "weight", (size, 1, k), _segments(0, [(start, size)]))
+        if m.conv.bias is not None:
+            self.param(f"{prefix}conv.", m.conv, "bias", (size,), _segments(0, [(start, size)]))
+        m.conv.in_channels = m.conv.out_channels = m.conv.groups = size
+        self.row(f"{prefix}out_proj.", m.out_proj, (start, size))
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=(size, k - 1))
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
+    def split_mlp(self, prefix: str, m: nn.Module, gate: str, up: str, down: str) -> None:
+        """A gated MLP under other names (LFM2's ``w1``, ``w3``, ``w2``)."""
+        inter = getattr(m, down).in_features
+        _even("intermediate_size", inter, self.world)
+        share = self.share(inter)
+        self.column(f"{prefix}{gate}.", getattr(m, gate), [share])
+        self.column(f"{prefix}{up}.", getattr(m, up), [share])
+        self.row(f"{prefix}{down}.", getattr(m, down), share)
+        self.reduce_output(m)
+
     def gated_delta_net(self, prefix: str, m: GatedDeltaNet) -> None:
         """Key heads split over the ranks, each with the value heads that read it (grouped projections)."""
         w, r = self.world, self.rank
@@ -299,11 +353,12 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
     handlers: list[tuple[type, Callable[[str, Any], None]]] = [
         (Attention, sharder.attention), (Mamba2Mixer, sharder.mamba2), (GatedMLP, sharder.gated_mlp),
         (PlainMLP, sharder.plain_mlp), (FusedExperts, sharder.experts), (Embedding, sharder.embedding),
-        (GatedDeltaNet, sharder.gated_delta_net)]
+        (GatedDeltaNet, sharder.gated_delta_net), (Mamba1Mixer, sharder.mamba1)]
     named: dict[str, Callable[[str, Any], None]] = {  # a family's own layers, by class name
         "GraniteMoeHybridMLP": lambda p, m: sharder.fused_gate_up_mlp(p, m, "input_linear", "output_linear"),
         "FalconH1MLP": sharder.gated_mlp, "FalconH1Attention": sharder.attention,
-        "Zamba2Attention": sharder.attention, "Zamba2MLP": sharder.zamba2_mlp}
+        "Zamba2Attention": sharder.attention, "Zamba2MLP": sharder.zamba2_mlp,
+        "Lfm2ShortConv": sharder.short_conv, "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
         by_name = named.get(type(module).__name__)
