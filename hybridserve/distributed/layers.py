@@ -10,6 +10,7 @@ from hybridserve.kernels import fallbacks
 from hybridserve.layers import dense
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
+from hybridserve.layers.norms import RMSNorm
 
 
 class VocabParallelEmbedding(Embedding):
@@ -68,3 +69,48 @@ class SpanningNormMamba2Mixer(Mamba2Mixer):
         if self.norm_before_gate:
             out = out * nn.functional.silu(gate.float())
         return out.to(dtype)
+
+
+class SpanningRMSNorm(RMSNorm):
+    """An :class:`RMSNorm` over a width split across the ranks (``full_width`` in all): each rank normalizes its
+    slice by the root mean square of the whole, its sum of squares summed over the ranks."""
+
+    group: TPGroup
+    full_width: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, width / ranks) -> the same shape, in x's dtype."""
+        if self.use_cpu_kernels:
+            fallbacks.record("rms_norm", "the norm's width spans tensor-parallel ranks")
+        dtype = x.dtype
+        xf = x.float()
+        sums = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True))  # (T, 1)
+        xf = xf * torch.rsqrt(sums / self.full_width + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
+        if self.weight_in_float32:
+            return (xf * self.weight.float()).to(dtype)
+        return self.weight * xf.to(dtype)
+
+    def add_and_norm(self, *args, **kwargs):
+        raise NotImplementedError("a spanning norm normalizes a layer's inner width, never a residual stream")
+
+
+def _lightning_attention() -> type:
+    from hybridserve.models.minimax import LightningAttention
+
+    return LightningAttention
+
+
+class HeadSliceLightningAttention(_lightning_attention()):
+    """MiniMax's linear attention holding heads ``head_start ..`` of ``total_heads``: each keeps the decay
+    rate it has in the whole layer."""
+
+    total_heads: int
+    head_start: int
+
+    def reset_buffers(self) -> None:
+        from hybridserve.models.minimax import slope_rates
+
+        rate = slope_rates(self.total_heads, self.layer_index, self.num_layers)[self.head_start:][:self.num_heads]
+        self.slope_rate = rate.to(self.slope_rate.device)

@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from hybridserve.distributed.group import TPGroup
-from hybridserve.distributed.layers import RowParallelLinear, SpanningNormMamba2Mixer, VocabParallelEmbedding
+from hybridserve.distributed.layers import (
+    HeadSliceLightningAttention,
+    RowParallelLinear,
+    SpanningNormMamba2Mixer,
+    SpanningRMSNorm,
+    VocabParallelEmbedding,
+)
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet
@@ -35,7 +41,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCau
                            "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
                            "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
-                           "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
+                           "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM",
+                           "MiniMaxForCausalLM", "OlmoHybridForCausalLM")
 
 
 def check_supported(architecture: str, world: int) -> None:
@@ -136,6 +143,18 @@ class Sharder:
         m.num_heads, m.num_kv_heads = heads, kv_local
         m.spec = dataclasses.replace(m.spec, attention=dataclasses.replace(m.spec.attention, num_kv_heads=kv_local))
         self.reduce_output(m)
+
+    def whole_projection_norm_attention(self, prefix: str, m: Attention) -> None:
+        """OLMo-3's attention: q/k norms over all heads' projections, spanning the ranks."""
+        kv, world = m.num_kv_heads, self.world
+        if kv % world:
+            raise ValueError(f"num_key_value_heads={kv} is not divisible by tensor_parallel_size={world} (its k "
+                             "norm spans every KV head)")
+        q_rows = [(self.rank * (m.num_heads // world) * m.head_dim, m.num_heads // world * m.head_dim)]
+        kv_rows = [(self.rank * (kv // world) * m.head_dim, kv // world * m.head_dim)]
+        self.attention(prefix, m)
+        self.spanning_norm(f"{prefix}q_norm.", m.q_norm, q_rows)
+        self.spanning_norm(f"{prefix}k_norm.", m.k_norm, kv_rows)
 
     def adapters(self, prefix: str, adapters: nn.ModuleList, rows: list[Segment]) -> None:
         """Low-rank adapters (``Sequential(down, up)`` per use) added to a column-parallel output: ``up``
@@ -265,6 +284,29 @@ class Sharder:
                                                           for s in m.spec.state))
         self.reduce_output(m)
 
+    def spanning_norm(self, prefix: str, norm: nn.Module, segments: list[Segment]) -> None:
+        """An RMS norm over a width the ranks split: keep ``segments`` of its weight, sum the squares over ranks."""
+        full = norm.weight.shape[0]
+        self.param(f"{prefix}", norm, "weight", (sum(n for _, n in segments),), _segments(0, segments))
+        norm.__class__ = spanning_class(type(norm))
+        norm.group, norm.full_width = self.group, full
+
+    def lightning_attention(self, prefix: str, m: nn.Module) -> None:
+        """MiniMax's linear attention: heads split (``qkv_proj`` per head ``[q | k | v]``), the norm over all
+        heads spanning ranks, each head keeping its own decay rate."""
+        heads = _even("num_attention_heads", m.num_heads, self.world)
+        start, D = self.rank * heads, m.head_dim
+        self.column(f"{prefix}qkv_proj.", m.qkv_proj, [(start * 3 * D, heads * 3 * D)])
+        self.column(f"{prefix}output_gate.", m.output_gate, [(start * D, heads * D)])
+        self.spanning_norm(f"{prefix}norm.", m.norm, [(start * D, heads * D)])
+        self.row(f"{prefix}out_proj.", m.out_proj, (start * D, heads * D))
+        m.slope_rate = torch.empty(heads, device=m.slope_rate.device)
+        m.__class__ = HeadSliceLightningAttention
+        m.total_heads, m.head_start, m.num_heads = m.num_heads, start, heads
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=(heads, D, D))
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
     def short_conv(self, prefix: str, m: nn.Module) -> None:
         """LFM2's gated short conv: channels split; ``in_proj`` yields ``[b | c | h]``, each ``hidden`` wide."""
         hidden = m.out_proj.in_features
@@ -336,6 +378,16 @@ class Sharder:
         m.out_features = local
 
 
+_SPANNING: dict[type, type] = {}
+
+
+def spanning_class(norm_class: type) -> type:
+    """``norm_class`` (an RMSNorm or a subclass: its rounding) made a :class:`SpanningRMSNorm`; one class each."""
+    if norm_class not in _SPANNING:
+        _SPANNING[norm_class] = type(f"Spanning{norm_class.__name__}", (SpanningRMSNorm, norm_class), {})
+    return _SPANNING[norm_class]
+
+
 def _drop_shared(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """FusedExperts on ranks other than 0: no shared-expert output to add (rank 0 adds it once)."""
     if len(args) > 3:
@@ -358,7 +410,7 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
         "GraniteMoeHybridMLP": lambda p, m: sharder.fused_gate_up_mlp(p, m, "input_linear", "output_linear"),
         "FalconH1MLP": sharder.gated_mlp, "FalconH1Attention": sharder.attention,
         "Zamba2Attention": sharder.attention, "Zamba2MLP": sharder.zamba2_mlp,
-        "Lfm2ShortConv": sharder.short_conv, "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
+        "OlmoHybridAttention": sharder.whole_projection_norm_attention, "Lfm2ShortConv": sharder.short_conv, "LightningAttention": sharder.lightning_attention, "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
         by_name = named.get(type(module).__name__)
