@@ -42,7 +42,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCau
                            "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
                            "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM",
-                           "MiniMaxForCausalLM", "OlmoHybridForCausalLM")
+                           "MiniMaxForCausalLM", "OlmoHybridForCausalLM", "KimiLinearForCausalLM")
 
 
 def check_supported(architecture: str, world: int) -> None:
@@ -307,6 +307,43 @@ class Sharder:
                                                           for s in m.spec.state))
         self.reduce_output(m)
 
+    def kda(self, prefix: str, m: nn.Module) -> None:
+        """Kimi delta attention: heads split (q, k, v, the conv over ``[q | k | v]``, the forget gate's
+        per-channel output, beta, the output gate); the low-rank inputs of the gates stay whole."""
+        heads = _even("linear_num_heads", m.num_heads, self.world)
+        start, D, qkv = self.rank * heads, m.head_dim, m.qkv_dim
+        rows = [(start * D, heads * D)]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            self.column(f"{prefix}{name}.", getattr(m, name), rows)
+        conv = [(i * qkv + start * D, heads * D) for i in range(3)]
+        k = m.conv1d.weight.shape[-1]
+        self.param(f"{prefix}conv1d.", m.conv1d, "weight", (3 * heads * D, 1, k), _segments(0, conv))
+        m.conv1d.in_channels = m.conv1d.out_channels = m.conv1d.groups = 3 * heads * D
+        gate = m.forget_gate
+        self.column(f"{prefix}forget_gate.f_b_proj.", gate.f_b_proj, rows)
+        self.param(f"{prefix}forget_gate.", gate, "dt_bias", (heads * D,), _segments(0, rows))
+        self.param(f"{prefix}forget_gate.", gate, "A_log", (1, 1, heads, 1), _segments(2, [(start, heads)]))
+        gate.num_heads = heads
+        self.column(f"{prefix}b_proj.", m.b_proj, [(start, heads)])
+        self.column(f"{prefix}g_b_proj.", m.g_b_proj, rows)
+        self.row(f"{prefix}o_proj.", m.o_proj, rows[0])
+        m.num_heads, m.qkv_dim, m.conv_dim = heads, heads * D, 3 * heads * D
+        shapes = {"conv": (3 * heads * D, k - 1), "recurrent": (heads, D, D)}
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
+    def latent_attention(self, prefix: str, m: nn.Module) -> None:
+        """MLA: query heads split; the latent (one per token, shared by every head) is whole on every rank."""
+        heads = _even("num_attention_heads", m.num_heads, self.world)
+        start, qk, kv = self.rank * heads, m.nope + m.rope, m.nope + m.v_dim
+        q = m.q_b_proj if m.q_lora else m.q_proj
+        self.column(f"{prefix}{'q_b_proj' if m.q_lora else 'q_proj'}.", q, [(start * qk, heads * qk)])
+        self.column(f"{prefix}kv_b_proj.", m.kv_b_proj, [(start * kv, heads * kv)])
+        self.row(f"{prefix}o_proj.", m.o_proj, (start * m.v_dim, heads * m.v_dim))
+        m.num_heads = heads
+        self.reduce_output(m)
+
     def short_conv(self, prefix: str, m: nn.Module) -> None:
         """LFM2's gated short conv: channels split; ``in_proj`` yields ``[b | c | h]``, each ``hidden`` wide."""
         hidden = m.out_proj.in_features
@@ -410,7 +447,8 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
         "GraniteMoeHybridMLP": lambda p, m: sharder.fused_gate_up_mlp(p, m, "input_linear", "output_linear"),
         "FalconH1MLP": sharder.gated_mlp, "FalconH1Attention": sharder.attention,
         "Zamba2Attention": sharder.attention, "Zamba2MLP": sharder.zamba2_mlp,
-        "OlmoHybridAttention": sharder.whole_projection_norm_attention, "Lfm2ShortConv": sharder.short_conv, "LightningAttention": sharder.lightning_attention, "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
+        "OlmoHybridAttention": sharder.whole_projection_norm_attention, "KimiDeltaAttention": sharder.kda,
+        "LatentAttention": sharder.latent_attention, "Lfm2ShortConv": sharder.short_conv, "LightningAttention": sharder.lightning_attention, "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
         by_name = named.get(type(module).__name__)
