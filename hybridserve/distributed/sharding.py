@@ -42,7 +42,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCau
                            "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
                            "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM",
-                           "MiniMaxForCausalLM", "OlmoHybridForCausalLM", "KimiLinearForCausalLM")
+                           "MiniMaxForCausalLM", "OlmoHybridForCausalLM", "KimiLinearForCausalLM",
+                           "xLSTMForCausalLM")
 
 
 def check_supported(architecture: str, world: int) -> None:
@@ -344,6 +345,45 @@ class Sharder:
         m.num_heads = heads
         self.reduce_output(m)
 
+    def mlstm(self, prefix: str, m: nn.Module) -> None:
+        """xLSTM's mLSTM cell: heads split (q, k, v, the output gate, the input and forget gates, the
+        per-head norm)."""
+        heads = _even("num_heads", m.num_heads, self.world)
+        h0, H, dk, dv, qk, v = self.rank * heads, m.num_heads, m.dk, m.dv, m.qk_dim, m.v_dim
+        q_seg, v_seg, g_seg = (h0 * dk, heads * dk), (h0 * dv, heads * dv), (h0, heads)
+        if m.weight_mode == "single":
+            for name, seg in (("q", q_seg), ("k", q_seg), ("v", v_seg), ("ogate_preact", v_seg),
+                              ("igate_preact", g_seg), ("fgate_preact", g_seg)):
+                self.column(f"{prefix}{name}.", getattr(m, name), [seg])
+        else:
+            self.column(f"{prefix}qkv_opreact.", m.qkv_opreact, [q_seg, (qk + q_seg[0], q_seg[1]),
+                                                                 (2 * qk + v_seg[0], v_seg[1]),
+                                                                 (2 * qk + v + v_seg[0], v_seg[1])])
+            self.column(f"{prefix}ifgate_preact.", m.ifgate_preact, [g_seg, (H + h0, heads)])
+        norm = m.multihead_norm
+        self.param(f"{prefix}multihead_norm.", norm, "weight", (heads * dv,), _segments(0, [v_seg]))
+        if norm.bias is not None:
+            self.param(f"{prefix}multihead_norm.", norm, "bias", (heads * dv,), _segments(0, [v_seg]))
+        norm.num_heads = heads
+        self.row(f"{prefix}out_proj.", m.out_proj, v_seg)
+        m.num_heads, m.qk_dim, m.v_dim = heads, heads * dk, heads * dv
+        shapes = {"C": (heads, dk, dv), "n": (heads, dk), "m": (heads,)}
+        m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
+                                                          for s in m.spec.state))
+        self.reduce_output(m)
+
+    def xlstm_feed_forward(self, prefix: str, m: nn.Module) -> None:
+        up = _even("the feed-forward width", m.up_dim, self.world) * self.world
+        start, size = self.share(up)
+        if m.fused:
+            self.column(f"{prefix}proj_up_gate_z.", m.proj_up_gate_z, [(start, size), (up + start, size)])
+        else:
+            self.column(f"{prefix}proj_up_gate.", m.proj_up_gate, [(start, size)])
+            self.column(f"{prefix}proj_up.", m.proj_up, [(start, size)])
+        self.row(f"{prefix}proj_down.", m.proj_down, (start, size))
+        m.up_dim = size
+        self.reduce_output(m)
+
     def short_conv(self, prefix: str, m: nn.Module) -> None:
         """LFM2's gated short conv: channels split; ``in_proj`` yields ``[b | c | h]``, each ``hidden`` wide."""
         hidden = m.out_proj.in_features
@@ -448,7 +488,10 @@ def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
         "FalconH1MLP": sharder.gated_mlp, "FalconH1Attention": sharder.attention,
         "Zamba2Attention": sharder.attention, "Zamba2MLP": sharder.zamba2_mlp,
         "OlmoHybridAttention": sharder.whole_projection_norm_attention, "KimiDeltaAttention": sharder.kda,
-        "LatentAttention": sharder.latent_attention, "Lfm2ShortConv": sharder.short_conv, "LightningAttention": sharder.lightning_attention, "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
+        "LatentAttention": sharder.latent_attention, "Lfm2ShortConv": sharder.short_conv,
+        "LightningAttention": sharder.lightning_attention, "MLSTMLayer": sharder.mlstm,
+        "XLSTMFeedForward": sharder.xlstm_feed_forward,
+        "Lfm2MLP": lambda p, m: sharder.split_mlp(p, m, "w1", "w3", "w2")}
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
         by_name = named.get(type(module).__name__)
