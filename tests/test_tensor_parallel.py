@@ -29,6 +29,10 @@ FAMILIES = {
     "qwen3_5_moe": ("qwen3_5_moe", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
     # one group on 2 ranks: B and C on both, the gated norm's sums of squares summed over them
     "mamba2_one_group": ("mamba2", {"n_groups": 1}), "bamba_one_group": ("bamba", {"mamba_n_groups": 1}),
+    "qwen3_5": ("qwen3_5", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "olmo_hybrid": ("olmo_hybrid", {}), "mamba": ("mamba", {}), "falcon_mamba": ("falcon_mamba", {}),
+    "jamba": ("jamba", {}), "lfm2": ("lfm2", {}), "lfm2_moe": ("lfm2_moe", {}), "lfm3": ("lfm3", {}),
+    "minimax": ("minimax", {}), "kimi_linear": ("kimi_linear", {}), "xlstm": ("xlstm", {}),
 }
 
 
@@ -165,10 +169,17 @@ def test_kv_head_replication_matches_tp1(ckpt_dir):
         llm.engine.shutdown()
 
 
-def test_unsupported_family_and_options_refused(ckpt_dir):
+def test_unsupported_family_and_options_refused(ckpt_dir, monkeypatch):
+    """A family whose layers are not sharded (every built-in one is; a newly registered one until it opts in)
+    is refused by name, before any worker starts; so are options tensor parallelism does not run with."""
+    from hybridserve.distributed import sharding
+
     path = make(ckpt_dir, "mamba")
+    monkeypatch.setattr(sharding, "SUPPORTED_ARCHITECTURES", tuple(a for a in sharding.SUPPORTED_ARCHITECTURES
+                                                                   if a != "MambaForCausalLM"))
     with pytest.raises(ValueError, match="tensor parallel is not supported for MambaForCausalLM yet"):
         LLM(path, tensor_parallel_size=2, enable_progress_bar=False)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive integer"):
         LLM(path, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="'mtp' does not run with tensor_parallel_size=2"):
@@ -183,7 +194,7 @@ def test_plan_and_env_commands(ckpt_dir, capsys):
     assert main(["plan", path, "--tensor-parallel-size", "2", "--cache-memory", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallel: 2 ranks" in out and "(1, 16)" in out and "per rank" in out
-    assert main(["plan", make(ckpt_dir, "mamba"), "-tp", "2"]) == 2
-    assert "tensor parallel is not supported for MambaForCausalLM yet" in capsys.readouterr().err
+    assert main(["plan", make(ckpt_dir, "qwen3_5"), "-tp", "2"]) == 2
+    assert "linear_num_key_heads=3 is not divisible by tensor_parallel_size=2" in capsys.readouterr().err
     assert main(["env", "--model", path, "--tensor-parallel-size", "2", "--json"]) == 0
     assert "tensor parallel (tensor_parallel_size=2)" in capsys.readouterr().out
