@@ -198,3 +198,40 @@ def test_plan_and_env_commands(ckpt_dir, capsys):
     assert "linear_num_key_heads=3 is not divisible by tensor_parallel_size=2" in capsys.readouterr().err
     assert main(["env", "--model", path, "--tensor-parallel-size", "2", "--json"]) == 0
     assert "tensor parallel (tensor_parallel_size=2)" in capsys.readouterr().out
+
+
+LAUNCHED = """
+import os, sys
+sys.path.insert(0, {root!r})
+from hybridserve import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM({path!r}, tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False)
+    out = llm.generate([{{"prompt_token_ids": {prompt!r}}}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    print("tokens", out[0].outputs[0].token_ids, flush=True)
+    llm.engine.shutdown()
+"""
+
+
+def test_torchrun_style_launch(ckpt_dir, tmp_path):
+    """Two processes started with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun starts them): rank 0
+    generates TP 1's tokens, rank 1 serves it and exits cleanly when it stops."""
+    import socket
+    import subprocess
+    import sys
+
+    path = make(ckpt_dir, "bamba")
+    prompt = list(range(3, 30))
+    expected = LLM(path, cache_memory="16MiB", enable_progress_bar=False).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    script = tmp_path / "launched.py"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script.write_text(LAUNCHED.format(root=root, path=path, prompt=prompt))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert f"tokens {expected[0].outputs[0].token_ids}" in outs[0]

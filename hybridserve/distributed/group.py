@@ -4,6 +4,7 @@ group it was sharded for."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,8 +37,10 @@ class TPGroup:
     def __init__(self, rank: int, world: int, endpoint: Endpoint, timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
         """Opens the store (rank 0 serves it); :meth:`connect` then joins the gloo group."""
         self.rank, self.world, self.timeout = rank, world, timeout
-        self.store = dist.TCPStore(endpoint.host, endpoint.port, world, rank == 0, timeout=timeout,
-                                   wait_for_workers=False)
+        # under torchrun the agent may already serve the store at MASTER_PORT: then every rank is a client
+        serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        raw = dist.TCPStore(endpoint.host, endpoint.port, world, serves, timeout=timeout, wait_for_workers=False)
+        self.store = dist.PrefixStore("hybridserve", raw)  # apart from the keys of any other user of the store
         self.pg: dist.ProcessGroupGloo | None = None
         self._sent = 0  # commands rank 0 has posted
         self._read = 0  # commands this worker has read
