@@ -206,7 +206,8 @@ sys.path.insert(0, {root!r})
 from hybridserve import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM({path!r}, tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False)
-    out = llm.generate([{{"prompt_token_ids": {prompt!r}}}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    out = llm.generate([{{"prompt_token_ids": {prompt!r}}}], params, use_tqdm=False)
     print("tokens", out[0].outputs[0].token_ids, flush=True)
     llm.engine.shutdown()
 """
