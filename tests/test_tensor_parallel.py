@@ -157,14 +157,21 @@ def test_head_counts_checked_before_any_worker_starts(ckpt_dir, family, override
 
 
 def test_kv_head_replication_matches_tp1(ckpt_dir):
-    """One KV head shared by two query heads on 2 ranks: each rank keeps a copy of it."""
+    """One KV head shared by two query heads on 2 ranks: each rank keeps a copy of it (prompt logprobs too)."""
     path = make(ckpt_dir, "llama", num_attention_heads=2, num_key_value_heads=1, hidden_size=48)
     prompts = _prompts(2, longest=30)
-    expected = _gen(LLM(path, cache_memory="16MiB", enable_progress_bar=False), prompts)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    expected = _gen(LLM(path, cache_memory="16MiB", enable_progress_bar=False), prompts, params)
     llm = LLM(path, tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False)
     try:
-        _assert_same(expected, _gen(llm, prompts))
-        assert llm.cache_layout()["layers"][0]["tensors"][0]["shape"] == [1, 24]
+        got = _gen(llm, prompts, params)
+        _assert_same(expected, got)
+        for a, b in zip(expected, got):  # prompt logprobs: the logits of every prompt row, gathered
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+        layout = llm.cache_layout()
+        assert layout["layers"][0]["tensors"][0]["shape"] == [1, 24] and layout["tensor_parallel_size"] == 2
     finally:
         llm.engine.shutdown()
 

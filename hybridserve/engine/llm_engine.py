@@ -591,6 +591,8 @@ class LLMEngine:
             "speculation": speculation_summary(self.spec_config, layout, len(self.layout_specs) - len(self.specs)),
             "quantization": self.cpu_fast_paths.quantization if self.cpu_fast_paths is not None else "none",
             "weight_bytes": weight_bytes(self.model),
+            # > 1: the layers, pool and weight figures above are one rank's (every rank holds alike)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
 
