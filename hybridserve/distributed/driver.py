@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridserve.cache.pool import CachePool
 from hybridserve.distributed.group import TensorParallelError
-from hybridserve.distributed.launch import Launch, failure_message
+from hybridserve.distributed.launch import Launch, await_keys, failure_message
 from hybridserve.distributed.sharding import gather_logits
 from hybridserve.forward_batch import ForwardBatch
 
@@ -31,6 +31,22 @@ class DriverModel:
         self.group = launch.group
         self.failure: str | None = None
         pool.op_log = []
+        self._check_pools()
+
+    def _check_pools(self, timeout: float = 600.0) -> None:
+        """Wait for every worker's pool and check that it has rank 0's layout (the byte moves replay on it)."""
+        from hybridserve.distributed.worker import pool_signature
+
+        try:
+            theirs = await_keys(self.group, "layout", self.launch, timeout, "build their shard")
+        except TensorParallelError as exc:
+            self._fail(str(exc))
+            raise
+        ours = pool_signature(self.pool)
+        bad = sorted(r for r, sig in theirs.items() if sig != ours)
+        if bad:
+            self._fail(f"the pools of tensor-parallel ranks {bad} are laid out unlike rank 0's")
+            raise TensorParallelError(self.failure)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the shard's (hf_config, modules, ...)
         return getattr(self.__dict__["model"], name)

@@ -115,18 +115,25 @@ def launch(config: EngineConfig, startup_timeout: float = 600.0) -> Launch:
 
 def _await_workers(group: TPGroup, started: Launch | list, timeout: float) -> None:
     """Wait for every worker to reach the store (watching the started processes), then join the gloo group."""
+    await_keys(group, "hello", started if isinstance(started, Launch) else None, timeout, "connect")
+    group.connect()
+
+
+def await_keys(group: TPGroup, key: str, started: Launch | None, timeout: float, what: str) -> dict[int, str]:
+    """Every worker's ``{key}{rank}`` value, once each has set it; TensorParallelError when a started worker
+    exits first (with what it left in the store) or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     waiting = set(range(1, group.world))
     while waiting:
-        waiting = {r for r in waiting if not group.has_key(f"hello{r}")}
-        dead = started.dead() if isinstance(started, Launch) else []
+        waiting = {r for r in waiting if not group.has_key(f"{key}{r}")}
+        dead = started.dead() if started is not None else []
         if dead:
             raise TensorParallelError(failure_message(group, dead, "while starting"))
         if time.monotonic() > deadline:
-            raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} did not connect within {timeout:.0f} s")
+            raise TensorParallelError(f"tensor-parallel ranks {sorted(waiting)} did not {what} within {timeout:.0f} s")
         if waiting:
-            time.sleep(0.05)
-    group.connect()
+            time.sleep(0.02)
+    return {r: group.store.get(f"{key}{r}").decode() for r in range(1, group.world)}
 
 
 def failure_message(group: TPGroup, dead: list[tuple[int, int | None]], when: str) -> str:

@@ -23,6 +23,14 @@ from hybridserve.distributed.sharding import gather_logits
 logger = logging.getLogger(__name__)
 
 
+def pool_signature(pool) -> str:
+    """What every rank's pool must share for rank 0's byte moves to mean the same on it."""
+    layout = pool.layout
+    return repr((pool.num_bytes, pool.num_pages, pool.num_slots, layout.page_bytes, layout.slot_bytes,
+                 [(p.layer, p.name, p.offset, tuple(p.shape), str(p.dtype))
+                  for p in (*layout.kv_placements, *layout.state_placements)]))
+
+
 class WorkerRuntime:
     """One rank's model shard, pool and fast paths, built as rank 0 builds its own."""
 
@@ -46,6 +54,7 @@ class WorkerRuntime:
         fast = prepare_model(self.model, config) if device.type == "cpu" else None
         layout = compute_layout(self.model.cache_specs(), config.block_size)
         self.pool = CachePool(layout, config.cache_memory, device)
+        group.store.set(f"layout{group.rank}", pool_signature(self.pool))  # rank 0 checks it against its own
         apply_kv_scales(self.model, self.pool, dtypes.kv_cache)
         if fast is not None:  # RoPE tables as rank 0 makes them; no capture (the steps all-reduce)
             runner = ModelRunner(self.model, self.pool, device)
