@@ -131,6 +131,31 @@ def test_dead_worker_takes_the_engine_down(ckpt_dir):
         llm.engine.shutdown()
 
 
+def test_tp4_replicates_kv_heads_and_mamba_groups(ckpt_dir):
+    """4 ranks on Bamba (2 KV heads, 2 Mamba2 groups): each KV head and each group on 2 ranks, the gated norm's
+    sums of squares summed within each group's pair of ranks."""
+    path = make(ckpt_dir, "bamba")
+    prompts = _prompts(3, longest=40)
+    expected = _gen(LLM(path, cache_memory="16MiB", enable_progress_bar=False), prompts)
+    llm = LLM(path, tensor_parallel_size=4, cache_memory="16MiB", enable_progress_bar=False)
+    try:
+        _assert_same(expected, _gen(llm, prompts))
+    finally:
+        llm.engine.shutdown()
+
+
+def test_worker_error_is_raised_by_rank0(ckpt_dir):
+    """A worker that raises leaves its traceback for rank 0, which raises it at the next step."""
+    llm = LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False)
+    try:
+        llm.engine.tp.group.post(("no such command",))  # the worker raises on it and exits
+        llm.engine.tp.processes[0].join(30)
+        with pytest.raises(TensorParallelError, match="unknown tensor-parallel command 'no such command'"):
+            _gen(llm, _prompts(1))
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("family, overrides, message", [
     ("qwen3_5", {}, "linear_num_key_heads=3 is not divisible by tensor_parallel_size=2"),
     ("llama", {"num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 48, "intermediate_size": 96},
