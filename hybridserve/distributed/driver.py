@@ -49,7 +49,10 @@ class DriverModel:
             raise TensorParallelError(self.failure)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the shard's (hf_config, modules, ...)
-        return getattr(self.__dict__["model"], name)
+        model = self.__dict__.get("model")
+        if model is None:
+            raise AttributeError(name)
+        return getattr(model, name)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids, positions: (T,) -> hidden (T, hidden), every rank running the step."""
