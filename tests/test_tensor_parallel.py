@@ -113,6 +113,23 @@ def test_tp2_preemption_forks_and_ngram(ckpt_dir):
         llm.engine.shutdown()
 
 
+def test_tp2_draft_model_speculation(ckpt_dir):
+    """A draft model (run whole on rank 0, its cache layers in every rank's pool) verified by the TP-2 target:
+    the greedy tokens of decoding without speculation."""
+    path = make(ckpt_dir, "granitemoehybrid")
+    prompts = _prompts(3, seed=7, longest=40)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = _gen(LLM(path, cache_memory="16MiB", enable_progress_bar=False), prompts, params)
+    spec = {"model": make(ckpt_dir, "bamba"), "num_speculative_tokens": 3}
+    llm = LLM(path, tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False, speculative_config=spec)
+    try:
+        _assert_same(expected, _gen(llm, prompts, params))
+        assert llm.engine.spec_decode_stats()["num_draft_tokens"] > 0
+        assert released_everything(llm.engine)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_dead_worker_takes_the_engine_down(ckpt_dir):
     """A worker killed between steps: the next step raises (naming the rank), quickly, and so does every later one."""
     llm = LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False)
@@ -214,7 +231,7 @@ def test_unsupported_family_and_options_refused(ckpt_dir, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive integer"):
         LLM(path, tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="'mtp' does not run with tensor_parallel_size=2"):
+    with pytest.raises(ValueError, match="'mtp' does not run with tensor_parallel_size=2 yet"):
         LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, speculative_config={"method": "mtp"})
 
 

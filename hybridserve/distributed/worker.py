@@ -23,6 +23,18 @@ from hybridserve.distributed.sharding import gather_logits
 logger = logging.getLogger(__name__)
 
 
+def _drafter_specs(config: EngineConfig, hf_config, model) -> list:
+    """A draft model's cache layers, after the target's: rank 0 alone runs the draft model (whole), but every
+    pool has room for them so that all pools share one layout."""
+    from hybridserve.cache.planner import drafter_specs
+    from hybridserve.spec_decode.config import parse_speculative_config
+
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return []
+    return drafter_specs(hf_config, model.cache_specs(), spec, config)
+
+
 def pool_signature(pool) -> str:
     """What every rank's pool must share for rank 0's byte moves to mean the same on it."""
     layout = pool.layout
@@ -52,7 +64,8 @@ class WorkerRuntime:
         self.model = build_model(config.model, hf_config, dtypes.model, CacheDtypes.from_resolved(dtypes), device,
                                  keep_fp8, tp_group=group)
         fast = prepare_model(self.model, config) if device.type == "cpu" else None
-        layout = compute_layout(self.model.cache_specs(), config.block_size)
+        layout = compute_layout(self.model.cache_specs() + _drafter_specs(config, hf_config, self.model),
+                                config.block_size)
         self.pool = CachePool(layout, config.cache_memory, device)
         group.store.set(f"layout{group.rank}", pool_signature(self.pool))  # rank 0 checks it against its own
         apply_kv_scales(self.model, self.pool, dtypes.kv_cache)
