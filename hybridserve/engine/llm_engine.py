@@ -63,6 +63,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tp: Launch | None = None  # the tensor-parallel ranks (docs/tensor_parallel.md), None at size 1
         if config.tensor_parallel_size > 1:
+            if self.device.type != "cpu":
+                raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} runs on the CPU (gloo); "
+                                 f"device={config.device!r} resolved to {self.device.type} here: pass device='cpu'")
             check_shardable(self.hf_config, CacheDtypes.from_resolved(self.dtypes), config.tensor_parallel_size)
             self.tp = launch(config)
         try:

@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(plan, alternatives)
         print_weights(weights)
+        if weights is not None and plan.tensor_parallel_size > 1:
+            print(f"weights per rank: about 1/{plan.tensor_parallel_size} of these (norms, routers and the "
+                  "projections inside low-rank gates are whole on every rank)")
     return 0
 
 
