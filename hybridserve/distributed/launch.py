@@ -65,7 +65,7 @@ def _context():
     """A forkserver whose server has imported the worker's modules once: each worker after the first starts
     in a fraction of a second, without re-importing torch (and never forks a process that ran OpenMP)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["hybridserve.distributed.worker", "hybridserve.engine.llm_engine"])
+    ctx.set_forkserver_preload(["hybridserve.distributed.preload"])
     return ctx
 
 
