@@ -123,6 +123,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
     speculative_config: dict[str, Any] | str | None = None
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,7 +136,7 @@ class EngineConfig:
         self.cpu_isa = _check_choice("cpu_isa", self.cpu_isa, CPU_ISA_CHOICES)
         self.quantization = _check_choice("quantization", "none" if self.quantization is None else self.quantization,
                                           QUANTIZATIONS)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             check_positive_int(name, getattr(self, name))
         check_cache_shape_options(self)
         for name in ("cpu_weight_prepack", "cpu_kernels", "enforce_eager", "enable_progress_bar",
@@ -146,6 +147,8 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
+        if self.tensor_parallel_size > 1:
+            check_tensor_parallel_options(self)
         if self.quantization == "int8" and (not self.cpu_kernels or self.device == "cuda"):
             raise ValueError("quantization='int8' runs on hybridserve's compiled CPU kernels: it needs "
                              f"cpu_kernels=True and device cpu or auto (got cpu_kernels={self.cpu_kernels}, "
@@ -178,6 +181,17 @@ class EngineConfig:
             fields["resolved"] = resolved.as_names()
         blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_tensor_parallel_options(config: EngineConfig) -> None:
+    """The options tensor parallelism (docs/tensor_parallel.md) cannot run with: ValueError naming them."""
+    size = config.tensor_parallel_size
+    if config.device == "cuda":
+        raise ValueError(f"tensor_parallel_size={size} runs on the CPU (gloo); got device='cuda' (allowed: auto, cpu)")
+    spec = parse_speculative_config(config.speculative_config)
+    if spec is not None and spec.method == "mtp":  # the head shares the target's (sharded) embedding and LM head
+        raise ValueError(f"speculative decoding method 'mtp' does not run with tensor_parallel_size={size} yet; "
+                         "allowed with tensor parallelism: ngram, draft_model")
 
 
 def _dtype_from_config_value(value: Any) -> torch.dtype | None:

@@ -97,6 +97,7 @@ class PlanConfig:
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
     speculative_config: Any = None  # as EngineConfig's: a dict, a JSON string or None
+    tensor_parallel_size: int = 1  # > 1: the plan is one rank's (each rank's pool holds its slice of every cache)
 
     def __post_init__(self) -> None:
         self.dtype = canonical_option("dtype", self.dtype, ("auto", *MODEL_DTYPE_NAMES))
@@ -107,6 +108,7 @@ class PlanConfig:
                                                       ("auto", *STATE_DTYPE_NAMES))
         self.device = canonical_option("device", self.device, DEVICES)
         check_cache_shape_options(self)
+        check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
         for name in ("cpu_kernels", "enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")

@@ -61,19 +61,26 @@ def load_config(path: str) -> Any:
     return load_hf_config(path)
 
 
-def cache_specs_from_config(hf_config: Any, dtypes: Any) -> list[LayerCacheSpec]:
+def cache_specs_from_config(hf_config: Any, dtypes: Any, tensor_parallel_size: int = 1) -> list[LayerCacheSpec]:
     """Every layer's cache spec: from the config alone for a built-in family, else from the model class
-    built on the meta device (no weights). ``dtypes``: resolved dtypes (torch dtypes or names)."""
+    built on the meta device (no weights). ``dtypes``: resolved dtypes (torch dtypes or names). With
+    ``tensor_parallel_size`` > 1, one rank's specs, from the model sharded as the engine shards it (every rank's
+    are the same); ``hf_config`` must then be transformers' (``models.loader.load_hf_config``)."""
     cache_dtypes = CacheDtypes.from_resolved(dtypes)
-    if config_specs.has_family(hf_config):
+    if config_specs.has_family(hf_config) and tensor_parallel_size == 1:
         return config_specs.config_cache_specs(hf_config, cache_dtypes)
     import torch
 
     from hybridserve.models.registry import model_class
 
-    cls = model_class(config_specs.architecture_of(hf_config))
+    architecture = config_specs.architecture_of(hf_config)
     with torch.device("meta"):
-        model = cls(hf_config, cache_dtypes)
+        model = model_class(architecture)(hf_config, cache_dtypes)
+    if tensor_parallel_size > 1:
+        from hybridserve.distributed.sharding import RankGeometry, check_supported, shard_model
+
+        check_supported(architecture, tensor_parallel_size)
+        shard_model(model, architecture, RankGeometry(0, tensor_parallel_size))
     return model.cache_specs()
 
 
@@ -110,6 +117,7 @@ class CachePlan:
     snapshot_interval: int = 0  # tokens between the state snapshots of a long prefill (0: none periodic)
     speculation: Any = None  # spec_decode.config.SpeculativeConfig, or None
     num_drafter_layers: int = 0  # cache layers of a draft model or MTP head, after the target's in ``specs``
+    tensor_parallel_size: int = 1  # > 1: ``specs``, the layout and every figure are one rank's (each rank alike)
 
 
     @property
@@ -175,6 +183,8 @@ class CachePlan:
             "ideal_max_sequences": self.ideal_max_sequences,
             **self.snapshot_cost(),
             **self.speculation_cost(),
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "all_ranks_pool_bytes": geometry.num_bytes * self.tensor_parallel_size,
         }
 
     def speculation_cost(self) -> dict[str, Any]:
@@ -197,7 +207,7 @@ def plan_cache(hf_config: Any, config: Any, max_model_len: int | None = None,
     ``config.max_model_len``, else the engine's default for the model.
     """
     dtypes = config.resolve_dtypes(hf_config)
-    specs = cache_specs_from_config(hf_config, dtypes)
+    specs = cache_specs_from_config(hf_config, dtypes, getattr(config, "tensor_parallel_size", 1))
     speculation = parse_speculative_config(getattr(config, "speculative_config", None))
     drafter = drafter_specs(hf_config, specs, speculation, config) if speculation is not None else []
     specs = specs + drafter
@@ -207,7 +217,8 @@ def plan_cache(hf_config: Any, config: Any, max_model_len: int | None = None,
     reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
     return CachePlan(label, config_specs.architecture_of(hf_config), options, dtypes, tuple(specs), layout,
                      int(config.cache_memory), int(length), reserved, config.enable_prefix_caching,
-                     config.prefix_snapshot_interval, speculation, len(drafter))
+                     config.prefix_snapshot_interval, speculation, len(drafter),
+                     getattr(config, "tensor_parallel_size", 1))
 
 
 def speculation_summary(speculation: Any, layout: PoolLayout, num_drafter_layers: int) -> dict[str, Any] | None:
@@ -246,6 +257,7 @@ def _captures_decode(config: Any, dtypes: Any, layout) -> bool:
     this machine: the CPU with its kernels on, not ``enforce_eager``, no fp8 KV cache (which stays
     eager), and a pool large enough to spare the reservation."""
     return (config.resolve_device().type == "cpu" and config.cpu_kernels and not config.enforce_eager
+            and getattr(config, "tensor_parallel_size", 1) == 1  # tensor-parallel steps run eagerly
             and dtype_name(dtypes.kv_cache) not in FP8_KV_DTYPE_NAMES
             and padding_fits(layout, int(config.cache_memory)))
 

@@ -135,6 +135,9 @@ class CachePool:
         self.layer_caches: dict[int, LayerCache] = {}
         self.stats = {"compactions": 0, "moved_bytes": 0}
         self.padding: tuple[int | None, int | None] = (None, None)  # (page, slot) for padded rows
+        # with tensor parallelism, rank 0 records every byte move made outside a forward here, as
+        # ("zero", start, nbytes) and ("copy", src_start, dst_start, nbytes), for the other ranks to replay
+        self.op_log: list[tuple] | None = None
         self._build_views()
 
     # ----------------------------------------------------------------- views
@@ -240,6 +243,8 @@ class CachePool:
         self._live_slots.push(s)
         size = self.layout.slot_bytes
         self.buffer[s * size:(s + 1) * size].zero_()
+        if self.op_log is not None:
+            self.op_log.append(("zero", s * size, size))
         return s
 
     def free_pages(self, pages: list[int]) -> None:
@@ -327,6 +332,18 @@ class CachePool:
     def copy_row(self, src: int, dst: int, size: int) -> None:
         """Copy page or slot ``src`` onto ``dst`` (``size``: page_bytes or slot_bytes): one memcpy in the buffer."""
         self.buffer[dst * size:(dst + 1) * size].copy_(self.buffer[src * size:(src + 1) * size])
+        if self.op_log is not None:
+            self.op_log.append(("copy", src * size, dst * size, size))
+
+    def apply_ops(self, ops: list[tuple]) -> None:
+        """Replay another rank's recorded byte moves (:attr:`op_log`) on this pool, in order."""
+        for op in ops:
+            if op[0] == "zero":
+                _, start, size = op
+                self.buffer[start:start + size].zero_()
+            else:
+                _, src, dst, size = op
+                self.buffer[dst:dst + size].copy_(self.buffer[src:src + size])
 
     # ----------------------------------------------------------------- stats
     @property

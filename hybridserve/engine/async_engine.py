@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridserve.cache.kv_events import KVEvent
+from hybridserve.distributed.group import TensorParallelError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.metrics import Histogram
 from hybridserve.outputs import RequestOutput
@@ -160,6 +161,7 @@ class AsyncEngine:
         self._stop = False
         self._stopping = threading.Event()  # set with _stop: ends a back-off pause at once
         self.accepting = False
+        self.down_reason: str | None = None  # set when the engine failed for good (a tensor-parallel rank died)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -255,6 +257,7 @@ class AsyncEngine:
             if self._stop:
                 self._abort_everything()
                 self._take_snapshot()
+                engine.shutdown()  # tensor-parallel workers, if any
                 return
             self._take_snapshot()
             if not engine.has_unfinished_requests():
@@ -263,6 +266,14 @@ class AsyncEngine:
                 continue
             try:
                 outputs = engine.step()
+            except TensorParallelError as exc:  # a rank is gone: the engine is down, refuse everything from now on
+                logger.error("the engine is down: %s", exc)
+                self.down_reason = f"the engine is down: {exc}"
+                self.accepting = False
+                self._abort_everything(error=exc)
+                self._take_snapshot()
+                engine.shutdown()
+                return
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
                 self._failures += 1
                 pause = min(self.MAX_BACKOFF_S, 0.01 * 2 ** (self._failures - 1))

@@ -144,10 +144,10 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
 
 
 def attach_captured_decode(runner, model: nn.Module, pool, config: EngineConfig, max_model_len: int,
-                           report: CpuFastPaths) -> None:
-    """Capture the model's decode steps into ``runner`` where they can be, recording why not otherwise.
-    With the kernels on, RoPE tables for every position up to ``max_model_len`` are made first (eager
-    steps gather from them too)."""
+                           report: CpuFastPaths, eager_reason: str | None = None) -> None:
+    """Capture the model's decode steps into ``runner`` where they can be, recording why not otherwise
+    (``eager_reason``: the engine's own reason not to, such as tensor parallelism). With the kernels on,
+    RoPE tables for every position up to ``max_model_len`` are made first (eager steps gather from them too)."""
     if report.kernels:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         for module in model.modules():
@@ -157,6 +157,8 @@ def attach_captured_decode(runner, model: nn.Module, pool, config: EngineConfig,
         report.decode_reason = f"the compiled CPU kernels are off ({report.kernels_reason})"
     elif config.enforce_eager:
         report.decode_reason = "--enforce-eager"
+    elif eager_reason is not None:
+        report.decode_reason = eager_reason
     else:
         runner.captured_decode, report.decode_reason = try_capture(model, pool, config.max_num_seqs, max_model_len,
                                                                    caches=runner.caches)

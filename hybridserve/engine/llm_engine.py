@@ -16,6 +16,10 @@ from hybridserve.cache.planner import speculation_summary
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
+from hybridserve.distributed.driver import DriverModel
+from hybridserve.distributed.group import TensorParallelError
+from hybridserve.distributed.launch import Launch, launch
+from hybridserve.distributed.sharding import check_shardable
 from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import make_children, place_children, wants_fork
@@ -58,9 +62,26 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
         torch.manual_seed(config.seed)
+        self.tp: Launch | None = None  # the tensor-parallel ranks (docs/tensor_parallel.md), None at size 1
+        if config.tensor_parallel_size > 1:
+            if self.device.type != "cpu":
+                raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} runs on the CPU (gloo); "
+                                 f"device={config.device!r} resolved to {self.device.type} here: pass device='cpu'")
+            check_shardable(self.hf_config, CacheDtypes.from_resolved(self.dtypes), config.tensor_parallel_size)
+            self.tp = launch(config)
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.stop(grace=0.0)
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        """Everything after the checkpoint's config: model, pool, cache manager, scheduler, fast paths."""
         keep_fp8 = self.device.type == "cpu" and config.cpu_kernels and config.quantization != "none"
         self.model = build_model(config.model, self.hf_config, self.dtypes.model,
-                                 CacheDtypes.from_resolved(self.dtypes), self.device, keep_fp8)
+                                 CacheDtypes.from_resolved(self.dtypes), self.device, keep_fp8,
+                                 tp_group=self.tp.group if self.tp is not None else None)
         self.specs: list[LayerCacheSpec] = self.model.cache_specs()
         self.cpu_fast_paths = prepare_model(self.model, config) if self.device.type == "cpu" else None
         self.cpu_kernels = self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
@@ -71,12 +92,13 @@ class LLMEngine:
         self.layout_specs = self.specs + draft_specs  # the target's layers, then a drafter's (draft model, MTP)
         self.layout = compute_layout(self.layout_specs, config.block_size)
         self.pool = CachePool(self.layout, config.cache_memory, self.device)
-        _apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
+        apply_kv_scales(self.model, self.pool, self.dtypes.kv_cache)
         if self.draft_model is not None:
-            _apply_kv_scales(self.draft_model.model, self.pool, self.dtypes.kv_cache, self.draft_model.offset)
+            apply_kv_scales(self.draft_model.model, self.pool, self.dtypes.kv_cache, self.draft_model.offset)
         self.cache = CacheManager(self.pool, config.enable_prefix_caching, config.prefix_snapshot_interval)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.driver = DriverModel(self.model, self.pool, self.tp) if self.tp is not None else None
+        self.runner = ModelRunner(self.driver or self.model, self.pool, self.device)
         self.max_model_len = config.max_model_len or default_max_model_len(self.hf_config)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.speculator = (make_speculator(self.spec_config, config, self.cache, self.pool, self.device,
@@ -90,7 +112,7 @@ class LLMEngine:
                 logger.warning(past_positions.removeprefix("warning: "))
         if self.cpu_fast_paths is not None:
             attach_captured_decode(self.runner, self.model, self.pool, config, self.max_model_len,
-                                   self.cpu_fast_paths)
+                                   self.cpu_fast_paths, eager_reason=tensor_parallel_reason(config))
         if self.speculator is not None:
             capture_speculation(self.speculator, self.runner, self.model, self.pool, config, self.max_model_len,
                                 self.cpu_fast_paths)
@@ -210,6 +232,8 @@ class LLMEngine:
             if self.speculator is not None:
                 self.speculator.attach(plan.scheduled, len(self.scheduler.running), may_draft=solo is None)
             logits = self.runner.run(plan.scheduled)
+        except TensorParallelError:
+            raise  # the ranks are out of step: the engine is down, not one request
         except Exception as exc:  # noqa: BLE001 - contained below
             self._contain_step_failure([it.seq for it in plan.scheduled], exc, touched)
             return self._outputs(touched, finished_only)
@@ -513,6 +537,11 @@ class LLMEngine:
                              completions, finished, num_cached_tokens=parent.num_cached_tokens or 0,
                              error=group.error)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at tensor_parallel_size 1); the engine runs no more steps."""
+        if self.driver is not None:
+            self.driver.shutdown()
+
     def reset_prefix_cache(self) -> bool:
         """Evict every cached prefix no request holds (as vLLM's ``reset_prefix_cache``); True if none is left."""
         return self.cache.reset_prefix_cache()
@@ -578,10 +607,18 @@ class LLMEngine:
             "speculation": speculation_summary(self.spec_config, layout, len(self.layout_specs) - len(self.specs)),
             "quantization": self.cpu_fast_paths.quantization if self.cpu_fast_paths is not None else "none",
             "weight_bytes": weight_bytes(self.model),
+            # > 1: the layers, pool and weight figures above are one rank's (every rank holds alike)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
 
-def _apply_kv_scales(model: torch.nn.Module, pool: CachePool, kv_dtype: torch.dtype, offset: int = 0) -> None:
+def tensor_parallel_reason(config: EngineConfig) -> str | None:
+    """Why decode steps run eagerly under tensor parallelism (a captured step cannot all-reduce); None at size 1."""
+    size = config.tensor_parallel_size
+    return f"tensor parallel (tensor_parallel_size={size}): a step all-reduces across ranks" if size > 1 else None
+
+
+def apply_kv_scales(model: torch.nn.Module, pool: CachePool, kv_dtype: torch.dtype, offset: int = 0) -> None:
     """Give each layer's fp8 K/V views the checkpoint's scales (attention modules' ``k_scale``/``v_scale``,
     set by the loader; 1.0 when the checkpoint has none). Other KV dtypes store values unscaled."""
     if kv_dtype not in FP8_KV_DTYPES:

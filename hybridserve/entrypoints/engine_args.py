@@ -73,6 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\', '
                              '\'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\' or \'{"method": "mtp"}\' '
                              "(docs/spec_decode.md)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks (processes) the model is sharded over, on this host or under a torchrun-style "
+                             "launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): docs/tensor_parallel.md")
     parser.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="tokens between the state snapshots of a long prefill (0: only at prompt ends, "
                              "generation ends and branch points)")
@@ -81,7 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
                  "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "quantization",
-                 "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config")
+                 "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
+                 "tensor_parallel_size")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -41,8 +41,11 @@ def model_fast_paths(args: argparse.Namespace) -> dict:
     for i, length in enumerate((5, 9)):
         engine.add_request(f"env-{i}", [(7 * t + i) % vocab for t in range(length)],
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.shutdown()  # tensor-parallel workers, if any
     declined = [{"op": op, "reason": reason, "calls": n - before.get((op, reason), 0)}
                 for (op, reason), n in sorted(fallbacks.counts().items()) if n > before.get((op, reason), 0)]
     return {"model": args.model, "architecture": type(engine.model).__name__,

@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speculative-config", default=None,
                    help="speculative decoding as JSON (as for generate/serve): the drafter's layers and the "
                         "verification slot are counted")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="plan one rank of this many (its slice of every cache tensor, its pool of --cache-memory "
+                        "bytes); reads the config through transformers and shards the model as the engine does")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of tables: every layer (layers) and the kinds of layer "
                         "with their counts (layer_groups)")
@@ -62,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
                         max_model_len=args.max_model_len, device=args.device, cpu_kernels=args.cpu_kernels,
                         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
                         prefix_snapshot_interval=args.prefix_snapshot_interval,
-                        speculative_config=args.speculative_config,
+                        speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                         **{name: getattr(args, name) for name in DTYPE_OPTIONS})
-    hf_config = load_config(args.model)
+    hf_config = load_config(args.model) if config.tensor_parallel_size == 1 else _transformers_config(args.model)
     plan = plan_cache(hf_config, config)
     warning = positions_warning(hf_config, plan.max_model_len, "--max-model-len")
     if warning is not None:
@@ -79,7 +82,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_plan(plan, alternatives)
         print_weights(weights)
+        if weights is not None and plan.tensor_parallel_size > 1:
+            print(f"weights per rank: about 1/{plan.tensor_parallel_size} of these (norms, routers and the "
+                  "projections inside low-rank gates are whole on every rank)")
     return 0
+
+
+def _transformers_config(path: str):
+    """The config as the engine reads it (sharding a model needs transformers' converted attributes)."""
+    import os
+
+    from hybridserve.models.loader import load_hf_config
+
+    return load_hf_config(path if os.path.isdir(path) else os.path.dirname(path) or ".")
 
 
 def print_weights(weights: dict | None) -> None:
@@ -145,6 +160,9 @@ def print_plan(plan, alternatives) -> None:
         console = Console(width=120)  # a pipe or a file: no terminal width to fit
     names = plan.dtypes.as_names()
     console.print(f"[bold]{plan.architecture}[/bold]  " + "  ".join(f"{k}={v}" for k, v in names.items()))
+    if plan.tensor_parallel_size > 1:
+        console.print(f"tensor parallel: {plan.tensor_parallel_size} ranks; every figure below is one rank's (each "
+                      "rank's pool holds its slice of every cache tensor)")
     layers = Table(title="Cached tensors per layer (one row per kind of layer, \u00d7 how many)", title_justify="left")
     for col, justify in (("count", "right"), ("kind", "left"), ("tensor", "left"), ("shape", "left"),
                          ("dtype", "left"), ("bytes each", "right"), ("layers", "left")):
@@ -166,7 +184,10 @@ def print_plan(plan, alternatives) -> None:
             ("KV bytes per token", f"{s['kv_bytes_per_token']:,}"),
             ("attention block size", f"{s['attention_block_size']} tokens"),
             ("KV page / state slot", f"{s['page_bytes']:,} B / {s['slot_bytes']:,} B"),
-            ("cache memory", f"{s['cache_memory_bytes']:,} ({_size(s['cache_memory_bytes'])})"),
+            ("cache memory" + (" per rank" if plan.tensor_parallel_size > 1 else ""),
+             f"{s['cache_memory_bytes']:,} ({_size(s['cache_memory_bytes'])})"
+             + (f"; {_size(s['all_ranks_pool_bytes'])} over {plan.tensor_parallel_size} ranks"
+                if plan.tensor_parallel_size > 1 else "")),
             ("bytes per sequence", f"{s['bytes_per_sequence']:,} at {s['max_model_len']:,} tokens "
                                    f"(ideal {s['ideal_bytes_per_sequence']:,})"),
             ("padding reserved (captured decode)", _size(s["padding_reserved_bytes"])),

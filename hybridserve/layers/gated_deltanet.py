@@ -77,6 +77,7 @@ class GatedDeltaNet(nn.Module):
                              f"linear_num_key_heads ({num_k_heads})")
         self.layer_index = layer_index
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.checkpoint_heads = (num_k_heads, num_v_heads)  # whole counts (a tensor-parallel rank keeps a slice)
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim

@@ -141,6 +141,9 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         loaded = transform(loaded)
         unexpected = [n for n in loaded if n not in expected]
         loaded = {n: t for n, t in loaded.items() if n in expected}
+    slicers = getattr(model, "tp_slicers", None)  # tensor parallelism: each rank's slice (distributed/sharding.py)
+    if slicers:
+        loaded = {n: slicers[n](t) if n in slicers else t for n, t in loaded.items()}
     missing = [n for n in expected if n not in loaded and n not in tied]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match {type(model).__name__}: "
@@ -226,12 +229,18 @@ def _owner(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 
 def build_model(path: str, hf_config: Any, dtype: torch.dtype, dtypes: CacheDtypes,
-                device: torch.device, keep_fp8: bool = False) -> CausalLM:
+                device: torch.device, keep_fp8: bool = False, tp_group: Any = None) -> CausalLM:
     """Construct the model on the meta device, then load its weights in ``dtype`` on ``device`` (an fp8
-    checkpoint's linears as e4m3 codes with ``keep_fp8``, else dequantized)."""
-    cls = model_class(architecture_of(hf_config))
+    checkpoint's linears as e4m3 codes with ``keep_fp8``, else dequantized). With ``tp_group`` (a
+    ``distributed.group.TPGroup`` of several ranks), the model is this rank's shard."""
+    architecture = architecture_of(hf_config)
+    cls = model_class(architecture)
     with torch.device("meta"):
         model = cls(hf_config, dtypes)
+    if tp_group is not None and tp_group.world > 1:
+        from hybridserve.distributed.sharding import shard_model
+
+        shard_model(model, architecture, tp_group)
     load_weights(model, path, dtype, device, keep_fp8)
     model.eval()
     model.requires_grad_(False)

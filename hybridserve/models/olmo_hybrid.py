@@ -183,8 +183,10 @@ class OlmoHybridForCausalLM(RopeDecoderLM):
                 continue
             gdn, prefix = layer.linear_attn, f"model.layers.{i}.linear_attn."
             hidden = gdn.in_proj_qkvz.in_features
-            rows = {"q_proj": gdn.key_dim, "k_proj": gdn.key_dim, "v_proj": gdn.value_dim, "g_proj": gdn.value_dim,
-                    "b_proj": gdn.num_v_heads, "a_proj": gdn.num_v_heads}
+            hk, hv = gdn.checkpoint_heads  # the checkpoint's (whole) head counts, tensor-parallel or not
+            key_dim, value_dim = hk * gdn.head_k_dim, hv * gdn.head_v_dim
+            rows = {"q_proj": key_dim, "k_proj": key_dim, "v_proj": value_dim, "g_proj": value_dim,
+                    "b_proj": hv, "a_proj": hv}
             names = {p: f"{prefix}{p}.weight" for p in rows}
             missing = [n for n in names.values() if n not in tensors]
             if missing:
@@ -194,9 +196,8 @@ class OlmoHybridForCausalLM(RopeDecoderLM):
                     raise ValueError(f"{names[p]} has shape {tuple(tensors[names[p]].shape)}, expected {(n, hidden)}")
             w = {p: tensors.pop(n) for p, n in names.items()}
             qkv = torch.cat([w["q_proj"], w["k_proj"], w["v_proj"]])  # (2 Hk Dk + Hv Dv, hidden)
-            qkvz, ba = grouped_projections(qkv, w["g_proj"], w["b_proj"], w["a_proj"], num_k_heads=gdn.num_k_heads,
-                                           num_v_heads=gdn.num_v_heads, head_k_dim=gdn.head_k_dim,
-                                           head_v_dim=gdn.head_v_dim)
+            qkvz, ba = grouped_projections(qkv, w["g_proj"], w["b_proj"], w["a_proj"], num_k_heads=hk,
+                                           num_v_heads=hv, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
             tensors[f"{prefix}in_proj_qkvz.weight"], tensors[f"{prefix}in_proj_ba.weight"] = qkvz, ba
             parts = [f"{prefix}{p}_conv1d.weight" for p in "qkv"]
             if any(n in tensors for n in parts):
@@ -204,9 +205,9 @@ class OlmoHybridForCausalLM(RopeDecoderLM):
                 if missing:
                     raise ValueError(f"checkpoint lacks the gated delta net conv weights {missing}")
                 conv = torch.cat([tensors.pop(n) for n in parts])  # (2 Hk Dk + Hv Dv, 1, K)
-                if conv.shape[0] != gdn.conv_dim:
+                if conv.shape[0] != 2 * key_dim + value_dim:
                     raise ValueError(f"{prefix}{{q,k,v}}_conv1d.weight have {conv.shape[0]} rows together, "
-                                     f"expected {gdn.conv_dim}")
+                                     f"expected {2 * key_dim + value_dim}")
                 tensors[f"{prefix}conv1d.weight"] = conv
             for old, new in (("o_norm", "norm"), ("o_proj", "out_proj")):
                 if f"{prefix}{old}.weight" in tensors:  # absent: reported missing as the model's name

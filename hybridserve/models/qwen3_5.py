@@ -79,9 +79,9 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
             if missing:
                 raise ValueError(f"checkpoint lacks the gated delta net projections {missing}")
             try:
-                qkvz, ba = grouped_projections(*(tensors.pop(n) for n in names), num_k_heads=gdn.num_k_heads,
-                                               num_v_heads=gdn.num_v_heads, head_k_dim=gdn.head_k_dim,
-                                               head_v_dim=gdn.head_v_dim)
+                hk, hv = gdn.checkpoint_heads  # the checkpoint's (whole) head counts, tensor-parallel or not
+                qkvz, ba = grouped_projections(*(tensors.pop(n) for n in names), num_k_heads=hk, num_v_heads=hv,
+                                               head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
             except ValueError as exc:
                 raise ValueError(f"layer {i}: {exc}") from None
             tensors[f"{prefix}in_proj_qkvz.weight"], tensors[f"{prefix}in_proj_ba.weight"] = qkvz, ba

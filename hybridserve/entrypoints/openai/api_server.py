@@ -86,7 +86,7 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
 
     def accepting() -> None:
         if not state.engine.accepting:
-            raise APIError(503, "the server is shutting down")
+            raise APIError(503, getattr(state.engine, "down_reason", None) or "the server is shutting down")
 
     v1 = [Depends(authorized), Depends(accepting)]
     guarded = [Depends(authorized)] if state.protect_metrics_and_docs else []
@@ -94,7 +94,7 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
     @app.get("/health")
     async def health() -> Any:
         if not state.engine.accepting:
-            raise APIError(503, "the server is shutting down")
+            raise APIError(503, getattr(state.engine, "down_reason", None) or "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
     registry = metrics_registry(state.engine, state.model_name)  # this server's own

@@ -1,0 +1,2 @@
+"""Tensor parallelism on one or several hosts: one process per rank, torch.distributed's gloo backend
+(docs/tensor_parallel.md)."""
