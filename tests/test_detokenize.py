@@ -135,3 +135,42 @@ def test_detokenize_false_gives_token_ids_only():
 def test_detokenize_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_text_is_decoded_when_read(monkeypatch):
+    """Each step's snapshot has the text of every token so far (a prefix of the whole decode, equal to it
+    once the last character is complete), an aborted request keeps the text of its tokens, and a request
+    without stop strings run to its end is decoded once, at its end, never token by token."""
+    from hybridserve.engine.detokenizer import IncrementalDecoder
+
+    llm = LLM(enable_progress_bar=False, cache_memory="64MiB")
+    engine, detok = llm.engine, llm.engine.detokenizer
+    ids = detok.encode("Once upon a time")
+    engine.add_request("streamed", ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    engine.add_request("aborted", ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    snapshots = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done = out.outputs[0]
+            full = detok.decode(done.token_ids)
+            assert full.startswith(done.text) and (done.text == full or full.endswith("\ufffd")), (done.text, full)
+            snapshots += out.request_id == "streamed"
+            if out.request_id == "aborted" and len(done.token_ids) == 5:
+                engine.abort_request("aborted")
+    assert snapshots == 24
+
+    calls = []
+    for cls in IncrementalDecoder.__subclasses__():
+        monkeypatch.setattr(cls, "add", _counting(cls.add, calls))
+    whole = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert whole[0].outputs[0].text == detok.decode(whole[0].outputs[0].token_ids) and calls == []
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                            stop=["\x00never"]))
+    assert calls == list(range(1, 25))  # a stop string: the text is searched after every token
+
+
+def _counting(add, calls):
+    def counted(self, token_ids):
+        calls.append(len(token_ids))
+        return add(self, token_ids)
+    return counted

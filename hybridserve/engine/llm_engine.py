@@ -484,15 +484,25 @@ class LLMEngine:
             seq.output_logprobs.append(self.detokenizer.annotate(entry) if seq.params.detokenize else entry)
         self._check_stop(seq, token)
 
+    def sync_text(self, seq: Sequence) -> None:
+        """Detokenize the output tokens ``seq.output_text`` does not cover yet (incrementally).
+
+        Text is decoded when it is read (a stop-string check, an output snapshot), not at every token: a
+        request without stop strings whose caller wants only finished outputs decodes once, at its end."""
+        if not seq.params.detokenize or seq.text_final:
+            return
+        if seq.decoder is None:
+            seq.decoder = self.detokenizer.incremental(seq.params.skip_special_tokens)
+        delta = seq.decoder.add(seq.output_token_ids)
+        if delta:
+            seq.output_text += delta
+
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
         num_out = len(seq.output_token_ids)
         text_before = seq.output_text
-        if params.detokenize:
-            if seq.decoder is None:
-                seq.decoder = self.detokenizer.incremental(params.skip_special_tokens)
-            delta = seq.decoder.add(seq.output_token_ids)
-            seq.output_text = text_before + delta
+        if params.stop_strings:
+            self.sync_text(seq)  # every token: a stop string is searched for in the text it adds
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == seq.eos_token_id:
                 self._finish(seq, "stop", None)
@@ -505,7 +515,7 @@ class LLMEngine:
                 pos = seq.output_text.find(stop, start)
                 if pos >= 0:
                     end = pos + len(stop) if params.include_stop_str_in_output else pos
-                    seq.output_text = seq.output_text[:end]
+                    seq.output_text, seq.text_final = seq.output_text[:end], True
                     self._end([seq], "stop", stop)
                     return
         if self.structured.finished(seq):  # the grammar is complete: nothing but EOS could follow
@@ -518,11 +528,14 @@ class LLMEngine:
         """Finish ``seq`` (not at a stop string); its final text is the whole output decoded at once."""
         if seq.params.detokenize:
             seq.output_text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+            seq.text_final = True
         self._end([seq], reason, stop_reason)
 
     def _output(self, request_id: str) -> RequestOutput:
         """The request's output so far: one completion per sequence (``n`` once forked)."""
         group = self._requests.group(request_id)
+        for seq in group.seqs:
+            self.sync_text(seq)
         completions = [CompletionOutput(
             index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,

@@ -47,8 +47,9 @@ class Sequence:
         self.output_logprobs: list[PositionLogprobs] = []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs | None] = [None] if params.prompt_logprobs is not None else []
-        self.output_text = ""
-        self.decoder: IncrementalDecoder | None = None  # the output's incremental detokenizer (made at its first token)
+        self.output_text = ""  # the text of output_token_ids[:decoder's count] (LLMEngine.sync_text catches it up)
+        self.decoder: IncrementalDecoder | None = None  # the output's incremental detokenizer (made at its first sync)
+        self.text_final = False  # output_text is the finished output's text (no more syncs)
         self.num_preemptions = 0
         self.num_step_failures = 0  # failed steps this sequence was part of (see LLMEngine.step)
         self.generator: torch.Generator | None = None
