@@ -188,10 +188,6 @@ def check_tensor_parallel_options(config: EngineConfig) -> None:
     size = config.tensor_parallel_size
     if config.device == "cuda":
         raise ValueError(f"tensor_parallel_size={size} runs on the CPU (gloo); got device='cuda' (allowed: auto, cpu)")
-    spec = parse_speculative_config(config.speculative_config)
-    if spec is not None and spec.method == "mtp":  # the head shares the target's (sharded) embedding and LM head
-        raise ValueError(f"speculative decoding method 'mtp' does not run with tensor_parallel_size={size} yet; "
-                         "allowed with tensor parallelism: ngram, draft_model")
 
 
 def _dtype_from_config_value(value: Any) -> torch.dtype | None:

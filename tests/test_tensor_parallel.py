@@ -15,7 +15,7 @@ from hybridserve.cache.plan_config import PlanConfig
 from hybridserve.cache.planner import plan_cache
 from hybridserve.distributed.group import TensorParallelError
 from hybridserve.models.loader import load_hf_config
-from tests.checkpoints import make
+from tests.checkpoints import add_mtp_weights, make
 from tests.prefix_utils import released_everything
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -130,6 +130,53 @@ def test_tp2_draft_model_speculation(ckpt_dir):
         llm.engine.shutdown()
 
 
+def test_tp2_mtp_speculation(ckpt_dir, monkeypatch):
+    """An MTP head (run whole on rank 0 with whole copies of the embedding and LM head, its KV layer in every
+    rank's pool) over the TP-2 target's hidden states: the greedy tokens and logprobs of TP 1 without
+    speculation, and TP 1's drafts (each one, and the same accepted counts as TP 1 with MTP)."""
+    from hybridserve.spec_decode.mtp import MTPDrafter
+
+    drafts: dict[int, list] = {}  # id(drafter) -> (tokens so far, drafts) after each step, in order
+    after_step = MTPDrafter.after_step
+
+    def recording(self, logits, *args):
+        after_step(self, logits, *args)
+        drafts.setdefault(id(self), []).extend(
+            (item.seq.num_tokens, list(item.seq.spec.mtp_drafts)) for item in logits.order
+            if item.seq.spec is not None and item.seq.spec.mtp_drafts)
+
+    monkeypatch.setattr(MTPDrafter, "after_step", recording)
+    path = add_mtp_weights(make(ckpt_dir, "qwen3_next"), num_layers=1, seed=4)
+    prompts = _prompts(3, seed=7, longest=40)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "acceptance_floor": 0.0, "disable_by_batch_size": 8}
+    opts = dict(cache_memory="16MiB", enable_progress_bar=False)
+    expected = _gen(LLM(path, **opts), prompts, params)
+    tp1 = LLM(path, speculative_config=spec, **opts)
+    _assert_same(expected, _gen(tp1, prompts, params))
+    llm = LLM(path, tensor_parallel_size=2, speculative_config=spec, **opts)
+    try:
+        _assert_same(expected, _gen(llm, prompts, params))
+        stats, ref = llm.engine.spec_decode_stats(), tp1.engine.spec_decode_stats()
+        assert stats["num_draft_tokens"] > 0
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_length_counts"):
+            assert stats[key] == ref[key], key
+        ours, theirs = drafts[id(llm.engine.speculator.mtp)], drafts[id(tp1.engine.speculator.mtp)]
+        assert ours == theirs and len(ours) >= stats["num_drafts"]
+        head = llm.engine.mtp_head
+        vocab = head.hf_config.vocab_size  # whole, not the target's slices
+        assert head.embed_tokens.weight.shape[0] == vocab
+        assert head.compute_logits(torch.zeros(1, head.hf_config.hidden_size)).shape == (1, vocab)
+        plan = plan_cache(load_hf_config(path), PlanConfig(tensor_parallel_size=2, cache_memory="16MiB",
+                                                           speculative_config=spec)).summary()
+        layout = llm.cache_layout()
+        for key in ("page_bytes", "num_pages", "kv_bytes_per_token"):
+            assert plan[key] == layout[key], key
+        assert released_everything(llm.engine)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_dead_worker_takes_the_engine_down(ckpt_dir):
     """A worker killed between steps: the next step raises (naming the rank), quickly, and so does every later one."""
     llm = LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, cache_memory="16MiB", enable_progress_bar=False)
@@ -231,8 +278,9 @@ def test_unsupported_family_and_options_refused(ckpt_dir, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be a positive integer"):
         LLM(path, tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="'mtp' does not run with tensor_parallel_size=2 yet"):
-        LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="has no multi-token-prediction"):  # MTP runs under TP, on its families
+        LLM(make(ckpt_dir, "llama"), tensor_parallel_size=2, speculative_config={"method": "mtp"},
+            enable_progress_bar=False)
 
 
 def test_plan_and_env_commands(ckpt_dir, capsys):

@@ -234,7 +234,8 @@ def speculation_summary(speculation: Any, layout: PoolLayout, num_drafter_layers
 def drafter_specs(hf_config: Any, specs: list[LayerCacheSpec], speculation: Any, config: Any) -> list[LayerCacheSpec]:
     """The cache layers a speculative drafter adds after the target's ``specs``, as the engine lays them out:
     a draft model's own (its config read from its directory, its dtypes resolved as the target's options
-    say), or the MTP head's attention layers (the target's full-attention KV shape); none for n-gram."""
+    say), or the MTP head's attention layers (the target's full-attention KV shape, whole: under tensor
+    parallelism rank 0 runs the head unsharded); none for n-gram."""
     offset = max((s.index for s in specs), default=-1) + 1
     if speculation.method == "draft_model":
         draft_config = load_config(speculation.model)
@@ -243,6 +244,8 @@ def drafter_specs(hf_config: Any, specs: list[LayerCacheSpec], speculation: Any,
     if speculation.method == "mtp":
         from hybridserve.models.mtp_config import mtp_attention_layer_count
 
+        if getattr(config, "tensor_parallel_size", 1) > 1:  # ``specs`` are one rank's shard: the whole ones
+            specs = cache_specs_from_config(hf_config, config.resolve_dtypes(hf_config))
         attention = next((s.attention for s in specs if s.attention is not None and not s.attention.sliding_window),
                          None)
         count = mtp_attention_layer_count(hf_config)

@@ -13,8 +13,9 @@ target's LM head) predict the token at ``p + 2``. The layout per family (docs/mt
   hnorm(hidden)]))``, the last ends in ``final_layernorm`` (``models/mtp_nemotron_h.py``).
 
 A head is its own module tree (so ``enable_cpu_kernels`` and ``pack_kernel_linear_layers`` apply to it) that
-shares the target's embedding (and RoPE) modules; its attention caches are specs of their own, indexed from
-``first_layer_index`` on, in the same pool as the target's.
+shares the target's embedding (and RoPE) modules (on rank 0 of a tensor-parallel target, whole copies of
+the embedding and the LM head: :func:`use_whole_vocabulary`); its attention caches are specs of their own,
+indexed from ``first_layer_index`` on, in the same pool as the target's.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ class MTPHead(nn.Module):
         """Nothing to tie: the embedding and the LM head are the target's (``share``)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> float32 logits (N, vocab) through the target's LM head."""
-        return self.target.compute_logits(hidden)
+        """hidden (N, hidden) -> float32 logits (N, vocab) through the target's LM head (its whole copy
+        ``self.lm_head`` under tensor parallelism: :func:`use_whole_vocabulary`)."""
+        lm_head = self._modules.get("lm_head")
+        if lm_head is None:
+            return self.target.compute_logits(hidden)
+        logits = lm_head(hidden).float()
+        scale = self.target.logits_scale
+        return logits * scale if scale != 1.0 else logits
 
     def layer_for(self, step: int) -> int:
         """The MTP module a speculative ``step`` runs: ``step % num_layers``."""
@@ -131,9 +138,10 @@ def build_mtp_head(path: str, hf_config: Any, target: CausalLM, dtype: torch.dty
                    device: torch.device, first_layer_index: int) -> MTPHead:
     """Construct the target family's MTP head on the meta device and load the checkpoint's ``mtp.*``
     weights (which the target's loader skips) in ``dtype`` on ``device``, strictly (every name and shape);
-    it shares the target's embedding and LM head (no copy). ValueError naming the family and what is
-    missing when the family has no MTP head, the config declares none, or the checkpoint holds no MTP
-    weights; or when a head cache index would collide with the target's."""
+    it shares the target's embedding and LM head (no copy), or, when the target is a tensor-parallel shard
+    (rank 0's), holds whole copies of them (:func:`use_whole_vocabulary`). ValueError naming the family and
+    what is missing when the family has no MTP head, the config declares none, or the checkpoint holds no
+    MTP weights; or when a head cache index would collide with the target's."""
     from hybridserve.models.loader import load_weights
 
     head_cls = next((h for t, h in _families().items() if isinstance(target, t)), None)
@@ -158,6 +166,54 @@ def build_mtp_head(path: str, hf_config: Any, target: CausalLM, dtype: torch.dty
                          f"{max(taken)}); pass a first_layer_index above them")
     load_weights(head, path, dtype, device)
     head.share(target)
+    if getattr(target, "tp_slicers", None):  # rank 0 of a tensor-parallel target: the head runs whole
+        use_whole_vocabulary(head, target, path, dtype, device)
     head.eval()
     head.requires_grad_(False)
     return head
+
+
+def use_whole_vocabulary(head: MTPHead, target: CausalLM, path: str, dtype: torch.dtype,
+                         device: torch.device) -> None:
+    """Give ``head`` (on rank 0 of a tensor-parallel target, whose embedding and LM head hold a slice of the
+    vocabulary each and all-reduce/gather across the ranks) whole copies of the embedding it shares and of
+    the LM head, read from the checkpoint here (the other ranks never run the head). The LM head of a tied
+    checkpoint is the embedding copy's weight."""
+    from hybridserve.distributed.layers import VocabParallelEmbedding
+    from hybridserve.layers.embedding import Embedding
+    from hybridserve.models.loader import _rename, weight_files
+
+    if target.lm_head.bias is not None:
+        raise ValueError("an MTP head under tensor parallelism takes an LM head without bias")
+    names = {id(m): n for n, m in target.named_modules()}
+    embeddings = {attr: m for attr, m in head.shared_modules(target).items() if isinstance(m, VocabParallelEmbedding)}
+    wanted = {f"{names[id(m)]}.weight" for m in embeddings.values()} | {f"{names[id(target.lm_head)]}.weight"}
+    skip, renames = getattr(target, "checkpoint_skip", None), getattr(target, "checkpoint_renames", [])
+    found: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for raw in f.keys():
+                if skip is not None and re.match(skip, raw):
+                    continue
+                name = _rename(raw, renames)
+                if name in wanted:
+                    found[name] = f.get_tensor(raw).to(device=device, dtype=dtype)
+    lm_name = f"{names[id(target.lm_head)]}.weight"
+    source = target.tied_weights.get(lm_name)
+    if getattr(target.hf_config, "tie_word_embeddings", False) and source in found:
+        found[lm_name] = found[source]  # as the target ties them (one copy)
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise ValueError(f"checkpoint {path!r} lacks {missing}, which the MTP head needs whole under tensor "
+                         "parallelism")
+    for attr, module in embeddings.items():
+        weight = found[f"{names[id(module)]}.weight"]
+        with torch.device("meta"):
+            whole = Embedding(weight.shape[0], weight.shape[1])
+        whole.weight = nn.Parameter(weight, requires_grad=False)
+        setattr(head, attr, whole)
+    weight = found[lm_name]
+    with torch.device("meta"):
+        lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lm_head.weight = nn.Parameter(weight, requires_grad=False)
+    head.lm_head = lm_head
