@@ -53,6 +53,16 @@ def architecture_of(hf_config: Any) -> str:
     return config_specs.architecture_of(hf_config)
 
 
+def checkpoint_tensors(path: str, renames, skip: str | None):
+    """``(open safetensors file, raw name, renamed name)`` of every checkpoint tensor whose raw name ``skip``
+    (a regex, or None) does not match, file by file: read a tensor with ``f.get_tensor(raw)``."""
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for raw in f.keys():
+                if skip is None or not re.match(skip, raw):
+                    yield f, raw, _rename(raw, renames)
+
+
 def weight_files(path: str) -> list[str]:
     """The checkpoint's safetensors files (sharded through its index when there is one)."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -118,23 +128,18 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
     kv_scales: list[tuple[nn.Module, tuple[str, ...], torch.Tensor]] = []
     qc = fp8_checkpoint.fp8_config(model.hf_config)
     fp8_scales: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for raw in f.keys():
-                if skip is not None and re.match(skip, raw):
-                    continue
-                name = _rename(raw, renames)
-                target = kv_scale_target(model, name)
-                if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight
-                    kv_scales.append((*target, f.get_tensor(raw)))
-                    continue
-                if qc is not None and fp8_checkpoint.is_scale(name):
-                    fp8_scales[name] = f.get_tensor(raw)
-                    continue
-                if name not in expected and transform is None:
-                    unexpected.append(raw)
-                    continue
-                loaded[name] = f.get_tensor(raw)
+    for f, raw, name in checkpoint_tensors(path, renames, skip):
+        target = kv_scale_target(model, name)
+        if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight
+            kv_scales.append((*target, f.get_tensor(raw)))
+            continue
+        if qc is not None and fp8_checkpoint.is_scale(name):
+            fp8_scales[name] = f.get_tensor(raw)
+            continue
+        if name not in expected and transform is None:
+            unexpected.append(raw)
+            continue
+        loaded[name] = f.get_tensor(raw)
     fp8 = {} if qc is None else fp8_checkpoint.split_fp8(
         loaded, fp8_scales, qc, lambda n: keep_fp8 and n in expected and _is_plain_linear_weight(model, n))
     if transform is not None:

@@ -181,7 +181,7 @@ def use_whole_vocabulary(head: MTPHead, target: CausalLM, path: str, dtype: torc
     checkpoint is the embedding copy's weight."""
     from hybridserve.distributed.layers import VocabParallelEmbedding
     from hybridserve.layers.embedding import Embedding
-    from hybridserve.models.loader import _rename, weight_files
+    from hybridserve.models.loader import checkpoint_tensors
 
     if target.lm_head.bias is not None:
         raise ValueError("an MTP head under tensor parallelism takes an LM head without bias")
@@ -190,14 +190,9 @@ def use_whole_vocabulary(head: MTPHead, target: CausalLM, path: str, dtype: torc
     wanted = {f"{names[id(m)]}.weight" for m in embeddings.values()} | {f"{names[id(target.lm_head)]}.weight"}
     skip, renames = getattr(target, "checkpoint_skip", None), getattr(target, "checkpoint_renames", [])
     found: dict[str, torch.Tensor] = {}
-    for file in weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for raw in f.keys():
-                if skip is not None and re.match(skip, raw):
-                    continue
-                name = _rename(raw, renames)
-                if name in wanted:
-                    found[name] = f.get_tensor(raw).to(device=device, dtype=dtype)
+    for f, raw, name in checkpoint_tensors(path, renames, skip):
+        if name in wanted:
+            found[name] = f.get_tensor(raw).to(device=device, dtype=dtype)
     lm_name = f"{names[id(target.lm_head)]}.weight"
     source = target.tied_weights.get(lm_name)
     if getattr(target.hf_config, "tie_word_embeddings", False) and source in found:

@@ -72,6 +72,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_answers(proc: subprocess.Popen, url: str, what: str, log, timeout: float, interval: float) -> None:
+    """Poll ``url`` until it answers 200; RuntimeError with ``log()`` if ``proc`` exits first or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log()}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"{what} not ready after {timeout} s:\n{log()}")
+
+
+def log_tail(handle, path: str) -> str:
+    """The last 5,000 characters a subprocess wrote to ``path`` (``handle``: the file it writes, flushed first)."""
+    handle.flush()
+    with open(path, "rb") as f:
+        return f.read().decode(errors="replace")[-5000:]
+
+
 class ServerProcess:
     """``hybridserve serve`` in a subprocess on a free loopback port."""
 
@@ -90,22 +112,10 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not healthy after {timeout} s:\n{self.log()}")
+        wait_until_answers(self.proc, self.url + "/health", "server", self.log, timeout, 0.2)
 
     def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-5000:]
+        return log_tail(self._log, self.log_path)
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as {name (labels dropped, but le kept for buckets): value}."""

@@ -19,11 +19,10 @@ import signal
 import subprocess
 import time
 
-import httpx
 import pytest
 
 from hybridserve.default_model import default_model_path
-from tests.server.server_utils import ServerProcess, free_port
+from tests.server.server_utils import ServerProcess, free_port, log_tail, wait_until_answers
 
 ROUTER = shutil.which("vllm-router")
 pytestmark = [
@@ -53,22 +52,10 @@ class RouterProcess:
                                      env=dict(os.environ, **(env or {})), start_new_session=True)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/readiness", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"vllm-router not ready after {timeout} s:\n{self.log()}")
+        wait_until_answers(self.proc, self.url + "/readiness", "vllm-router", self.log, timeout, 0.1)
 
     def log(self) -> str:
-        self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")[-5000:]
+        return log_tail(self._log, self.log_path)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
