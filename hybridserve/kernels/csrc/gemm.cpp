@@ -69,15 +69,28 @@ struct Ahead {
   int per_step;
 };
 
-template <int MR, int NR>
-void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel_elems, const uint16_t* bias,
-          const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+// The weights a tile reads: k-pair kk of panel j as 16 bf16 pairs. Here the packed bf16 panels themselves;
+// gemm_w8.h's source widens 8-bit codes instead (and keeps them for the group's other row tiles).
+template <int MR>
+struct PackedBf16 {
   // Fewer than 8 rows: in a call of at most 8 rows, each weight line is read once; the non-temporal
   // hint keeps the stream out of L3, which then still holds the activations, states and interpreter
   // data between the matmuls of a one-sequence decode step (about 1 ms of its 12 on the bench model).
   // (The last M % 8 rows of a larger batch get the hint too, after the 8-row tiles have brought the
   // lines in, where it changes nothing.)
-  constexpr _mm_hint kHint = MR < 8 ? _MM_HINT_NTA : _MM_HINT_T0;
+  static constexpr _mm_hint kHint = MR < 8 ? _MM_HINT_NTA : _MM_HINT_T0;
+  const uint16_t* w;
+  int64_t panel_elems;
+  __m512bh operator()(int j, int64_t kk) const {
+    const uint16_t* p = w + j * panel_elems + kk * 2 * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, kHint);
+    return (__m512bh)_mm512_loadu_si512(p);
+  }
+};
+
+template <int MR, int NR, typename Weights>
+void tile_over(int64_t K2, const uint16_t* x, int64_t xs, const Weights& weights, const uint16_t* bias,
+               const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
   __m512 acc[MR][NR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -87,11 +100,7 @@ void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t 
     for (int l = 0; l < ahead.per_step && ahead.begin < ahead.end; ++l, ahead.begin += 64)
       _mm_prefetch(ahead.begin, _MM_HINT_T1);
     __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      const uint16_t* p = w + j * panel_elems + kk * 2 * kPanel;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, kHint);
-      wv[j] = (__m512bh)_mm512_loadu_si512(p);
-    }
+    for (int j = 0; j < NR; ++j) wv[j] = weights(j, kk);
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kk]);
       for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
@@ -112,6 +121,12 @@ void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t 
       _mm256_mask_storeu_epi16(out + r * os + col, mask, y);
     }
   }
+}
+
+template <int MR, int NR>
+void tile(int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, int64_t panel_elems, const uint16_t* bias,
+          const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {
+  tile_over<MR, NR>(K2, x, xs, PackedBf16<MR>{w, panel_elems}, bias, scale, out, os, n0, N, ahead);
 }
 
 // Widest panel group per row count: registers hold MR x NR accumulators, NR weight vectors and a broadcast.

@@ -210,42 +210,28 @@ inline __m512i widen_pair_bf16(const uint8_t* panel, int64_t kk, __m512i order) 
   return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
-// The first row tile of a panel group: tile() of gemm.cpp with its weights widened from the codes as
-// it goes (the conversions overlap the dot products) and stored to `w` for the group's other row tiles.
+// The weight source of the first row tile of a panel group: the codes widened as the tile goes (the
+// conversions overlap the dot products) and stored to `w` for the group's other row tiles.
+template <int F>
+struct WidenedCodes {
+  const uint8_t* codes;
+  int64_t pe;
+  uint16_t* w;
+  int64_t panel_elems;
+  __m512i order;
+  __m512bh operator()(int j, int64_t kk) const {
+    const __m512i v = widen_pair_bf16<F>(codes + j * pe, kk, order);
+    _mm512_storeu_si512(w + j * panel_elems + kk * 2 * kPanel, v);
+    return (__m512bh)v;
+  }
+};
+
 template <int MR, int NR, int F>
 void widen_tile(int64_t K2, const uint16_t* x, int64_t xs, const uint8_t* codes, int64_t pe, uint16_t* w,
                 int64_t panel_elems, const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0,
                 int64_t N, Ahead ahead) {
-  const __m512i order = pair_order();
-  __m512 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int32_t* xr[MR];
-  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * xs);
-  for (int64_t kk = 0; kk < K2; ++kk) {
-    for (int l = 0; l < ahead.per_step && ahead.begin < ahead.end; ++l, ahead.begin += 64)
-      _mm_prefetch(ahead.begin, _MM_HINT_T1);
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      const __m512i v = widen_pair_bf16<F>(codes + j * pe, kk, order);
-      _mm512_storeu_si512(w + j * panel_elems + kk * 2 * kPanel, v);
-      wv[j] = (__m512bh)v;
-    }
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kk]);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
-    }
-  }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t col = n0 + j * kPanel;
-    const int64_t valid = N - col < kPanel ? N - col : kPanel;
-    if (valid <= 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
-    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + col);
-    for (int r = 0; r < MR; ++r)
-      _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][j], s, b)));
-  }
+  tile_over<MR, NR>(K2, x, xs, WidenedCodes<F>{codes, pe, w, panel_elems, pair_order()}, bias, scale, out, os, n0,
+                    N, ahead);
 }
 
 template <int MR, int NR, int F>
