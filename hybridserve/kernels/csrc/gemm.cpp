@@ -342,6 +342,35 @@ void widen_rows(int64_t M, int64_t K, int64_t fs, const W* x, int64_t xs, float*
 // cache line more, so that the rows of a tile do not all fall into the same L1 sets.
 inline int64_t float_stride(int64_t Kp) { return (Kp * 4) % 4096 == 0 ? Kp + 16 : Kp; }
 
+// x (M, K) widened to float32 rows of stride fs, in this thread's scratch (valid until its next call).
+template <typename W>
+const float* widened_rows(int64_t M, int64_t K, int64_t fs, const W* x, int64_t xs) {
+  static thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < M * fs) scratch.resize(M * fs);
+  widen_rows(M, K, fs, x, xs, scratch.data());
+  return scratch.data();
+}
+
+// The float32 paths' schedule: rows in blocks whose float32 copy (rows of Kf floats) stays in L2 (~192 KiB)
+// while every panel passes over it; in a block, the groups of `group` panels in parallel, each over its
+// row tiles of up to kRows rows: tile(first panel, panels, first row, rows).
+template <typename Tile>
+void for_row_tiles(int64_t M, int64_t N, int64_t K, int64_t Kf, int kRows, int64_t panels, int64_t group,
+                   const Tile& tile) {
+  const int64_t block = std::max<int64_t>(kRows, (192 * 1024 / (4 * Kf)) / kRows * kRows);
+  const int64_t groups = (panels + group - 1) / group;
+  const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t rows = std::min(block, M - b0);
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int np = static_cast<int>(std::min(group, panels - g * group));
+      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows)
+        tile(g * group, np, m0, static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0)));
+    }
+  }
+}
+
 // The vector path: out (M, N) = x (M, K) @ W.T + bias, W packed in panels of Kp = K rounded up to even.
 template <typename W>
 int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* packed, const W* bias, W* out,
@@ -350,30 +379,15 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
   if (M == 0) return 0;
   const int64_t Kp = K + (K & 1), K2 = Kp / 2, pe = Kp * kPanel, panels = (N + kPanel - 1) / kPanel;
   const int64_t fs = float_stride(Kp);
-  static thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < M * fs) scratch.resize(M * fs);
-  float* xf = scratch.data();
-  widen_rows(M, K, fs, x, xs, xf);
+  const float* xf = widened_rows(M, K, fs, x, xs);
   constexpr int kRows = max_rows<W>();
   static constexpr auto table = vrows_table<W>(std::make_integer_sequence<int, kRows>{});
-  // Rows in blocks whose float32 copy stays in L2 (~192 KiB) while every panel passes over it.
-  const int64_t block = std::max<int64_t>(kRows, (192 * 1024 / (4 * Kp)) / kRows * kRows);
-  const int64_t group = vpanels<W>(M >= kRows ? kRows : static_cast<int>(M));
-  const int64_t groups = (panels + group - 1) / group;
-  const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
-  for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t rows = std::min(block, M - b0);
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int np = static_cast<int>(std::min(group, panels - g * group));
-      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0));
-        // narrower row tiles take at least as many panels, so a tail tile covers this group too
-        table[mr - 1](np, K2, xf + m0 * fs, fs, packed + g * group * pe, pe, bias, out + m0 * os, os,
-                      g * group * kPanel, N);
-      }
-    }
-  }
+  // narrower row tiles take at least as many panels, so a tail tile covers its group too
+  for_row_tiles(M, N, K, Kp, kRows, panels, vpanels<W>(M >= kRows ? kRows : static_cast<int>(M)),
+                [&](int64_t p0, int np, int64_t m0, int mr) {
+                  table[mr - 1](np, K2, xf + m0 * fs, fs, packed + p0 * pe, pe, bias, out + m0 * os, os,
+                                p0 * kPanel, N);
+                });
   return 0;
 }
 

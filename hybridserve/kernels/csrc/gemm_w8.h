@@ -163,29 +163,14 @@ int w8linear(int64_t M, int64_t N, int64_t K, int64_t group, const A* x, int64_t
   const int64_t panels = (N + kPanel - 1) / kPanel, pe = K * kPanel, ps = G * kPanel;
   const float* scales = reinterpret_cast<const float*>(packed + panels * pe);
   const int64_t fs = float_stride(K + (K & 1));
-  static thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < M * fs) scratch.resize(M * fs);
-  float* xf = scratch.data();
-  widen_rows(M, K, fs, x, xs, xf);
+  const float* xf = widened_rows(M, K, fs, x, xs);
   constexpr int kRows = w8_max_rows<Grouped>();
   static constexpr auto table = w8rows_table<F, Grouped, A>(std::make_integer_sequence<int, kRows>{});
-  const int64_t block = std::max<int64_t>(kRows, (192 * 1024 / (4 * K)) / kRows * kRows);  // rows kept in L2
-  const int64_t group_panels = w8_panels<Grouped>(M >= kRows ? kRows : static_cast<int>(M));
-  const int64_t tiles = (panels + group_panels - 1) / group_panels;
-  const bool parallel = tiles > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
-  for (int64_t b0 = 0; b0 < M; b0 += block) {
-    const int64_t rows = std::min(block, M - b0);
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int np = static_cast<int>(std::min(group_panels, panels - t * group_panels));
-      const int64_t p0 = t * group_panels;
-      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0));
-        table[mr - 1](np, K, gs, xf + m0 * fs, fs, packed + p0 * pe, pe, scales + p0 * ps, ps, bias,
-                      out + m0 * os, os, p0 * kPanel, N);
-      }
-    }
-  }
+  for_row_tiles(M, N, K, K, kRows, panels, w8_panels<Grouped>(M >= kRows ? kRows : static_cast<int>(M)),
+                [&](int64_t p0, int np, int64_t m0, int mr) {
+                  table[mr - 1](np, K, gs, xf + m0 * fs, fs, packed + p0 * pe, pe, scales + p0 * ps, ps, bias,
+                                out + m0 * os, os, p0 * kPanel, N);
+                });
   return 0;
 }
 
