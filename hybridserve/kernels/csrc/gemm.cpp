@@ -262,6 +262,28 @@ constexpr int vpanels(int MR) {
   return np < 1 ? 1 : (np > 8 ? 8 : np);
 }
 
+// The float32 tiles' stores: out[r, n0 + j * kLanes ..] = acc[r][j] (times its column scales when `sc` is
+// given: 8-bit weights, the scales of vector j at sc + (j / kVecs) * ps + (j % kVecs) * kLanes) + bias, for
+// the columns below N.
+template <int MR, int NV, typename A>
+void store_rows(const vf (&acc)[MR][NV], const A* bias, const float* sc, int64_t ps, A* out, int64_t os, int64_t n0,
+                int64_t N) {
+  for (int j = 0; j < NV; ++j) {
+    const int64_t col = n0 + j * kLanes;
+    const int valid = static_cast<int>(N - col < kLanes ? N - col : kLanes);
+    if (valid <= 0) break;
+    vf b = vf{};
+    if (bias != nullptr)
+      for (int i = 0; i < valid; ++i) b[i] = widen_scalar(bias[col + i]);
+    if (sc == nullptr) {
+      for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][j] + b, valid);
+    } else {
+      const vf s = load_vec<vf>(sc + (j / kVecs) * ps + (j % kVecs) * kLanes);
+      for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][j] * s + b, valid);
+    }
+  }
+}
+
 // out[r, n0 + c] = sum_k xf[r, k] W[n0 + c, k] + bias for MR rows and NP panels (columns past N skipped).
 // xf: float32 rows of stride xs, zero-padded to Kp; w: the first panel; pe: elements per panel.
 template <int MR, int NP, typename W>
@@ -292,15 +314,7 @@ void vtile(int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, cons
       }
     }
   }
-  for (int j = 0; j < NV; ++j) {
-    const int64_t col = n0 + j * kLanes;
-    const int valid = static_cast<int>(N - col < kLanes ? N - col : kLanes);
-    if (valid <= 0) break;
-    vf b = vf{};
-    if (bias != nullptr)
-      for (int i = 0; i < valid; ++i) b[i] = widen_scalar(bias[col + i]);
-    for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][j] + b, valid);
-  }
+  store_rows<MR, NV>(acc, bias, nullptr, 0, out, os, n0, N);
 }
 
 template <int MR, int NP, typename W>

@@ -109,19 +109,8 @@ void w8tile(int64_t K, int64_t gs, const float* xf, int64_t xs, const uint8_t* w
         }
     }
   }
-  for (int j = 0; j < NV; ++j) {
-    const int64_t col = n0 + j * kLanes;
-    const int valid = static_cast<int>(N - col < kLanes ? N - col : kLanes);
-    if (valid <= 0) break;
-    vf b = vf{};
-    if (bias != nullptr)
-      for (int i = 0; i < valid; ++i) b[i] = widen_scalar(bias[col + i]);
-    vf s = vf{} + 1.0f;
-    if constexpr (!Grouped) s = load_vec<vf>(sc + (j / kVecs) * ps + (j % kVecs) * kLanes);
-    for (int r = 0; r < MR; ++r) {
-      store_vec(out + r * os + col, acc[r][j] * s + b, valid);
-    }
-  }
+  // grouped: each group's scales are in acc already
+  store_rows<MR, NV>(acc, bias, Grouped ? nullptr : sc, ps, out, os, n0, N);
 }
 
 template <int MR, int NP, int F, bool Grouped, typename A>
