@@ -66,10 +66,19 @@ def make_checkpoint(path: str, chat_template: bool | str = True) -> str:
     return path
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: the OS may offer one again before it is bound
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, never one this process was given before (a test that starts
+    several servers asks for all their ports before any of them binds)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_until_answers(proc: subprocess.Popen, url: str, what: str, log, timeout: float, interval: float) -> None:
