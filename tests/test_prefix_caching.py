@@ -238,6 +238,48 @@ def test_cached_items_are_evicted_before_anything_is_preempted(ckpt_dir, family)
     assert_drained(on.engine)
 
 
+def _tiny_bamba(ckpt_dir, cache_memory: str) -> LLM:
+    """Block size 8, no interval snapshots, a pool of a few state slots."""
+    return LLM(make(ckpt_dir, "bamba"), cache_memory=cache_memory, block_size=8, enable_progress_bar=False,
+               prefix_snapshot_interval=0)
+
+
+def test_a_hit_that_evicts_requeues_the_page_under_its_snapshot_tail(ckpt_dir):
+    """A hit on a snapshot whose tail page has since been filled and indexed holds that page while its room is
+    made: the eviction finds the page's node held and drops it from the queue. Once the hit lets go, the node
+    (only the cache holds it) is queued again."""
+    llm = _tiny_bamba(ckpt_dir, "80KiB")  # two state slots
+    prompt = list(range(3, 15))  # 12 tokens: the prompt's snapshot has a 4-token tail in page 1
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine = llm.engine  # cached: pages 0 and 1, the snapshots at 12 and 17 (in both slots)
+    engine.add_request("b", prompt + [99, 98, 97], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():  # b resumes at 12; its slot evicts the snapshot at 17
+        engine.step()
+        check_cache_invariants(engine)
+    assert engine.prefix_cache_stats()["evicted_snapshots"] >= 1
+    assert_drained(engine)
+
+
+def test_a_hit_that_does_not_fit_leaves_its_snapshot_evictable(ckpt_dir):
+    """A waiting request whose hit cannot get room (two running requests hold the other slots) pins the snapshot
+    while eviction runs and fails; the snapshot, only the cache's once the request is aborted, is queued again."""
+    llm = _tiny_bamba(ckpt_dir, "112KiB")  # three state slots
+    engine = llm.engine
+    prompt = list(range(3, 15))
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    for i in range(2):  # short prompts: their snapshots are worth less than the cached one and give way
+        engine.add_request(f"h{i}", [40 + i] * 5, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        engine.step()
+    engine.add_request("b", prompt + [99, 98, 97], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b"]
+    engine.abort_request("b")
+    check_cache_invariants(engine)
+    for i in range(2):
+        engine.abort_request(f"h{i}")
+    assert_drained(engine)
+
+
 def test_a_failing_cache_update_turns_caching_off_and_loses_nothing(ckpt_dir, monkeypatch):
     off, on = _engines(make(ckpt_dir, "bamba"))
     prompts = _prompts(40, 4, seed=13)

@@ -194,6 +194,7 @@ class CacheManager:
                 self.unref_page(hit.tail_page())
             if hit.snapshot is not None:
                 hit.snapshot.pins -= 1
+            self.prefix.let_go(hit)
         seq.num_computed_tokens = start
         self.prefix.attached(seq, hit)
         return n

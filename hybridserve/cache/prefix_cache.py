@@ -185,6 +185,17 @@ class PrefixCache:
         cursor = hit.snapshot.node if hit.snapshot is not None else (hit.shared[-1] if hit.shared else None)
         self._move_cursor(seq, cursor, len(hit.shared))
 
+    def let_go(self, hit: PrefixHit) -> None:
+        """An attach of ``hit`` ended, done or not: what it kept from eviction meanwhile (its pages' references,
+        its snapshot's pin) may be evictable again, and an eviction meanwhile may have dropped it from the queue."""
+        for node in hit.shared:
+            self._consider(node)
+        tail = hit.tail_page()
+        if tail is not None:
+            self.unheld([tail])  # the node holding it, if the page was filled and indexed since
+        if hit.snapshot is not None:
+            self._consider(hit.snapshot)
+
     # -------------------------------------------------------------- indexing
     def after_step(self, seqs) -> None:
         """Index the pages each sequence has filled and take the snapshots now due (a successful step)."""
