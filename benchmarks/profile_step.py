@@ -51,7 +51,7 @@ def main() -> None:
     from hybridserve.config import EngineConfig
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.kernels import _abi, attention, pointwise, recurrent
-    from hybridserve.layers import packed_linear
+    from hybridserve.layers import linear_w8, packed_linear
     from hybridserve.sampling_params import SamplingParams
 
     torch.set_num_threads(a.threads)
@@ -97,6 +97,7 @@ def main() -> None:
         cls.forward = linear
     time_linear(packed_linear.PackedLinear)
     time_linear(packed_linear.KernelLinear)
+    time_linear(linear_w8.W8Linear)
     for module, names in ((recurrent, ("mamba2_scan", "causal_conv1d")), (attention, ("paged_attention", "kv_write")),
                           (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul", "gather_rows", "rotary"))):
         for name in names:
