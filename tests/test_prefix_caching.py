@@ -280,6 +280,34 @@ def test_a_hit_that_does_not_fit_leaves_its_snapshot_evictable(ckpt_dir):
     assert_drained(engine)
 
 
+def test_an_attach_keeps_the_kv_tail_it_copies_out_of_eviction(ckpt_dir, monkeypatch):
+    """Without recurrent state a hit's partly used page is held by a KV-only snapshot. While the attach makes
+    room, that snapshot is pinned: evicting it would unlink its page id from the index, which a compaction
+    then no longer updates, and the attach would copy and release a stale id."""
+    llm = LLM(make(ckpt_dir, "llama"), cache_memory="64KiB", block_size=8, enable_progress_bar=False)
+    engine = llm.engine
+    prompt = list(range(3, 15))  # 12 tokens: page 0 indexed, the last 4 in a KV tail
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    cache = engine.cache
+    seen = []
+    make_room = cache.make_room
+
+    def watched(num_pages, num_slots):
+        tails = [snap for snaps in cache.prefix._tails.values() for snap in snaps]
+        seen.append([(snap.slot, cache.prefix.evictable(snap)) for snap in tails])
+        return make_room(num_pages, num_slots)
+
+    monkeypatch.setattr(cache, "make_room", watched)
+    engine.add_request("b", prompt + [99, 98, 97], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_cache_invariants(engine)
+    assert engine.prefix_cache_stats()["hits"] == 12
+    assert seen[0] == [(None, False)]  # the attach's first room: the KV tail it resumes from is held
+    monkeypatch.undo()
+    assert_drained(engine)
+
+
 def test_a_failing_cache_update_turns_caching_off_and_loses_nothing(ckpt_dir, monkeypatch):
     off, on = _engines(make(ckpt_dir, "bamba"))
     prompts = _prompts(40, 4, seed=13)

@@ -159,8 +159,11 @@ class CacheManager:
         tail = hit.tail_page()
         if tail is not None:
             self.ref_page(tail)  # pinned while the room is made
-        if hit.snapshot is not None:
-            hit.snapshot.pins += 1
+        # the snapshots read once the room is made stay out of eviction meanwhile (an evicted KV tail's page id
+        # would no longer follow a compaction)
+        pinned = hit.snapshots()
+        for snapshot in pinned:
+            snapshot.pins += 1
         n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
         need_pages = self.pages_for(start + n) - len(pages)
         need_slots = 1 if self.pool.layout.has_state else 0
@@ -192,8 +195,8 @@ class CacheManager:
         finally:
             if tail is not None:
                 self.unref_page(hit.tail_page())
-            if hit.snapshot is not None:
-                hit.snapshot.pins -= 1
+            for snapshot in pinned:
+                snapshot.pins -= 1
             self.prefix.let_go(hit)
         seq.num_computed_tokens = start
         self.prefix.attached(seq, hit)

@@ -83,6 +83,11 @@ class PrefixHit:
             return None
         return self.tail.tail_page if isinstance(self.tail, Snapshot) else self.tail.page
 
+    def snapshots(self) -> list[Snapshot]:
+        """The snapshots an attach reads: the state's and a KV tail's holder (once if they are one)."""
+        found = [item for item in (self.snapshot, self.tail) if isinstance(item, Snapshot)]
+        return found[:1] if len(found) == 2 and found[0] is found[1] else found
+
 
 @dataclass
 class PrefixStats:
@@ -187,14 +192,14 @@ class PrefixCache:
 
     def let_go(self, hit: PrefixHit) -> None:
         """An attach of ``hit`` ended, done or not: what it kept from eviction meanwhile (its pages' references,
-        its snapshot's pin) may be evictable again, and an eviction meanwhile may have dropped it from the queue."""
+        its snapshots' pins) may be evictable again, and an eviction meanwhile may have dropped it from the queue."""
         for node in hit.shared:
             self._consider(node)
         tail = hit.tail_page()
         if tail is not None:
             self.unheld([tail])  # the node holding it, if the page was filled and indexed since
-        if hit.snapshot is not None:
-            self._consider(hit.snapshot)
+        for snapshot in hit.snapshots():
+            self._consider(snapshot)
 
     # -------------------------------------------------------------- indexing
     def after_step(self, seqs) -> None:
