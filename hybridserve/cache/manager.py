@@ -159,11 +159,6 @@ class CacheManager:
         tail = hit.tail_page()
         if tail is not None:
             self.ref_page(tail)  # pinned while the room is made
-        # the snapshots read once the room is made stay out of eviction meanwhile (an evicted KV tail's page id
-        # would no longer follow a compaction)
-        pinned = hit.snapshots()
-        for snapshot in pinned:
-            snapshot.pins += 1
         n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
         need_pages = self.pages_for(start + n) - len(pages)
         need_slots = 1 if self.pool.layout.has_state else 0
@@ -174,6 +169,7 @@ class CacheManager:
                 pages.append(page)
                 self._seq_ref(page)
             need_window = self.pages_for(start + n) - first - len(window_shared)
+        self.prefix.hold(hit)  # its snapshots, until let_go below
         try:
             if not self.make_room(need_pages + need_window, need_slots):
                 for page in pages:
@@ -195,8 +191,6 @@ class CacheManager:
         finally:
             if tail is not None:
                 self.unref_page(hit.tail_page())
-            for snapshot in pinned:
-                snapshot.pins -= 1
             self.prefix.let_go(hit)
         seq.num_computed_tokens = start
         self.prefix.attached(seq, hit)

@@ -84,9 +84,11 @@ class PrefixHit:
         return self.tail.tail_page if isinstance(self.tail, Snapshot) else self.tail.page
 
     def snapshots(self) -> list[Snapshot]:
-        """The snapshots an attach reads: the state's and a KV tail's holder (once if they are one)."""
-        found = [item for item in (self.snapshot, self.tail) if isinstance(item, Snapshot)]
-        return found[:1] if len(found) == 2 and found[0] is found[1] else found
+        """The snapshots an attach reads: the state's, and a KV tail's holder if another."""
+        found = [] if self.snapshot is None else [self.snapshot]
+        if isinstance(self.tail, Snapshot) and self.tail is not self.snapshot:
+            found.append(self.tail)
+        return found
 
 
 @dataclass
@@ -190,9 +192,18 @@ class PrefixCache:
         cursor = hit.snapshot.node if hit.snapshot is not None else (hit.shared[-1] if hit.shared else None)
         self._move_cursor(seq, cursor, len(hit.shared))
 
+    def hold(self, hit: PrefixHit) -> None:
+        """Keep the snapshots an attach of ``hit`` reads out of eviction while it makes room (an evicted KV tail's
+        page id would no longer follow a compaction); :meth:`let_go` ends it."""
+        for snapshot in hit.snapshots():
+            snapshot.pins += 1
+
     def let_go(self, hit: PrefixHit) -> None:
-        """An attach of ``hit`` ended, done or not: what it kept from eviction meanwhile (its pages' references,
-        its snapshots' pins) may be evictable again, and an eviction meanwhile may have dropped it from the queue."""
+        """An attach of ``hit`` ended, done or not: its snapshots are unpinned, and what it kept from eviction
+        meanwhile (also its pages' references) may be evictable again, while an eviction meanwhile may have
+        dropped it from the queue."""
+        for snapshot in hit.snapshots():
+            snapshot.pins -= 1
         for node in hit.shared:
             self._consider(node)
         tail = hit.tail_page()
