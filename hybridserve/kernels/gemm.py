@@ -2,7 +2,8 @@
 
 A bf16, fp16 or float32 weight is packed once (:func:`pack`) into 16-column panels; :func:`linear`
 then computes ``x @ W.T + b`` with float32 sums rounded once to the activation dtype, the weights
-staying 16-bit in memory. On avx512_bf16 CPUs bf16 runs on AVX-512 BF16 dot products; everywhere
+staying 16-bit in memory. At the amx level bf16 runs on the AMX tiles (``csrc/gemm_amx.h``: the packed
+panels are AMX B tiles as they are); on avx512_bf16 CPUs on AVX-512 BF16 dot products; everywhere
 else (and for fp16) the weights are widened to float32 in registers (AVX2 + FMA, AVX-512, or the
 portable vector code of a generic build); float32 weights run the same vector code unwidened. Both
 return None, doing nothing, when the call is one the kernel does not cover (another dtype, not on
@@ -43,6 +44,13 @@ def uses_bf16_dot() -> bool:
     """Whether bf16 linears run on AVX-512 BF16 dot products here (else widened to float32)."""
     lib = _library()
     return lib is not None and lib.hs_gemm_supported() == 1
+
+
+def amx_rows() -> int:
+    """The fewest rows a bf16 linear (16-bit or 8-bit weights) runs on the AMX tiles with here; 0 when the
+    library in force has no AMX path (a level below amx)."""
+    lib = _library()
+    return 0 if lib is None else int(lib.hs_gemm_amx_rows())
 
 
 def packable(weight: torch.Tensor) -> bool:

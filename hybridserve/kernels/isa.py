@@ -6,6 +6,9 @@ Levels, each a superset of the one before:
 * ``avx2``: AVX2, FMA and F16C (x86-64-v3 machines: Haswell, Zen 1-3 and later).
 * ``avx512``: AVX-512 F, BW, VL and DQ (Skylake-SP, Zen 4 and later).
 * ``avx512_bf16``: ``avx512`` plus AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later).
+* ``amx``: ``avx512_bf16`` plus the AMX matrix units, AMX-TILE and AMX-BF16 (Sapphire Rapids and later
+  Xeons), with the tile-data permission granted to this process (Linux: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``,
+  requested by :func:`amx_permission`). A kernel using AMX-INT8 checks ``amx_int8`` itself.
 
 The level in force is the highest one this CPU supports, lowered by the cap (``EngineConfig.cpu_isa``,
 ``--cpu-isa``), so that a machine can run, and test, every variant below its best. Each kernel library
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
-LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")
+LEVELS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
 CPU_ISA_CHOICES = ("auto", *LEVELS)
 
 #: the /proc/cpuinfo flags each level needs (on top of the level below)
@@ -35,6 +38,7 @@ _LEVEL_FLAGS = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512_bf16": ("avx512_bf16",),
+    "amx": ("amx_tile", "amx_bf16"),
 }
 #: compiler flags each level adds (on top of the level below); generic passes none
 _COMPILER_FLAGS = {
@@ -42,13 +46,16 @@ _COMPILER_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"),
     "avx512_bf16": ("-mavx512bf16",),
+    "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 #: the features reported by ``hybridserve env`` (level features plus AMX and AVX-NE-CONVERT)
 REPORTED_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                     "avx512_vnni", "amx_tile", "amx_bf16", "avx_ne_convert")
+                     "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert")
 #: oneDNN's and ATen's names for the cap of each level
-_ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16"}
-_ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512"}
+_ONEDNN_ISA = {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16",
+               "amx": "AVX512_CORE_AMX"}
+_ATEN_CAPABILITY = {"generic": "default", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512",
+                    "amx": "avx512"}
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,14 @@ class CpuInfo:
         return self.arch.lower() in ("x86_64", "amd64", "i386", "i686")
 
     def missing(self, level: str) -> list[str]:
-        """The features ``level`` needs that this CPU lacks (every one of them off x86)."""
+        """The features ``level`` needs that this CPU lacks (every one of them off x86); for ``amx``, also
+        the tile-data permission when the OS refused it (named ``amx_permission``)."""
         check_level(level)
         needed = [f for lv in LEVELS[:LEVELS.index(level) + 1] for f in _LEVEL_FLAGS[lv]]
-        return needed if not self.is_x86 else [f for f in needed if f not in self.features]
+        lacking = needed if not self.is_x86 else [f for f in needed if f not in self.features]
+        if level == "amx" and not lacking and not amx_permission():
+            lacking.append("amx_permission")
+        return lacking
 
     def supports(self, level: str) -> bool:
         """Whether this CPU runs code built for ``level``."""
@@ -77,6 +88,36 @@ class CpuInfo:
     def best_level(self) -> str:
         """The highest level this CPU supports."""
         return [lv for lv in LEVELS if self.supports(lv)][-1]
+
+
+_ARCH_REQ_XCOMP_PERM = 0x1023  # arch_prctl codes (Linux asm/prctl.h) and the AMX tile-data xfeature number
+_XFEATURE_XTILEDATA = 18
+_SYS_ARCH_PRCTL_X86_64 = 158
+
+
+@functools.cache
+def amx_permission() -> bool:
+    """Whether this process may use the AMX tile registers: on Linux x86-64 the kernel must grant the
+    tile-data state first (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``), asked here once.
+    A refusal (an old kernel, a sandbox) is logged once, and the ``amx`` level is then unavailable."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        rc = libc.syscall(_SYS_ARCH_PRCTL_X86_64, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)
+    except (OSError, AttributeError) as exc:
+        logger.warning("AMX unavailable: could not ask the kernel for the tile-data permission (%s); "
+                       "the kernels run at avx512_bf16", exc)
+        return False
+    if rc != 0:
+        logger.warning("AMX unavailable: the kernel refused the tile-data permission "
+                       "(arch_prctl(ARCH_REQ_XCOMP_PERM) errno %d); the kernels run at avx512_bf16",
+                       ctypes.get_errno())
+        return False
+    return True
 
 
 def check_level(level: str) -> str:
@@ -117,6 +158,8 @@ def _torch_features() -> set[str]:
         found |= {"fma", "f16c"}  # every AVX2 CPU has them
     if "avx512f" in found:
         found |= {"avx512bw", "avx512vl", "avx512dq"}  # torch's AVX-512 check requires them
+    if "amx_tile" in found:
+        found.add("amx_bf16")  # every AMX CPU so far has AMX-BF16
     return found
 
 

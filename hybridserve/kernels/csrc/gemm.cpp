@@ -51,6 +51,11 @@
 #else
 #define HS_HAVE_BF16_DOT 0
 #endif
+#if HS_HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HS_HAVE_AMX 1
+#else
+#define HS_HAVE_AMX 0
+#endif
 
 namespace {
 
@@ -184,6 +189,11 @@ int dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
   return 0;
 }
 
+#endif
+
+#if HS_HAVE_AMX
+// ---- the amx path: bf16 tiles on the AMX matrix units (gemm_amx.h) ----
+#include "gemm_amx.h"
 #endif
 
 
@@ -436,6 +446,15 @@ extern "C" {
 // (the float32 vector path).
 int hs_gemm_supported() { return HS_HAVE_BF16_DOT; }
 
+// The fewest rows a bf16 linear runs on AMX tiles with (built for amx), else 0 (no AMX path).
+int hs_gemm_amx_rows() {
+#if HS_HAVE_AMX
+  return static_cast<int>(kAmxMinRows);
+#else
+  return 0;
+#endif
+}
+
 // Packs w (N, K) bf16, row stride ws, into out (ceil(N / 16) * 16 * Kp elements, Kp = K rounded up to
 // even). Returns 1 for bad sizes.
 int hs_pack_bf16(int64_t N, int64_t K, const uint16_t* w, int64_t ws, uint16_t* out) { return pack(N, K, w, ws, out); }
@@ -447,6 +466,10 @@ int hs_pack_f16(int64_t N, int64_t K, const _Float16* w, int64_t ws, _Float16* o
 // packed from hs_pack_bf16; bias (N,) or null. Returns 1 for bad sizes.
 int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
                    const uint16_t* bias, uint16_t* out, int64_t os) {
+#if HS_HAVE_AMX
+  if (K % 2 == 0 && M >= kAmxMinRows) return amx_linear(M, N, K, x, xs, PackedPanels{packed, K * kPanel}, bias,
+                                                        nullptr, out, os);
+#endif
 #if HS_HAVE_BF16_DOT
   if (K % 2 == 0) return dot_linear(M, N, K, x, xs, packed, bias, out, os);
 #endif
@@ -719,6 +742,6 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
+HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_gemm_amx_rows) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
             HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
             HS_KERNEL(hs_router_grouped_sigmoid) HS_KERNEL(hs_pack_w8) HS_KERNEL(hs_linear_w8))

@@ -268,6 +268,39 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
   }
   return 0;
 }
+
+#if HS_HAVE_AMX
+// The amx path's weight source for 8-bit codes: a column block's (one or two panels) codes widened to the
+// bf16 k-pair layout (exactly, as above) into the thread's scratch each time a row chunk reaches it; the
+// tiles then sum x * codes, and amx_store multiplies by the column scales.
+template <int F>
+struct WidenedPanels {
+  // row chunks 4x the 16-bit path's: each chunk widens every column block again, which costs more than
+  // reading the chunk's activations from L3
+  static constexpr int64_t kChunkBytes = 4 * kAmxChunkBytes;
+  const uint8_t* codes;
+  int64_t K;
+  const uint16_t* get(int64_t p, int np, int64_t& stride) const {
+    static thread_local std::vector<uint16_t> scratch;
+    const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
+    stride = pe;
+    const uint8_t* first = codes + p * pe;
+    if (static_cast<int64_t>(scratch.size()) < 2 * pe) scratch.resize(2 * pe);
+    for (int j = 0; j < np; ++j)
+      for (int64_t kk = 0; kk < K / 2; ++kk)
+        _mm512_storeu_si512(scratch.data() + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
+    return scratch.data();
+  }
+};
+
+template <int F>
+int w8_amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint8_t* packed,
+                  const uint16_t* bias, uint16_t* out, int64_t os) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const float* scales = reinterpret_cast<const float*>(packed + panels * K * kPanel);  // (panels * 16,)
+  return amx_linear(M, N, K, x, xs, WidenedPanels<F>{packed, K}, bias, scales, out, os);
+}
+#endif
 #endif
 
 template <typename A>
@@ -278,6 +311,12 @@ int w8linear_any(int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const
   const bool grouped = w8_groups(K, group) > 1;
 #if HS_HAVE_BF16_DOT
   if constexpr (std::is_same_v<A, uint16_t>) {
+#if HS_HAVE_AMX
+    if (!grouped && K % 2 == 0 && M >= kAmxMinRows) {
+      if (wfmt == kInt8Weights) return w8_amx_linear<kInt8Weights>(M, N, K, x, xs, packed, bias, out, os);
+      if (wfmt == kFp8E4m3Weights) return w8_amx_linear<kFp8E4m3Weights>(M, N, K, x, xs, packed, bias, out, os);
+    }
+#endif
     if (!grouped && K % 2 == 0 && M >= kW8DotRows) {
       if (wfmt == kInt8Weights) return w8_dot_linear<kInt8Weights>(M, N, K, x, xs, packed, bias, out, os);
       if (wfmt == kFp8E4m3Weights) return w8_dot_linear<kFp8E4m3Weights>(M, N, K, x, xs, packed, bias, out, os);

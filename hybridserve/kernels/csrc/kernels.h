@@ -98,6 +98,7 @@ int hs_kda(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_s
 
 // ---- gemm.cpp: 16-bit (and float32) linears over packed weights
 int hs_gemm_supported();
+int hs_gemm_amx_rows();
 int hs_pack_bf16(int64_t N, int64_t K, const uint16_t* w, int64_t ws, uint16_t* out);
 int hs_pack_f16(int64_t N, int64_t K, const _Float16* w, int64_t ws, _Float16* out);
 int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,

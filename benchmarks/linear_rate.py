@@ -1,0 +1,90 @@
+"""GFLOP/s of one linear layer per row count, side by side: hybridserve's bf16 kernel at each ISA level this
+CPU runs from avx512_bf16 up (the AMX tiles at ``amx``, AVX-512 BF16 dot products below), its 8-bit
+weights (int8 codes) likewise, torch's bf16 ``linear`` (oneDNN; AMX brgemm where the CPU has it) and
+torch's float32 ``linear``. The engines take turns within each repeat; the median of the repeats is printed.
+
+    python benchmarks/linear_rate.py --threads 2 --k 2048 --n 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k", type=int, default=2048, help="in-features")
+    parser.add_argument("--n", type=int, default=2048, help="out-features")
+    parser.add_argument("--rows", default="1,8,16,32,128,512,2048")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
+    parser.add_argument("--int8", action="store_true", help="also time the 8-bit (int8) weight kernels")
+    parser.add_argument("--json", help="write the medians here")
+    a = parser.parse_args()
+    import torch
+
+    from hybridserve.kernels import gemm, isa, linear_w8
+    from hybridserve.ops.linear_w8 import quantize_int8
+
+    torch.set_num_threads(a.threads)
+    K, N = a.k, a.n
+    w = (torch.randn(N, K) / K ** 0.5).bfloat16()
+    w32 = w.float()
+    packed = gemm.pack(w)
+    q, scales = quantize_int8(w, 0)
+    packed8 = linear_w8.pack(q, scales, 0)
+    levels = [lv for lv in ("avx512_bf16", "amx") if isa.cpu_info().supports(lv)]
+    if not levels:
+        levels = [isa.level_in_force()]
+
+    def timed(fn) -> float:
+        fn()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < a.seconds:
+            fn()
+            n += 1
+        return (time.perf_counter() - t0) / n
+
+    def engines(x):
+        out = {}
+        for lv in levels:
+            def run(lv=lv):
+                isa.set_cap(lv)
+                gemm.linear(x, packed, N, None)
+            out[f"kernel {lv}"] = run
+            if a.int8:
+                def run8(lv=lv):
+                    isa.set_cap(lv)
+                    linear_w8.linear(x, packed8, N, torch.int8, 0, None)
+                out[f"int8 {lv}"] = run8
+        out["torch bf16"] = lambda: torch.nn.functional.linear(x, w)
+        x32 = x.float()
+        out["torch f32"] = lambda: torch.nn.functional.linear(x32, w32)
+        return out
+
+    results: dict[str, dict[int, float]] = {}
+    print(f"CPU: {isa.cpu_info().model}; best level {isa.cpu_info().best_level}; {a.threads} threads; K={K} N={N}")
+    for M in (int(r) for r in a.rows.split(",")):
+        x = torch.randn(M, K).bfloat16()
+        runs = engines(x)
+        samples: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(a.repeats):
+            for name, fn in runs.items():
+                samples[name].append(2 * M * N * K / timed(fn) / 1e9)
+        for name, s in samples.items():
+            results.setdefault(name, {})[M] = statistics.median(s)
+        print(f"rows {M:5d}: " + "  ".join(f"{name} {statistics.median(s):7.1f}" for name, s in samples.items()))
+    isa.set_cap("auto")
+    if a.json:
+        import json
+
+        with open(a.json, "w") as f:
+            json.dump({"cpu": isa.cpu_info().model, "threads": a.threads, "K": K, "N": N, "gflops": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

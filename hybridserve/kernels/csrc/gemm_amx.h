@@ -1,0 +1,205 @@
+// bf16 linears on the AMX matrix units (the amx level: AMX-TILE + AMX-BF16), y = x @ W.T (+ b), float32
+// sums rounded once to bf16. Included by gemm.cpp inside its avx512_bf16 section (it uses kPanel,
+// bf16_to_f32 and the 16-bit packing).
+//
+// The packed bf16 panel [Kp/2][16][2] is already the layout of an AMX B tile: one tile row is one k-pair
+// for 16 columns (64 bytes), so a B tile of 16 rows covers 32 k of one panel and loads straight from the
+// packed weights (stride 64), with no repacking and no second copy. An A tile is 16 rows of x and 32 k,
+// loaded from x itself (its row stride); the last 16-row group of a call, when partial, is first copied
+// into a zero-padded scratch so that no load reads past x.
+//
+// A block is 32 rows x 32 columns: two A tiles, two B tiles, four float32 C tiles (tmm0-3), one
+// tdpbf16ps per (A, B) pair and k-step of 32. The k-pairs past the last whole step (K % 32) are added
+// to the stored C values with AVX-512 BF16 dot products, then the bias (and the 8-bit weights' column
+// scales), and the sum is rounded to bf16 (nearest even), as the dot-product path does.
+//
+// Loop order per thread: its columns are a contiguous range of 32-column blocks (threads split the
+// weights, each reads its own once per row chunk); rows go in chunks whose activations fit in L2
+// (kAmxChunkBytes), so a chunk's A tiles come from L2 for every column block, and a column block's
+// 2 x K x 16 weights stay in L2 across the chunk's row blocks.
+#pragma once
+
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+constexpr int64_t kAmxMinRows = 1;  // rows from which a bf16 linear runs on tiles (fewer: dot products)
+constexpr int64_t kAmxChunkBytes = 512 * 1024;  // activations of one row chunk
+
+// The palette-1 tile configuration: tmm0-3 C (16 x 16 float32), tmm4-5 A (16 x 32 bf16), tmm6-7 B (16 k-pairs x 16
+// columns x 2).
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  AmxConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+
+// Weights already in the bf16 panel layout: panel p at panels + p * pe.
+struct PackedPanels {
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  const uint16_t* panels;
+  int64_t pe;
+  // the bf16 panels [p, p + np) (np <= 2) for this thread, and their panel stride
+  const uint16_t* get(int64_t p, int /*np*/, int64_t& stride) const {
+    stride = pe;
+    return panels + p * pe;
+  }
+};
+
+// C (+)= A x B over `steps` k-steps of 32: MT A tiles (16-row groups at a0, a1, row strides in bytes) by NP
+// panels (b0, b0 + pe).
+template <int MT, int NP>
+inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const uint16_t* b0,
+                      int64_t pe) {
+  _tile_zero(0);
+  if constexpr (NP > 1) _tile_zero(1);
+  if constexpr (MT > 1) {
+    _tile_zero(2);
+    if constexpr (NP > 1) _tile_zero(3);
+  }
+  const uint16_t* b1 = b0 + pe;
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, b0 + s * 32 * kPanel, 64);
+    _tile_loadd(4, a0 + s * 32, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NP > 1) {
+      _tile_loadd(7, b1 + s * 32 * kPanel, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MT > 1) {
+      _tile_loadd(5, a1 + s * 32, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NP > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// Stores the block's C tiles to c (32 x 32 float32), finishes the k-pairs [k2_done, K2) with dot products,
+// adds bias (and the column scales: the C sums are x * codes for 8-bit weights) and writes rows
+// [0, mr) of columns [n0, n0 + 16 NP) ∩ [0, N) as bf16. rows[r]: row r of x (for the k tail).
+template <int MT, int NP>
+inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64_t k2_done, int64_t K2,
+                      const uint16_t* b0, int64_t pe, const uint16_t* bias, const float* scale, uint16_t* out,
+                      int64_t os, int64_t n0, int64_t N) {
+  _tile_stored(0, &c[0][0], 128);
+  if constexpr (NP > 1) _tile_stored(1, &c[0][16], 128);
+  if constexpr (MT > 1) {
+    _tile_stored(2, &c[16][0], 128);
+    if constexpr (NP > 1) _tile_stored(3, &c[16][16], 128);
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t col = n0 + j * kPanel;
+    const int64_t valid = N - col < kPanel ? N - col : kPanel;
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
+    const __m512 s = scale != nullptr ? _mm512_maskz_loadu_ps(mask, scale + col) : _mm512_set1_ps(1.0f);
+    const uint16_t* w = b0 + j * pe;
+    for (int r = 0; r < mr; ++r) {
+      __m512 acc = _mm512_loadu_ps(&c[r][j * 16]);
+      const int32_t* xr = reinterpret_cast<const int32_t*>(rows[r]);
+      for (int64_t kk = k2_done; kk < K2; ++kk)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(xr[kk]),
+                               (__m512bh)_mm512_loadu_si512(w + kk * 2 * kPanel));
+      const __m512 sum = scale != nullptr ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
+      _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+    }
+  }
+}
+
+// out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even; W's bf16 panels from `weights` (PackedPanels,
+// or gemm_w8.h's codes widened per column block). Returns 0.
+template <typename Weights>
+int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const Weights& weights,
+               const uint16_t* bias, const float* scale, uint16_t* out, int64_t os) {
+  if (M < 0 || N < 1 || K < 2 || K % 2 != 0) return 1;
+  if (M == 0) return 0;
+  const int64_t K2 = K / 2, steps = K2 / 16, panels = (N + kPanel - 1) / kPanel;
+  const int64_t blocks = (panels + 1) / 2;  // 32-column blocks
+  const int64_t groups = (M + 15) / 16, full_groups = M / 16;  // 16-row groups
+  const int64_t chunk_groups = std::max<int64_t>(2, (Weights::kChunkBytes / (K * 2 * 16)) & ~int64_t(1));
+  const bool parallel = blocks > 1 && M * N * K >= (1 << 19);
+#pragma omp parallel if (parallel)
+  {
+    static thread_local std::vector<uint16_t> tail;  // the partial last 16-row group, zero-padded
+    const AmxConfig config;
+    _tile_loadconfig(&config);
+    int threads = 1, me = 0;
+#ifdef _OPENMP
+    threads = omp_get_num_threads();
+    me = omp_get_thread_num();
+#endif
+    const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    if (groups > full_groups && b_begin < b_end) {
+      const int64_t valid = M - full_groups * 16;
+      if (static_cast<int64_t>(tail.size()) < 16 * K) tail.resize(16 * K);
+      for (int64_t r = 0; r < valid; ++r)
+        std::memcpy(&tail[r * K], x + (full_groups * 16 + r) * xs, K * sizeof(uint16_t));
+      std::memset(&tail[valid * K], 0, (16 - valid) * K * sizeof(uint16_t));
+    }
+    alignas(64) float c[32][32];
+    const uint16_t* rows[32];
+    for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
+      const int64_t g1 = std::min(groups, g0 + chunk_groups);
+      for (int64_t blk = b_begin; blk < b_end; ++blk) {
+        const int64_t p = 2 * blk;
+        const int np = panels - p >= 2 ? 2 : 1;
+        int64_t pe = 0;
+        const uint16_t* w = weights.get(p, np, pe);
+        for (int64_t g = g0; g < g1; g += 2) {
+          const int mt = g + 1 < g1 ? 2 : 1;
+          const bool padded = g + mt > full_groups;  // the last tile of this block is the partial group
+          // rows of the two tiles: x itself, or the padded copy for the partial group (then its own stride)
+          const uint16_t* a0 = (g < full_groups) ? x + g * 16 * xs : tail.data();
+          const uint16_t* a1 = mt > 1 ? ((g + 1 < full_groups) ? x + (g + 1) * 16 * xs : tail.data()) : nullptr;
+          const int64_t m0 = g * 16;
+          const int mr = static_cast<int>(std::min<int64_t>(16 * mt, M - m0));
+          for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * xs;
+          if (padded && mt == 2 && g < full_groups) {
+            // two tiles with different strides: run them as two single-tile blocks
+            if (np == 2) amx_block<1, 2>(steps, a0, nullptr, xs * 2, w, pe);
+            else amx_block<1, 1>(steps, a0, nullptr, xs * 2, w, pe);
+            if (np == 2) amx_store<1, 2>(c, 16, rows, steps * 16, K2, w, pe, bias, scale, out + m0 * os, os, 16 * p, N);
+            else amx_store<1, 1>(c, 16, rows, steps * 16, K2, w, pe, bias, scale, out + m0 * os, os, 16 * p, N);
+            if (np == 2) amx_block<1, 2>(steps, a1, nullptr, K * 2, w, pe);
+            else amx_block<1, 1>(steps, a1, nullptr, K * 2, w, pe);
+            if (np == 2)
+              amx_store<1, 2>(c, mr - 16, rows + 16, steps * 16, K2, w, pe, bias, scale, out + (m0 + 16) * os, os,
+                              16 * p, N);
+            else
+              amx_store<1, 1>(c, mr - 16, rows + 16, steps * 16, K2, w, pe, bias, scale, out + (m0 + 16) * os, os,
+                              16 * p, N);
+            continue;
+          }
+          const int64_t a_stride = padded ? K * 2 : xs * 2;
+          uint16_t* o = out + m0 * os;
+          if (mt == 2 && np == 2) {
+            amx_block<2, 2>(steps, a0, a1, a_stride, w, pe);
+            amx_store<2, 2>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
+          } else if (mt == 2) {
+            amx_block<2, 1>(steps, a0, a1, a_stride, w, pe);
+            amx_store<2, 1>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
+          } else if (np == 2) {
+            amx_block<1, 2>(steps, a0, nullptr, a_stride, w, pe);
+            amx_store<1, 2>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
+          } else {
+            amx_block<1, 1>(steps, a0, nullptr, a_stride, w, pe);
+            amx_store<1, 1>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+  return 0;
+}
