@@ -8,7 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_addoption(parser):
     parser.addoption("--cpu-isa", default="auto",
                      help="cap the CPU ISA of the whole run (hybridserve's kernels, oneDNN, ATen): auto, "
-                          "generic, avx2, avx512, avx512_bf16; the kernel tests also run every level below")
+                          "generic, avx2, avx512, avx512_bf16, amx; the kernel tests also run every level below")
 
 
 @pytest.fixture(scope="session")

@@ -65,6 +65,7 @@ class CpuInfo:
     arch: str  # platform.machine(): x86_64, aarch64, ...
     model: str  # the model name, as /proc/cpuinfo gives it where it can
     features: frozenset[str]
+    amx_granted: bool = True  # whether the OS lets this process use the AMX tiles (:func:`amx_permission`)
 
     @property
     def is_x86(self) -> bool:
@@ -72,12 +73,12 @@ class CpuInfo:
 
     def missing(self, level: str) -> list[str]:
         """The features ``level`` needs that this CPU lacks (every one of them off x86); for ``amx``, also
-        the tile-data permission when the OS refused it (named ``amx_permission``)."""
+        the tile-data permission when the OS refused it."""
         check_level(level)
         needed = [f for lv in LEVELS[:LEVELS.index(level) + 1] for f in _LEVEL_FLAGS[lv]]
         lacking = needed if not self.is_x86 else [f for f in needed if f not in self.features]
-        if level == "amx" and not lacking and not amx_permission():
-            lacking.append("amx_permission")
+        if level == "amx" and not lacking and not self.amx_granted:
+            lacking.append("the AMX tile-data permission (arch_prctl refused it)")
         return lacking
 
     def supports(self, level: str) -> bool:
@@ -170,8 +171,9 @@ def cpu_info() -> CpuInfo:
     model, flags = _proc_cpuinfo()
     if not flags and arch.lower() in ("x86_64", "amd64"):
         flags = _torch_features()
-    return CpuInfo(arch=arch, model=model or platform.processor() or arch,
-                   features=frozenset(f for f in flags if f in REPORTED_FEATURES))
+    features = frozenset(f for f in flags if f in REPORTED_FEATURES)
+    return CpuInfo(arch=arch, model=model or platform.processor() or arch, features=features,
+                   amx_granted="amx_tile" in features and amx_permission())
 
 
 _state_lock = threading.Lock()

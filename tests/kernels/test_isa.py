@@ -28,12 +28,28 @@ def cpu(features, arch="x86_64"):
     (AVX2, "avx2"),
     (AVX2 | {"avx512f"}, "avx2"),  # AVX-512 F alone is not the avx512 level
     (AVX512, "avx512"),
-    (AVX512 | {"avx512_bf16", "amx_bf16"}, "avx512_bf16"),
+    (AVX512 | {"avx512_bf16", "amx_bf16"}, "avx512_bf16"),  # AMX-BF16 without AMX-TILE
+    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "amx"),
+    (AVX512 | {"amx_tile", "amx_bf16"}, "avx512"),  # AMX without AVX-512 BF16: the levels are nested
     (AVX2 | {"avx512_bf16"}, "avx2"),  # BF16 without the AVX-512 base
 ])
 def test_best_level_of_a_feature_set(features, best):
     assert cpu(features).best_level == best
     assert cpu(features).supports("generic")
+
+
+def test_amx_needs_the_tile_data_permission():
+    refused = isa.CpuInfo(arch="x86_64", model="test", features=frozenset(AVX512 | {"avx512_bf16", "amx_tile",
+                                                                                    "amx_bf16"}), amx_granted=False)
+    assert refused.best_level == "avx512_bf16"
+    assert any("permission" in m for m in refused.missing("amx"))
+
+
+def test_this_process_has_the_amx_permission_where_the_cpu_has_amx():
+    info = isa.cpu_info()
+    if "amx_tile" not in info.features:
+        pytest.skip("this CPU has no AMX (amx_tile)")
+    assert info.amx_granted and isa.amx_permission()  # Linux grants XTILEDATA to a process that asks
 
 
 def test_non_x86_cpus_run_the_generic_level_only():
@@ -43,15 +59,16 @@ def test_non_x86_cpus_run_the_generic_level_only():
 
 def test_compiler_flags_are_explicit_per_level():
     assert isa.compiler_flags("generic") == []  # a non-x86 compiler takes a generic build
-    avx2, avx512, bf16 = (isa.compiler_flags(lv) for lv in ("avx2", "avx512", "avx512_bf16"))
+    avx2, avx512, bf16, amx = (isa.compiler_flags(lv) for lv in ("avx2", "avx512", "avx512_bf16", "amx"))
     assert {"-mavx2", "-mfma", "-mf16c"} <= set(avx2) and not any("avx512" in f for f in avx2)
-    assert set(avx2) < set(avx512) < set(bf16) and "-mavx512bf16" in bf16 and "-mavx512bf16" not in avx512
+    assert set(avx2) < set(avx512) < set(bf16) < set(amx) and "-mavx512bf16" in bf16 and "-mavx512bf16" not in avx512
+    assert {"-mamx-tile", "-mamx-bf16"} <= set(amx) and not any("amx" in f for f in bf16)
     for level in isa.LEVELS:
         assert not any(f.startswith("-march") for f in build.flags("pointwise", level))  # never -march=native
 
 
 def test_unknown_levels_are_refused_with_the_allowed_values():
-    with pytest.raises(ValueError, match="allowed values: generic, avx2, avx512, avx512_bf16"):
+    with pytest.raises(ValueError, match="allowed values: generic, avx2, avx512, avx512_bf16, amx"):
         isa.set_cap("sse9")
     from hybridserve.config import EngineConfig
 
@@ -65,7 +82,7 @@ def test_cap_lowers_the_level_in_force_and_never_raises_it():
     best = isa.cpu_info().best_level
     try:
         assert isa.set_cap("generic") == "generic"
-        assert isa.set_cap("avx512_bf16") == best  # a cap above the CPU changes nothing
+        assert isa.set_cap("amx") == best  # a cap above the CPU changes nothing
         assert isa.set_cap("auto") == best
     finally:
         isa.set_cap(previous)
