@@ -65,6 +65,7 @@ class CpuInfo:
     arch: str  # platform.machine(): x86_64, aarch64, ...
     model: str  # the model name, as /proc/cpuinfo gives it where it can
     features: frozenset[str]
+    vendor: str = ""  # /proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), "" where unknown
     amx_granted: bool = True  # whether the OS lets this process use the AMX tiles (:func:`amx_permission`)
 
     @property
@@ -128,8 +129,8 @@ def check_level(level: str) -> str:
     return level
 
 
-def _proc_cpuinfo() -> tuple[str, set[str]]:
-    model, flags = "", set()
+def _proc_cpuinfo() -> tuple[str, str, set[str]]:
+    model, vendor, flags = "", "", set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -137,11 +138,13 @@ def _proc_cpuinfo() -> tuple[str, set[str]]:
                 key = key.strip().lower()
                 if key in ("model name", "hardware", "cpu model") and not model:
                     model = value.strip()
+                elif key == "vendor_id" and not vendor:
+                    vendor = value.strip()
                 elif key in ("flags", "features") and not flags:
                     flags = set(value.split())
     except OSError:
         pass
-    return model, flags
+    return model, vendor, flags
 
 
 def _torch_features() -> set[str]:
@@ -168,11 +171,11 @@ def _torch_features() -> set[str]:
 def cpu_info() -> CpuInfo:
     """This CPU (read once)."""
     arch = platform.machine() or "unknown"
-    model, flags = _proc_cpuinfo()
+    model, vendor, flags = _proc_cpuinfo()
     if not flags and arch.lower() in ("x86_64", "amd64"):
         flags = _torch_features()
     features = frozenset(f for f in flags if f in REPORTED_FEATURES)
-    return CpuInfo(arch=arch, model=model or platform.processor() or arch, features=features,
+    return CpuInfo(arch=arch, model=model or platform.processor() or arch, features=features, vendor=vendor,
                    amx_granted="amx_tile" in features and amx_permission())
 
 

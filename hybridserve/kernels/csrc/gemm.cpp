@@ -46,6 +46,8 @@
 #include "vecmath.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <cpuid.h>
+#include <cstring>
 #include <immintrin.h>
 #define HS_HAVE_BF16_DOT 1
 #else
@@ -155,6 +157,26 @@ void rows(int nr, int64_t K2, const uint16_t* x, int64_t xs, const uint16_t* w, 
 using RowsFn = void (*)(int, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*,
                         const float*, uint16_t*, int64_t, int64_t, int64_t, Ahead);
 constexpr RowsFn kRows[9] = {nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>, rows<7>, rows<8>};
+
+// Whether bf16 linears below the amx level take the dot products. Measured on an Intel Xeon (Sapphire Rapids
+// class, one thread, K = N = 2048): vdpbf16ps ran at 4-53 GFLOP/s, the float32 vector path (weights widened
+// by a shift, vfmadd231ps) at 12-79, from 1 row to 512: Intel cores issue vdpbf16ps at half their FMA
+// rate, and the one-row tile's dependent dot products stream the weights at a third of the widening path's
+// speed. AMD's Zen 4/5 issue it at the FMA rate, and there the dot products win (docs/performance.md). So
+// the choice is the CPU vendor's: Intel CPUs take the vector path.
+inline bool bf16_dot_preferred() {
+  static const bool preferred = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
+    char vendor[13];
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    vendor[12] = 0;
+    return std::strcmp(vendor, "GenuineIntel") != 0;
+  }();
+  return preferred;
+}
 
 // The avx512_bf16 path of hs_linear_bf16 (K even).
 int dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
@@ -442,9 +464,15 @@ int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
 
 extern "C" {
 
-// 1 when hs_linear_bf16 uses AVX-512 BF16 dot products on even K (built for avx512_bf16), else 0
-// (the float32 vector path).
-int hs_gemm_supported() { return HS_HAVE_BF16_DOT; }
+// 1 when hs_linear_bf16 uses AVX-512 BF16 dot products on even K (built for avx512_bf16 or amx, on a CPU
+// whose dot products beat the float32 vector path: bf16_dot_preferred), else 0 (the float32 vector path).
+int hs_gemm_supported() {
+#if HS_HAVE_BF16_DOT
+  return bf16_dot_preferred() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 // The fewest rows a bf16 linear runs on AMX tiles with (built for amx), else 0 (no AMX path).
 int hs_gemm_amx_rows() {
@@ -471,7 +499,7 @@ int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t x
                                                         nullptr, out, os);
 #endif
 #if HS_HAVE_BF16_DOT
-  if (K % 2 == 0) return dot_linear(M, N, K, x, xs, packed, bias, out, os);
+  if (K % 2 == 0 && bf16_dot_preferred()) return dot_linear(M, N, K, x, xs, packed, bias, out, os);
 #endif
   return vlinear(M, N, K, x, xs, packed, bias, out, os);
 }
