@@ -495,8 +495,8 @@ int hs_pack_f16(int64_t N, int64_t K, const _Float16* w, int64_t ws, _Float16* o
 int hs_linear_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint16_t* packed,
                    const uint16_t* bias, uint16_t* out, int64_t os) {
 #if HS_HAVE_AMX
-  if (K % 2 == 0 && M >= kAmxMinRows) return amx_linear(M, N, K, x, xs, PackedPanels{packed, K * kPanel}, bias,
-                                                        nullptr, out, os);
+  if (K % 2 == 0 && M >= kAmxMinRows)
+    return amx_linear(M, N, K, x, xs, PackedPanels{packed, K * kPanel}, bias, nullptr, out, os);
 #endif
 #if HS_HAVE_BF16_DOT
   if (K % 2 == 0 && bf16_dot_preferred()) return dot_linear(M, N, K, x, xs, packed, bias, out, os);

@@ -44,36 +44,41 @@ struct alignas(64) AmxConfig {
   }
 };
 
-// Weights already in the bf16 panel layout: panel p at panels + p * pe.
+// The B tiles of one column block (one or two panels) whose bf16 panels lie in memory: panel j at w + j * pe.
+struct PanelTiles {
+  const uint16_t* w;
+  int64_t pe;
+  const uint16_t* tile(int j, int64_t step) const { return w + j * pe + step * 32 * kPanel; }
+  // the k-pairs from `pair` on, for amx_store's tail, and the panel stride there
+  const uint16_t* tail(int64_t pair) const { return w + pair * 2 * kPanel; }
+  int64_t tail_stride() const { return pe; }
+};
+
+// Weights already in the bf16 panel layout (hs_pack_bf16): a column block's tiles are read where they are.
 struct PackedPanels {
   static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  using Block = PanelTiles;
   const uint16_t* panels;
   int64_t pe;
-  // the bf16 panels [p, p + np) (np <= 2) for this thread, and their panel stride
-  const uint16_t* get(int64_t p, int /*np*/, int64_t& stride) const {
-    stride = pe;
-    return panels + p * pe;
-  }
+  PanelTiles block(int64_t p, int /*np*/) const { return PanelTiles{panels + p * pe, pe}; }
 };
 
 // C (+)= A x B over `steps` k-steps of 32: MT A tiles (16-row groups at a0, a1, row strides in bytes) by NP
-// panels (b0, b0 + pe).
-template <int MT, int NP>
-inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const uint16_t* b0,
-                      int64_t pe) {
+// panels of `b` (its tile(j, step)).
+template <int MT, int NP, typename Tiles>
+inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const Tiles& b) {
   _tile_zero(0);
   if constexpr (NP > 1) _tile_zero(1);
   if constexpr (MT > 1) {
     _tile_zero(2);
     if constexpr (NP > 1) _tile_zero(3);
   }
-  const uint16_t* b1 = b0 + pe;
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, b0 + s * 32 * kPanel, 64);
+    _tile_loadd(6, b.tile(0, s), 64);
     _tile_loadd(4, a0 + s * 32, a_stride);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NP > 1) {
-      _tile_loadd(7, b1 + s * 32 * kPanel, 64);
+      _tile_loadd(7, b.tile(1, s), 64);
       _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (MT > 1) {
@@ -84,12 +89,13 @@ inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int
   }
 }
 
-// Stores the block's C tiles to c (32 x 32 float32), finishes the k-pairs [k2_done, K2) with dot products,
-// adds bias (and the column scales: the C sums are x * codes for 8-bit weights) and writes rows
-// [0, mr) of columns [n0, n0 + 16 NP) ∩ [0, N) as bf16. rows[r]: row r of x (for the k tail).
+// Stores the block's C tiles to c (32 x 32 float32), finishes the k-pairs [k2_done, K2) with dot products
+// (their weights at tail, the next panel's tail_pe after), adds bias (and the column scales: the C sums are
+// x * codes for 8-bit weights) and writes rows [0, mr) of columns [n0, n0 + 16 NP) ∩ [0, N) as bf16. rows[r]:
+// row r of x (for the k tail).
 template <int MT, int NP>
 inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64_t k2_done, int64_t K2,
-                      const uint16_t* b0, int64_t pe, const uint16_t* bias, const float* scale, uint16_t* out,
+                      const uint16_t* tail, int64_t tail_pe, const uint16_t* bias, const float* scale, uint16_t* out,
                       int64_t os, int64_t n0, int64_t N) {
   _tile_stored(0, &c[0][0], 128);
   if constexpr (NP > 1) _tile_stored(1, &c[0][16], 128);
@@ -104,21 +110,41 @@ inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
     const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
     const __m512 s = scale != nullptr ? _mm512_maskz_loadu_ps(mask, scale + col) : _mm512_set1_ps(1.0f);
-    const uint16_t* w = b0 + j * pe;
+    const uint16_t* w = tail + j * tail_pe;
     for (int r = 0; r < mr; ++r) {
       __m512 acc = _mm512_loadu_ps(&c[r][j * 16]);
       const int32_t* xr = reinterpret_cast<const int32_t*>(rows[r]);
       for (int64_t kk = k2_done; kk < K2; ++kk)
         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(xr[kk]),
-                               (__m512bh)_mm512_loadu_si512(w + kk * 2 * kPanel));
+                               (__m512bh)_mm512_loadu_si512(w + (kk - k2_done) * 2 * kPanel));
       const __m512 sum = scale != nullptr ? _mm512_fmadd_ps(acc, s, b) : _mm512_add_ps(acc, b);
       _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(sum));
     }
   }
 }
 
-// out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even; W's bf16 panels from `weights` (PackedPanels,
-// or gemm_w8.h's codes widened per column block). Returns 0.
+// One block of MT 16-row groups (a0, a1 with row stride a_stride bytes) by NP panels: tiles, then the store
+// of its mr valid rows (rows[r]: row r of x) to out.
+template <int MT, int NP, typename Tiles>
+inline void amx_rows(int64_t steps, int64_t K2, const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
+                     const Tiles& b, float (*c)[32], int mr, const uint16_t* const* rows, const uint16_t* bias,
+                     const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+  amx_block<MT, NP>(steps, a0, a1, a_stride, b);
+  amx_store<MT, NP>(c, mr, rows, steps * 16, K2, b.tail(steps * 16), b.tail_stride(), bias, scale, out, os, n0, N);
+}
+
+template <typename Tiles>
+inline void amx_rows_any(int mt, int np, int64_t steps, int64_t K2, const uint16_t* a0, const uint16_t* a1,
+                         int64_t a_stride, const Tiles& b, float (*c)[32], int mr, const uint16_t* const* rows,
+                         const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+  if (mt == 2 && np == 2) amx_rows<2, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
+  else if (mt == 2) amx_rows<2, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
+  else if (np == 2) amx_rows<1, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
+  else amx_rows<1, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
+}
+
+// out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even; W's column blocks from `weights.block(p, np)`
+// (PackedPanels, or gemm_w8.h's 8-bit codes widened to bf16). Returns 0.
 template <typename Weights>
 int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const Weights& weights,
                const uint16_t* bias, const float* scale, uint16_t* out, int64_t os) {
@@ -147,6 +173,9 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
         std::memcpy(&tail[r * K], x + (full_groups * 16 + r) * xs, K * sizeof(uint16_t));
       std::memset(&tail[valid * K], 0, (16 - valid) * K * sizeof(uint16_t));
     }
+    // 16-row group g: its first row (x itself, or the padded copy) and its row stride in bytes
+    auto group_rows = [&](int64_t g) { return g < full_groups ? x + g * 16 * xs : tail.data(); };
+    auto group_stride = [&](int64_t g) { return g < full_groups ? xs * 2 : K * 2; };
     alignas(64) float c[32][32];
     const uint16_t* rows[32];
     for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
@@ -154,48 +183,16 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
       for (int64_t blk = b_begin; blk < b_end; ++blk) {
         const int64_t p = 2 * blk;
         const int np = panels - p >= 2 ? 2 : 1;
-        int64_t pe = 0;
-        const uint16_t* w = weights.get(p, np, pe);
-        for (int64_t g = g0; g < g1; g += 2) {
-          const int mt = g + 1 < g1 ? 2 : 1;
-          const bool padded = g + mt > full_groups;  // the last tile of this block is the partial group
-          // rows of the two tiles: x itself, or the padded copy for the partial group (then its own stride)
-          const uint16_t* a0 = (g < full_groups) ? x + g * 16 * xs : tail.data();
-          const uint16_t* a1 = mt > 1 ? ((g + 1 < full_groups) ? x + (g + 1) * 16 * xs : tail.data()) : nullptr;
+        const typename Weights::Block b = weights.block(p, np);
+        for (int64_t g = g0; g < g1;) {
+          // two groups share one A stride unless the second is the padded one: then one group at a time
+          const int mt = g + 1 < g1 && group_stride(g) == group_stride(g + 1) ? 2 : 1;
           const int64_t m0 = g * 16;
           const int mr = static_cast<int>(std::min<int64_t>(16 * mt, M - m0));
           for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * xs;
-          if (padded && mt == 2 && g < full_groups) {
-            // two tiles with different strides: run them as two single-tile blocks
-            if (np == 2) amx_block<1, 2>(steps, a0, nullptr, xs * 2, w, pe);
-            else amx_block<1, 1>(steps, a0, nullptr, xs * 2, w, pe);
-            if (np == 2) amx_store<1, 2>(c, 16, rows, steps * 16, K2, w, pe, bias, scale, out + m0 * os, os, 16 * p, N);
-            else amx_store<1, 1>(c, 16, rows, steps * 16, K2, w, pe, bias, scale, out + m0 * os, os, 16 * p, N);
-            if (np == 2) amx_block<1, 2>(steps, a1, nullptr, K * 2, w, pe);
-            else amx_block<1, 1>(steps, a1, nullptr, K * 2, w, pe);
-            if (np == 2)
-              amx_store<1, 2>(c, mr - 16, rows + 16, steps * 16, K2, w, pe, bias, scale, out + (m0 + 16) * os, os,
-                              16 * p, N);
-            else
-              amx_store<1, 1>(c, mr - 16, rows + 16, steps * 16, K2, w, pe, bias, scale, out + (m0 + 16) * os, os,
-                              16 * p, N);
-            continue;
-          }
-          const int64_t a_stride = padded ? K * 2 : xs * 2;
-          uint16_t* o = out + m0 * os;
-          if (mt == 2 && np == 2) {
-            amx_block<2, 2>(steps, a0, a1, a_stride, w, pe);
-            amx_store<2, 2>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
-          } else if (mt == 2) {
-            amx_block<2, 1>(steps, a0, a1, a_stride, w, pe);
-            amx_store<2, 1>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
-          } else if (np == 2) {
-            amx_block<1, 2>(steps, a0, nullptr, a_stride, w, pe);
-            amx_store<1, 2>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
-          } else {
-            amx_block<1, 1>(steps, a0, nullptr, a_stride, w, pe);
-            amx_store<1, 1>(c, mr, rows, steps * 16, K2, w, pe, bias, scale, o, os, 16 * p, N);
-          }
+          amx_rows_any(mt, np, steps, K2, group_rows(g), mt > 1 ? group_rows(g + 1) : nullptr, group_stride(g), b,
+                       c, mr, rows, bias, scale, out + m0 * os, os, 16 * p, N);
+          g += mt;
         }
       }
     }

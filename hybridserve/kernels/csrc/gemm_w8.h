@@ -270,34 +270,80 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
 }
 
 #if HS_HAVE_AMX
-// The amx path's weight source for 8-bit codes: a column block's (one or two panels) codes widened to the
-// bf16 k-pair layout (exactly, as above) into the thread's scratch each time a row chunk reaches it; the
-// tiles then sum x * codes, and amx_store multiplies by the column scales.
+// The amx path's weight sources for 8-bit codes ([K][16] per panel, pe bytes apart), widened exactly to the
+// bf16 k-pair layout (as above); the tiles sum x * codes and amx_store multiplies by the column scales.
+//
+// Calls of many rows: each column block's codes are widened whole into the thread's scratch when a row
+// chunk reaches it, and the chunk's row blocks all read that copy (PanelTiles over the scratch).
 template <int F>
 struct WidenedPanels {
-  // row chunks 4x the 16-bit path's: each chunk widens every column block again, which costs more than
-  // reading the chunk's activations from L3
-  static constexpr int64_t kChunkBytes = 4 * kAmxChunkBytes;
+  // row chunks 4x the 16-bit path's: each chunk widens every column block again
+  static constexpr int64_t kChunkBytes = 16 * kAmxChunkBytes;
+  using Block = PanelTiles;
   const uint8_t* codes;
   int64_t K;
-  const uint16_t* get(int64_t p, int np, int64_t& stride) const {
+  PanelTiles block(int64_t p, int np) const {
     static thread_local std::vector<uint16_t> scratch;
     const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
-    stride = pe;
     const uint8_t* first = codes + p * pe;
     if (static_cast<int64_t>(scratch.size()) < 2 * pe) scratch.resize(2 * pe);
     for (int j = 0; j < np; ++j)
       for (int64_t kk = 0; kk < K / 2; ++kk)
         _mm512_storeu_si512(scratch.data() + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
-    return scratch.data();
+    return PanelTiles{scratch.data(), pe};
   }
 };
+
+// Calls of one row block (kW8StepRows rows or fewer), where each code is read once: the codes of one k-step
+// (32 k of each panel) are widened into an L1 buffer just before its tiles load, so no widened copy of the
+// block goes through L2; the k-pairs past the last whole step are widened into a second buffer for the store.
+template <int F>
+struct StepWidenedTiles {
+  const uint8_t* codes;  // the block's first panel
+  int64_t pe;            // bytes of a panel's codes
+  int64_t K2, tail_pairs;
+  uint16_t* step_buf;    // 2 x 16 pairs x 32
+  uint16_t* tail_buf;    // 2 x tail_pairs x 32
+  const uint16_t* tile(int j, int64_t step) const {
+    uint16_t* dst = step_buf + j * 16 * 2 * kPanel;
+    for (int64_t i = 0; i < 16; ++i)
+      _mm512_storeu_si512(dst + i * 2 * kPanel, widen_pair_bf16<F>(codes + j * pe, step * 16 + i));
+    return dst;
+  }
+  const uint16_t* tail(int64_t /*pair*/) const { return tail_buf; }
+  int64_t tail_stride() const { return tail_pairs * 2 * kPanel; }
+};
+
+template <int F>
+struct StepWidened {
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  using Block = StepWidenedTiles<F>;
+  const uint8_t* codes;
+  int64_t K;
+  StepWidenedTiles<F> block(int64_t p, int np) const {
+    static thread_local std::vector<uint16_t> buffers;
+    const int64_t K2 = K / 2, tail_pairs = K2 % 16, pe = K * kPanel;
+    if (static_cast<int64_t>(buffers.size()) < 2 * (16 + tail_pairs) * 2 * kPanel + 32)
+      buffers.resize(2 * (16 + tail_pairs) * 2 * kPanel + 32);
+    // 64-byte aligned: the tiles load whole lines
+    uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buffers.data()) + 63) & ~uintptr_t(63));
+    const StepWidenedTiles<F> b{codes + p * pe, pe, K2, tail_pairs, base, base + 2 * 16 * 2 * kPanel};
+    for (int j = 0; j < np; ++j)
+      for (int64_t i = 0; i < tail_pairs; ++i)
+        _mm512_storeu_si512(b.tail_buf + j * tail_pairs * 2 * kPanel + i * 2 * kPanel,
+                            widen_pair_bf16<F>(b.codes + j * pe, K2 - tail_pairs + i));
+    return b;
+  }
+};
+
+constexpr int64_t kW8StepRows = 32;  // rows up to which the codes are widened per k-step (StepWidened)
 
 template <int F>
 int w8_amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const uint8_t* packed,
                   const uint16_t* bias, uint16_t* out, int64_t os) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const float* scales = reinterpret_cast<const float*>(packed + panels * K * kPanel);  // (panels * 16,)
+  if (M <= kW8StepRows) return amx_linear(M, N, K, x, xs, StepWidened<F>{packed, K}, bias, scales, out, os);
   return amx_linear(M, N, K, x, xs, WidenedPanels<F>{packed, K}, bias, scales, out, os);
 }
 #endif
