@@ -69,6 +69,23 @@ def test_linear_of_a_prefill_sized_batch(dtype):
     _assert_matches_exact(gemm.linear(x, gemm.pack(w), 70, b), x, w, b)
 
 
+@pytest.mark.parametrize("M,N,K", [
+    (16, 48, 64),     # one whole 16-row tile group, an odd panel count (3)
+    (20, 64, 2050),   # a whole group then a partial one (two tiles of different strides), a k tail (1 pair)
+    (48, 33, 1088),   # three groups, a 1-column last panel, a 2-pair k tail
+    (300, 40, 4096),  # several row chunks (the amx path's L2-sized chunks: 64 rows at K = 4096), partial last group
+])
+def test_linear_at_the_amx_tile_shape_classes(M, N, K):
+    """bf16 shapes that take each branch of the AMX tile path (kernels/csrc/gemm_amx.h: 16-row tile groups,
+    padded partial groups, 32-column blocks, k-steps of 32 with a dot-product tail, row chunks), checked at
+    every level this CPU runs, against the exact sum."""
+    x, w, b = _case(M, N, K, seed=M + N + K)
+    _assert_matches_exact(gemm.linear(x, gemm.pack(w), N, b), x, w, b)
+    strided = torch.zeros(M, K + 48, dtype=torch.bfloat16)
+    strided[:, 16:16 + K] = x  # rows with their own stride: the tiles load x in place
+    _assert_matches_exact(gemm.linear(strided[:, 16:16 + K], gemm.pack(w), N, b), x, w, b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("M", [1, 6, 32])
 def test_linear_without_bias_and_narrow_outputs(M, dtype):

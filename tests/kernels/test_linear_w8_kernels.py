@@ -74,6 +74,29 @@ def test_linear_w8_matches_the_reference(M, N, K, group, fmt, act):
     assert_within_ulps(y, ref, act, ulps=2, atol=2 * (K + 2) * 2.0 ** -24 * mag.float(), what="kernel vs reference")
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS.get)
+@pytest.mark.parametrize("M,N,K", [
+    (16, 48, 64),     # codes widened per k-step (32 rows or fewer), an odd panel count
+    (33, 40, 2050),   # codes widened per column block, a partial row group, a k tail
+    (20, 33, 1090),   # per k-step with a partial group (two tiles of different strides), a 1-pair k tail
+    (600, 24, 8192),  # several row chunks of the per-block widening (512 rows at K = 8192)
+])
+def test_linear_w8_at_the_amx_tile_shape_classes(M, N, K, fmt):
+    """bf16 activations over 8-bit codes at shapes that take each branch of the AMX path (codes widened per
+    k-step or per column block, tails, chunks), checked at every level this CPU runs, against the reference."""
+    g = torch.Generator().manual_seed(M + N + K)
+    q, s = _codes(N, K, fmt, 0, g)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16)
+    y = linear_w8.linear(x, linear_w8.pack(q, s, 0), N, fmt, 0, b)
+    _assert_within_bound(y, x, q, s, 0, b)
+    ref = linear_w8_ref(x, q, s, 0, b)
+    w = dequantize(q, s, 0).double()
+    mag = x.double().abs() @ w.abs().T + b.double().abs()
+    assert_within_ulps(y, ref, torch.bfloat16, ulps=2, atol=2 * (K + 2) * 2.0 ** -24 * mag.float(),
+                       what="kernel vs reference")
+
+
 def test_prefill_sized_batch_and_threads():
     """More rows than one L2-sized row block, and one or two threads give the same bits."""
     g = torch.Generator().manual_seed(3)
