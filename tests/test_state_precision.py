@@ -2,10 +2,20 @@
 
 * float32 model on the PyTorch paths (``cpu_kernels=False``): the state dtype is the only source of
   error. Over a long greedy decode (a 520-token prompt, 520 generated), float32 SSM state stays with
-  HF float32 while bfloat16 state is at least 10x further off. A family without a temporal state
-  (LFM2: short conv only) gets the same test on its conv state, through ``mamba_cache_dtype``. With
-  the CPU kernels on (the default), float32 linears sum in another order than torch's, a second
-  source of error of about 1e-6; float32 state then stays within the same 1e-4 of HF.
+  HF float32 (at least 50 tokens, within 1e-4) while bfloat16 state is at least 10x further off on the
+  same steps. A family without a temporal state (LFM2: short conv only) gets the same test on its conv
+  state, through ``mamba_cache_dtype``. With the CPU kernels on (the default), float32 linears sum in
+  another order than torch's, a second source of error of about 1e-6; float32 state then stays within
+  the same 1e-4 of HF.
+
+  Every run is another numerical path than HF's, so each is held to the near-tie rule (``compare``):
+  where its greedy token differs from HF's, each side's token must be in the other's top 5, and the
+  comparison stops there. bfloat16 state moves logprobs by ~1e-2, enough to flip a near tie of a random
+  model, and which one flips first depends on the CPU (its float32 sums run in another order): on an
+  Intel AVX-512/AMX CPU the xLSTM run parts from HF at token 31 at every ISA cap (HF's top two 0.047
+  apart, ours 0.003 apart and swapped), where the CPUs the test was written on kept 50. So the bfloat16
+  run's error is measured on the steps before its own divergence, and the float32 runs' on those same
+  steps (xLSTM there: 1.3e-2 against 1.2e-6).
 * bf16 model with float32 SSM state: the layout and the pool's real tensors say float32 SSM state
   and bf16 conv state and KV; both state dtypes' errors against HF float32 are reported.
 """
@@ -66,14 +76,19 @@ def test_state_dtype_isolated_in_float32_model(ckpt_dir, family):
 
     prompt = _long_prompt(AutoConfig.from_pretrained(path).vocab_size)
     ref = hf_greedy(path, [prompt], NEW_TOKENS)
-    errors = {}
+    runs = {}
     for state_dtype, kernels in (("float32", False), ("bfloat16", False), ("float32", True)):
         toks, lps = _run(path, prompt, cpu_kernels=kernels, **{option: state_dtype})
-        cmp = compare([toks], [lps], ref)
-        assert cmp.compared_tokens >= 50, (state_dtype, kernels, cmp.diverged_at)
-        errors[state_dtype, kernels] = cmp.mean_abs_error
-    assert errors["float32", False] <= 1e-4 and errors["float32", True] <= 1e-4, errors
-    assert errors["bfloat16", False] >= 10 * errors["float32", False], errors
+        runs[state_dtype, kernels] = compare([toks], [lps], ref)  # raises on a divergence that is no near tie
+    for kernels in (False, True):
+        cmp = runs["float32", kernels]
+        assert cmp.compared_tokens >= 50, ("float32", kernels, cmp.diverged_at)
+        assert cmp.mean_abs_error <= 1e-4, ("float32", kernels, cmp.mean_abs_error)
+    # bf16 state against float32 state on the same steps: those before the bf16 run's near-tie divergence
+    steps = runs["bfloat16", False].compared_tokens
+    assert steps > 0, ("bfloat16", runs["bfloat16", False].diverged_at)
+    errors = {key: sum(cmp.abs_errors[:steps]) / steps for key, cmp in runs.items()}
+    assert errors["bfloat16", False] >= 10 * errors["float32", False], (steps, errors)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

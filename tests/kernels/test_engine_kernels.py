@@ -19,6 +19,7 @@ from hybridserve.kernels import attention, gemm, pointwise, recurrent
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
 from tests.prefix_utils import released_everything
+from tests.test_int8_weights import compare_near_tie
 
 PROMPT_LENGTHS = (1, 7, 19, 33)  # with a 24-token budget: chunked prefill, prefill and decode in one step
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)
@@ -61,7 +62,7 @@ def _generate(path, cpu_kernels, **options):
     return _generate_with_logits_range(path, cpu_kernels, **options)[0]
 
 
-def _generate_with_logits_range(path, cpu_kernels, **options):
+def _generate_with_logits_range(path, cpu_kernels, params=PARAMS, **options):
     """The completions, and the largest |logit| the LM head gave (with the kernels off: it is a module)."""
     llm = LLM(path, cpu_kernels=cpu_kernels, cache_memory="16MiB", max_num_batched_tokens=24, max_num_seqs=3,
               enable_progress_bar=False, **options)
@@ -69,7 +70,7 @@ def _generate_with_logits_range(path, cpu_kernels, **options):
     largest = [0.0]
     hook = llm.engine.model.lm_head.register_forward_hook(
         lambda module, args, out: largest.__setitem__(0, max(largest[0], out.detach().abs().max().item())))
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], PARAMS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params)
     hook.remove()
     assert released_everything(llm.engine)
     return [o.outputs[0] for o in outs], largest[0]
@@ -154,17 +155,23 @@ ALL_FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2
                 "llama", "mamba2", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "xlstm", "kimi_linear"]
 
 
-def _mean_logprob_error(run, reference):
-    """Mean |logprob - reference logprob| over the top tokens both report, on the prompts whose greedy
-    tokens agree with the reference (a diverged prompt compares different contexts)."""
-    errors = []
-    for a, b in zip(run, reference):
-        if a.token_ids != b.token_ids:
-            continue
-        for la, lb in zip(a.logprobs, b.logprobs):
-            errors += [abs(la[t].logprob - lp.logprob) for t, lp in lb.items() if t in la]
-    assert errors, "no prompt agrees with the reference"
-    return sum(errors) / len(errors)
+#: the every-family test's sampling: top-5 logprobs, for the near-tie rule
+PARAMS_TOP5 = SamplingParams(temperature=0, max_tokens=PARAMS.max_tokens, logprobs=5, ignore_eos=True)
+
+
+def _mean_logprob_errors(runs, reference):
+    """Per run, the mean |logprob - reference logprob| over the top tokens both report, on the same steps
+    for every run: each prompt's steps up to the first where any run's greedy token differs from the
+    reference's (that step's context is still shared; later ones are not)."""
+    errors = [[] for _ in runs]
+    for i, ref in enumerate(reference):
+        shared = min(next((s + 1 for s, (a, b) in enumerate(zip(run[i].token_ids, ref.token_ids)) if a != b),
+                          len(ref.token_ids)) for run in runs)
+        for errs, run in zip(errors, runs):
+            for la, lb in zip(run[i].logprobs[:shared], ref.logprobs[:shared]):
+                errs += [abs(la[t].logprob - lp.logprob) for t, lp in lb.items() if t in la]
+    assert all(errors), "no step to compare with the reference"
+    return [sum(errs) / len(errs) for errs in errors]
 
 
 @needs_compiler
@@ -172,10 +179,17 @@ def _mean_logprob_error(run, reference):
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_bf16_linear_kernel_in_every_family(ckpt_dir, kernel_calls, family):
     """Every family in bf16 runs its linear layers (MoE experts, shared blocks, adapters, untied heads
-    included) through the kernel: the same greedy tokens as the bf16 run without the kernels, and
-    logprobs as close to the float32 run as that run's are (bf16 rounding noise differs in where it
-    falls, not in size: on Jamba's MoE the two bf16 runs differ by up to 0.07 while each is up to 0.13
-    from float32)."""
+    included) through the kernel: the greedy tokens of the bf16 run without the kernels up to the
+    near-tie rule, and logprobs as close to the float32 run as that run's are, on the same steps (bf16
+    rounding noise differs in where it falls, not in size: on Jamba's MoE the two bf16 runs differ by up
+    to 0.07 while each is up to 0.13 from float32).
+
+    The two bf16 runs are two numerical paths: the kernel's float32 sums and oneDNN's (on AMX, in
+    another order again) round a logit to bf16 differently, so at a near tie they may take different
+    tokens (Zamba2, prompt 1, step 5 on an AMX CPU: the kernel's top two 0.03 apart, torch's 0.06 apart
+    the other way, float32's 0.017). ``compare_near_tie`` accepts a divergence only where the torch
+    run's top two are less than 0.3 (a few bf16 ulps of these logits) apart and each run's token is in
+    the other's top 5, and stops comparing that prompt there."""
     from hybridserve.layers.moe import FusedExperts
     from hybridserve.layers.packed_linear import KernelLinear
 
@@ -186,11 +200,11 @@ def test_bf16_linear_kernel_in_every_family(ckpt_dir, kernel_calls, family):
     # no 16-bit linear left on torch's matmul (a scalar path on CPUs without AVX-512), experts included
     assert llm.engine.cpu_fast_paths.torch_16bit_linears == 0
     assert all(m.packed is not None for m in llm.engine.model.modules() if isinstance(m, FusedExperts))
-    with_kernels = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in _prompts()], PARAMS)]
+    with_kernels = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in _prompts()], PARAMS_TOP5)]
     assert kernel_calls["linear"] > 0
-    without = _generate(path, False, dtype="bfloat16")
-    for i, (a, b) in enumerate(zip(with_kernels, without)):
-        assert a.token_ids == b.token_ids, f"prompt {i}: tokens differ"
-    exact = _generate(path, False, dtype="float32")
-    kernel_error, torch_error = _mean_logprob_error(with_kernels, exact), _mean_logprob_error(without, exact)
+    without = _generate(path, False, params=PARAMS_TOP5, dtype="bfloat16")
+    _, steps = compare_near_tie(with_kernels, without)
+    assert steps > 0
+    exact = _generate(path, False, params=PARAMS_TOP5, dtype="float32")
+    kernel_error, torch_error = _mean_logprob_errors([with_kernels, without], exact)
     assert kernel_error <= 1.25 * torch_error + 1e-3, (kernel_error, torch_error)
