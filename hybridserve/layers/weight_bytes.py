@@ -13,6 +13,19 @@ def _name(dtype: torch.dtype) -> str:
     return {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def _address_and_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's memory starts and how many bytes it holds. A oneDNN-prepacked weight
+    (:class:`~hybridserve.layers.packed_linear.PackedLinear`, an opaque ``torch._mkldnn`` tensor) has no
+    storage: oneDNN's own pointer and buffer size, which includes its blocked layout's padding (a
+    (1000, 33) bf16 weight holds 131072 bytes, not 66000), as that is what the packed copy occupies."""
+    if t.is_mkldnn:
+        ops = torch.ops.mkldnn
+        if hasattr(ops, "data_ptr") and hasattr(ops, "_nbytes"):
+            return ops.data_ptr(t), ops._nbytes(t)
+        return id(t), t.numel() * t.element_size()  # a torch without them: the logical size, no padding
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes per dtype of every parameter, buffer and packed weight, each tensor once (a tied weight and
     its packed copy are two). 8-bit packs count under their codes' dtype, with their float32 scales."""
@@ -20,7 +33,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     out: dict[str, int] = {}
 
     def add(t: torch.Tensor, label: str) -> None:
-        key = (t.data_ptr(), t.numel() * t.element_size())
+        key = _address_and_bytes(t)
         if t.numel() and key not in seen:
             seen.add(key)
             out[label] = out.get(label, 0) + key[1]
