@@ -24,6 +24,7 @@ from hybridserve.cache.dtypes import DTYPE_ALIASES
 from hybridserve.cache.plan_config import check_cache_shape_options, check_positive_int, parse_size
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
+from hybridserve.kernels.threads import check_thread_options, check_wait_policy
 from hybridserve.spec_decode.config import parse_speculative_config
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
@@ -89,7 +90,7 @@ class ResolvedDtypes:
 
 
 # EngineConfig fields that change speed or output, never results: left out of the fingerprint.
-NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "enforce_eager")
+NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "enforce_eager", "cpu_wait_policy")
 # (cpu_isa and cpu_kernels stay in it: the kernel variants round in their own orders.)
 
 
@@ -119,6 +120,11 @@ class EngineConfig:
     cpu_kernels: bool = True
     enforce_eager: bool = False
     cpu_isa: str = "auto"
+    # CPU threads (kernels/threads.py): None is auto (every usable core, less the reserved ones); the OpenMP
+    # wait policy takes effect only where it is set before torch is imported (the hybridserve command does)
+    cpu_threads: int | None = None
+    cpu_reserved_cores: int = 0
+    cpu_wait_policy: str = "auto"
     quantization: str = "auto"
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
@@ -134,6 +140,8 @@ class EngineConfig:
             "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *STATE_DTYPES))
         self.device = _check_choice("device", self.device, DEVICES)
         self.cpu_isa = _check_choice("cpu_isa", self.cpu_isa, CPU_ISA_CHOICES)
+        self.cpu_threads, self.cpu_reserved_cores = check_thread_options(self.cpu_threads, self.cpu_reserved_cores)
+        self.cpu_wait_policy = check_wait_policy(self.cpu_wait_policy)
         self.quantization = _check_choice("quantization", "none" if self.quantization is None else self.quantization,
                                           QUANTIZATIONS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):

@@ -30,6 +30,7 @@ from hybridserve.engine.sampler import SampleResult, report, sample, sample_rows
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels.threads import setup_threads
 from hybridserve.layers.weight_bytes import weight_bytes
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -62,6 +63,8 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
         torch.manual_seed(config.seed)
+        # torch.set_num_threads, before tensor-parallel ranks split the count; logs the OpenMP wait policy in force
+        self.thread_setup = setup_threads(config.cpu_threads, config.cpu_reserved_cores, config.cpu_wait_policy)
         self.tp: Launch | None = None  # the tensor-parallel ranks (docs/tensor_parallel.md), None at size 1
         if config.tensor_parallel_size > 1:
             if self.device.type != "cpu":

@@ -78,9 +78,32 @@ def cap_torch_isa_from_argv(argv: list[str]) -> None:
             isa.cap_torch(value)
 
 
+#: the commands that run an engine (and have --cpu-wait-policy)
+ENGINE_COMMANDS = ("generate", "serve", "env")
+
+
+def apply_cpu_wait_policy_from_argv(argv: list[str]) -> None:
+    """Set ``--cpu-wait-policy`` (``auto`` when not given) in the environment for the OpenMP runtime to read
+    when torch loads: before the parser is built (a subcommand's modules may import torch). A bad value is
+    left to the parser, which names the allowed ones; in a process that has torch loaded already nothing
+    changes (the engine logs why)."""
+    from hybridserve.kernels import threads
+
+    if command_of(argv) not in ENGINE_COMMANDS:
+        return
+    policy = "auto"
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if len(name) >= len("--cpu-w") and "--cpu-wait-policy".startswith(name):  # argparse takes a unique prefix
+            policy = value if eq else (argv[i + 1] if i + 1 < len(argv) else policy)
+    if policy.lower() in threads.WAIT_POLICIES:
+        threads.apply_wait_policy(policy)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cap_torch_isa_from_argv(argv)
+    apply_cpu_wait_policy_from_argv(argv)
     parser = build_parser(only=command_of(argv))
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

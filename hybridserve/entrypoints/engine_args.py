@@ -8,6 +8,7 @@ from typing import Any
 from hybridserve.cache.dtypes import DEVICES, KV_CACHE_DTYPE_NAMES, MODEL_DTYPE_NAMES, STATE_DTYPE_NAMES
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
+from hybridserve.kernels.threads import WAIT_POLICIES
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,6 +63,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-isa", default="auto", choices=list(CPU_ISA_CHOICES),
                         help="cap the CPU instruction set of the compiled kernels, oneDNN and ATen (auto: the "
                              "best this CPU has); a lower level runs, and tests, that level's kernel variants")
+    parser.add_argument("--cpu-threads", type=threads_arg, default=None, metavar="N",
+                        help="compute threads of the engine (default: auto, every core this process may use, "
+                             "less --cpu-reserved-cores)")
+    parser.add_argument("--cpu-reserved-cores", type=int, default=0, metavar="N",
+                        help="cores left to the server's front end and other work: auto threads use the rest")
+    parser.add_argument("--cpu-wait-policy", default="auto", choices=list(WAIT_POLICIES),
+                        help="how idle OpenMP threads wait: spin (until work comes), bounded (spin briefly, then "
+                             "sleep), passive (sleep at once), openmp (the runtime's default); auto is bounded, which "
+                             "degrades to a fair share when another process runs on the cores (docs/performance.md)")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
                         help="weights: int8 quantizes every linear (MoE experts and the LM head too) per output "
                              "channel at load, run on the CPU kernels; auto runs a checkpoint's own fp8 weights "
@@ -83,9 +93,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
-                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "quantization",
+                 "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "cpu_threads",
+                 "cpu_reserved_cores", "cpu_wait_policy", "quantization",
                  "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
                  "tensor_parallel_size")
+
+
+def threads_arg(value: str) -> int | None:
+    """``--cpu-threads``: a count, or ``auto`` (None); the range is checked by EngineConfig."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a thread count (an integer, or auto)") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -55,10 +55,12 @@ def model_fast_paths(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from hybridserve.kernels import isa
     from hybridserve.kernels.report import environment
+    from hybridserve.kernels.threads import setup_threads
 
     isa.set_cap(args.cpu_isa)
     logging.getLogger("hybridserve").setLevel(logging.ERROR)  # the report says what the log would
-    report = environment()
+    setup = setup_threads(args.cpu_threads, args.cpu_reserved_cores, args.cpu_wait_policy)  # as an engine would
+    report = environment(setup)
     if args.model is not None:
         report["model"] = model_fast_paths(args)
     if args.json:
@@ -76,7 +78,11 @@ def print_report(report: dict) -> None:
           f"{isa_['aten_cpu_capability']}; oneDNN cap: {isa_['onednn_max_cpu_isa'] or 'none'}; "
           f"oneDNN bf16: {isa_['onednn_bf16']}")
     versions = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
-    print(f"versions: {versions}; threads {report['threads']}")
+    print(f"versions: {versions}")
+    threads, policy = report["cpu_threads"], report["cpu_threads"]["wait_policy"]
+    print(f"threads: {threads['threads']} ({threads['reason']}; {threads['cpus']} CPUs usable); OpenMP runtime "
+          f"{threads['openmp_runtime'] or 'none loaded'}, wait policy {policy['description']}"
+          + (f"; note: {policy['note']}" if policy["note"] else ""))
     compiler = kernels["compiler_version"] or kernels["compiler"] or "none"
     print(f"compiler: {compiler}; kernel cache: {kernels['cache_dir']}")
     for op, row in kernels["ops"].items():

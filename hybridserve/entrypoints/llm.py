@@ -21,6 +21,12 @@ class LLM:
     (``dtype``, ``kv_cache_dtype``, ``mamba_cache_dtype``, ``mamba_ssm_cache_dtype``, ``max_model_len``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``cache_memory``, ``device``, ``seed``, ...).
     With no model named, the small model shipped with the package is used.
+
+    CPU threads: ``cpu_threads`` and ``cpu_reserved_cores`` take effect here (``torch.set_num_threads``, for
+    the whole process). ``cpu_wait_policy`` cannot: the OpenMP runtime read its wait policy when torch was
+    imported, so the engine only logs a warning when another one is in force. To choose it, call
+    ``hybridserve.kernels.threads.apply_wait_policy("bounded")`` (or set ``OMP_WAIT_POLICY`` /
+    ``GOMP_SPINCOUNT``) before the first ``import torch`` (``kernels/threads.py``).
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:

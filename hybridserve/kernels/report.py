@@ -7,6 +7,7 @@ import platform
 import subprocess
 
 from hybridserve.kernels import build, isa
+from hybridserve.kernels import threads as cpu_threads
 
 #: op -> (library, what the op is)
 OPS = {
@@ -77,8 +78,23 @@ def compiler_version(compiler: str | None) -> str | None:
     return proc.stdout.splitlines()[0] if proc.stdout else None
 
 
-def environment() -> dict:
-    """The machine, library versions, ISA and kernel facts (``hybridserve env``)."""
+def threads_report(setup: cpu_threads.ThreadSetup | None = None) -> dict:
+    """The thread count and the OpenMP wait policy in force (``setup``: what an engine's options resolved to)."""
+    import torch
+
+    if setup is None:
+        policy = cpu_threads.wait_policy_in_force()
+        out = {"threads": torch.get_num_threads(), "cores": cpu_threads.usable_cores(),
+               "cpus": cpu_threads.usable_cpus(), "reserved": None, "reason": "torch's thread count",
+               "wait_policy": policy.as_dict()}
+    else:
+        out = setup.as_dict()
+    return {**out, "threads": torch.get_num_threads(), "openmp_runtime": cpu_threads.openmp_runtime()}
+
+
+def environment(thread_setup: cpu_threads.ThreadSetup | None = None) -> dict:
+    """The machine, library versions, ISA and kernel facts (``hybridserve env``); ``thread_setup``: the threads
+    the engine options resolved to."""
     import torch
     import transformers
 
@@ -95,6 +111,7 @@ def environment() -> dict:
         "versions": {"hybridserve": hybridserve.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "threads": torch.get_num_threads(),
+        "cpu_threads": threads_report(thread_setup),
         "kernels": {"compiler": compiler, "compiler_version": compiler_version(compiler),
                     "cache_dir": str(build.cache_dir()), "ops": op_variants()},
     }
