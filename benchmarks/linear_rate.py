@@ -22,6 +22,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
     parser.add_argument("--int8", action="store_true", help="also time the 8-bit (int8) weight kernels")
+    parser.add_argument("--distinct", type=int, default=1,
+                        help="cycle through this many distinct weights (enough to exceed the last-level cache: "
+                             "each call reads its weight from memory, as a model's layers do)")
     parser.add_argument("--json", help="write the medians here")
     a = parser.parse_args()
     import torch
@@ -31,11 +34,15 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     K, N = a.k, a.n
-    w = (torch.randn(N, K) / K ** 0.5).bfloat16()
-    w32 = w.float()
-    packed = gemm.pack(w)
-    q, scales = quantize_int8(w, 0)
-    packed8 = linear_w8.pack(q, scales, 0)
+    ws = [(torch.randn(N, K) / K ** 0.5).bfloat16() for _ in range(a.distinct)]
+    w32s = [w.float() for w in ws]
+    packs = [gemm.pack(w) for w in ws]
+    packs8 = [linear_w8.pack(*quantize_int8(w, 0), 0) for w in ws] if a.int8 else []
+    turn = [0]
+
+    def nxt(items):  # the next of the distinct weights, in turn
+        turn[0] += 1
+        return items[turn[0] % len(items)]
     levels = [lv for lv in ("avx512_bf16", "amx") if isa.cpu_info().supports(lv)]
     if not levels:
         levels = [isa.level_in_force()]
@@ -53,20 +60,21 @@ def main() -> None:
         for lv in levels:
             def run(lv=lv):
                 isa.set_cap(lv)
-                gemm.linear(x, packed, N, None)
+                gemm.linear(x, nxt(packs), N, None)
             out[f"kernel {lv}"] = run
             if a.int8:
                 def run8(lv=lv):
                     isa.set_cap(lv)
-                    linear_w8.linear(x, packed8, N, torch.int8, 0, None)
+                    linear_w8.linear(x, nxt(packs8), N, torch.int8, 0, None)
                 out[f"int8 {lv}"] = run8
-        out["torch bf16"] = lambda: torch.nn.functional.linear(x, w)
+        out["torch bf16"] = lambda: torch.nn.functional.linear(x, nxt(ws))
         x32 = x.float()
-        out["torch f32"] = lambda: torch.nn.functional.linear(x32, w32)
+        out["torch f32"] = lambda: torch.nn.functional.linear(x32, nxt(w32s))
         return out
 
     results: dict[str, dict[int, float]] = {}
-    print(f"CPU: {isa.cpu_info().model}; best level {isa.cpu_info().best_level}; {a.threads} threads; K={K} N={N}")
+    print(f"CPU: {isa.cpu_info().model}; best level {isa.cpu_info().best_level}; {a.threads} threads; K={K} N={N}; "
+          f"{a.distinct} distinct weight(s)")
     for M in (int(r) for r in a.rows.split(",")):
         x = torch.randn(M, K).bfloat16()
         runs = engines(x)
@@ -82,7 +90,8 @@ def main() -> None:
         import json
 
         with open(a.json, "w") as f:
-            json.dump({"cpu": isa.cpu_info().model, "threads": a.threads, "K": K, "N": N, "gflops": results}, f,
+            json.dump({"cpu": isa.cpu_info().model, "threads": a.threads, "K": K, "N": N, "distinct": a.distinct,
+                       "gflops": results}, f,
                       indent=1)
 
 

@@ -31,8 +31,15 @@ def _variant(op: str, level: str) -> str:
     if op == "linear_bf16":
         from hybridserve.kernels import gemm
 
+        if gemm.amx_rows() > 0:
+            odd = "AVX-512 BF16 dot products" if gemm.uses_bf16_dot() else "weights widened to float32"
+            return (f"{level}: AMX-BF16 tiles for calls of {gemm.amx_rows()}+ rows (every row count: decode and "
+                    f"prefill); odd in-features on {odd}")
         if gemm.uses_bf16_dot():
             return "avx512_bf16: AVX-512 BF16 dot products"
+        if isa.at_least("avx512_bf16"):
+            return (f"{level}: weights widened to float32 in registers (on this {isa.cpu_info().vendor} CPU faster "
+                    "than AVX-512 BF16 dot products)")
         return f"{level}: weights widened to float32 in registers"
     if op == "linear_f16":
         return f"{level}: weights widened to float32 in registers"
@@ -46,6 +53,11 @@ def w8_variant(level: str | None = None) -> str:
     level = level or isa.level_in_force()
     lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
     fma = f"8-bit codes widened to float32 in registers ({lanes}), float32 sums, a scale per channel"
+    if level == "amx":
+        from hybridserve.kernels import gemm
+
+        return (f"{level}: bf16 calls of {gemm.amx_rows()}+ rows on AMX-BF16 tiles over codes widened to bf16 per "
+                f"32-column block; others {fma}")
     if level == "avx512_bf16":
         return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
                 f"to bf16; others {fma}")

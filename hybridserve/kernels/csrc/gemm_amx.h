@@ -61,12 +61,29 @@ struct PackedPanels {
   const uint16_t* panels;
   int64_t pe;
   PanelTiles block(int64_t p, int /*np*/) const { return PanelTiles{panels + p * pe, pe}; }
+  // the bytes of panels [p, p + np)
+  void bytes(int64_t p, int np, const char*& begin, const char*& end) const {
+    begin = reinterpret_cast<const char*>(panels + p * pe);
+    end = reinterpret_cast<const char*>(panels + (p + np) * pe);
+  }
 };
 
 // C (+)= A x B over `steps` k-steps of 32: MT A tiles (16-row groups at a0, a1, row strides in bytes) by NP
 // panels of `b` (its tile(j, step)).
+// Lines of the next column block's weights requested into L2 while a block computes, `per_step` lines per
+// k-step from `ahead` on (advanced), up to its end.
+struct TileAhead {
+  const char* next;
+  const char* end;
+  int64_t per_step;
+  inline void step() {
+    for (int64_t l = 0; l < per_step && next < end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 template <int MT, int NP, typename Tiles>
-inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const Tiles& b) {
+inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const Tiles& b,
+                      TileAhead& ahead) {
   _tile_zero(0);
   if constexpr (NP > 1) _tile_zero(1);
   if constexpr (MT > 1) {
@@ -74,6 +91,7 @@ inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int
     if constexpr (NP > 1) _tile_zero(3);
   }
   for (int64_t s = 0; s < steps; ++s) {
+    ahead.step();
     _tile_loadd(6, b.tile(0, s), 64);
     _tile_loadd(4, a0 + s * 32, a_stride);
     _tile_dpbf16ps(0, 4, 6);
@@ -128,19 +146,20 @@ inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64
 template <int MT, int NP, typename Tiles>
 inline void amx_rows(int64_t steps, int64_t K2, const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
                      const Tiles& b, float (*c)[32], int mr, const uint16_t* const* rows, const uint16_t* bias,
-                     const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N) {
-  amx_block<MT, NP>(steps, a0, a1, a_stride, b);
+                     const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, TileAhead& ahead) {
+  amx_block<MT, NP>(steps, a0, a1, a_stride, b, ahead);
   amx_store<MT, NP>(c, mr, rows, steps * 16, K2, b.tail(steps * 16), b.tail_stride(), bias, scale, out, os, n0, N);
 }
 
 template <typename Tiles>
 inline void amx_rows_any(int mt, int np, int64_t steps, int64_t K2, const uint16_t* a0, const uint16_t* a1,
                          int64_t a_stride, const Tiles& b, float (*c)[32], int mr, const uint16_t* const* rows,
-                         const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N) {
-  if (mt == 2 && np == 2) amx_rows<2, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
-  else if (mt == 2) amx_rows<2, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
-  else if (np == 2) amx_rows<1, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
-  else amx_rows<1, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N);
+                         const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N,
+                         TileAhead& ahead) {
+  if (mt == 2 && np == 2) amx_rows<2, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
+  else if (mt == 2) amx_rows<2, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
+  else if (np == 2) amx_rows<1, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
+  else amx_rows<1, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
 }
 
 // out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even; W's column blocks from `weights.block(p, np)`
@@ -184,6 +203,14 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
         const int64_t p = 2 * blk;
         const int np = panels - p >= 2 ? 2 : 1;
         const typename Weights::Block b = weights.block(p, np);
+        // while this block computes, its row blocks request the next block's weights into L2
+        TileAhead ahead{nullptr, nullptr, 0};
+        if (blk + 1 < b_end) {
+          const int np_next = panels - (p + 2) >= 2 ? 2 : 1;
+          weights.bytes(p + 2, np_next, ahead.next, ahead.end);
+          const int64_t row_blocks = (g1 - g0 + 1) / 2, lines = (ahead.end - ahead.next + 63) / 64;
+          ahead.per_step = (lines + row_blocks * std::max<int64_t>(steps, 1) - 1) / (row_blocks * std::max<int64_t>(steps, 1));
+        }
         for (int64_t g = g0; g < g1;) {
           // two groups share one A stride unless the second is the padded one: then one group at a time
           const int mt = g + 1 < g1 && group_stride(g) == group_stride(g + 1) ? 2 : 1;
@@ -191,7 +218,7 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
           const int mr = static_cast<int>(std::min<int64_t>(16 * mt, M - m0));
           for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * xs;
           amx_rows_any(mt, np, steps, K2, group_rows(g), mt > 1 ? group_rows(g + 1) : nullptr, group_stride(g), b,
-                       c, mr, rows, bias, scale, out + m0 * os, os, 16 * p, N);
+                       c, mr, rows, bias, scale, out + m0 * os, os, 16 * p, N, ahead);
           g += mt;
         }
       }

@@ -282,6 +282,10 @@ struct WidenedPanels {
   using Block = PanelTiles;
   const uint8_t* codes;
   int64_t K;
+  void bytes(int64_t p, int np, const char*& begin, const char*& end) const {  // codes of panels [p, p + np)
+    begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
+    end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
+  }
   PanelTiles block(int64_t p, int np) const {
     static thread_local std::vector<uint16_t> scratch;
     const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
@@ -320,6 +324,10 @@ struct StepWidened {
   using Block = StepWidenedTiles<F>;
   const uint8_t* codes;
   int64_t K;
+  void bytes(int64_t p, int np, const char*& begin, const char*& end) const {  // codes of panels [p, p + np)
+    begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
+    end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
+  }
   StepWidenedTiles<F> block(int64_t p, int np) const {
     static thread_local std::vector<uint16_t> buffers;
     const int64_t K2 = K / 2, tail_pairs = K2 % 16, pe = K * kPanel;
