@@ -35,9 +35,15 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore
 #: follows at a bf16 gap wider than NEAR_TIE: not met by per-channel int8 here (docs/quantization.md);
 #: tests/test_int8_routing.py shows the flips are near ties and holds the routing to compare the rest
 ROUTING_FLIPS = pytest.mark.xfail(strict=True, reason="int8 rounding flips an expert choice, then a token")
+#: Qwen3.5-MoE's softmax router flips an expert during the prefill at a probability gap of ~0.001; the mean
+#: |Δlogprob| over its 7 compared steps then lands at 0.14-0.16 depending on the CPU path (0.1535 with the AMX
+#: tiles), around MEAN_DELTA_BOUND. Not strict: other paths pass. tests/test_int8_routing.py holds its routing
+#: and bounds the rest (0.064 over 18 steps there)
+SOFTMAX_ROUTING_FLIP = pytest.mark.xfail(strict=False, reason="int8 rounding flips a near-tied softmax expert choice")
 FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", pytest.param("lfm2_moe",
             marks=ROUTING_FLIPS), "lfm3", "zamba2", "falcon_h1", "granitemoehybrid", "granitemoehybrid_dense",
-            "nemotron_h", "nemotron_h_latent", "bamba", "llama", "mamba2", "qwen3_5", "qwen3_5_moe", "olmo_hybrid",
+            "nemotron_h", "nemotron_h_latent", "bamba", "llama", "mamba2", "qwen3_5",
+            pytest.param("qwen3_5_moe", marks=SOFTMAX_ROUTING_FLIP), "olmo_hybrid",
             "xlstm", pytest.param("kimi_linear", marks=ROUTING_FLIPS)]
 
 
