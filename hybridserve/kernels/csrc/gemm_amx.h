@@ -60,9 +60,10 @@ struct PackedPanels {
   using Block = PanelTiles;
   const uint16_t* panels;
   int64_t pe;
-  PanelTiles block(int64_t p, int /*np*/) const { return PanelTiles{panels + p * pe, pe}; }
+  void begin(int64_t, int64_t) const {}
+  PanelTiles block(int64_t p, int /*np*/, int64_t /*chunk*/) const { return PanelTiles{panels + p * pe, pe}; }
   // the bytes of panels [p, p + np)
-  void bytes(int64_t p, int np, const char*& begin, const char*& end) const {
+  void bytes(int64_t p, int np, int64_t /*chunk*/, const char*& begin, const char*& end) const {
     begin = reinterpret_cast<const char*>(panels + p * pe);
     end = reinterpret_cast<const char*>(panels + (p + np) * pe);
   }
@@ -162,8 +163,10 @@ inline void amx_rows_any(int mt, int np, int64_t steps, int64_t K2, const uint16
   else amx_rows<1, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
 }
 
-// out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even; W's column blocks from `weights.block(p, np)`
-// (PackedPanels, or gemm_w8.h's 8-bit codes widened to bf16). Returns 0.
+// out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even. W comes through `weights` (PackedPanels, or
+// gemm_w8.h's 8-bit codes widened to bf16): begin(p_begin, p_end) once per thread with its panels,
+// block(p, np, chunk) for the tiles of panels [p, p + np) in row chunk `chunk`, bytes(...) for the memory
+// to request ahead. Returns 0.
 template <typename Weights>
 int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const Weights& weights,
                const uint16_t* bias, const float* scale, uint16_t* out, int64_t os) {
@@ -185,6 +188,7 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
     me = omp_get_thread_num();
 #endif
     const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    weights.begin(2 * b_begin, std::min(panels, 2 * b_end));
     if (groups > full_groups && b_begin < b_end) {
       const int64_t valid = M - full_groups * 16;
       if (static_cast<int64_t>(tail.size()) < 16 * K) tail.resize(16 * K);
@@ -202,12 +206,13 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
       for (int64_t blk = b_begin; blk < b_end; ++blk) {
         const int64_t p = 2 * blk;
         const int np = panels - p >= 2 ? 2 : 1;
-        const typename Weights::Block b = weights.block(p, np);
+        const int64_t chunk = g0 / chunk_groups;
+        const typename Weights::Block b = weights.block(p, np, chunk);
         // while this block computes, its row blocks request the next block's weights into L2
         TileAhead ahead{nullptr, nullptr, 0};
         if (blk + 1 < b_end) {
           const int np_next = panels - (p + 2) >= 2 ? 2 : 1;
-          weights.bytes(p + 2, np_next, ahead.next, ahead.end);
+          weights.bytes(p + 2, np_next, chunk, ahead.next, ahead.end);
           const int64_t row_blocks = (g1 - g0 + 1) / 2, lines = (ahead.end - ahead.next + 63) / 64;
           ahead.per_step = (lines + row_blocks * std::max<int64_t>(steps, 1) - 1) / (row_blocks * std::max<int64_t>(steps, 1));
         }

@@ -273,28 +273,55 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
 // The amx path's weight sources for 8-bit codes ([K][16] per panel, pe bytes apart), widened exactly to the
 // bf16 k-pair layout (as above); the tiles sum x * codes and amx_store multiplies by the column scales.
 //
-// Calls of many rows: each column block's codes are widened whole into the thread's scratch when a row
-// chunk reaches it, and the chunk's row blocks all read that copy (PanelTiles over the scratch).
+// Calls of many rows: each column block's codes are widened whole when the first row chunk reaches it, into
+// the thread's scratch, which holds a copy of every block the thread owns (up to kWholeBytes; past that, one
+// block's copy, widened again for every chunk); the chunks' row blocks all read those copies (PanelTiles).
+// The scratch is kept between calls (the largest layer's share per thread: 17 MB for a 2048 x 8512 weight).
 template <int F>
 struct WidenedPanels {
-  // row chunks 4x the 16-bit path's: each chunk widens every column block again
-  static constexpr int64_t kChunkBytes = 16 * kAmxChunkBytes;
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  static constexpr int64_t kWholeBytes = 64 << 20;
   using Block = PanelTiles;
   const uint8_t* codes;
   int64_t K;
-  void bytes(int64_t p, int np, const char*& begin, const char*& end) const {  // codes of panels [p, p + np)
-    begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
-    end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
+  struct Scratch {
+    std::vector<uint16_t> data;
+    int64_t first = 0;   // the first panel the copies start at
+    bool whole = false;  // a copy per block (else one block's, rewritten)
+  };
+  static Scratch& scratch() {
+    static thread_local Scratch s;
+    return s;
   }
-  PanelTiles block(int64_t p, int np) const {
-    static thread_local std::vector<uint16_t> scratch;
+  void begin(int64_t p_begin, int64_t p_end) const {  // this thread's panels for this call
+    Scratch& s = scratch();
+    const int64_t pe = K * kPanel;
+    s.first = p_begin;
+    s.whole = (p_end - p_begin) * pe * 2 <= kWholeBytes;
+    const int64_t need = (s.whole ? p_end - p_begin : 2) * pe;
+    if (static_cast<int64_t>(s.data.size()) < need) s.data.resize(need);
+  }
+  void bytes(int64_t p, int np, int64_t chunk, const char*& begin, const char*& end) const {
+    const Scratch& s = scratch();
+    if (chunk > 0 && s.whole) {  // the widened copies, read again
+      begin = reinterpret_cast<const char*>(s.data.data() + (p - s.first) * K * kPanel);
+      end = begin + np * K * kPanel * 2;
+    } else {  // the codes
+      begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
+      end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
+    }
+  }
+  PanelTiles block(int64_t p, int np, int64_t chunk) const {
+    Scratch& s = scratch();
     const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
-    const uint8_t* first = codes + p * pe;
-    if (static_cast<int64_t>(scratch.size()) < 2 * pe) scratch.resize(2 * pe);
-    for (int j = 0; j < np; ++j)
-      for (int64_t kk = 0; kk < K / 2; ++kk)
-        _mm512_storeu_si512(scratch.data() + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
-    return PanelTiles{scratch.data(), pe};
+    uint16_t* dst = s.whole ? s.data.data() + (p - s.first) * pe : s.data.data();
+    if (chunk == 0 || !s.whole) {
+      const uint8_t* first = codes + p * pe;
+      for (int j = 0; j < np; ++j)
+        for (int64_t kk = 0; kk < K / 2; ++kk)
+          _mm512_storeu_si512(dst + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
+    }
+    return PanelTiles{dst, pe};
   }
 };
 
@@ -324,11 +351,12 @@ struct StepWidened {
   using Block = StepWidenedTiles<F>;
   const uint8_t* codes;
   int64_t K;
-  void bytes(int64_t p, int np, const char*& begin, const char*& end) const {  // codes of panels [p, p + np)
+  void begin(int64_t, int64_t) const {}
+  void bytes(int64_t p, int np, int64_t /*chunk*/, const char*& begin, const char*& end) const {  // the codes
     begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
     end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
   }
-  StepWidenedTiles<F> block(int64_t p, int np) const {
+  StepWidenedTiles<F> block(int64_t p, int np, int64_t /*chunk*/) const {
     static thread_local std::vector<uint16_t> buffers;
     const int64_t K2 = K / 2, tail_pairs = K2 % 16, pe = K * kPanel;
     if (static_cast<int64_t>(buffers.size()) < 2 * (16 + tail_pairs) * 2 * kPanel + 32)
