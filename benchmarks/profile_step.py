@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no captured decode steps")
     parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
-    parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16)")
+    parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16, amx)")
     a = parser.parse_args()
 
     from hybridserve.kernels import isa

@@ -56,8 +56,8 @@ def w8_variant(level: str | None = None) -> str:
     if level == "amx":
         from hybridserve.kernels import gemm
 
-        return (f"{level}: bf16 calls of {gemm.amx_rows()}+ rows on AMX-BF16 tiles over codes widened to bf16 per "
-                f"32-column block; others {fma}")
+        return (f"{level}: bf16 calls of {gemm.amx_rows()}+ rows on AMX-BF16 tiles over codes widened exactly to bf16 "
+                f"(per k-step up to 32 rows, once per call above); others {fma}")
     if level == "avx512_bf16":
         return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
                 f"to bf16; others {fma}")
