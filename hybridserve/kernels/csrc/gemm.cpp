@@ -548,6 +548,8 @@ int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packe
 
 template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v)); }
 
+constexpr int64_t kExpertRows = 16;  // mean rows per active expert up to which the experts run in parallel
+
 // Each expert's tokens (in token order), through up (gated: [gate, up] rows) -> activation -> down,
 // each linear rounded to T; every token then sums, in float32 and in expert order, its experts'
 // outputs times their weights, as FusedExperts.forward's index_add_ does, rounded to T at the end (plus
@@ -562,18 +564,15 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
   std::vector<std::vector<int64_t>> assigned(E);  // per expert: flat (token * k + j), in order
   for (int64_t a = 0; a < T_ * k; ++a) assigned[index[a]].push_back(a);
   std::vector<float> acc(T_ * H, 0.0f);
-  std::vector<T> xb, hb, ab, yb;
-  for (int64_t e = 0; e < E; ++e) {
+  // expert e's rows through up -> activation -> down into y (n x H); xb, hb, ab: the caller's scratch
+  auto expert = [&](int64_t e, T* y, std::vector<T>& xb, std::vector<T>& hb, std::vector<T>& ab) -> int {
     const auto& rows = assigned[e];
     const int64_t n = static_cast<int64_t>(rows.size());
-    if (n == 0) continue;
     xb.resize(n * H);
     hb.resize(n * up_rows);
     ab.resize(n * I);
-    yb.resize(n * H);
     for (int64_t r = 0; r < n; ++r) std::memcpy(&xb[r * H], x + (rows[r] / k) * xs, H * sizeof(T));
-    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data(), wfmt,
-                         group) != 0)
+    if (packed_linear<T>(n, up_rows, H, xb.data(), reinterpret_cast<const void*>(up[e]), hb.data(), wfmt, group) != 0)
       return 1;
     for (int64_t r = 0; r < n; ++r) {
       const T* hr = &hb[r * up_rows];
@@ -586,18 +585,48 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
         }
       }
     }
-    if (packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), yb.data(), wfmt,
-                         group) != 0)
-      return 1;
-    for (int64_t r = 0; r < n; ++r) {
+    return packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), y, wfmt, group);
+  };
+  // expert e's outputs y (n x H) times their routing weights, added to their tokens' sums
+  auto accumulate = [&](int64_t e, const T* y) {
+    const auto& rows = assigned[e];
+    for (size_t r = 0; r < rows.size(); ++r) {
       const float w = to_f32(weight[rows[r]]);
       float* dst = &acc[(rows[r] / k) * H];
-      const T* yr = &yb[r * H];
+      const T* yr = y + r * H;
       for (int64_t d = 0; d < H; ++d) {
         float product = to_f32(yr[d]) * w;
         asm("" : "+x"(product));  // rounded on its own, as PyTorch's product: no fused multiply-add
         dst[d] += product;
       }
+    }
+  };
+  int64_t active = 0;
+  for (int64_t e = 0; e < E; ++e) active += assigned[e].empty() ? 0 : 1;
+  if (active >= 2 && T_ * k <= kExpertRows * active) {
+    // Few rows per expert (decode): the experts run in parallel, each on one thread (its linears' own
+    // parallel regions nest, one thread each), into one buffer; the sums then go in expert order as below,
+    // so the result is the same bits as one expert at a time (a linear's bits do not depend on threads).
+    std::vector<int64_t> offset(E + 1, 0);
+    for (int64_t e = 0; e < E; ++e) offset[e + 1] = offset[e] + static_cast<int64_t>(assigned[e].size());
+    std::vector<T> y(T_ * k * H);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+      std::vector<T> xb, hb, ab;
+#pragma omp for schedule(dynamic)
+      for (int64_t e = 0; e < E; ++e)
+        if (!assigned[e].empty()) failed |= expert(e, &y[offset[e] * H], xb, hb, ab);
+    }
+    if (failed) return 1;
+    for (int64_t e = 0; e < E; ++e) accumulate(e, &y[offset[e] * H]);
+  } else {  // many rows per expert (prefill): one expert at a time, each linear on every thread
+    std::vector<T> xb, hb, ab, y;
+    for (int64_t e = 0; e < E; ++e) {
+      if (assigned[e].empty()) continue;
+      y.resize(assigned[e].size() * H);
+      if (expert(e, y.data(), xb, hb, ab) != 0) return 1;
+      accumulate(e, y.data());
     }
   }
   for (int64_t t = 0; t < T_; ++t)
