@@ -42,8 +42,11 @@ STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
 FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEVICES = ("auto", "cpu", "cuda")
 #: weight quantization: auto (a checkpoint's own fp8 weights as they are, else none), none (fp8 weights
-#: dequantized at load), int8 (every linear made int8 at load, fp8 ones kept): docs/quantization.md
-QUANTIZATIONS = ("auto", "none", "int8")
+#: dequantized at load), int8 (every linear made int8 at load, fp8 ones kept), w8a8 (int8 as well, and the
+#: linears' activations quantized to int8 per row at every call): docs/quantization.md
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
+#: the quantizations that make linears int8 at load
+INT8_QUANTIZATIONS = ("int8", "w8a8")
 
 _DTYPE_ALIASES = DTYPE_ALIASES
 
@@ -157,8 +160,8 @@ class EngineConfig:
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_options(self)
-        if self.quantization == "int8" and (not self.cpu_kernels or self.device == "cuda"):
-            raise ValueError("quantization='int8' runs on hybridserve's compiled CPU kernels: it needs "
+        if self.quantization in INT8_QUANTIZATIONS and (not self.cpu_kernels or self.device == "cuda"):
+            raise ValueError(f"quantization={self.quantization!r} runs on hybridserve's compiled CPU kernels: it needs "
                              f"cpu_kernels=True and device cpu or auto (got cpu_kernels={self.cpu_kernels}, "
                              f"device={self.device!r})")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridserve.config import EngineConfig
+from hybridserve.config import INT8_QUANTIZATIONS, EngineConfig
 from hybridserve.engine.decode_capture import try_capture
 from hybridserve.kernels import enable_cpu_kernels, gemm, isa, unavailable_reason
 from hybridserve.kernels.report import w8_variant
@@ -127,13 +127,14 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.kernels = enable_cpu_kernels(model)
         if not report.kernels:
             report.kernels_reason = unavailable_reason() or "a kernel library did not load"
-    if config.quantization == "int8" and not report.kernels:
-        raise ValueError("quantization='int8' needs the compiled CPU kernels, which are off here "
+    if config.quantization in INT8_QUANTIZATIONS and not report.kernels:
+        raise ValueError(f"quantization={config.quantization!r} needs the compiled CPU kernels, which are off here "
                          f"({report.kernels_reason})")
     if report.kernels:
         report.packed_linears = pack_kernel_linear_layers(model, config.quantization)
         report.w8_linears = _count_w8_linears(model)
-        report.quantization = ("int8" if config.quantization == "int8" else "fp8" if report.w8_linears else "none")
+        report.quantization = (config.quantization if config.quantization in INT8_QUANTIZATIONS
+                               else "fp8" if report.w8_linears else "none")
     _dequantize_unpacked_fp8(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take

@@ -72,10 +72,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="how idle OpenMP threads wait: spin (until work comes), bounded (spin briefly, then "
                              "sleep), passive (sleep at once), openmp (the runtime's default); auto is bounded, which "
                              "degrades to a fair share when another process runs on the cores (docs/performance.md)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
                         help="weights: int8 quantizes every linear (MoE experts and the LM head too) per output "
                              "channel at load, run on the CPU kernels; auto runs a checkpoint's own fp8 weights "
-                             "(quantization_config) as they are; none dequantizes those at load")
+                             "(quantization_config) as they are; none dequantizes those at load; w8a8 is int8 with "
+                             "each linear's activations quantized to int8 per row too (AMX-INT8 tiles where present; "
+                             "MoE experts stay weight-only): docs/quantization.md")
     parser.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                         help="resume prompts from cached prefixes: shared KV pages and recurrent-state "
                              "snapshots in the one pool, evicted whenever requests need the room")

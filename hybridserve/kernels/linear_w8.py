@@ -7,6 +7,10 @@ A weight of 8-bit codes q (N, K), int8 or fp8 e4m3, with float32 scales s (N, G)
 registers, the float32 sums rounded once to the activation dtype. Both return None, doing nothing,
 when the call is one the kernel does not cover; :func:`unpack` gives the codes and scales back (the
 plain-PyTorch path of a declined call, and the tests).
+
+:func:`linear_w8a8` is W8A8 over the same packed int8 weights (one scale per output channel): each row of
+x quantized to int8 with its own scale, the products summed exactly in int32 (AMX-INT8 tiles where the
+amx level runs on a CPU with AMX-INT8, integer vectors elsewhere), ``ops/linear_w8.py: linear_w8a8_ref``.
 """
 
 from __future__ import annotations
@@ -68,6 +72,32 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: torch.
                           out_features)
     if rc != 0:
         check(rc, "hs_linear_w8")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+def w8a8_on_tiles() -> bool:
+    """Whether :func:`linear_w8a8` runs on AMX-INT8 tiles here (else integer vectors)."""
+    lib = _library()
+    return lib is not None and bool(lib.hs_w8a8_on_tiles())
+
+
+def linear_w8a8(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+                ) -> torch.Tensor | None:
+    """W8A8 ``quantize_rows(x) @ q.T * s_w * s_x + bias`` for x (..., K) bf16, fp16 or float32 over int8 codes
+    packed by :func:`pack` with one scale per output channel; (..., out_features) in x's dtype. None when
+    not covered."""
+    lib = _library()
+    K = x.shape[-1]
+    if (lib is None or x.dtype not in LINEAR_DTYPES or not x.is_cpu or packed.dtype != torch.uint8
+            or packed.numel() != packed_bytes(out_features, K, 0) or K >= 1 << 17):
+        return None
+    operands = linear_operands(x, bias, out_features)
+    if operands is None:
+        return None
+    x2, out = operands
+    check(lib.hs_linear_w8a8(DTYPE_CODES[x.dtype], x2.shape[0], out_features, K, x2.data_ptr(), x2.stride(0),
+                             packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                             out_features), "hs_linear_w8a8")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 

@@ -14,6 +14,7 @@ OPS = {
     "linear_bf16": ("gemm", "bf16 linear layers and MoE experts"),
     "linear_f16": ("gemm", "fp16 linear layers and MoE experts"),
     "linear_w8": ("gemm", "8-bit weight linears and MoE experts (int8, fp8 e4m3)"),
+    "linear_w8a8": ("gemm", "int8 weight linears with int8 activations (--quantization w8a8)"),
     "rms_norm": ("pointwise", "RMS norm (with the residual add)"),
     "gated_rms_norm": ("pointwise", "Mamba2 gated group RMS norm"),
     "silu_mul": ("pointwise", "silu(a) * b"),
@@ -45,6 +46,11 @@ def _variant(op: str, level: str) -> str:
         return f"{level}: weights widened to float32 in registers"
     if op == "linear_w8":
         return w8_variant(level)
+    if op == "linear_w8a8":
+        from hybridserve.kernels import linear_w8
+
+        sums = "AMX-INT8 tiles" if linear_w8.w8a8_on_tiles() else "integer vectors"
+        return f"{level}: activations quantized per row, exact int32 sums on {sums}, every row count"
     return f"{level}: compiled"
 
 

@@ -138,7 +138,8 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
     one allocation per dtype."""
     if not gemm.available():
         return 0
-    int8 = quantization == "int8"
+    int8 = quantization in ("int8", "w8a8")
+    dynamic = quantization == "w8a8"  # activations quantized per row too
     experts = [m for m in model.modules() if isinstance(m, FusedExperts) and m.packable()]
     linears = [child for _, _, child in _packable_linears(model)]
     sizes: dict[tuple, tuple[torch.dtype, int]] = {}
@@ -172,7 +173,9 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
     def make(lin: nn.Linear, packed: torch.Tensor) -> nn.Module:
         if is_fp8_linear(lin):
             return W8Linear(lin, packed, torch.float8_e4m3fn, lin.weight_group)
-        return W8Linear(lin, packed, torch.int8, group) if packed.dtype == torch.uint8 else KernelLinear(lin, packed)
+        if packed.dtype == torch.uint8:
+            return W8Linear(lin, packed, torch.int8, group, dynamic_activations=dynamic and group == 0)
+        return KernelLinear(lin, packed)
 
     count = _replace_linears(model, pack_linear, make)
     for block in experts:

@@ -1,5 +1,6 @@
 """8-bit weights: symmetric int8 quantization, dequantization, and the plain-PyTorch linear over them
-(``linear_w8_ref``: dequantize, then matmul), the reference of the ``hs_linear_w8`` kernel.
+(``linear_w8_ref``: dequantize, then matmul), the reference of the ``hs_linear_w8`` kernel; and W8A8
+(``linear_w8a8_ref``: activations quantized per row too, integer sums), the reference of ``hs_linear_w8a8``.
 
 Scales are float32 (N, G): G groups of ``group`` consecutive in-features per output channel (``group``
 0: one group, a scale per output channel). A weight is ``W[n, k] = q[n, k] * s[n, k // group]``.
@@ -43,3 +44,27 @@ def linear_w8_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group:
     """x (..., K) @ dequantize(q, scales).T + bias in float32 -> (..., N) rounded to x's dtype."""
     b = None if bias is None else bias.float()
     return torch.nn.functional.linear(x.float(), dequantize(q, scales, group), b).to(x.dtype)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> codes (M, K) int8 in [-127, 127] and scales (M,) float32, one per row: the largest |x| / 127
+    (1 for a row of zeros), each code ``round(x / s)`` (half to even) in float32."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)  # (M,)
+    scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(xf / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def linear_w8a8_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x (..., K) quantized per row (:func:`quantize_rows_int8`) times int8 codes q (N, K) with one
+    scale per output channel (scales (N, 1) or (N,)), the sums exact in integers, then
+    ``float(sum) * s_w * s_x + bias`` in float32 -> (..., N) rounded to x's dtype."""
+    K, N = x.shape[-1], q.shape[0]
+    xq, sx = quantize_rows_int8(x.reshape(-1, K))
+    sums = (xq.long() @ q.long().T).float()  # (M, N): exact integers, rounded once to float32
+    y = sums * scales.reshape(1, N).float() * sx[:, None]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)

@@ -115,6 +115,11 @@ int hs_pack_w8(int64_t N, int64_t K, int64_t group, const uint8_t* q, int64_t qs
 int hs_linear_w8(int act_dtype, int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const void* x, int64_t xs,
                  const uint8_t* packed, const void* bias, void* out, int64_t os);
 
+// ---- gemm.cpp (gemm_w8a8.h): int8 weights (a scale per output channel) times int8 activations (a scale per row)
+int hs_w8a8_on_tiles();
+int hs_linear_w8a8(int act_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs, const uint8_t* packed,
+                   const void* bias, void* out, int64_t os);
+
 // ---- graph.cpp: replay of a captured list of kernel calls
 int hs_graph_run(const int64_t* ops, int64_t num_ops, const int64_t* args, int64_t* failed_op, int64_t* nanoseconds);
 
