@@ -48,11 +48,13 @@ def linear_w8_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group:
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) -> codes (M, K) int8 in [-127, 127] and scales (M,) float32, one per row: the largest |x| / 127
-    (1 for a row of zeros), each code ``round(x / s)`` (half to even) in float32."""
+    (1 for a row of zeros), each code ``round(x * (127 / max|x|))`` (half to even) in float32."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # (M,)
     scales = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-    q = torch.round(xf / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    # 127 / max|x| as a correctly rounded float32 division (``127 / tensor`` multiplies by a reciprocal)
+    inverse = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inverse[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
 

@@ -2,8 +2,8 @@
 // gemm_w8.h) times activations quantized to int8 per row, y = (x_q @ q.T) * s_w * s_x (+ b). Included by
 // gemm.cpp after gemm_w8.h (kPanel, vf, vi32, kLanes, kVecs, load_vec, store_vec, widen_scalar, extend8).
 //
-// Each row of x is quantized on its own: s_x = max|x| / 127 (1 for a row of zeros), x_q = x / s_x rounded to
-// the nearest integer (ties to even) and clamped to [-127, 127] (ops/linear_w8.py: quantize_rows_int8, the
+// Each row of x is quantized on its own: s_x = max|x| / 127 (1 for a row of zeros), x_q = x * (127 / max|x|)
+// rounded to the nearest integer (ties to even) and clamped to [-127, 127] (ops/linear_w8.py: quantize_rows_int8, the
 // same float32 operations). The sums x_q . q are exact in int32 (|x_q q| <= 127^2, K < 2^17), so a row's
 // result depends on its own values only, not on the other rows of the call or on the ISA level's summation
 // order: the float32 epilogue, float(sum) * s_w * s_x + b rounded once to the activation dtype, is all that
@@ -48,36 +48,43 @@ void quantize_rows(int64_t M, int64_t K, int64_t Kq, const A* x, int64_t xs, int
       amax = a > amax ? a : amax;
     }
     const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;  // codes are x * (127 / max|x|)
     s[m] = scale;
     k = 0;
 #if defined(__AVX512F__)
-    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512 iv = _mm512_set1_ps(inv);
     for (; k + 16 <= K; k += 16) {
-      const __m512i n = _mm512_cvtps_epi32(_mm512_div_ps(load16(xr + k), sv));  // nearest even
+      const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k), iv));  // nearest even
       const __m512i c = _mm512_max_epi32(_mm512_min_epi32(n, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k), _mm512_cvtepi32_epi8(c));
     }
 #endif
     for (; k < K; ++k) {
-      const float v = std::nearbyint(widen_scalar(xr[k]) / scale);  // the default rounding: nearest even
+      const float v = std::nearbyint(widen_scalar(xr[k]) * inv);  // the default rounding: nearest even
       qr[k] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f)));
     }
     for (k = K; k < Kq; ++k) qr[k] = 0;
   }
 }
 
-// out[r, col + i] = float(acc[i]) * sw[i] * sx + bias[col + i] for the `valid` columns of one panel (16),
-// each operation rounded on its own (no fused multiply-add), as the plain-PyTorch reference rounds.
+// out[r, col + i] = float(acc[r][i]) * sw[i] * sx[r] + bias[col + i] for rows [0, mr) (acc rows `as` int32
+// apart, out rows os apart) and the `valid` columns of one panel (16), each operation rounded on its own (no
+// fused multiply-add), as the plain-PyTorch reference rounds.
 template <typename A>
-__attribute__((optimize("fp-contract=off"))) void w8a8_store(const int32_t* acc, float sx, const float* sw, const A* bias, A* out, int64_t col, int valid) {
+__attribute__((optimize("fp-contract=off"))) void w8a8_store(const int32_t* acc, int64_t as, int mr, const float* sx,
+                                                            const float* sw, const A* bias, A* out, int64_t os,
+                                                            int64_t col, int valid) {
   for (int v = 0; v < kVecs; ++v) {
     const int n = valid - v * kLanes < kLanes ? valid - v * kLanes : kLanes;
     if (n <= 0) break;
     vf b = vf{};
     if (bias != nullptr)
       for (int i = 0; i < n; ++i) b[i] = widen_scalar(bias[col + v * kLanes + i]);
-    const vf y = __builtin_convertvector(load_vec<vi32>(acc + v * kLanes), vf) * load_vec<vf>(sw + v * kLanes) * sx;
-    store_vec(out + col + v * kLanes, y + b, n);
+    const vf w = load_vec<vf>(sw + v * kLanes);
+    for (int r = 0; r < mr; ++r) {
+      const vf y = __builtin_convertvector(load_vec<vi32>(acc + r * as + v * kLanes), vf) * w * sx[r];
+      store_vec(out + r * os + col + v * kLanes, y + b, n);
+    }
   }
 }
 
@@ -96,11 +103,10 @@ void w8a8_vector_tile(int64_t K, const int8_t* xq, int64_t Kq, const float* sx, 
       for (int v = 0; v < kVecs; ++v) acc[r][v] += a * w[v];
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(64) int32_t sums[kPanel];
-    for (int v = 0; v < kVecs; ++v) __builtin_memcpy(sums + v * kLanes, &acc[r][v], sizeof acc[r][v]);
-    w8a8_store(sums, sx[r], sw, bias, out + r * os, col, valid);
-  }
+  alignas(64) int32_t sums[MR][kPanel];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kVecs; ++v) __builtin_memcpy(&sums[r][v * kLanes], &acc[r][v], sizeof acc[r][v]);
+  w8a8_store(&sums[0][0], kPanel, MR, sx, sw, bias, out, os, col, valid);
 }
 
 template <typename A>
@@ -231,8 +237,7 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
           for (int j = 0; j < np; ++j) {
             const int64_t col = (p + j) * kPanel;
             const int valid = static_cast<int>(N - col < kPanel ? N - col : kPanel);
-            for (int r = 0; r < mr; ++r)
-              w8a8_store(&c[r][j * 16], sx[m0 + r], scales + col, bias, out + (m0 + r) * os, col, valid);
+            w8a8_store(&c[0][j * 16], 32, mr, sx + m0, scales + col, bias, out + m0 * os, os, col, valid);
           }
           g += mt;
         }
