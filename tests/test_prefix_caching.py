@@ -350,7 +350,7 @@ def test_followers_plan_branch_points_and_wait_for_their_leader():
 
     def seq(tokens, done=0, plan=()):
         return SimpleNamespace(prompt_token_ids=tokens, num_computed_tokens=done, snapshot_plan=list(plan),
-                               params=SimpleNamespace(prompt_logprobs=None))
+                               params=SimpleNamespace(prompt_logprobs=None, cache_salt=None))
 
     base = list(range(3, 43))  # 40 shared tokens
     leader, a, b, short = seq(base + [1, 2]), seq(base + [5]), seq(base + [6, 7]), seq(base[:20] + [9])
