@@ -21,7 +21,7 @@ def check_cache_salt(salt: object) -> str | None:
     if not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a string, not {type(salt).__name__}")
     if not salt:
-        raise ValueError("cache_salt must not be empty (leave it out to use the shared cache)")
+        raise ValueError("cache_salt must not be empty (leave the field out for no salt)")
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise ValueError(f"cache_salt is {len(salt)} characters long; at most {MAX_CACHE_SALT_CHARS} are allowed")
     return salt
