@@ -10,6 +10,7 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
+from hybridserve.cache.kv_events import BlockStored
 from hybridserve.cache.salt import MAX_CACHE_SALT_CHARS
 from hybridserve.config import EngineConfig
 from hybridserve.engine.async_engine import AsyncEngine
@@ -38,10 +39,14 @@ def checkpoint(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def _client(path: str, isolation: str = "shared"):
+def _client(path: str, isolation: str = "shared", events: list | None = None):
+    """The app over a fresh engine; with ``events``, the KV events it publishes are appended there."""
     engine = LLMEngine(EngineConfig(model=path, device="cpu", cache_memory="8MiB", max_model_len=128,
                                     max_num_seqs=2, enable_progress_bar=False))
-    state = ServerState(engine=AsyncEngine(engine), tokenizer=TokenizerWorker(path, engine.max_model_len),
+    if events is not None:
+        engine.enable_kv_events()
+    state = ServerState(engine=AsyncEngine(engine, kv_events=None if events is None else events.extend),
+                        tokenizer=TokenizerWorker(path, engine.max_model_len),
                         model_name="tiny", max_model_len=engine.max_model_len, api_key=KEY,
                         prefix_cache_isolation=isolation)
     with TestClient(build_app(state), base_url="http://localhost") as client:
@@ -125,6 +130,17 @@ def test_api_key_isolation_keys_every_request_by_its_key(checkpoint):
     assert request_cache_salt("api-key", "s", "Bearer k1") == request_cache_salt("api-key", "s", "bearer  k1")
     with pytest.raises(ValueError, match="--prefix-cache-isolation=api-key needs --api-key"):
         check_isolation("api-key", None)
+
+
+def test_salted_requests_publish_no_kv_events(checkpoint):
+    prompt = PREFIX + [1, 2, 3]
+    for isolation, salt, published in [("shared", None, True), ("shared", "tenant", False), ("api-key", None, False)]:
+        events: list = []
+        with _client(checkpoint, isolation, events) as (client, _):
+            _cached(client, prompt, salt)
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        assert bool(stored) == published, (isolation, salt)
+        assert all(set(e.token_ids) <= set(prompt) for e in stored)
 
 
 def test_kv_events_default_to_loopback():
