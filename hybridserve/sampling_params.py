@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.cache.salt import check_cache_salt
 from hybridserve.structured_output.params import StructuredOutputsParams
 
 #: temperatures below this sample greedily (dividing logits by a smaller one overflows float32)
@@ -29,6 +30,8 @@ class SamplingParams:
     which token is drawn; reported logprobs stay those of the model's own distribution.
     ``structured_outputs`` constrains the output to a JSON schema, a regex, a choice or a grammar
     (:class:`StructuredOutputsParams`; see docs/structured_output.md).
+    ``cache_salt`` (vLLM's): the prefix-cache tenant of the request; requests with different salts never share
+    cached pages or state snapshots, and unsalted ones share only with each other (:mod:`hybridserve.cache.salt`).
     """
 
     n: int = 1
@@ -52,6 +55,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar
+    cache_salt: str | None = None  # the prefix-cache tenant: None shares with every unsalted request
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     _adjusts_logits: bool = field(default=False, init=False, repr=False)
 
@@ -127,6 +131,7 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
             self.structured_outputs.validate()
+        check_cache_salt(self.cache_salt)
         if self.top_k == -1:
             self.top_k = 0
         self._adjusts_logits = (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0

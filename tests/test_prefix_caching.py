@@ -350,7 +350,7 @@ def test_followers_plan_branch_points_and_wait_for_their_leader():
 
     def seq(tokens, done=0, plan=()):
         return SimpleNamespace(prompt_token_ids=tokens, num_computed_tokens=done, snapshot_plan=list(plan),
-                               params=SimpleNamespace(prompt_logprobs=None))
+                               params=SimpleNamespace(prompt_logprobs=None, cache_salt=None))
 
     base = list(range(3, 43))  # 40 shared tokens
     leader, a, b, short = seq(base + [1, 2]), seq(base + [5]), seq(base + [6, 7]), seq(base[:20] + [9])
@@ -376,7 +376,8 @@ def test_bad_prefix_caching_options_are_refused():
 # ---------------------------------------------------------------- random interleavings
 @st.composite
 def workloads(draw):
-    """Requests over a few shared prefixes, with aborts at random steps."""
+    """Requests over a few shared prefixes, some with a cache salt (a tree of their own), with aborts at random
+    steps."""
     prefixes = [draw(st.lists(st.integers(3, 120), min_size=1, max_size=40)) for _ in range(3)]
     requests = []
     for _ in range(draw(st.integers(3, 9))):
@@ -384,7 +385,8 @@ def workloads(draw):
         cut = draw(st.integers(1, len(base)))
         suffix = draw(st.lists(st.integers(3, 120), min_size=0, max_size=12))
         requests.append(dict(prompt=base[:cut] + suffix, max_tokens=draw(st.integers(1, 10)),
-                             arrive=draw(st.integers(0, 12)), abort=draw(st.one_of(st.none(), st.integers(0, 20)))))
+                             arrive=draw(st.integers(0, 12)), abort=draw(st.one_of(st.none(), st.integers(0, 20))),
+                             salt=draw(st.sampled_from([None, None, "a", "b"]))))
     return requests
 
 
@@ -406,8 +408,8 @@ def test_random_requests_aborts_and_evictions(tight_engines, work):
     while pending or engine.has_unfinished_requests():
         while pending and work[pending[0]]["arrive"] <= step:
             i = pending.pop(0)
-            engine.add_request(str(i), work[i]["prompt"],
-                               SamplingParams(temperature=0, max_tokens=work[i]["max_tokens"], ignore_eos=True))
+            engine.add_request(str(i), work[i]["prompt"], SamplingParams(
+                temperature=0, max_tokens=work[i]["max_tokens"], ignore_eos=True, cache_salt=work[i]["salt"]))
         for i, w in enumerate(work):
             if w["abort"] == step and str(i) not in finished:
                 engine.abort_request(str(i))
@@ -425,3 +427,4 @@ def test_random_requests_aborts_and_evictions(tight_engines, work):
                             SamplingParams(temperature=0, max_tokens=w["max_tokens"], ignore_eos=True))[0]
         assert out.outputs[0].token_ids == want.outputs[0].token_ids, "a wrong prefix hit"
     assert_drained(engine)
+    assert engine.cache.prefix.index.num_salts == 0  # every salt's emptied tree is forgotten

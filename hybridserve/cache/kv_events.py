@@ -15,6 +15,10 @@ the blocks tell where a request's KV is cached, and snapshots sit at prompt ends
 points along them, so a request that shares a published prefix resumes at its snapshot nearest below. Only
 full blocks are published (a partly filled last page, or a snapshot's tail, is not).
 
+Only the unsalted tree is published. The blocks of requests with a ``cache_salt`` (:mod:`hybridserve.cache.salt`)
+are never recorded: an event carries its blocks' token ids, and a salt exists to keep a tenant's prompts from
+everyone else. (A router that hashes tokens itself could not route by a salted block anyway.)
+
 This module is bookkeeping only (no sockets, no encoding): :class:`KVEventRecorder` collects events while
 the engine steps, and the server's publisher (:mod:`hybridserve.entrypoints.openai.kv_events`) takes them.
 """
@@ -72,7 +76,10 @@ class KVEventRecorder:
         self._chain: list["PageNode"] = []  # blocks stored since the last event, each a child of the one before
 
     def stored(self, node: "PageNode") -> None:
-        """``node`` was added to the index (a child of its parent, published or the root)."""
+        """``node`` was added to the index (a child of its parent, published or the root); a salted one is
+        not recorded."""
+        if node.salt is not None:
+            return
         if self._chain and node.parent is not self._chain[-1]:
             self._flush_chain()
         parent = node.parent

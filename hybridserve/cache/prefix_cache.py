@@ -41,6 +41,10 @@ before it (``Snapshot.window_pages``), and a hit resumes from a snapshot alone (
 copies the partly filled one); a model with window layers and no recurrent state gets no hits.
 docs/sliding_window.md.
 
+Tenants. A request's ``cache_salt`` (:mod:`hybridserve.cache.salt`) picks the index's tree it looks up and
+fills: requests with different salts never share a page or a snapshot, and a branch point is only planned
+for queued requests of the same salt; events are recorded for unsalted pages only.
+
 With events on (:meth:`PrefixCache.enable_events`), every page added to the index or evicted from it is
 recorded as a KV cache event for a router in front of several replicas (:mod:`hybridserve.cache.kv_events`,
 docs/data_parallel.md).
@@ -139,7 +143,7 @@ class PrefixCache:
         it must compute every prompt position."""
         tokens = seq.all_token_ids
         limit = len(tokens) - 1  # the last token is always run: its logits are sampled
-        match = self.index.match(tokens, limit)
+        match = self.index.match(tokens, limit, seq.params.cache_salt)
         bs = self.block_size
         if seq.params.prompt_logprobs is not None or (self.window is not None and not self.has_state):
             hit = PrefixHit(0, [], None, None)  # (window pages are restored from state snapshots alone)
@@ -231,7 +235,7 @@ class PrefixCache:
         i = seq.num_indexed_pages
         if i >= full:
             return
-        node = seq.prefix_node or self.index.root
+        node = seq.prefix_node or self.index.root_of(seq.params.cache_salt, create=True)
         while i < full:
             tokens = tuple(seq.token_ids_slice(i * bs, bs))
             child = node.children.get(tokens)
@@ -296,6 +300,7 @@ class PrefixCache:
         value = done / (self.slot_bytes + self._window_blocks(done) * self.page_bytes)  # as value() will have it
         if not self._evict_until(lambda: self.manager.pool.can_allocate(0, 1), below=value):
             self.stats.snapshots_skipped += 1
+            self._consider(node)  # a salt's root made for this snapshot alone is dropped again
             return
         slot = self.manager.allocate_raw(0, 1).slots[0]  # compaction may move seq's slot: read it after
         self.manager.copy_slot(seq.state_slot, slot)
@@ -304,8 +309,9 @@ class PrefixCache:
     def _where(self, seq) -> tuple[PageNode | None, tuple[int, ...]]:
         """The node and tail tokens of a snapshot of ``seq`` at its last computed token (None if its pages
         are not indexed up to there)."""
-        node = seq.prefix_node or self.index.root
+        node = seq.prefix_node or self.index.root_of(seq.params.cache_salt, create=True)
         if node.depth != seq.num_computed_tokens // self.block_size:
+            self._consider(node)  # (a salt's root made just now, holding nothing, is dropped again)
             return None, ()
         start = node.depth * self.block_size
         return node, tuple(seq.token_ids_slice(start, seq.num_computed_tokens - start))
@@ -381,7 +387,11 @@ class PrefixCache:
         return (1 + item.hits) * self.block_size / self.page_bytes
 
     def _consider(self, item: PageNode | Snapshot) -> None:
-        """Queue ``item`` for eviction if it is evictable (a node without bytes is dropped at once)."""
+        """Queue ``item`` for eviction if it is evictable (a node without bytes is dropped at once; a salt's
+        root that holds nothing is forgotten)."""
+        if isinstance(item, PageNode) and item.parent is None:
+            self.index.drop_root_if_empty(item)
+            return
         if not self.evictable(item):
             return
         if isinstance(item, PageNode) and item.page is None:

@@ -13,6 +13,11 @@ their KV (``tail_page``). Snapshots sit at any token position, so hits are token
 without recurrent state keeps the same records without a slot (``slot`` None): the partly filled last
 page of a finished sequence, so the next turn of a chat reuses its KV to the token.
 
+Each cache salt (:mod:`hybridserve.cache.salt`) has a tree of its own: the salt is the key of the root a
+path starts from, so requests with different salts never match each other's pages or snapshots, while
+requests with the same salt share exactly as unsalted ones do. Unsalted requests use :attr:`PrefixIndex.root`;
+a salted root is made when its salt first caches something and dropped when it holds nothing again.
+
 This module is pure bookkeeping over ids: it owns no pool memory. :mod:`hybridserve.cache.prefix_cache`
 holds the references, copies the bytes and decides what to evict; here are the tree, the match and
 a priority queue of eviction candidates with lazy invalidation (an item pushed again after it
@@ -45,6 +50,7 @@ class PageNode:
     last_used: int = 0
     version: int = 0
     removed: bool = False
+    salt: str | None = None  # the cache salt of the tree it belongs to (None: the unsalted tree)
 
 
 @dataclass(eq=False)
@@ -94,18 +100,45 @@ class PrefixIndex:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.root = PageNode((), None, None, 0)
-        self.num_nodes = 0  # root excluded
+        self.root = PageNode((), None, None, 0)  # the unsalted requests' tree
+        self._salted_roots: dict[str, PageNode] = {}  # one tree per cache salt that holds something
+        self.num_nodes = 0  # roots excluded
         self.num_snapshots = 0
         self.clock = 0
         self._heap: list[tuple[float, int, int, int, PageNode | Snapshot]] = []
         self._order = itertools.count()
 
+    # ------------------------------------------------------------------ roots
+    def root_of(self, salt: str | None, create: bool = False) -> PageNode | None:
+        """The root of ``salt``'s tree (made with ``create``; otherwise None if that salt holds nothing)."""
+        if salt is None:
+            return self.root
+        root = self._salted_roots.get(salt)
+        if root is None and create:
+            root = self._salted_roots[salt] = PageNode((), None, None, 0, salt=salt)
+        return root
+
+    def drop_root_if_empty(self, root: PageNode) -> None:
+        """Forget a salted root that holds no page, no snapshot and no sequence's cursor."""
+        if root.salt is not None and not root.children and not root.snapshots and not root.pins \
+                and self._salted_roots.get(root.salt) is root:
+            del self._salted_roots[root.salt]
+            root.removed = True
+
+    @property
+    def num_salts(self) -> int:
+        """Cache salts whose tree holds something."""
+        return len(self._salted_roots)
+
     # ------------------------------------------------------------------ match
-    def match(self, tokens: list[int], limit: int) -> PrefixMatch:
-        """The cached pages along ``tokens`` and the longest snapshot at a position ``<= limit``."""
+    def match(self, tokens: list[int], limit: int, salt: str | None = None) -> PrefixMatch:
+        """The cached pages along ``tokens`` and the longest snapshot at a position ``<= limit``, in ``salt``'s
+        tree only."""
         bs = self.block_size
-        node, path, best = self.root, [], None
+        root = self.root_of(salt)
+        if root is None:
+            return PrefixMatch([], 0, None, None)
+        node, path, best = root, [], None
         while True:
             for snap in node.snapshots:
                 pos = snap.position
@@ -138,7 +171,7 @@ class PrefixIndex:
     def add_child(self, node: PageNode, tokens: tuple[int, ...], page: int | None) -> PageNode:
         """A new node for ``tokens`` (``block_size`` of them) under ``node``, held in ``page``."""
         assert len(tokens) == self.block_size and tokens not in node.children
-        child = PageNode(tokens, page, node, node.depth + 1, last_used=self.tick())
+        child = PageNode(tokens, page, node, node.depth + 1, last_used=self.tick(), salt=node.salt)
         node.children[tokens] = child
         self.num_nodes += 1
         return child
@@ -180,11 +213,11 @@ class PrefixIndex:
         item.last_used = self.tick()
 
     def items(self):
-        """Every node (root excluded) and every snapshot."""
-        stack = [self.root]
+        """Every node (roots excluded) and every snapshot, of every salt's tree."""
+        stack = [self.root, *self._salted_roots.values()]
         while stack:
             node = stack.pop()
-            if node is not self.root:
+            if node.parent is not None:
                 yield node
             yield from node.snapshots
             stack.extend(node.children.values())

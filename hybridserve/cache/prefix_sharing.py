@@ -8,6 +8,8 @@ chunk ends there; and a queued request that shares a prefix with a leader that h
 planned snapshot yet waits (:func:`waits_for_leader`), to resume from it a step later instead of
 computing the prefix again. Only the queued prompts near the front are compared
 (:data:`MAX_COMPARED`), and a leader plans at most :data:`MAX_BRANCH_POINTS` such points (the most shared).
+Only requests with the same cache salt are compared (:mod:`hybridserve.cache.salt`): a request never plans a
+snapshot where another tenant's prompt leaves its own, nor waits for another tenant's request.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def follower_branch_points(leader, queued, start: int) -> list[int]:
     counts: Counter[int] = Counter()
     for other in islice(queued, MAX_COMPARED):
         if other is leader or other.num_computed_tokens or not other.prompt_token_ids \
-                or other.prompt_token_ids[0] != prompt[0]:
+                or other.prompt_token_ids[0] != prompt[0] or other.params.cache_salt != leader.params.cache_salt:
             continue
         n = shared_tokens(prompt, other.prompt_token_ids)
         if n >= MIN_SHARED_TOKENS and n > start:
@@ -56,7 +58,8 @@ def waits_for_leader(seq, running) -> bool:
     for leader in running:
         done = leader.num_computed_tokens
         pending = [p for p in leader.snapshot_plan if p > done and p >= MIN_SHARED_TOKENS]
-        if not pending or leader.prompt_token_ids[0] != prompt[0]:
+        if not pending or leader.prompt_token_ids[0] != prompt[0] \
+                or leader.params.cache_salt != seq.params.cache_salt:
             continue
         shared = shared_tokens(leader.prompt_token_ids, prompt)
         if any(p <= shared for p in pending):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 from typing import Sequence as Seq
@@ -62,6 +63,10 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in input order.
 
+        A prompt is a string, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``; a dict may carry vLLM's
+        ``"cache_salt"``, the prompt's prefix-cache tenant (the same as ``SamplingParams.cache_salt``): prompts with
+        different salts never share cached prefixes.
+
         All prompts are validated before any runs: a bad one raises ValueError and nothing is queued.
         A request that fails inside the engine fails alone: its output has ``error`` set and finish
         reason "error" (logged as a warning); the others complete.
@@ -75,6 +80,7 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        params_list = [_with_prompt_salt(params, prompt) for params, prompt in zip(params_list, prompts)]
         encoded = [self._prompt_ids(p) for p in prompts]
         request_ids = [f"gen-{next(self._ids)}" for _ in prompts]
         self.engine.add_requests([(rid, ids, params, text) for rid, (ids, text), params
@@ -133,6 +139,19 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in request_ids]
+
+
+def _with_prompt_salt(params: SamplingParams, prompt: PromptType) -> SamplingParams:
+    """``params`` with the ``cache_salt`` a prompt dict carries (ValueError if ``params`` names another one)."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None or salt == params.cache_salt:
+        return params
+    if params.cache_salt is not None:
+        raise ValueError("the prompt's cache_salt differs from its sampling params' cache_salt: give one of them")
+    salted = copy.copy(params)
+    salted.cache_salt = salt
+    salted.validate()
+    return salted
 
 
 def _conversations(messages: Any) -> list[list[dict]]:

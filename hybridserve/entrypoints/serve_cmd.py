@@ -7,6 +7,7 @@ import os
 
 from hybridserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from hybridserve.entrypoints.openai.auth import check_api_key
+from hybridserve.entrypoints.openai.cache_isolation import ISOLATION_MODES, check_isolation
 from hybridserve.entrypoints.openai.hosts import allowed_hosts
 from hybridserve.entrypoints.openai.limits import add_limit_args, limits_from_args
 
@@ -46,9 +47,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the server's log level")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish the prefix cache's block events over ZMQ for a KV-aware router, vLLM's JSON: "
-                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
-                        "enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, "
-                        "max_queue_size, topic; needs pyzmq and msgpack). Blocks are 16-token KV pages")
+                        "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://127.0.0.1:5557\"}' (keys: "
+                        "enable_kv_cache_events, publisher, endpoint (default tcp://127.0.0.1:5557), replay_endpoint, "
+                        "buffer_steps, hwm, max_queue_size, topic; needs pyzmq and msgpack). Blocks are 16-token KV "
+                        "pages; unsalted prompts' token ids are published, without authentication")
+    p.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="allow a --kv-events-config endpoint or replay endpoint beyond loopback (tcp://*:PORT, "
+                        "another address); it exposes every unsalted prompt's token ids to whoever connects")
+    p.add_argument("--prefix-cache-isolation", default="shared", choices=ISOLATION_MODES,
+                   help="who shares the prefix cache: 'shared', every request of the same cache_salt (none: the "
+                        "unsalted ones); 'api-key', requests made with the same API key and cache_salt (needs "
+                        "--api-key)")
     add_limit_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run)
@@ -83,13 +92,16 @@ def run(args: argparse.Namespace) -> int:
     api_key = check_api_key(args.api_key)
     if args.protect_metrics_and_docs and api_key is None:
         raise ValueError("--protect-metrics-and-docs needs --api-key")
+    check_isolation(args.prefix_cache_isolation, api_key)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     limits = limits_from_args(args)
     kv_events = None
     if args.kv_events_config is not None:
-        from hybridserve.entrypoints.openai.kv_events import KVEventsConfig
+        from hybridserve.entrypoints.openai.kv_events import KVEventsConfig, check_exposure
 
         kv_events = KVEventsConfig.from_json(args.kv_events_config)
+        if not args.kv_events_allow_remote:
+            check_exposure(kv_events, allow_remote=False)  # refused before the model loads (warned when it binds)
     try:
         from hybridserve.entrypoints.openai.api_server import run_server
     except ImportError as exc:
@@ -111,4 +123,5 @@ def run(args: argparse.Namespace) -> int:
                       model_name=getattr(args, "served_model_names", None) or served_model_name(model),
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                       log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
-                      allowed_hosts=hosts, kv_events=kv_events)
+                      allowed_hosts=hosts, kv_events=kv_events, kv_events_allow_remote=args.kv_events_allow_remote,
+                      prefix_cache_isolation=args.prefix_cache_isolation)

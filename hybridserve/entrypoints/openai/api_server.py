@@ -34,6 +34,7 @@ from hybridserve.engine.async_engine import AsyncEngine
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.entrypoints.openai.auth import bearer_matches, check_api_key
 from hybridserve.entrypoints.openai.body_limit import BodySizeLimit
+from hybridserve.entrypoints.openai.cache_isolation import check_isolation
 from hybridserve.entrypoints.openai.errors import APIError, install_error_handlers
 from hybridserve.entrypoints.openai.hosts import AllowedHosts
 from hybridserve.entrypoints.openai.kv_events import KVEventsConfig, ZmqEventPublisher
@@ -203,22 +204,25 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                model_name: str | list[str] | tuple[str, ...], max_waiting_requests: int | None = None,
                shutdown_timeout: float = 30.0,
                log_level: str = "info", limits: ServerLimits | None = None, protect_metrics_and_docs: bool = False,
-               allowed_hosts: tuple[str, ...] | None = None, kv_events: KVEventsConfig | None = None) -> int:
+               allowed_hosts: tuple[str, ...] | None = None, kv_events: KVEventsConfig | None = None,
+               kv_events_allow_remote: bool = False, prefix_cache_isolation: str = "shared") -> int:
     """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start.
 
     ``model_name``: the name requests may use, or several (the first is the one responses carry).
-    ``kv_events``: publish the prefix cache's block events as it says (:mod:`kv_events`), when active.
+    ``kv_events``: publish the prefix cache's block events as it says (:mod:`kv_events`), when active; an endpoint
+    beyond loopback needs ``kv_events_allow_remote``. ``prefix_cache_isolation``: :mod:`cache_isolation`.
 
     Raises ValueError for a key that cannot be used (empty, say) or docs protection without a key.
     """
     api_key = check_api_key(api_key)
     if protect_metrics_and_docs and api_key is None:
         raise ValueError("--protect-metrics-and-docs needs --api-key")
+    check_isolation(prefix_cache_isolation, api_key)
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
     publisher = None
     if kv_events is not None and kv_events.active:
         engine.enable_kv_events()
-        publisher = ZmqEventPublisher(kv_events)
+        publisher = ZmqEventPublisher(kv_events, allow_remote=kv_events_allow_remote)
         logger.info("publishing KV cache events on %s (topic %r, block size %d)", kv_events.endpoint,
                     kv_events.topic, engine.cache.pool.layout.block_size)
     state = ServerState(engine=AsyncEngine(engine, max_waiting_requests,
@@ -226,7 +230,7 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                         tokenizer=TokenizerWorker(engine.config.tokenizer or engine.config.model, engine.max_model_len),
                         model_name=names[0], max_model_len=engine.max_model_len, api_key=api_key,
                         limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs,
-                        extra_model_names=names[1:])
+                        extra_model_names=names[1:], prefix_cache_isolation=prefix_cache_isolation)
     config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0)
     server = _Server(config, state.engine, shutdown_timeout)

@@ -2,7 +2,7 @@
 
 The flag takes vLLM's JSON (``KVEventsConfig``'s keys)::
 
-    --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
+    --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}'
 
 Wire format (vLLM's ZMQ publisher): a PUB socket bound at ``endpoint`` sends one multipart message per batch,
 ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian signed counter from 0, ``payload`` the msgpack of
@@ -16,6 +16,12 @@ With ``replay_endpoint``, a ROUTER socket bound there answers ``[b"", start_seq]
 every buffered batch from ``start_seq`` on, each ``[b"", topic, seq, payload]``, then ``[b"", topic, -1, b""]``
 (the last ``buffer_steps`` batches are kept), so a subscriber that missed some catches up.
 
+Exposure. The sockets have no authentication, and every ``BlockStored`` event carries the token ids of an
+unsalted prompt's blocks (salted requests' blocks are not published). So the default endpoint is on loopback
+(``tcp://127.0.0.1:5557``, where vLLM binds every interface), and an endpoint or replay endpoint that is not on
+loopback (``tcp://*:...``, an interface, another address or transport) is refused unless the server is started
+with ``--kv-events-allow-remote``; then it is logged at WARNING (:func:`check_exposure`).
+
 The events themselves (what a block is, its hash, why a hybrid publishes KV blocks): :mod:`hybridserve.cache.kv_events`.
 Needs ``pyzmq`` and ``msgpack`` (``pip install 'hybridserve[kv-events]'``). Docs: ``docs/data_parallel.md``.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import ipaddress
 import json
 import logging
 import queue
@@ -48,7 +55,7 @@ class KVEventsConfig:
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"  # loopback (vLLM's default is every interface: see check_exposure)
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's send high-water mark
@@ -97,6 +104,48 @@ class KVEventsConfig:
                 raise ValueError(f"--kv-events-config: {name} must be an integer >= 1, not {value!r}")
 
 
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint is reachable from this machine only: ``tcp://`` on a loopback address or
+    ``localhost``, ``ipc://`` or ``inproc://``."""
+    transport, sep, address = endpoint.partition("://")
+    if not sep:
+        return False
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport != "tcp":
+        return False
+    host = address.rsplit(":", 1)[0]
+    if ";" in host:  # tcp://SOURCE;DEST: a connect form, never a bind on loopback alone
+        return False
+    host = host.removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name or a host name
+
+
+def check_exposure(config: KVEventsConfig, allow_remote: bool) -> list[str]:
+    """The endpoints of an active ``config`` that are not on loopback. ValueError if there are any and
+    ``allow_remote`` is off; logged at WARNING (what they expose) if it is on."""
+    if not config.active:
+        return []
+    exposed = [e for e in (config.endpoint, config.replay_endpoint) if e is not None and not is_loopback_endpoint(e)]
+    if not exposed:
+        return exposed
+    what = ("every unsalted prompt's token ids, to anyone who connects, without authentication" +
+            (" (the replay endpoint serves the last %d batches)" % config.buffer_steps
+             if config.replay_endpoint in exposed else ""))
+    if not allow_remote:
+        raise ValueError(f"--kv-events-config: {', '.join(exposed)} is not a loopback endpoint; the KV events expose "
+                         f"{what}. Bind tcp://127.0.0.1:PORT, or pass --kv-events-allow-remote to publish beyond "
+                         "this machine")
+    logger.warning("KV cache events are published on %s beyond loopback (--kv-events-allow-remote): they expose %s",
+                   ", ".join(exposed), what)
+    return exposed
+
+
 def event_wire(event: KVEvent) -> dict[str, Any]:
     """An event as the map vLLM's publisher sends (tagged by ``type``)."""
     if isinstance(event, BlockStored):
@@ -122,9 +171,12 @@ def _seq_bytes(seq: int) -> bytes:
 
 
 class ZmqEventPublisher:
-    """Sends event batches from a thread of its own (it owns the sockets); :meth:`publish` never blocks."""
+    """Sends event batches from a thread of its own (it owns the sockets); :meth:`publish` never blocks.
 
-    def __init__(self, config: KVEventsConfig) -> None:
+    An endpoint beyond loopback needs ``allow_remote`` (ValueError otherwise; see :func:`check_exposure`)."""
+
+    def __init__(self, config: KVEventsConfig, allow_remote: bool = False) -> None:
+        check_exposure(config, allow_remote)
         try:
             import msgpack  # noqa: F401
             import zmq  # noqa: F401

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, PlainValidator, WithJsonSchema
 
+from hybridserve.cache.salt import MAX_CACHE_SALT_CHARS, check_cache_salt
+
 
 def _no_bool(value: Any) -> Any:
     if isinstance(value, bool):
@@ -51,6 +53,9 @@ def _prompt(value: Any) -> str | list:
 
 _IDS_SCHEMA = {"type": "array", "items": {"type": "integer"}}
 TokenIds = Annotated[list[int], PlainValidator(_token_ids), WithJsonSchema(_IDS_SCHEMA)]
+#: vLLM's ``cache_salt``: a non-empty string of at most MAX_CACHE_SALT_CHARS characters (hybridserve.cache.salt)
+CacheSalt = Annotated[str, PlainValidator(check_cache_salt),
+                      WithJsonSchema({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS})]
 Prompt = Annotated[str | list, PlainValidator(_prompt), WithJsonSchema({"anyOf": [
     {"type": "string"}, {"type": "array", "items": {"type": "string"}}, _IDS_SCHEMA,
     {"type": "array", "items": _IDS_SCHEMA}]})]
@@ -105,6 +110,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: CacheSalt | None = None  # the prefix-cache tenant (docs/server.md, "Isolation")
 
     def unsupported(self) -> str | None:
         """The name of a field set to a value this server does not implement, if any."""

@@ -74,7 +74,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     check_completions(state.limits, request.n, 1)
-    params = sampling_params(request, max_tokens, logprobs)
+    params = sampling_params(request, max_tokens, logprobs, cache_salt=state.cache_salt_of(request, raw))
     prompt_ids = await chat_prompt_ids(state, request)
     requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
     await requests.start()

@@ -19,6 +19,7 @@ from hybridserve.engine.async_engine import (
     QueueFullError,
     RequestFailedError,
 )
+from hybridserve.entrypoints.openai.cache_isolation import request_cache_salt
 from hybridserve.entrypoints.openai.errors import APIError, ClientDisconnected, error_body, internal_error
 from hybridserve.entrypoints.openai.limits import ServerLimits
 from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
@@ -42,6 +43,7 @@ class ServerState:
     limits: ServerLimits = field(default_factory=ServerLimits)
     protect_metrics_and_docs: bool = False  # /metrics and the docs routes need the API key too
     extra_model_names: tuple[str, ...] = ()  # further names requests may use (``--served-model-name A B``)
+    prefix_cache_isolation: str = "shared"  # or "api-key" (``--prefix-cache-isolation``, cache_isolation.py)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -54,13 +56,18 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
 
+    def cache_salt_of(self, request: Any, raw: Request) -> str | None:
+        """The prefix-cache salt ``request`` runs with (its ``cache_salt``, keyed by its API key in api-key mode)."""
+        return request_cache_salt(self.prefix_cache_isolation, request.cache_salt,
+                                  raw.headers.get("authorization", ""))
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, cache_salt: str | None = None) -> SamplingParams:
     """The engine's SamplingParams of an API request; a bad value is a 400 naming the field.
 
     ``max_tokens=0`` (prefill only) is valid only with completions' ``echo=true``, as in vLLM: it returns
@@ -75,7 +82,7 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
     fields: dict[str, Any] = dict(
         n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
         min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,

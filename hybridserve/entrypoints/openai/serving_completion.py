@@ -115,7 +115,8 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     items = prompt_items(request.prompt)
     check_completions(state.limits, request.n, len(items))
     params = sampling_params(request, request.max_tokens, request.logprobs,
-                             prompt_logprobs=request.logprobs if request.echo else None)
+                             prompt_logprobs=request.logprobs if request.echo else None,
+                             cache_salt=state.cache_salt_of(request, raw))
     prompts = await tokenized_prompts(state, items)
     echoes = await _echoes(state, request, prompts)
     requests = EngineRequests(state.engine, new_id("cmpl"), prompts, params)
