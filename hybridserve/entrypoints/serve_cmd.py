@@ -7,6 +7,7 @@ import os
 
 from hybridserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from hybridserve.entrypoints.openai.auth import check_api_key
+from hybridserve.entrypoints.openai.edge_limits import add_edge_args, edge_limits_from_args
 from hybridserve.entrypoints.openai.hosts import allowed_hosts
 from hybridserve.entrypoints.openai.limits import add_limit_args, limits_from_args
 
@@ -50,6 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "enable_kv_cache_events, publisher, endpoint, replay_endpoint, buffer_steps, hwm, "
                         "max_queue_size, topic; needs pyzmq and msgpack). Blocks are 16-token KV pages")
     add_limit_args(p)
+    add_edge_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run)
 
@@ -85,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--protect-metrics-and-docs needs --api-key")
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     limits = limits_from_args(args)
+    edge = edge_limits_from_args(args)
     kv_events = None
     if args.kv_events_config is not None:
         from hybridserve.entrypoints.openai.kv_events import KVEventsConfig
@@ -111,4 +114,4 @@ def run(args: argparse.Namespace) -> int:
                       model_name=getattr(args, "served_model_names", None) or served_model_name(model),
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                       log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
-                      allowed_hosts=hosts, kv_events=kv_events)
+                      allowed_hosts=hosts, kv_events=kv_events, edge=edge)
