@@ -59,9 +59,14 @@ class EdgeServer:
         self.thread.join(timeout=10)
 
     def connect(self) -> socket.socket:
-        sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-        return sock
+        return connect(self.port)
+
+
+def connect(port: int) -> socket.socket:
+    """A TCP connection to 127.0.0.1:``port``, with a small receive buffer."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    return sock
 
 
 def request_head(method: str, path: str, extra: str = "") -> bytes:

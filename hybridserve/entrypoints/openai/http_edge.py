@@ -12,8 +12,10 @@ server's sockets for ever. This protocol adds, per connection (bounds in :class:
 - past either, the client gets 408 (if it had sent something and nothing was answered yet) and the
   connection is closed;
 - **connection limit**: with ``max_connections`` connections open, a new one gets 503 at once and is
-  closed (lingering at most ``REFUSAL_LINGER_S`` so that the client reads the 503 rather than a reset);
-  connections already open, and their requests (``/health`` among them), go on as before.
+  closed (lingering at most ``REFUSAL_LINGER_S`` so that the client reads the 503 rather than a reset,
+  ``MAX_LINGERING`` of them at once: past that, closed at once, so that refusals never take the file
+  descriptors that FD_RESERVE keeps free); connections already open, and their requests (``/health``
+  among them), go on as before.
 
 The deadlines follow h11's view of the client: IDLE (head expected), SEND_BODY (body expected), DONE.
 """
@@ -26,12 +28,14 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hybridserve.entrypoints.openai.edge_limits import EdgeLimits
+from hybridserve.entrypoints.openai.edge_limits import FD_RESERVE, EdgeLimits
 
 logger = logging.getLogger("uvicorn.error")
 
 #: how long a refused connection stays open to let the client read its 503 (closed earlier at its EOF)
 REFUSAL_LINGER_S = 1.0
+#: refused connections lingering at once, at most (each holds a file descriptor)
+MAX_LINGERING = FD_RESERVE // 2
 
 
 def _raw_response(status: int, reason: str, message: str, kind: str) -> bytes:
@@ -46,6 +50,7 @@ class EdgeH11Protocol(H11Protocol):
     :func:`edge_protocol`)."""
 
     edge: EdgeLimits = EdgeLimits()
+    lingering = 0  # refused connections lingering now (a class of edge_protocol: per server)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -53,6 +58,7 @@ class EdgeH11Protocol(H11Protocol):
         self._phase: str | None = None  # "head", "body" or None (no deadline: answering, or kept alive)
         self._head_bytes = 0  # bytes received in the current head phase
         self._refused = False
+        self._lingers = False  # a refused connection counted in ``lingering``
 
     # ---------------------------------------------------------------------------- connection limit
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -70,8 +76,12 @@ class EdgeH11Protocol(H11Protocol):
         message = (f"the server holds {len(self.connections):,} connections, its limit (set by --max-connections): "
                    "retry later")
         transport.write(_raw_response(503, "Service Unavailable", message, "service_unavailable_error"))
-        if transport.can_write_eof():
-            transport.write_eof()  # the client reads the 503 and an end of stream; what it sends is dropped
+        if type(self).lingering >= MAX_LINGERING or not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # the client reads the 503 and an end of stream; what it sends is dropped
+        type(self).lingering += 1
+        self._lingers = True
         self._deadline = self.loop.call_later(REFUSAL_LINGER_S, transport.abort)
 
     def data_received(self, data: bytes) -> None:
@@ -91,6 +101,9 @@ class EdgeH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        if self._lingers:
+            self._lingers = False
+            type(self).lingering -= 1
         if self._refused:
             return
         super().connection_lost(exc)
