@@ -179,3 +179,13 @@ def test_the_connection_limit_keeps_file_descriptors_free():
         check_max_connections(500, (400, 50))
     with pytest.raises(ValueError, match="ulimit -n 100"):
         check_max_connections(None, (100, 50))
+
+
+@pytest.mark.parametrize("flag, value", [("--header-timeout", "0"), ("--body-timeout", "-1"),
+                                         ("--keep-alive-timeout", "nan"), ("--max-connections", "0"),
+                                         ("--max-connections", "100000000"), ("--max-log-lines-per-minute", "-5")])
+def test_bad_edge_flags_are_refused_at_startup(capsys, flag, value):
+    from hybridserve.entrypoints.cli import main
+
+    assert main(["serve", "/nonexistent-model-dir", flag, value]) == 2  # before anything is loaded
+    assert flag in capsys.readouterr().err

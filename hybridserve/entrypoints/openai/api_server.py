@@ -235,6 +235,9 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0,
                             http=edge_protocol(edge), timeout_keep_alive=edge.keep_alive_timeout)
     install_log_limit(edge.max_log_lines_per_minute)  # on the handlers uvicorn's Config just set up
+    logger.info("HTTP edge: request heads within %g s, bodies within %g s, idle connections closed after %g s, "
+                "at most %d connections", edge.header_timeout, edge.body_timeout, edge.keep_alive_timeout,
+                edge.max_connections)
     server = _Server(config, state.engine, shutdown_timeout)
     try:
         server.run()
