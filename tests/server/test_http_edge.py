@@ -26,23 +26,23 @@ def test_trickling_headers_are_cut_off_at_the_header_timeout():
     with EdgeServer(EdgeLimits(header_timeout=SHORT, body_timeout=LONG, keep_alive_timeout=LONG)) as server:
         sock = server.connect()
         sock.sendall(b"GET /health HTTP/1.1\r\n")
-        took, received = closed_after(sock, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n", limit_s=5.0)
-        assert SHORT * 0.8 <= took <= SHORT + 2.0, took
+        took, received = closed_after(sock, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n", limit_s=6.0)
+        assert SHORT * 0.8 <= took <= SHORT + 3.0, took
         assert received.startswith(b"HTTP/1.1 408") and b"--header-timeout" in received, received[:300]
 
 
 def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout():
     with EdgeServer(EdgeLimits(header_timeout=SHORT, body_timeout=LONG, keep_alive_timeout=LONG)) as server:
-        took, received = closed_after(server.connect(), None, limit_s=5.0)
-        assert took <= SHORT + 2.0 and received == b"", (took, received)  # nothing asked, nothing answered
+        took, received = closed_after(server.connect(), None, limit_s=6.0)
+        assert SHORT * 0.8 <= took <= SHORT + 3.0 and received == b"", (took, received)  # nothing asked, no answer
 
 
 def test_a_trickling_body_is_cut_off_at_the_body_timeout():
     with EdgeServer(EdgeLimits(header_timeout=LONG, body_timeout=SHORT, keep_alive_timeout=LONG)) as server:
         sock = server.connect()
         sock.sendall(request_head("POST", "/echo", "Content-Length: 100000\r\n"))
-        took, received = closed_after(sock, b"x", limit_s=5.0)
-        assert SHORT * 0.8 <= took <= SHORT + 2.0, took
+        took, received = closed_after(sock, b"x", limit_s=6.0)
+        assert SHORT * 0.8 <= took <= SHORT + 3.0, took
         assert received.startswith(b"HTTP/1.1 408") and b"--body-timeout" in received, received[:300]
         # a body sent at once is still read whole
         fast = server.connect()
@@ -56,8 +56,8 @@ def test_an_idle_kept_alive_connection_is_closed():
         for _ in range(2):  # kept alive between requests sent at once
             sock.sendall(request_head("GET", "/health"))
             assert read_response(sock).startswith(b"HTTP/1.1 200")
-        took, received = closed_after(sock, None, limit_s=5.0)
-        assert took <= SHORT + 2.0 and received == b"", (took, received)
+        took, received = closed_after(sock, None, limit_s=6.0)
+        assert SHORT * 0.8 <= took <= SHORT + 3.0 and received == b"", (took, received)
 
 
 def test_past_the_connection_limit_new_connections_get_503_while_open_ones_go_on():
@@ -101,7 +101,7 @@ def test_an_unauthenticated_body_gets_401_before_it_is_sent():
         sock.sendall(b"x" * 65536)  # 1/32 of the body: the rest is never sent
         answer = read_response(sock, timeout=3.0)
         assert answer.startswith(b"HTTP/1.1 401") and b"authentication_error" in answer, answer[:300]
-        assert b"www-authenticate: Bearer" in answer.lower().replace(b"bearer", b"Bearer")
+        assert b"www-authenticate: bearer" in answer.lower()
         good = server.connect()
         good.sendall(request_head("POST", "/echo", f"Authorization: Bearer {KEY}\r\nContent-Length: 10\r\n")
                      + b"0123456789")
@@ -189,3 +189,16 @@ def test_bad_edge_flags_are_refused_at_startup(capsys, flag, value):
 
     assert main(["serve", "/nonexistent-model-dir", flag, value]) == 2  # before anything is loaded
     assert flag in capsys.readouterr().err
+
+
+def test_edge_flags_reach_the_limits():
+    from hybridserve.entrypoints.cli import build_parser
+    from hybridserve.entrypoints.openai.edge_limits import edge_limits_from_args
+
+    args = build_parser().parse_args(["serve", "--header-timeout", "1.5", "--body-timeout", "2", "--keep-alive-timeout",
+                                      "0.25", "--max-connections", "7", "--max-log-lines-per-minute", "0"])
+    assert edge_limits_from_args(args) == EdgeLimits(header_timeout=1.5, body_timeout=2.0, keep_alive_timeout=0.25,
+                                                     max_connections=7, max_log_lines_per_minute=0)
+    defaults = edge_limits_from_args(build_parser().parse_args(["serve"]))
+    assert (defaults.header_timeout, defaults.body_timeout, defaults.keep_alive_timeout) == (10.0, 60.0, 5.0)
+    assert 1 <= defaults.max_connections <= 1024
