@@ -29,6 +29,13 @@ def test_trickling_headers_are_cut_off_at_the_header_timeout():
         took, received = closed_after(sock, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n", limit_s=6.0)
         assert SHORT * 0.8 <= took <= SHORT + 3.0, took
         assert received.startswith(b"HTTP/1.1 408") and b"--header-timeout" in received, received[:300]
+        kept = server.connect()  # the same on a kept-alive connection's second request
+        kept.sendall(request_head("GET", "/health"))
+        assert read_response(kept).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /health HTTP/1.1\r\n")
+        took, received = closed_after(kept, b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n", limit_s=6.0)
+        assert SHORT * 0.8 <= took <= SHORT + 3.0, took
+        assert received.startswith(b"HTTP/1.1 408"), received[:300]
 
 
 def test_a_connection_that_sends_nothing_is_closed_at_the_header_timeout():

@@ -144,7 +144,8 @@ class EdgeH11Protocol(H11Protocol):
                          else ("--body-timeout", self.edge.body_timeout))
         what = "request line and headers" if phase == "head" else "request body"
         logger.info("closed a connection: its %s did not arrive within %g s (%s)", what, seconds, flag)
-        answered = self.cycle is not None and self.cycle.response_started
+        # (in the head phase, a cycle is the previous request's: this one has not been answered)
+        answered = phase == "body" and self.cycle is not None and self.cycle.response_started
         if not answered and (phase == "body" or self._head_bytes):
             message = f"the {what} did not arrive within {seconds:g} s (set by {flag})"
             self.transport.write(_raw_response(408, "Request Timeout", message, "invalid_request_error"))
