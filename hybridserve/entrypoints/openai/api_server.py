@@ -233,7 +233,8 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
     edge = edge or EdgeLimits()
     config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0,
-                            http=edge_protocol(edge), timeout_keep_alive=edge.keep_alive_timeout)
+                            http=edge_protocol(edge), timeout_keep_alive=edge.keep_alive_timeout,
+                            ws="none")  # no WebSocket routes: an upgrade request is a plain HTTP request
     install_log_limit(edge.max_log_lines_per_minute)  # on the handlers uvicorn's Config just set up
     logger.info("HTTP edge: request heads within %g s, bodies within %g s, idle connections closed after %g s, "
                 "at most %d connections", edge.header_timeout, edge.body_timeout, edge.keep_alive_timeout,
