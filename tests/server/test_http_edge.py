@@ -166,6 +166,18 @@ def test_the_log_limit_drops_a_flood_and_reports_how_many():
     assert len(lines) == 7 and second.stream.getvalue().splitlines() == lines
 
 
+def test_the_log_limit_reports_drops_not_yet_reported(caplog):
+    limit = LogRateLimit(max_lines=2, window_s=60.0, clock=lambda: 0.0)
+    records = [logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, "Invalid HTTP request received.",
+                                 None, None) for _ in range(10)]
+    assert [limit.filter(r) for r in records] == [True, True] + [False] * 8
+    with caplog.at_level(logging.WARNING):
+        limit.report_dropped()
+        limit.report_dropped()  # reported once
+    assert [r.getMessage() for r in caplog.records] == [
+        "8 log lines of uvicorn.error like 'Invalid HTTP request received.' were dropped (--max-log-lines-per-minute)"]
+
+
 def test_bad_edge_limits_name_their_flag():
     for name, flag in (("header_timeout", "--header-timeout"), ("body_timeout", "--body-timeout"),
                        ("keep_alive_timeout", "--keep-alive-timeout")):

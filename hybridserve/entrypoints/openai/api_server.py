@@ -235,7 +235,7 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0,
                             http=edge_protocol(edge), timeout_keep_alive=edge.keep_alive_timeout,
                             ws="none")  # no WebSocket routes: an upgrade request is a plain HTTP request
-    install_log_limit(edge.max_log_lines_per_minute)  # on the handlers uvicorn's Config just set up
+    log_limit = install_log_limit(edge.max_log_lines_per_minute)  # on the handlers uvicorn's Config just set up
     logger.info("HTTP edge: request heads within %g s, bodies within %g s, idle connections closed after %g s, "
                 "at most %d connections", edge.header_timeout, edge.body_timeout, edge.keep_alive_timeout,
                 edge.max_connections)
@@ -245,4 +245,6 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
     finally:
         if publisher is not None:
             publisher.close()
+        if log_limit is not None:
+            log_limit.report_dropped()
     return 0 if server.started else 1

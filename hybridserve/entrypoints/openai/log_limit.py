@@ -5,7 +5,8 @@ request received.", a refused connection, asyncio's "socket.accept() out of syst
 a bound they fill the disk. A line's kind is its logger, its level and the first line of its message
 template (so lines that differ only in their arguments are one kind). Each kind may write
 ``max_lines`` per window; the lines past it are dropped and counted, and the first line of that kind
-in a later window carries the count (``[1,234 more like this dropped in the last 60 s]``).
+in a later window carries the count (``[1,234 more like this dropped in the last 60 s]``), and
+``report_dropped`` (called when the server stops) logs the counts not reported yet.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Callable
+
+logger = logging.getLogger(__name__)
 
 #: kinds tracked at most: past it, lines are keyed by logger and level only (a message built without a
 #: template would otherwise make a new kind each time)
@@ -56,6 +59,15 @@ class LogRateLimit(logging.Filter):
             return False
         counts[1] += 1
         return True
+
+    def report_dropped(self) -> None:
+        """Log, for each kind with lines dropped and not yet reported, how many (then forget them)."""
+        pending = [(kind, counts[2]) for kind, counts in self._kinds.items() if counts[2]]
+        for kind, dropped in pending:
+            self._kinds[kind][2] = 0
+            what = kind[2] if len(kind) > 2 else f"level {logging.getLevelName(kind[1])}"
+            logger.warning("%s log lines of %s like %r were dropped (--max-log-lines-per-minute)",
+                           f"{dropped:,}", kind[0] or "root", what)
 
     def _kind(self, record: logging.LogRecord) -> tuple:
         first_line = str(record.msg).split("\n", 1)[0][:200]
