@@ -73,8 +73,8 @@ class EdgeH11Protocol(H11Protocol):
         self.transport = transport
         logger.warning("refused a connection: %d connections are open, the limit (--max-connections)",
                        len(self.connections))
-        message = (f"the server holds {len(self.connections):,} connections, its limit (set by --max-connections): "
-                   "retry later")
+        message = (f"the server holds its limit of {self.edge.max_connections:,} connections (set by "
+                   "--max-connections): retry later")
         transport.write(_raw_response(503, "Service Unavailable", message, "service_unavailable_error"))
         if type(self).lingering >= MAX_LINGERING or not transport.can_write_eof():
             transport.close()
