@@ -8,6 +8,7 @@ import os
 from hybridserve.entrypoints.engine_args import HelpFormatter, add_engine_args, engine_kwargs
 from hybridserve.entrypoints.openai.auth import check_api_key
 from hybridserve.entrypoints.openai.cache_isolation import ISOLATION_MODES, check_isolation
+from hybridserve.entrypoints.openai.edge_limits import add_edge_args, edge_limits_from_args
 from hybridserve.entrypoints.openai.hosts import allowed_hosts
 from hybridserve.entrypoints.openai.limits import add_limit_args, limits_from_args
 
@@ -59,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "unsalted ones); 'api-key', requests made with the same API key and cache_salt (needs "
                         "--api-key)")
     add_limit_args(p)
+    add_edge_args(p)
     add_engine_args(p)
     p.set_defaults(handler=run)
 
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     check_isolation(args.prefix_cache_isolation, api_key)
     hosts = allowed_hosts(args.allowed_hosts, args.host)
     limits = limits_from_args(args)
+    edge = edge_limits_from_args(args)
     kv_events = None
     if args.kv_events_config is not None:
         from hybridserve.entrypoints.openai.kv_events import KVEventsConfig, check_exposure
@@ -124,4 +127,4 @@ def run(args: argparse.Namespace) -> int:
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                       log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
                       allowed_hosts=hosts, kv_events=kv_events, kv_events_allow_remote=args.kv_events_allow_remote,
-                      prefix_cache_isolation=args.prefix_cache_isolation)
+                      prefix_cache_isolation=args.prefix_cache_isolation, edge=edge)

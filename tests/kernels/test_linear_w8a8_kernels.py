@@ -3,10 +3,10 @@ quantized to int8 per row, at every ISA level this CPU runs (the ``isa_level`` f
 amx level on a CPU with AMX-INT8, integer vectors at the others), against the plain-PyTorch reference
 (``ops/linear_w8.py: linear_w8a8_ref``).
 
-The stated bound is bit equality: the kernel quantizes with the reference's float32 operations (x * (127 / max|x|), ties to
-even), its integer sums are exact, and its epilogue rounds float(sum) * s_w * s_x + b step by step as the
-reference does. So a row's result depends on nothing but the row: not on the other rows of the call, the
-thread count or the level."""
+The stated bound is bit equality: the kernel quantizes with the reference's float32 operations
+(x * (127 / max|x|), ties to even), its integer sums are exact, and its epilogue rounds
+float(sum) * s_w * s_x + b step by step as the reference does. So a row's result depends on nothing but
+the row: not on the other rows of the call, the thread count or the level."""
 
 from __future__ import annotations
 

@@ -103,11 +103,20 @@ def log_tail(handle, path: str) -> str:
         return f.read().decode(errors="replace")[-5000:]
 
 
+def _limit_open_files(count: int) -> None:
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (count, hard))
+
+
 class ServerProcess:
     """``hybridserve serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, model: str, log_path: str, *args: str, api_key: str | None = None) -> None:
-        """``api_key``: passed as --api-key, and sent to /metrics (for a server that protects it)."""
+    def __init__(self, model: str, log_path: str, *args: str, api_key: str | None = None,
+                 open_files: int | None = None) -> None:
+        """``api_key``: passed as --api-key, and sent to /metrics (for a server that protects it);
+        ``open_files``: the server's file descriptor limit (``ulimit -n``), if given."""
         self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         args = (*args, "--api-key", api_key) if api_key else args
@@ -118,7 +127,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
                "--port", str(self.port), "--log-level", "warning", "--device", "cpu", *args]
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                     preexec_fn=None if open_files is None else lambda: _limit_open_files(open_files))
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         wait_until_answers(self.proc, self.url + "/health", "server", self.log, timeout, 0.2)

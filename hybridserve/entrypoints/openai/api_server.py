@@ -4,12 +4,14 @@ Routes: ``GET /health``, ``GET /metrics``, ``GET /v1/models``, ``POST /v1/comple
 ``POST /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, the API docs (``/docs``,
 ``/redoc``, ``/openapi.json``), and what a router in front of several replicas uses
 (:mod:`serving_router`: ``POST /v1/completions/render``, ``POST /v1/chat/completions/render``,
-``GET /get_load``, ``POST /flush_cache``, ``POST /reset_prefix_cache``). With an API key set, the ``/v1``
-routes, the tokenizer's and the router's need ``Authorization: Bearer KEY``; ``/metrics`` and the docs too
-with ``protect_metrics_and_docs`` (``/health`` stays open, for probes).
+``GET /get_load``, ``POST /flush_cache``, ``POST /reset_prefix_cache``). With an API key set, every path
+but ``/health`` (for probes), ``/metrics`` and the docs needs ``Authorization: Bearer KEY``; ``/metrics``
+and the docs too with ``protect_metrics_and_docs``.
 
-In front of every route: the Host header check (:mod:`hosts`), then the body size limit
-(:mod:`body_limit`); in every route, the body checks of :mod:`routing`. Docs: ``docs/server.md``.
+Below the app, the HTTP edge (:mod:`http_edge`): deadlines on each request's head and body and a
+connection limit. In front of every route: the Host header check (:mod:`hosts`), the API key from the
+headers (:mod:`early_auth`), then the body size limit (:mod:`body_limit`); in every route, the body
+checks of :mod:`routing`. Docs: ``docs/server.md``.
 
 Shutdown (SIGTERM or SIGINT): the listening socket closes at once and new requests get 503; requests
 in flight get ``shutdown_timeout`` seconds to finish, then are aborted (each stream ends with
@@ -32,13 +34,17 @@ from fastapi.responses import JSONResponse, Response
 
 from hybridserve.engine.async_engine import AsyncEngine
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.entrypoints.openai.auth import bearer_matches, check_api_key
+from hybridserve.entrypoints.openai.auth import check_api_key
 from hybridserve.entrypoints.openai.body_limit import BodySizeLimit
 from hybridserve.entrypoints.openai.cache_isolation import check_isolation
+from hybridserve.entrypoints.openai.early_auth import EarlyAuth
+from hybridserve.entrypoints.openai.edge_limits import EdgeLimits
 from hybridserve.entrypoints.openai.errors import APIError, install_error_handlers
 from hybridserve.entrypoints.openai.hosts import AllowedHosts
+from hybridserve.entrypoints.openai.http_edge import edge_protocol
 from hybridserve.entrypoints.openai.kv_events import KVEventsConfig, ZmqEventPublisher
 from hybridserve.entrypoints.openai.limits import ServerLimits
+from hybridserve.entrypoints.openai.log_limit import install_log_limit
 from hybridserve.entrypoints.openai.metrics import metrics_registry, render
 from hybridserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -77,20 +83,15 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
     app.state.hybridserve = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, limits=state.limits)
+    # the key, from the headers: a client without it never gets its body read
+    app.add_middleware(EarlyAuth, api_key=state.api_key, protect_metrics_and_docs=state.protect_metrics_and_docs)
     app.add_middleware(AllowedHosts, allowed=allowed_hosts)  # added last: runs first
-
-    def authorized(request: Request) -> None:
-        if state.api_key is not None and not bearer_matches(request.headers.get("authorization", ""),
-                                                            state.api_key):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
 
     def accepting() -> None:
         if not state.engine.accepting:
             raise APIError(503, getattr(state.engine, "down_reason", None) or "the server is shutting down")
 
-    v1 = [Depends(authorized), Depends(accepting)]
-    guarded = [Depends(authorized)] if state.protect_metrics_and_docs else []
+    v1 = [Depends(accepting)]  # the API key: EarlyAuth
 
     @app.get("/health")
     async def health() -> Any:
@@ -100,24 +101,24 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
 
     registry = metrics_registry(state.engine, state.model_name)  # this server's own
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"], dependencies=guarded)  # HEAD: scrapers' reachability probe
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: scrapers' reachability probe
     async def metrics(request: Request) -> Any:
         body, content_type = render(registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Any:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", dependencies=guarded, include_in_schema=False)
+    @app.get("/docs", include_in_schema=False)
     async def docs() -> Any:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="hybridserve - API docs")
 
-    @app.get("/redoc", dependencies=guarded, include_in_schema=False)
+    @app.get("/redoc", include_in_schema=False)
     async def redoc() -> Any:
         return get_redoc_html(openapi_url="/openapi.json", title="hybridserve - API docs")
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> Any:
         cards = [ModelCard(id=name, root=state.model_name, max_model_len=state.max_model_len)
                  for name in state.model_names]
@@ -147,7 +148,7 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
     async def chat_completions_render(body: ChatCompletionRequest) -> Any:
         return _respond(await render_chat(state, body))
 
-    @app.get("/get_load", dependencies=[Depends(authorized)])
+    @app.get("/get_load")
     async def get_load() -> Any:
         return _respond(load(state))
 
@@ -205,10 +206,12 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                shutdown_timeout: float = 30.0,
                log_level: str = "info", limits: ServerLimits | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: tuple[str, ...] | None = None, kv_events: KVEventsConfig | None = None,
-               kv_events_allow_remote: bool = False, prefix_cache_isolation: str = "shared") -> int:
+               kv_events_allow_remote: bool = False, prefix_cache_isolation: str = "shared",
+               edge: EdgeLimits | None = None) -> int:
     """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start.
 
     ``model_name``: the name requests may use, or several (the first is the one responses carry).
+    ``edge``: the connection bounds (:mod:`http_edge`; the defaults of EdgeLimits if None).
     ``kv_events``: publish the prefix cache's block events as it says (:mod:`kv_events`), when active; an endpoint
     beyond loopback needs ``kv_events_allow_remote``. ``prefix_cache_isolation``: :mod:`cache_isolation`.
 
@@ -231,12 +234,21 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                         model_name=names[0], max_model_len=engine.max_model_len, api_key=api_key,
                         limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs,
                         extra_model_names=names[1:], prefix_cache_isolation=prefix_cache_isolation)
+    edge = edge or EdgeLimits()
     config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
-                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0)
+                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0,
+                            http=edge_protocol(edge), timeout_keep_alive=edge.keep_alive_timeout,
+                            ws="none")  # no WebSocket routes: an upgrade request is a plain HTTP request
+    log_limit = install_log_limit(edge.max_log_lines_per_minute)  # on the handlers uvicorn's Config just set up
+    logger.info("HTTP edge: request heads within %g s, bodies within %g s, idle connections closed after %g s, "
+                "at most %d connections", edge.header_timeout, edge.body_timeout, edge.keep_alive_timeout,
+                edge.max_connections)
     server = _Server(config, state.engine, shutdown_timeout)
     try:
         server.run()
     finally:
         if publisher is not None:
             publisher.close()
+        if log_limit is not None:
+            log_limit.report_dropped()
     return 0 if server.started else 1
