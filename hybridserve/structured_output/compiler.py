@@ -137,8 +137,8 @@ class GrammarCompiler:
         return self._tokenizer
 
     def _compile_now(self, spec: StructuredOutputsParams, key: tuple[str, str]) -> CompiledGrammar:
-        before = _resident_bytes()
         tokenizer = self._ll_tokenizer()
+        before = _resident_bytes()
         grammar = backend.grammar_text(spec)
         template = backend.llguidance_module().LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
