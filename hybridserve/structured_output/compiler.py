@@ -72,40 +72,41 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """``spec``'s compiled grammar: the one attached to it, a cached one, or compiled now (waiting in this
         thread). ValueError naming the field if it does not compile; GrammarLimitError past a limit."""
-        found = self._attached(spec)
+        key = spec.key()
+        found = self._attached(spec, key)
         if found is not None:
             return found
-        kind = spec.kind
-        future = self.submit(spec)
+        future = self.submit(spec, key)
         try:
             compiled = future.result(timeout=self.limits.max_grammar_compile_seconds)
         except FutureTimeout:
             future.cancel()
-            raise compile_timeout_error(kind, self.limits) from None
+            raise compile_timeout_error(key[0], self.limits) from None
         spec.compiled = compiled
         return compiled
 
     async def compile_async(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """:meth:`compile` for an asyncio caller: the loop keeps running while the worker compiles."""
-        found = self._attached(spec)
+        key = spec.key()
+        found = self._attached(spec, key)
         if found is not None:
             return found
-        kind = spec.kind
-        future = self.submit(spec)
+        future = self.submit(spec, key)
         try:
             compiled = await asyncio.wait_for(asyncio.wrap_future(future), self.limits.max_grammar_compile_seconds)
         except asyncio.TimeoutError:
             future.cancel()
-            raise compile_timeout_error(kind, self.limits) from None
+            raise compile_timeout_error(key[0], self.limits) from None
         spec.compiled = compiled
         return compiled
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
-        """A future of ``spec``'s compiled grammar (done at once if cached). Checks the size limit first, in the
-        caller's thread: GrammarLimitError if the constraint's text is over ``max_grammar_bytes``."""
+    def submit(self, spec: StructuredOutputsParams, key: tuple[str, str] | None = None) -> Future:
+        """A future of ``spec``'s compiled grammar (done at once if cached; ``key``: ``spec.key()`` if the caller
+        has it). Checks the size limit first, in the caller's thread: GrammarLimitError if the constraint's text
+        is over ``max_grammar_bytes``."""
         if self.hf_tokenizer is None:
             raise ValueError("structured_outputs needs the model's tokenizer, and this engine has none")
-        key = spec.key()
+        key = spec.key() if key is None else key
         check_grammar_size(key[0], key[1], self.limits)
         found = self.cache.get(key)
         if found is not None:
@@ -124,9 +125,9 @@ class GrammarCompiler:
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = None
 
-    def _attached(self, spec: StructuredOutputsParams) -> CompiledGrammar | None:
+    def _attached(self, spec: StructuredOutputsParams, key: tuple[str, str]) -> CompiledGrammar | None:
         found = spec.compiled
-        if isinstance(found, CompiledGrammar) and found.compiler is self and found.key == spec.key():
+        if isinstance(found, CompiledGrammar) and found.compiler is self and found.key == key:
             return found
         return None
 
@@ -141,10 +142,15 @@ class GrammarCompiler:
         before = _resident_bytes()
         grammar = backend.grammar_text(spec)
         template = backend.llguidance_module().LLMatcher(tokenizer, grammar, log_level=0)
-        if template.is_error():
-            error = backend.short_error(template.get_error())
-            raise ValueError(f"structured_outputs.{spec.kind} is not valid: {error}")
-        probe_first_token(template, spec.kind)
+        invalid = backend.short_error(template.get_error()) if template.is_error() else None
+        over_limits = None if invalid else first_token_error(template)
+        if invalid or over_limits:
+            del template  # freed now, not when the collector reaches the exception's frames
+            if invalid:
+                raise ValueError(f"structured_outputs.{spec.kind} is not valid: {invalid}")
+            raise GrammarLimitError(f"structured_outputs.{spec.kind} is over the grammar engine's limits "
+                                    f"(llguidance's parser limits, met at its first token): {over_limits}; "
+                                    "simplify it")
         grown = max(0, _resident_bytes() - before)
         compiled = CompiledGrammar(template, key, grown + ENTRY_BASE_BYTES + BYTES_PER_GRAMMAR_CHAR * len(grammar),
                                    self)
@@ -154,20 +160,18 @@ class GrammarCompiler:
         return compiled
 
 
-def probe_first_token(template: Any, kind: str) -> None:
-    """Compute the first mask of a copy of ``template`` and consume its first allowed token: GrammarLimitError
-    naming llguidance's limit if either fails (what would otherwise fail the request at its first token)."""
+def first_token_error(template: Any) -> str | None:
+    """The probe: compute the first mask of a copy of ``template`` and consume its first allowed token; the
+    error (naming llguidance's limit) if either fails, which would otherwise fail the request at its first token,
+    else None."""
     probe = template.deep_copy()
     mask = probe.compute_bitmask()
     if not probe.is_error():
         allowed = int.from_bytes(mask, "little")
         if allowed == 0:
-            raise GrammarLimitError(f"structured_outputs.{kind} allows no token at its start")
+            return "no token is allowed at its start"
         probe.consume_token((allowed & -allowed).bit_length() - 1)  # the lowest allowed token id
-    if probe.is_error():
-        raise GrammarLimitError(f"structured_outputs.{kind} is over the grammar engine's limits (llguidance's "
-                                f"parser limits, met at its first token): {backend.short_error(probe.get_error())}; "
-                                "simplify it")
+    return backend.short_error(probe.get_error()) if probe.is_error() else None
 
 
 def _resident_bytes() -> int:
