@@ -34,12 +34,13 @@ BYTES_PER_GRAMMAR_CHAR = 32
 @dataclass(eq=False)
 class CompiledGrammar:
     """One grammar compiled on one compiler's tokenizer: ``template`` (an llguidance matcher at its start, never
-    advanced), the constraint's ``key`` and ``size_bytes``, the estimate of its memory."""
+    advanced), the constraint's ``key``, ``size_bytes`` (the estimate of its memory) and ``owner``, the identity of
+    the compiler that made it (not the compiler itself: params holding this keep no engine's cache alive)."""
 
     template: Any
     key: tuple[str, str]
     size_bytes: int
-    compiler: GrammarCompiler
+    owner: object
 
     def new_matcher(self) -> Any:
         """A fresh llguidance matcher of this grammar, at its start."""
@@ -67,6 +68,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._tokenizer: Any | None = None  # llguidance's view of hf_tokenizer, made by the worker at its first compile
+        self._identity = object()  # what its CompiledGrammars name as their owner
 
     # ------------------------------------------------------------------ callers
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
@@ -127,7 +129,7 @@ class GrammarCompiler:
 
     def _attached(self, spec: StructuredOutputsParams, key: tuple[str, str]) -> CompiledGrammar | None:
         found = spec.compiled
-        if isinstance(found, CompiledGrammar) and found.compiler is self and found.key == key:
+        if isinstance(found, CompiledGrammar) and found.owner is self._identity and found.key == key:
             return found
         return None
 
@@ -153,7 +155,7 @@ class GrammarCompiler:
                                     "simplify it")
         grown = max(0, _resident_bytes() - before)
         compiled = CompiledGrammar(template, key, grown + ENTRY_BASE_BYTES + BYTES_PER_GRAMMAR_CHAR * len(grammar),
-                                   self)
+                                   self._identity)
         with self._lock:
             self.num_compiles += 1
         self.cache.put(key, compiled)
