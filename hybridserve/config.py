@@ -26,6 +26,13 @@ from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import check_thread_options, check_wait_policy
 from hybridserve.spec_decode.config import parse_speculative_config
+from hybridserve.structured_output.limits import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+    GrammarLimits,
+    parse_cache_bytes,
+)
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,7 +100,8 @@ class ResolvedDtypes:
 
 
 # EngineConfig fields that change speed or output, never results: left out of the fingerprint.
-NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "enforce_eager", "cpu_wait_policy")
+NO_EFFECT_ON_RESULTS = ("enable_progress_bar", "cpu_weight_prepack", "enforce_eager", "cpu_wait_policy",
+                        "max_grammar_bytes", "max_grammar_compile_seconds", "grammar_cache_bytes")
 # (cpu_isa and cpu_kernels stay in it: the kernel variants round in their own orders.)
 
 
@@ -133,6 +141,10 @@ class EngineConfig:
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
     speculative_config: dict[str, Any] | str | None = None
     tensor_parallel_size: int = 1
+    # structured output's grammar limits (structured_output/limits.py, docs/structured_output.md)
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    max_grammar_compile_seconds: float = DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS
+    grammar_cache_bytes: int | str = DEFAULT_GRAMMAR_CACHE_BYTES
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -158,12 +170,18 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
+        self.grammar_cache_bytes = parse_cache_bytes(self.grammar_cache_bytes)
+        self.grammar_limits()  # ValueError naming a bad limit
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_options(self)
         if self.quantization in INT8_QUANTIZATIONS and (not self.cpu_kernels or self.device == "cuda"):
             raise ValueError(f"quantization={self.quantization!r} runs on hybridserve's compiled CPU kernels: it needs "
                              f"cpu_kernels=True and device cpu or auto (got cpu_kernels={self.cpu_kernels}, "
                              f"device={self.device!r})")
+
+    def grammar_limits(self) -> GrammarLimits:
+        """Structured output's limits on a request's grammar (size, compile time) and on the compiled-grammar cache."""
+        return GrammarLimits(self.max_grammar_bytes, self.max_grammar_compile_seconds, self.grammar_cache_bytes)
 
     def resolve_device(self) -> torch.device:
         """The torch device: ``auto`` picks CUDA when available."""

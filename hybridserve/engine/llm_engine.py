@@ -124,7 +124,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer.from_path(config.tokenizer or config.model)
         self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
         self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,
-                                                  self.eos_token_id)
+                                                  self.eos_token_id, config.grammar_limits())
         self.fingerprint = config.fingerprint(self.dtypes)
         self._requests = RequestRegistry()  # request id -> its sequences, by completion index
         self._arrivals = itertools.count()
@@ -180,7 +180,7 @@ class LLMEngine:
         if not self.cache.fits_at_all(len(ids) + max_tokens):
             raise ValueError(f"a request of {len(ids) + max_tokens} tokens does not fit in cache_memory="
                              f"{self.config.cache_memory} bytes; raise cache_memory or lower max_tokens")
-        self.structured.check(params)  # compiles its grammar (cached); ValueError naming the problem
+        self.structured.check(params)  # its grammar compiled (unless already), within the grammar limits
         if params.max_tokens is None:
             params = _with_max_tokens(params, max_tokens)
         return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
@@ -554,7 +554,9 @@ class LLMEngine:
                              error=group.error)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do at tensor_parallel_size 1); the engine runs no more steps."""
+        """Stop the tensor-parallel workers (nothing to do at tensor_parallel_size 1) and the grammar compiler's
+        worker thread; the engine runs no more steps."""
+        self.structured.close()
         if self.driver is not None:
             self.driver.shutdown()
 

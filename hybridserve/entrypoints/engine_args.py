@@ -9,6 +9,11 @@ from hybridserve.cache.dtypes import DEVICES, KV_CACHE_DTYPE_NAMES, MODEL_DTYPE_
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import WAIT_POLICIES
+from hybridserve.structured_output.limits import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -91,6 +96,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="tokens between the state snapshots of a long prefill (0: only at prompt ends, "
                              "generation ends and branch points)")
+    add_grammar_limit_args(parser)
+
+
+def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Structured output's grammar limits (docs/structured_output.md)."""
+    parser.add_argument("--max-grammar-bytes", type=int, default=DEFAULT_MAX_GRAMMAR_BYTES, metavar="N",
+                        help="longest structured-output constraint (JSON schema, regex, grammar, or the choices as "
+                             "a JSON list), in UTF-8 bytes; a longer one is refused (HTTP 400)")
+    parser.add_argument("--max-grammar-compile-seconds", type=float, default=DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+                        metavar="S", help="longest a request waits for its grammar to compile (in one worker "
+                                          "thread, queueing included); past it the request is refused (HTTP 400)")
+    parser.add_argument("--grammar-cache-bytes", default=f"{DEFAULT_GRAMMAR_CACHE_BYTES // 2 ** 20}MiB",
+                        metavar="SIZE", help="estimated memory of the compiled grammars kept for reuse (bytes or a "
+                                             "size such as 64MiB; 0 keeps none); least recently used dropped first")
 
 
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
@@ -98,7 +117,7 @@ ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cach
                  "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "cpu_threads",
                  "cpu_reserved_cores", "cpu_wait_policy", "quantization",
                  "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
-                 "tensor_parallel_size")
+                 "tensor_parallel_size", "max_grammar_bytes", "max_grammar_compile_seconds", "grammar_cache_bytes")
 
 
 def threads_arg(value: str) -> int | None:

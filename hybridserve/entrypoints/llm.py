@@ -21,7 +21,9 @@ class LLM:
     Every :class:`~hybridserve.config.EngineConfig` option is a keyword argument
     (``dtype``, ``kv_cache_dtype``, ``mamba_cache_dtype``, ``mamba_ssm_cache_dtype``, ``max_model_len``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``cache_memory``, ``device``, ``seed``, ...).
-    With no model named, the small model shipped with the package is used.
+    With no model named, the small model shipped with the package is used. Structured output's grammar limits
+    are options too: ``max_grammar_bytes``, ``max_grammar_compile_seconds``, ``grammar_cache_bytes``
+    (docs/structured_output.md, "Limits").
 
     CPU threads: ``cpu_threads`` and ``cpu_reserved_cores`` take effect here (``torch.set_num_threads``, for
     the whole process). ``cpu_wait_policy`` cannot: the OpenMP runtime read its wait policy when torch was

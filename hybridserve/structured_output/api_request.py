@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridserve.structured_output.backend import check
 from hybridserve.structured_output.params import FIELDS, StructuredOutputsParams
 
 #: vLLM's older request fields -> the StructuredOutputsParams field each sets
@@ -24,8 +23,9 @@ class StructuredOutputRequestError(ValueError):
 
 
 def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
-    """The request's constraint, checked (its grammar compiled without a tokenizer), or None if it has none;
-    StructuredOutputRequestError naming the field otherwise (also when it sets more than one such field)."""
+    """The request's constraint, its fields checked (its grammar is compiled later, off the event loop: see
+    ``compiler.py``), or None if it has none; StructuredOutputRequestError naming the field otherwise (also when
+    it sets more than one such field)."""
     given = _given_fields(request)
     if not given:
         return None
@@ -41,15 +41,20 @@ def structured_outputs_of(request: Any) -> StructuredOutputsParams | None:
             params = _from_object(request.structured_outputs)
         else:
             params = StructuredOutputsParams(**{GUIDED_FIELDS[param]: getattr(request, param)})
-        check(params)
     except StructuredOutputRequestError:
         raise
     except ValueError as exc:
-        raise StructuredOutputRequestError(param, _in_api_terms(str(exc), param)) from None
+        raise StructuredOutputRequestError(param, in_api_terms(str(exc), param)) from None
     return params
 
 
-def _in_api_terms(message: str, param: str) -> str:
+def requested_field(request: Any) -> str:
+    """The structured output field the request set (``response_format``, ``structured_outputs``, ``guided_*``)."""
+    given = _given_fields(request)
+    return given[0] if given else "structured_outputs"
+
+
+def in_api_terms(message: str, param: str) -> str:
     """``message`` about ``structured_outputs.<field>`` reworded for the request field the client set."""
     if param == "structured_outputs":
         return message

@@ -1,11 +1,10 @@
-"""The grammar engine, llguidance: its tokenizer view, grammars from :class:`StructuredOutputsParams`, and
-compiled grammars, cached per tokenizer and grammar key (see docs/structured_output.md for why llguidance)."""
+"""The grammar engine, llguidance: its tokenizer view and grammars from :class:`StructuredOutputsParams`
+(compiling them is ``compiler.py``'s; see docs/structured_output.md for why llguidance)."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from typing import Any
 
 from hybridserve.structured_output.params import StructuredOutputsParams
@@ -13,13 +12,10 @@ from hybridserve.structured_output.params import StructuredOutputsParams
 #: JSON schemas compile to compact JSON (no whitespace between tokens: ``{"a":1,"b":[2,3]}``), so a schema with
 #: bounded strings and arrays bounds the output; a schema's own ``"x-guidance"`` options override these
 JSON_DEFAULTS = {"whitespace_flexible": False}
-#: compiled grammars kept per process (least recently used dropped first)
-MAX_CACHED_GRAMMARS = 128
 _ERROR_CHARS = 400
 
 _lock = threading.Lock()
 _tokenizers: dict[tuple[str, int, int | None], Any] = {}
-_grammars: OrderedDict[tuple, Any] = OrderedDict()
 
 
 def llguidance_module():
@@ -56,14 +52,6 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise ValueError(f"structured_outputs.{kind} is not valid: {short_error(str(exc))}") from None
 
 
-def check(params: StructuredOutputsParams) -> None:
-    """Compile ``params``' grammar without a tokenizer: ValueError naming the field and the problem if it is bad."""
-    grammar = grammar_text(params)
-    error = llguidance_module().LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(f"structured_outputs.{params.kind} is not valid: {short_error(error)}")
-
-
 def tokenizer_key(hf_tokenizer: Any) -> str:
     """What identifies a tokenizer's vocabulary: the hash of its tokenizers JSON."""
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
@@ -85,23 +73,3 @@ def ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -
         with _lock:
             tok = _tokenizers.setdefault(key, tok)
     return tok
-
-
-def compile_grammar(tokenizer: Any, tokenizer_id: tuple, params: StructuredOutputsParams) -> Any:
-    """A fresh llguidance matcher of ``params``' grammar on ``tokenizer`` (a copy of the cached compiled one);
-    ValueError naming the field and the problem if the grammar does not compile."""
-    key = (tokenizer_id, params.key())
-    with _lock:
-        template = _grammars.get(key)
-        if template is not None:
-            _grammars.move_to_end(key)
-    if template is None:
-        llg = llguidance_module()
-        template = llg.LLMatcher(tokenizer, grammar_text(params), log_level=0)
-        if template.is_error():
-            raise ValueError(f"structured_outputs.{params.kind} is not valid: {short_error(template.get_error())}")
-        with _lock:
-            _grammars[key] = template
-            while len(_grammars) > MAX_CACHED_GRAMMARS:
-                _grammars.popitem(last=False)
-    return template.deep_copy()

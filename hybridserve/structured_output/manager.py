@@ -1,14 +1,15 @@
-"""The engine's structured output: compiles each request's grammar when it is added, keeps one matcher per
-sequence while it runs, and tells the engine each step's masks and when a grammar is complete."""
+"""The engine's structured output: has each request's grammar compiled when it is added (by its
+:class:`GrammarCompiler`, unless the server compiled it already), keeps one matcher per sequence while it runs,
+and tells the engine each step's masks and when a grammar is complete."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from hybridserve.sampling_params import SamplingParams
-from hybridserve.structured_output import backend
+from hybridserve.structured_output.compiler import GrammarCompiler
+from hybridserve.structured_output.limits import GrammarLimits
 from hybridserve.structured_output.matcher import SequenceMatcher
-from hybridserve.structured_output.params import StructuredOutputsParams
 
 
 class StructuredOutputManager:
@@ -22,40 +23,28 @@ class StructuredOutputManager:
     a preempted sequence keeps its output tokens and so its matcher. :meth:`release` drops them.
     """
 
-    def __init__(self, hf_tokenizer: Any | None, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, hf_tokenizer: Any | None, vocab_size: int, eos_token_id: int | None,
+                 limits: GrammarLimits | None = None) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._tokenizer: Any | None = None
-        self._tokenizer_id: tuple | None = None
-        self._mask_vocab = vocab_size  # the bitmasks' width: the logits' or, if larger, the tokenizer's
+        # the bitmasks' width: the logits' or, if larger, the tokenizer's
+        self._mask_vocab = max(vocab_size, len(hf_tokenizer)) if hf_tokenizer is not None else vocab_size
+        self.compiler = GrammarCompiler(hf_tokenizer, self._mask_vocab, eos_token_id, limits)
         self._matchers: dict[Any, SequenceMatcher] = {}
 
-    def _ll_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            if self.hf_tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer, and this engine has none")
-            vocab = max(self.vocab_size, len(self.hf_tokenizer))
-            self._tokenizer = backend.ll_tokenizer(self.hf_tokenizer, vocab, self.eos_token_id)
-            self._tokenizer_id = (backend.tokenizer_key(self.hf_tokenizer), vocab, self.eos_token_id)
-            self._mask_vocab = vocab
-        return self._tokenizer
-
     def check(self, params: SamplingParams) -> None:
-        """Compile (or find cached) the grammar of ``params``; ValueError naming the problem if it fails."""
+        """Compile the grammar of ``params`` (unless it is compiled already: by the server, or cached), within the
+        grammar limits; ValueError naming the problem (GrammarLimitError naming the limit) if it fails."""
         if params.structured_outputs is not None:
-            self._compile(params.structured_outputs)
-
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
-        tokenizer = self._ll_tokenizer()
-        return backend.compile_grammar(tokenizer, self._tokenizer_id, spec)
+            self.compiler.compile(params.structured_outputs)
 
     def matcher(self, seq: Any) -> SequenceMatcher:
         """The matcher of ``seq`` (a Sequence whose params have ``structured_outputs``), made on first use."""
         found = self._matchers.get(seq)
         if found is None:
             params = seq.params
-            found = SequenceMatcher(self._compile(params.structured_outputs), self._mask_vocab,
+            found = SequenceMatcher(self.compiler.compile(params.structured_outputs).new_matcher(), self._mask_vocab,
                                     params.stop_token_ids, seq.eos_token_id)
             for token in seq.output_token_ids:  # none, unless the sequence already generated some
                 found.accept(token)
@@ -79,6 +68,10 @@ class StructuredOutputManager:
 
     def release_all(self) -> None:
         self._matchers.clear()
+
+    def close(self) -> None:
+        """Stop the grammar compiler's worker thread."""
+        self.compiler.close()
 
     @property
     def num_matchers(self) -> int:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: the constraint fields, exactly one of which a request sets
@@ -16,13 +16,17 @@ class StructuredOutputsParams:
     """Exactly one of: ``json`` (a JSON schema, as a dict or a JSON string), ``json_object=True`` (any JSON
     object), ``regex`` (the whole output matches it), ``choice`` (the output is one of these strings),
     ``grammar`` (a Lark or GBNF/EBNF grammar, as llguidance reads it). Checked when made (and again by the
-    engine): anything else raises ValueError naming the field."""
+    engine): anything else raises ValueError naming the field. The grammar itself is compiled by the engine
+    (or, for the server, before the request reaches it), within the engine's grammar limits."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    #: the grammar compiled for this constraint (``structured_output.compiler.CompiledGrammar``), attached by the
+    #: first compile so the engine and later requests sharing these params do not compile it again
+    compiled: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -119,3 +119,26 @@ def test_bad_structured_output_is_400_naming_the_param(client, kw, param, proble
             call()
         error = info.value.body
         assert error["param"] == param and problem in error["message"], error
+
+
+RECURSIVE_REQUIRED = {"$ref": "#/$defs/a", "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
+                                                          "required": ["x"]}}}
+
+
+@pytest.mark.parametrize("body, param, limit", [
+    ({"guided_regex": "a{1000000}"}, "guided_regex", "too many expressions"),
+    ({"structured_outputs": {"regex": "(a{1000}){1000}"}}, "structured_outputs", "too many expressions"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": RECURSIVE_REQUIRED}}},
+     "response_format", "limit 50000"),
+    ({"guided_json": {"anyOf": [{"const": [i]} for i in range(3000)]}}, "guided_json", "max is 2000"),
+    ({"guided_choice": [f"choice number {i}" for i in range(5000)]}, "guided_choice", "--max-grammar-bytes"),
+])
+def test_grammar_over_a_limit_is_400_naming_it(client, server, body, param, limit):
+    """Grammars over llguidance's parser limits (which used to fail at the first token with a 500) and over
+    --max-grammar-bytes: refused before anything is queued."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, max_tokens=4, prompt="Hello", extra_body=body)
+    error = info.value.body
+    assert error["param"] == param and limit in error["message"], error
+    assert "limit" in error["message"]
+    wait_for(lambda: idle(server), what="an idle server")

@@ -27,6 +27,7 @@ from hybridserve.entrypoints.openai.serving_common import (
     ServerState,
     TextDelta,
     choices_of,
+    compile_structured_output,
     finish_reason,
     holdback_of,
     new_id,
@@ -76,6 +77,7 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     check_completions(state.limits, request.n, 1)
     params = sampling_params(request, max_tokens, logprobs, cache_salt=state.cache_salt_of(request, raw))
     prompt_ids = await chat_prompt_ids(state, request)
+    await compile_structured_output(state, request, params)
     requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
     await requests.start()
     if request.stream:

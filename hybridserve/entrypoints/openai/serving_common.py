@@ -25,7 +25,12 @@ from hybridserve.entrypoints.openai.limits import ServerLimits
 from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
 from hybridserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from hybridserve.sampling_params import SamplingParams
-from hybridserve.structured_output.api_request import StructuredOutputRequestError, structured_outputs_of
+from hybridserve.structured_output.api_request import (
+    StructuredOutputRequestError,
+    in_api_terms,
+    requested_field,
+    structured_outputs_of,
+)
 
 #: a request (streaming or not) checks at least this often (seconds) whether its client is still there
 DISCONNECT_POLL_S = 0.25
@@ -99,6 +104,20 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
         return SamplingParams(**fields)
     except ValueError as exc:
         raise APIError(400, str(exc), param=str(exc).split("=", 1)[0]) from None
+
+
+async def compile_structured_output(state: ServerState, request: Any, params: SamplingParams) -> None:
+    """Compile the request's grammar, if it has one, in the engine's grammar worker while the event loop goes on
+    (the engine then reuses it); one that does not compile, or is over a grammar limit, is a 400 naming the field
+    the client set, the limit and its flag."""
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    try:
+        await state.engine.engine.structured.compiler.compile_async(spec)
+    except ValueError as exc:
+        param = requested_field(request)
+        raise APIError(400, in_api_terms(str(exc), param), param=param) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -29,6 +29,7 @@ from hybridserve.entrypoints.openai.serving_common import (
     ServerState,
     TextDelta,
     choices_of,
+    compile_structured_output,
     finish_reason,
     holdback_of,
     new_id,
@@ -119,6 +120,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
                              cache_salt=state.cache_salt_of(request, raw))
     prompts = await tokenized_prompts(state, items)
     echoes = await _echoes(state, request, prompts)
+    await compile_structured_output(state, request, params)
     requests = EngineRequests(state.engine, new_id("cmpl"), prompts, params)
     await requests.start()
     if request.stream:
