@@ -196,7 +196,9 @@ inline void w8a8_amx_block(int64_t steps, const int8_t* a, int64_t Kq, const int
 }
 
 // The tile path: threads split the 32-column blocks; rows go in chunks whose quantized activations fit in
-// L2, and each (chunk, block) lays the block's codes out for the tiles once, in the thread's scratch.
+// L2. The first chunk lays each block's codes out for the tiles into the thread's scratch, which keeps the
+// layouts of all the thread's blocks for the later chunks (up to kWholeBytes; past that, one block's,
+// laid out again for every chunk). The scratch is kept between calls.
 template <typename A>
 void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, const float* sx, const uint8_t* packed,
               const A* bias, A* out, int64_t os) {
@@ -207,9 +209,8 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
   const bool parallel = blocks > 1 && M * N * K >= (1 << 18);
 #pragma omp parallel if (parallel)
   {
+    constexpr int64_t kWholeBytes = 64 << 20;
     static thread_local std::vector<int8_t> layout;
-    if (static_cast<int64_t>(layout.size()) < 2 * Kq * kPanel + 64) layout.resize(2 * Kq * kPanel + 64);
-    int8_t* b = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(layout.data()) + 63) & ~uintptr_t(63));
     const AmxConfig config;
     _tile_loadconfig(&config);
     int threads = 1, me = 0;
@@ -218,13 +219,19 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
     me = omp_get_thread_num();
 #endif
     const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    const int64_t block_bytes = 2 * Kq * kPanel;  // the layout of one 32-column block
+    const bool whole = groups > chunk_groups && (b_end - b_begin) * block_bytes <= kWholeBytes;
+    const int64_t need = (whole ? b_end - b_begin : 1) * block_bytes + 64;
+    if (static_cast<int64_t>(layout.size()) < need) layout.resize(need);
+    int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(layout.data()) + 63) & ~uintptr_t(63));
     alignas(64) int32_t c[32][32];
     for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
       const int64_t g1 = std::min(groups, g0 + chunk_groups);
       for (int64_t blk = b_begin; blk < b_end; ++blk) {
         const int64_t p = 2 * blk;
         const int np = panels - p >= 2 ? 2 : 1;
-        w8a8_tile_layout(packed + p * pe, pe, np, K, Kq, b);
+        int8_t* b = whole ? base + (blk - b_begin) * block_bytes : base;
+        if (!whole || g0 == 0) w8a8_tile_layout(packed + p * pe, pe, np, K, Kq, b);
         for (int64_t g = g0; g < g1;) {
           const int mt = g + 1 < g1 ? 2 : 1;
           const int8_t* a = xq + g * 16 * Kq;
