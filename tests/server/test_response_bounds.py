@@ -182,3 +182,12 @@ def test_infinite_and_nan_sampling_values_are_400(server, field):
         r = httpx.post(server.url + "/v1/completions", content=body, headers={"Content-Type": "application/json"})
         error = _error(r)
         assert field in (error["param"] or "") + error["message"] or raw == "NaN", (raw, error)
+
+
+@pytest.mark.parametrize("token", [10 ** 30, -5, 2 ** 32])
+def test_echo_of_token_ids_outside_the_vocabulary_is_400(server, vocab_size, token):
+    """echo decodes the prompt before the engine sees it: an id the tokenizer cannot take was a 500."""
+    for prompt in ([5, token], [[5, 6], [7, token]]):
+        error = _error(_post(server, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 1}))
+        assert error["param"] == "prompt" and f"[0, {vocab_size})" in error["message"], error
+        assert str(token)[:20] in error["message"], error

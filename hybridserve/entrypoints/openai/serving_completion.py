@@ -57,6 +57,17 @@ def prompt_items(prompt: str | list) -> list:
     return items
 
 
+def check_token_ids(prompts: list[tuple[list[int], str | None]], vocab_size: int) -> None:
+    """A 400 for a token-id prompt with an id outside the vocabulary, before anything decodes it (echo)."""
+    for p, (ids, text) in enumerate(prompts):
+        if text is None and not all(0 <= t < vocab_size for t in ids):
+            bad = [t for t in ids if not 0 <= t < vocab_size][:3]
+            shown = ", ".join(str(t) if len(str(t)) <= 20 else f"{str(t)[:20]}..." for t in bad)
+            which = f"prompt {p}: " if len(prompts) > 1 else ""
+            raise APIError(400, f"{which}prompt token ids [{shown}] are outside the vocabulary [0, {vocab_size})",
+                           param="prompt")
+
+
 async def tokenized_prompts(state: ServerState, items: list) -> list[tuple[list[int], str | None]]:
     """Each prompt as (token ids, text); the texts are tokenized together, off the event loop."""
     texts = [item for item in items if isinstance(item, str)]
@@ -119,6 +130,7 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     params = sampling_params(request, request.max_tokens, request.logprobs,
                              prompt_logprobs=request.logprobs if request.echo else None, vocab_size=state.vocab_size)
     prompts = await tokenized_prompts(state, items)
+    check_token_ids(prompts, state.vocab_size)
     check_response_size(state.limits, params.n, [len(ids) for ids, _ in prompts], request.echo, request.max_tokens,
                         state.max_model_len, request.logprobs)
     echoes = await _echoes(state, request, prompts)
