@@ -191,3 +191,10 @@ def test_echo_of_token_ids_outside_the_vocabulary_is_400(server, vocab_size, tok
         error = _error(_post(server, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 1}))
         assert error["param"] == "prompt" and f"[0, {vocab_size})" in error["message"], error
         assert str(token)[:20] in error["message"], error
+
+
+def test_chat_top_logprobs_out_of_range_names_top_logprobs(server):
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                                               "logprobs": True, "top_logprobs": 10 ** 30})
+    error = _error(r)
+    assert error["param"] == "top_logprobs" and "between 0 and 20" in error["message"], error

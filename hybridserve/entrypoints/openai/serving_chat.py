@@ -73,6 +73,9 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     state.check_model(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs={request.top_logprobs} is not valid: must be an integer between 0 and 20",
+                       param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     check_completions(state.limits, request.n, 1)
