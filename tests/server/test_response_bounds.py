@@ -112,7 +112,7 @@ class HealthPoller:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_health_answers_while_a_large_allowed_response_is_built(server, stream):
-    """48 echoes of a 990-token prompt with 20 top logprobs each: 998,000 entries (~20 MB of JSON), just inside
+    """48 echoes of a 990-token prompt with 20 top logprobs each: 998,000 entries (over 10 MB of JSON), just inside
     the bound. It used to be built on the event loop, which then answered nothing else for seconds."""
     prompt = [(11 * i) % 250 + 3 for i in range(990)]
     body = {"prompt": prompt, "n": 48, "max_tokens": 0, "echo": True, "logprobs": 20, "stream": stream}
