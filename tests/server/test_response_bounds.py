@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from hybridserve.entrypoints.openai.limit_checks import response_entries
 from tests.server.server_utils import ServerProcess, idle, make_checkpoint, wait_for
 
 MODEL = "tiny-bounds"
@@ -56,6 +57,14 @@ def _prompt_tokens(server: ServerProcess) -> float:
 
 
 # ------------------------------------------------------------------------------------ the bound
+def test_response_entries_count_what_is_serialized():
+    # n x (echoed prompt tokens + generated) x (1 + top logprobs): 2 x (30 + 2 x 5) x 4
+    assert response_entries(2, [10, 20], True, 5, 100, 3) == (320, 30, 10)
+    # max_tokens unset counts up to max_model_len; a max_tokens past what fits counts what fits
+    assert response_entries(3, [90], False, None, 100, None) == (30, 0, 10)
+    assert response_entries(1, [90], False, 10 ** 9, 100, 0) == (10, 0, 10)
+
+
 def test_a_response_past_the_bound_is_refused_before_any_work(server):
     before = _prompt_tokens(server)
     prompt = [(7 * i) % 250 + 3 for i in range(900)]
