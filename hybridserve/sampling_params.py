@@ -22,13 +22,14 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5).
+    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5); at most
+    ``MAX_TEMPERATURE`` (100).
     ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
     for each generated token; ``prompt_logprobs=k`` the same for each prompt token after the first.
     ``max_tokens=0`` only runs the prompt (for its ``prompt_logprobs``): no token is generated and each
     completion ends empty with finish reason "length".
     ``detokenize=False`` returns token ids only (no text, no decoded logprob tokens; no ``stop`` strings).
-    ``repetition_penalty`` (HF's: > 1 discourages every token already in the prompt or the output),
+    ``repetition_penalty`` (HF's, in [0.01, 100]: > 1 discourages every token already in the prompt or the output),
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]: subtracted once per token present in
     the output / per occurrence) and ``logit_bias`` ({token id: bias in [-100, 100]}, added to the logits) change
     which token is drawn; reported logprobs stay those of the model's own distribution.
