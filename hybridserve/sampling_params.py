@@ -12,19 +12,25 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 #: the seeds a torch generator takes: child ``i`` of an ``n > 1`` request uses ``seed + i``, so
 #: ``seed + n - 1`` must be in range too
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
+#: the largest temperature: past float32's range a temperature is infinite, and a masked (-inf) logit divided by
+#: it is NaN; far below that, every logit is already ~0 (uniform sampling)
+MAX_TEMPERATURE = 100.0
+#: ``repetition_penalty`` bounds: a penalty that float32 rounds to 0 or to inf turns logits into inf or NaN
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5).
+    ``temperature=0`` is greedy, and so is any temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5); at most
+    ``MAX_TEMPERATURE`` (100).
     ``logprobs=k`` returns the top-k logprobs (plus the sampled token)
     for each generated token; ``prompt_logprobs=k`` the same for each prompt token after the first.
     ``max_tokens=0`` only runs the prompt (for its ``prompt_logprobs``): no token is generated and each
     completion ends empty with finish reason "length".
     ``detokenize=False`` returns token ids only (no text, no decoded logprob tokens; no ``stop`` strings).
-    ``repetition_penalty`` (HF's: > 1 discourages every token already in the prompt or the output),
+    ``repetition_penalty`` (HF's, in [0.01, 100]: > 1 discourages every token already in the prompt or the output),
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]: subtracted once per token present in
     the output / per occurrence) and ``logit_bias`` ({token id: bias in [-100, 100]}, added to the logits) change
     which token is drawn; reported logprobs stay those of the model's own distribution.
@@ -70,8 +76,8 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -111,8 +117,9 @@ class SamplingParams:
             raise bad("detokenize", "must be True or False")
         if not self.detokenize and self._stop_list:
             raise ValueError(f"stop={self.stop!r} needs detokenize=True: stop strings are matched on the text")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
-            raise bad("repetition_penalty", "must be a finite number > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", f"must be a number in [{low:g}, {high:g}] (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -48,6 +48,10 @@ def test_sizes_and_aliases():
     ({"seed": 2 ** 64}, r"seed=18446744073709551616 .*\[-9223372036854775808, 18446744073709551615\]"),
     ({"seed": 2 ** 64 - 2, "n": 4}, r"with n=4"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens=20 .*at most max_tokens=10"),
+    # float32 rounds these to 0 or inf, and the logits to inf or NaN (a failed request, not a refused one)
+    ({"repetition_penalty": 1e-300}, r"repetition_penalty=1e-300 .*\[0.01, 100\]"),
+    ({"repetition_penalty": 1e300}, r"repetition_penalty=1e\+300 .*\[0.01, 100\]"),
+    ({"temperature": 1e300}, r"temperature=1e\+300 .*\[0, 100\]"),
 ])
 def test_sampling_param_errors(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -13,9 +13,10 @@ so the children and the parent read the same bytes, and ``n`` completions of a l
 once. The partly filled last page and the recurrent state are copied (both are written at the next
 token): one page and one slot per child, each one memcpy inside the pool buffer.
 
-A child that cannot be forked at that moment (the pool is full, or ``max_num_seqs`` sequences are
-running) is queued instead and later prefills the prompt itself, exactly like a preempted sequence:
-slower, never wrong.
+A child that cannot be forked at that moment (the pool is full, ``max_num_seqs`` sequences are
+running, or the request has its fair share of them while others wait: ``engine/fair_share.py``) is
+queued instead and later prefills the prompt itself, exactly like a preempted sequence: slower,
+never wrong.
 
 Seeds: with ``seed=s``, child ``i`` samples with seed ``s + i`` (the parent with ``s``), so the ``n``
 completions differ from each other and the whole request is reproducible.
@@ -55,7 +56,7 @@ def make_children(parent: Sequence) -> list[Sequence]:
     children: list[Sequence] = []
     for index in range(1, parent.params.n):
         child = Sequence(parent.request_id, parent.prompt_token_ids, child_params(parent.params, index),
-                         parent.arrival, parent.prompt, parent.eos_token_id, index=index)
+                         parent.arrival, parent.prompt, parent.eos_token_id, index=index, origin=parent.origin)
         child.prompt_logprobs = list(parent.prompt_logprobs)  # the prompt is shared: computed once
         children.append(child)
     return children
@@ -63,13 +64,14 @@ def make_children(parent: Sequence) -> list[Sequence]:
 
 def place_children(parent: Sequence, children: list[Sequence], cache: CacheManager,
                    scheduler: Scheduler) -> list[Sequence]:
-    """Fork ``children`` from ``parent``, whose prompt has just been prefilled: those that fit now get a
-    copy of the parent's cache and run (returned, in index order: they sample their first token this
-    step from the parent's logits); the others wait in the scheduler's queue and will prefill the
-    prompt themselves."""
+    """Fork ``children`` from ``parent``, whose prompt has just been prefilled: those that fit now (in the
+    pool, and in the slots the request's fair share allows: :meth:`Scheduler.fork_room`) get a copy of the
+    parent's cache and run (returned, in index order: they sample their first token this step from the
+    parent's logits); the others wait in the scheduler's queue and will prefill the prompt themselves."""
     ready: list[Sequence] = []
+    room = scheduler.fork_room(parent)
     for child in children:
-        if scheduler.has_room() and copy_cache(cache, parent, child):
+        if len(ready) < room and copy_cache(cache, parent, child):
             scheduler.admit_running(child)
             ready.append(child)
         else:

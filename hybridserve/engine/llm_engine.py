@@ -128,6 +128,7 @@ class LLMEngine:
         self.fingerprint = config.fingerprint(self.dtypes)
         self._requests = RequestRegistry()  # request id -> its sequences, by completion index
         self._arrivals = itertools.count()
+        self._origins = itertools.count()  # one per add_requests call (engine/fair_share.py)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self._kv_events: KVEventRecorder | None = None  # the prefix cache's block events, once enabled
 
@@ -139,14 +140,19 @@ class LLMEngine:
 
     def add_requests(self, requests: list[tuple[str, list[int], SamplingParams, str | None]]) -> None:
         """Validate every ``(request_id, prompt_token_ids, params, prompt)``, then queue them all: a bad
-        one raises ValueError (naming its index when there are several) and nothing is queued."""
+        one raises ValueError (naming its index when there are several) and nothing is queued.
+
+        The requests of one call are one origin (one caller's submission: an HTTP request, an
+        ``LLM.generate`` call), which shares the running slots fairly with other origins
+        (``engine/fair_share.py``)."""
+        origin = next(self._origins)
         seqs: list[Sequence] = []
         seen: set[str] = set()
         for i, (request_id, ids, params, prompt) in enumerate(requests):
             try:
                 if request_id in seen:
                     raise ValueError(f"request_id={request_id!r} is already in use")
-                seqs.append(self._new_sequence(request_id, ids, params, prompt))
+                seqs.append(self._new_sequence(request_id, ids, params, prompt, origin))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}" if len(requests) > 1 else str(exc)) from None
             seen.add(request_id)
@@ -156,7 +162,7 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      prompt: str | None) -> Sequence:
+                      prompt: str | None, origin: int) -> Sequence:
         """A request's first sequence, after checking everything it implies (ValueError otherwise)."""
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -183,7 +189,7 @@ class LLMEngine:
         self.structured.check(params)  # its grammar compiled (unless already), within the grammar limits
         if params.max_tokens is None:
             params = _with_max_tokens(params, max_tokens)
-        return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id)
+        return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id, origin=origin)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its cache now, every sequence of it (unknown or finished ids are ignored)."""

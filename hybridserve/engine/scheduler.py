@@ -8,7 +8,12 @@ from typing import Any
 
 from hybridserve.cache.manager import CacheManager
 from hybridserve.cache.prefix_sharing import MAX_COMPARED, waits_for_leader
+from hybridserve.engine.fair_share import OriginLedger, starvation_victims
 from hybridserve.engine.sequence import Sequence, SequenceStatus
+
+#: at most this many queued sequences of origins over their fair share are passed over in one step to reach
+#: the sequences of other origins behind them (engine/fair_share.py)
+MAX_PASSED = 4096
 
 
 @dataclass
@@ -41,6 +46,10 @@ class Scheduler:
     cannot grow a running sequence, the most recently arrived running sequence is preempted: its
     pages and slot are released and it waits to be recomputed from its tokens.
 
+    Slots are shared fairly between origins (``engine/fair_share.py``): a queued sequence of an origin
+    that has its share while others wait is passed over, and an origin waiting with nothing running
+    gets one slot from the origin running the most.
+
     After a failed step, the engine names its sequences ``suspects`` (preempted, so they recompute
     exactly): each then runs alone until it has caught up, so a failure that comes back is pinned to
     the one sequence that causes it. The others keep waiting meanwhile; a running sequence with
@@ -55,16 +64,28 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.suspects: deque[Sequence] = deque()  # sequences of a failed step, to run alone one by one
+        self.origins = OriginLedger()  # sequences held per origin, for the fair share of slots
+        self.num_fairness_preemptions = 0  # of num_preemptions: to give a starved origin a slot
 
     def add(self, seq: Sequence) -> None:
+        self.origins.enter(seq)
         self.waiting.append(seq)
 
     def has_room(self) -> bool:
         """Whether another sequence may run (fewer than ``max_num_seqs`` are running)."""
         return len(self.running) < self.max_num_seqs
 
+    def fork_room(self, parent: Sequence) -> int:
+        """How many children of ``parent`` may start running now: the free slots, within its origin's fair share
+        while other origins wait."""
+        free = self.max_num_seqs - len(self.running)
+        if free <= 0:
+            return 0
+        return self.origins.view(self.running, self.max_num_seqs).room(parent.origin, free)
+
     def admit_running(self, seq: Sequence) -> None:
         """Put ``seq``, which already holds its cache (a forked child), straight into the running set."""
+        self.origins.enter(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -91,6 +112,14 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         idle: list[Sequence] = []
+        share = None
+        if self.waiting and len(self.running) >= self.max_num_seqs:  # full: does an origin wait with nothing running?
+            share = self.origins.view(self.running, self.max_num_seqs)
+            for victim in starvation_victims(share, self.running):
+                self._preempt(victim)
+                self.num_fairness_preemptions += 1
+                preempted.append(victim)
+        pool_preempted = False
         # Running sequences, oldest first; the youngest are preempted when the pool is full.
         self.running.sort(key=lambda s: s.arrival)
         i = 0
@@ -105,6 +134,7 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
+                pool_preempted = True
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
@@ -112,15 +142,26 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
-        # Waiting sequences join while everything allows (not after a preemption this step). One that shares
-        # its prompt with a running one about to snapshot inside that prefix waits a step to resume from it.
-        deferred: list[Sequence] = []
+        # Waiting sequences join while everything allows (not after the pool needed a preemption this step). One
+        # that shares its prompt with a running one about to snapshot inside that prefix waits a step to resume
+        # from it; one whose origin has its fair share while others wait is passed over.
+        held_back: list[Sequence] = []  # in queue order
+        num_deferred = num_passed = 0
         sharing = self.cache.prefix is not None
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and not pool_preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if share is None:
+                share = self.origins.view(self.running, self.max_num_seqs)
+            if not share.room(seq.origin, 1):
+                held_back.append(self.waiting.popleft())
+                num_passed += 1
+                if num_passed >= MAX_PASSED:
+                    break
+                continue
             if sharing and waits_for_leader(seq, self.running):
-                deferred.append(self.waiting.popleft())
-                if len(deferred) >= MAX_COMPARED:
+                held_back.append(self.waiting.popleft())
+                num_deferred += 1
+                if num_deferred >= MAX_COMPARED:
                     break  # a long queue of followers: the rest wait their turn unexamined
                 continue
             n = self.cache.admit(seq, budget, self.waiting if sharing else ())  # resumes from a cached prefix
@@ -129,9 +170,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            share.took(seq.origin)
             scheduled.append(ScheduledSeq(seq, n))
             budget -= n
-        self.waiting.extendleft(reversed(deferred))
+        self.waiting.extendleft(reversed(held_back))
         return SchedulerOutput(scheduled, preempted, idle)
 
     def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
@@ -192,6 +234,7 @@ class Scheduler:
                 self._mark_finished(seq, reason, None)
 
     def _mark_finished(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        self.origins.leave(seq)
         self.cache.release(seq, keep_state=reason != "error")  # a failed step may have left its state half-written
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

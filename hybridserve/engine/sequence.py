@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 
 import torch
 
@@ -22,9 +23,11 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival: int, prompt: str | None = None, eos_token_id: int | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, origin: Hashable | None = None) -> None:
         self.request_id = request_id
         self.index = index  # which of the request's n completions this is (0 for n == 1)
+        # whose submission this is (engine/fair_share.py): the sequences of one add_requests call share it
+        self.origin: Hashable = origin if origin is not None else request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

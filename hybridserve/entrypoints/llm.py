@@ -70,6 +70,8 @@ class LLM:
         different salts never share cached prefixes.
 
         All prompts are validated before any runs: a bad one raises ValueError and nothing is queued.
+        They are one origin for the fair share of running slots (``engine/fair_share.py``): alone, they fill
+        every slot; beside another caller's requests, they share them.
         A request that fails inside the engine fails alone: its output has ``error`` set and finish
         reason "error" (logged as a warning); the others complete.
         """

@@ -47,3 +47,32 @@ def check_completions(limits: ServerLimits, n: int, num_prompts: int) -> None:
     _at_most(limits, "max_n", n, "n", f"n={n}")
     _at_most(limits, "max_completions", n * num_prompts, "n",
              f"n={n} for {num_prompts:,} prompts asks for {n * num_prompts:,} completions")
+
+
+def response_entries(n: int, prompt_lengths: list[int], echo: bool, max_tokens: int | None, max_model_len: int,
+                     top_logprobs: int | None) -> tuple[int, int, int]:
+    """The most entries a response can hold, and its echoed and generated tokens (each counted once, not per
+    completion): every returned token counts once, plus its ``top_logprobs`` entries when logprobs are asked for,
+    in each of the ``n`` completions of every prompt. ``max_tokens=None`` (up to ``max_model_len``) and a
+    ``max_tokens`` past what fits count what fits: a prompt that does not fit is refused later, by its length."""
+    echoed = sum(prompt_lengths) if echo else 0
+    generated = 0
+    for length in prompt_lengths:
+        room = max(0, max_model_len - length)
+        generated += room if max_tokens is None else min(max_tokens, room)
+    return n * (echoed + generated) * (1 + (top_logprobs or 0)), echoed, generated
+
+
+def check_response_size(limits: ServerLimits, n: int, prompt_lengths: list[int], echo: bool, max_tokens: int | None,
+                        max_model_len: int, top_logprobs: int | None, logprobs_field: str = "logprobs") -> None:
+    """A 400 for a request whose response could hold more than ``--max-response-entries`` entries (see
+    :func:`response_entries`), before anything is queued; the message names the figure and what it is made of."""
+    entries, echoed, generated = response_entries(n, prompt_lengths, echo, max_tokens, max_model_len, top_logprobs)
+    if entries <= limits.max_response_entries:
+        return
+    prompts = f" over {len(prompt_lengths):,} prompts" if len(prompt_lengths) > 1 else ""
+    tokens = f"{echoed:,} echoed prompt tokens + {generated:,} generated" if echo else f"{generated:,} generated"
+    per_token = f" x (1 + {logprobs_field}={top_logprobs})" if top_logprobs else ""
+    subject = f"the response could hold {entries:,} entries (n={n} x ({tokens}{prompts}){per_token})"
+    advice = f"lower n, max_tokens{', echo' if echo else ''}{' or ' + logprobs_field if top_logprobs else ''}"
+    raise APIError(400, f"{limits.exceeded('max_response_entries', subject)}; {advice}", param=None)

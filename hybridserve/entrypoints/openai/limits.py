@@ -23,6 +23,7 @@ class ServerLimits:
     max_stop_chars: int = 256  # characters of each stop string
     max_stop_token_ids: int = 256  # entries of `stop_token_ids`
     max_messages: int = 1024  # chat messages (and text parts of their contents, together)
+    max_response_entries: int = 1_000_000  # tokens a response may return, each counted with its top logprobs
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -52,6 +53,10 @@ _SPECS = {
     "max_stop_token_ids": ("--max-stop-token-ids", "stop token ids", "most entries of a request's stop_token_ids"),
     "max_messages": ("--max-chat-messages", "chat messages (or text parts)",
                      "most messages in a chat request (also bounds their text parts, all messages together)"),
+    "max_response_entries": ("--max-response-entries", "response entries (returned tokens, each counted with its "
+                             "top logprobs)",
+                             "most entries one response may hold: n x (echoed prompt tokens + max_tokens) x "
+                             "(1 + logprobs), summed over the prompts; checked before the request is queued"),
 }
 FLAGS = {name: spec[0] for name, spec in _SPECS.items()}
 UNITS = {name: spec[1] for name, spec in _SPECS.items()}

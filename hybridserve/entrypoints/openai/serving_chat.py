@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from hybridserve.entrypoints.openai.errors import APIError
-from hybridserve.entrypoints.openai.limit_checks import check_completions
+from hybridserve.entrypoints.openai.limit_checks import check_completions, check_response_size
+from hybridserve.entrypoints.openai.off_loop_json import json_response_off_loop
 from hybridserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -72,11 +74,17 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     state.check_model(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs={request.top_logprobs} is not valid: must be an integer between 0 and 20",
+                       param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     check_completions(state.limits, request.n, 1)
-    params = sampling_params(request, max_tokens, logprobs, cache_salt=state.cache_salt_of(request, raw))
+    params = sampling_params(request, max_tokens, logprobs, cache_salt=state.cache_salt_of(request, raw),
+                             vocab_size=state.vocab_size)
     prompt_ids = await chat_prompt_ids(state, request)
+    check_response_size(state.limits, params.n, [len(prompt_ids)], False, max_tokens, state.max_model_len, logprobs,
+                        "top_logprobs")
     await compile_structured_output(state, request, params)
     requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
     await requests.start()
@@ -90,13 +98,17 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
             await requests.wait(raw)
     finally:
         requests.abort()
-    choices = []
-    for i, c in enumerate(choices_of(requests.latest[0], params.n)):
-        lp = _logprobs(c, range(len(c.token_ids)), logprobs) if logprobs is not None and c is not None else None
-        choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=c.text if c is not None else ""),
-                                  logprobs=lp, finish_reason=finish_reason(c)))
-    return ChatCompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
-                                  usage=UsageInfo(**usage_of(requests.latest, requests.prompts)))
+
+    def build() -> ChatCompletionResponse:
+        choices = []
+        for i, c in enumerate(choices_of(requests.latest[0], params.n)):
+            lp = _logprobs(c, range(len(c.token_ids)), logprobs) if logprobs is not None and c is not None else None
+            choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=c.text if c is not None else ""),
+                                      logprobs=lp, finish_reason=finish_reason(c)))
+        return ChatCompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
+                                      usage=UsageInfo(**usage_of(requests.latest, requests.prompts)))
+
+    return await json_response_off_loop(build)
 
 
 async def _events(state: ServerState, request: ChatCompletionRequest, requests: EngineRequests,
@@ -122,6 +134,7 @@ async def _events(state: ServerState, request: ChatCompletionRequest, requests: 
             choice = ChatChunkChoice(index=i, delta=DeltaMessage(content=text) if text else DeltaMessage(),
                                      logprobs=lp, finish_reason=finish_reason(c) if done else None)
             yield sse(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
+            await asyncio.sleep(0)  # let the loop serve others between chunks
     if include_usage:
         yield sse(ChatCompletionChunk(id=rid, model=model, choices=[],
                                       usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))

@@ -51,6 +51,11 @@ class ServerState:
     prefix_cache_isolation: str = "shared"  # or "api-key" (``--prefix-cache-isolation``, cache_isolation.py)
 
     @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size: token ids are 0 .. vocab_size - 1."""
+        return self.engine.engine.hf_config.vocab_size
+
+    @property
     def model_names(self) -> tuple[str, ...]:
         """Every name this server answers to; the first (``model_name``) is the one responses and /metrics carry."""
         return (self.model_name, *self.extra_model_names)
@@ -72,7 +77,8 @@ def new_id(prefix: str) -> str:
 
 
 def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None, cache_salt: str | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, cache_salt: str | None = None,
+                    vocab_size: int | None = None) -> SamplingParams:
     """The engine's SamplingParams of an API request; a bad value is a 400 naming the field.
 
     ``max_tokens=0`` (prefill only) is valid only with completions' ``echo=true``, as in vLLM: it returns
@@ -91,7 +97,7 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
         min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
         repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty, logit_bias=_logit_bias(request.logit_bias))
+        frequency_penalty=request.frequency_penalty, logit_bias=_logit_bias(request.logit_bias, vocab_size))
     try:
         fields["structured_outputs"] = structured_outputs_of(request)
     except StructuredOutputRequestError as exc:
@@ -120,16 +126,24 @@ async def compile_structured_output(state: ServerState, request: Any, params: Sa
         raise APIError(400, in_api_terms(str(exc), param), param=param) from None
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer keys; a bad key is a 400."""
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None = None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer keys; a key that is not a token id
+    of the vocabulary (``vocab_size``, when given) is a 400 naming it. Digits are counted before any is
+    converted, so a key of thousands of digits costs nothing."""
     if not bias:
         return None
     out: dict[int, float] = {}
+    vocab = f"this model's vocabulary has {vocab_size:,} tokens, ids 0 to {vocab_size - 1:,}" if vocab_size else ""
     for key, value in bias.items():
+        shown = f"{key[:20]!r}... ({len(key):,} characters)" if len(key) > 20 else repr(key)
         if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias key {key!r:.40} is not a token id (a non-negative integer)",
-                           param="logit_bias")
-        out[int(key)] = value
+            raise APIError(400, f"logit_bias key {shown} is not a token id (a non-negative integer)"
+                                + (f"; {vocab}" if vocab else ""), param="logit_bias")
+        digits = key.lstrip("0") or "0"  # int() refuses more than 4,300 digits: never give it more than it needs
+        if len(digits) > 19 or (vocab_size is not None and int(digits) >= vocab_size):
+            raise APIError(400, f"logit_bias key {shown} is not a token id of the vocabulary"
+                                + (f": {vocab}" if vocab else ""), param="logit_bias")
+        out[int(digits)] = value
     return out
 
 

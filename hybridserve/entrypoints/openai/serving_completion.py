@@ -8,6 +8,7 @@ requests need). A stream sends each choice's prompt in its first chunk.
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Callable, TypeVar
 
 from starlette.requests import Request
@@ -16,7 +17,8 @@ from starlette.responses import StreamingResponse
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.entrypoints.openai.echo import OffsetTracker, PromptEcho, echo_prompts, token_offsets
 from hybridserve.entrypoints.openai.errors import APIError
-from hybridserve.entrypoints.openai.limit_checks import check_completions
+from hybridserve.entrypoints.openai.limit_checks import check_completions, check_response_size
+from hybridserve.entrypoints.openai.off_loop_json import json_response_off_loop
 from hybridserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -54,6 +56,17 @@ def prompt_items(prompt: str | list) -> list:
     if not items:
         raise APIError(400, "prompt is empty", param="prompt")
     return items
+
+
+def check_token_ids(prompts: list[tuple[list[int], str | None]], vocab_size: int) -> None:
+    """A 400 for a token-id prompt with an id outside the vocabulary, before anything decodes it (echo)."""
+    for p, (ids, text) in enumerate(prompts):
+        if text is None and not all(0 <= t < vocab_size for t in ids):
+            bad = [t for t in ids if not 0 <= t < vocab_size][:3]
+            shown = ", ".join(str(t) if len(str(t)) <= 20 else f"{str(t)[:20]}..." for t in bad)
+            which = f"prompt {p}: " if len(prompts) > 1 else ""
+            raise APIError(400, f"{which}prompt token ids [{shown}] are outside the vocabulary [0, {vocab_size})",
+                           param="prompt")
 
 
 async def tokenized_prompts(state: ServerState, items: list) -> list[tuple[list[int], str | None]]:
@@ -117,8 +130,11 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     check_completions(state.limits, request.n, len(items))
     params = sampling_params(request, request.max_tokens, request.logprobs,
                              prompt_logprobs=request.logprobs if request.echo else None,
-                             cache_salt=state.cache_salt_of(request, raw))
+                             cache_salt=state.cache_salt_of(request, raw), vocab_size=state.vocab_size)
     prompts = await tokenized_prompts(state, items)
+    check_token_ids(prompts, state.vocab_size)
+    check_response_size(state.limits, params.n, [len(ids) for ids, _ in prompts], request.echo, request.max_tokens,
+                        state.max_model_len, request.logprobs)
     echoes = await _echoes(state, request, prompts)
     await compile_structured_output(state, request, params)
     requests = EngineRequests(state.engine, new_id("cmpl"), prompts, params)
@@ -139,18 +155,22 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
         offsets = await _in_tokenizer_thread(state, lambda d: [[token_offsets(
             d, c.token_ids, request.skip_special_tokens, len(echoes[p].text) if echoes else 0) if c else []
             for c in cs] for p, cs in enumerate(outs)])
-    choices = []
-    for p, out in enumerate(requests.latest):
-        echo_text, before = _echo_parts(request, echoes, prompts, out, p)
-        for i, c in enumerate(outs[p]):
-            logprobs = None
-            if offsets is not None:
-                logprobs = (_logprobs(c, range(len(c.token_ids)), request.logprobs, offsets[p][i], before)
-                            if c is not None else before)
-            choices.append(CompletionChoice(index=p * n + i, text=echo_text + (c.text if c is not None else ""),
-                                            logprobs=logprobs, finish_reason=finish_reason(c)))
-    return CompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
-                              usage=UsageInfo(**usage_of(requests.latest, prompts)))
+
+    def build() -> CompletionResponse:
+        choices = []
+        for p, out in enumerate(requests.latest):
+            echo_text, before = _echo_parts(request, echoes, prompts, out, p)
+            for i, c in enumerate(outs[p]):
+                logprobs = None
+                if offsets is not None:
+                    logprobs = (_logprobs(c, range(len(c.token_ids)), request.logprobs, offsets[p][i], before)
+                                if c is not None else before)
+                choices.append(CompletionChoice(index=p * n + i, text=echo_text + (c.text if c is not None else ""),
+                                                logprobs=logprobs, finish_reason=finish_reason(c)))
+        return CompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
+                                  usage=UsageInfo(**usage_of(requests.latest, prompts)))
+
+    return await json_response_off_loop(build)
 
 
 def _echo_parts(request: CompletionRequest, echoes: list[PromptEcho] | None,
@@ -171,6 +191,7 @@ async def _events(state: ServerState, request: CompletionRequest, requests: Engi
     finished = [[False] * n for _ in requests.prompts]
     echoed = [[echoes is None] * n for _ in requests.prompts]  # whether the choice's prompt has been sent
     trackers: dict[tuple[int, int], OffsetTracker] = {}  # (prompt, choice) -> its tokens' text offsets
+    echo_parts: dict[int, tuple[str, CompletionLogprobs | None]] = {}  # prompt -> its echo (see _echo_parts)
 
     def offsets_of(p: int, i: int, c: CompletionOutput, tokens: range) -> Callable[[Detokenizer], list[int]]:
         def run(detokenizer: Detokenizer) -> list[int]:
@@ -191,8 +212,10 @@ async def _events(state: ServerState, request: CompletionRequest, requests: Engi
                 if not text and not tokens and not done:
                     continue
                 before = None
-                if not echoed[p][i]:  # the first chunk of this choice: its prompt comes first
-                    echo_text, before = _echo_parts(request, echoes, requests.prompts, out, p)
+                if not echoed[p][i]:  # the first chunk of this choice: its prompt comes first (built once per prompt)
+                    if p not in echo_parts:
+                        echo_parts[p] = _echo_parts(request, echoes, requests.prompts, out, p)
+                    echo_text, before = echo_parts[p]
                     text, echoed[p][i] = echo_text + text, True
                 logprobs = before
                 if request.logprobs is not None and c is not None:
@@ -202,6 +225,7 @@ async def _events(state: ServerState, request: CompletionRequest, requests: Engi
                 choice = CompletionChoice(index=p * n + i, text=text, logprobs=logprobs,
                                           finish_reason=finish_reason(c) if done else None)
                 yield sse(CompletionResponse(id=requests.base_id, model=state.model_name, choices=[choice]))
+                await asyncio.sleep(0)  # let the loop serve others between chunks (a chunk may be a whole echo)
     if include_usage:
         yield sse(CompletionResponse(id=requests.base_id, model=state.model_name, choices=[],
                                      usage=UsageInfo(**usage_of(requests.latest, requests.prompts))))
