@@ -16,6 +16,8 @@ import resource
 import statistics
 import time
 
+from hybridserve.config import QUANTIZATIONS
+
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     import torch
@@ -114,7 +116,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS))
     parser.add_argument("--cache-memory", default="2GiB")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)

@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,32,128,512,2048")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
-    parser.add_argument("--int8", action="store_true", help="also time the 8-bit (int8) weight kernels")
+    parser.add_argument("--int8", action="store_true", help="also time the int8 weight kernels (weight-only and W8A8)")
     parser.add_argument("--distinct", type=int, default=1,
                         help="cycle through this many distinct weights (enough to exceed the last-level cache: "
                              "each call reads its weight from memory, as a model's layers do)")
@@ -67,6 +67,11 @@ def main() -> None:
                     isa.set_cap(lv)
                     linear_w8.linear(x, nxt(packs8), N, torch.int8, 0, None)
                 out[f"int8 {lv}"] = run8
+
+                def run_w8a8(lv=lv):
+                    isa.set_cap(lv)
+                    linear_w8.linear_w8a8(x, nxt(packs8), N, None)
+                out[f"w8a8 {lv}"] = run_w8a8
         out["torch bf16"] = lambda: torch.nn.functional.linear(x, nxt(ws))
         x32 = x.float()
         out["torch f32"] = lambda: torch.nn.functional.linear(x32, nxt(w32s))

@@ -19,6 +19,8 @@ import argparse
 import collections
 import time
 
+from hybridserve.config import QUANTIZATIONS
+
 
 def entry_point(kernel: str) -> str:
     """The name of a replayed kernel's Python entry point (``hs_linear_bf16`` -> ``linear``)."""
@@ -37,7 +39,7 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="time the first step (prefill) instead")
     parser.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false")
     parser.add_argument("--enforce-eager", action="store_true", help="no captured decode steps")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS))
     parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16, amx)")
     a = parser.parse_args()
 
