@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.cache.dtypes import DTYPE_ALIASES
+from hybridserve.cache.dtypes import DTYPE_ALIASES, dtype_name
 from hybridserve.cache.plan_config import check_cache_shape_options, check_positive_int, parse_size
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
@@ -56,15 +56,6 @@ QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
 INT8_QUANTIZATIONS = ("int8", "w8a8")
 
 _DTYPE_ALIASES = DTYPE_ALIASES
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The option-style name of a torch dtype ("bfloat16", "fp8_e4m3", ...)."""
-    for table in (KV_CACHE_DTYPES,):
-        for name, value in table.items():
-            if value == dtype:
-                return name
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> str:

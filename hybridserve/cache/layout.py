@@ -117,3 +117,15 @@ def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
             state.append(p)
             slot_off = align_up(slot_off + p.nbytes)
     return PoolLayout(block_size, max(page_off), slot_off, tuple(kv), tuple(state), window)
+
+
+def kv_slot(table: list[int], position: int, block_size: int) -> int:
+    """The KV cache row (page * block_size + offset) of token ``position`` of a sequence whose pages are
+    ``table`` (its block table, or its window table)."""
+    return table[position // block_size] * block_size + position % block_size
+
+
+def kv_slots(table: list[int], positions, block_size: int) -> list[int]:
+    """The KV cache rows (page * block_size + offset) of token ``positions`` of a sequence whose pages are
+    ``table`` (its block table, or its window table)."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]

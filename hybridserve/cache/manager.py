@@ -94,9 +94,6 @@ class CacheManager:
         """Window-group pages ``seq`` holds now (0 without a window page group)."""
         return sum(1 for page in seq.window_table if page >= 0) if self.window is not None else 0
 
-    def can_grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
-        return self.pool.can_allocate(*self.needs(seq, num_new_tokens))
-
     def make_room(self, num_pages: int, num_slots: int) -> bool:
         """Whether ``num_pages`` pages and ``num_slots`` slots fit, evicting cached prefixes if they must."""
         if self.pool.can_allocate(num_pages, num_slots):

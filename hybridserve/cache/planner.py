@@ -36,7 +36,7 @@ from hybridserve.models import config_specs
 from hybridserve.spec_decode.config import parse_speculative_config
 
 DTYPE_OPTIONS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
-#: max_model_len when none is given: the model's max positions, capped here (``llm_engine.DEFAULT_MAX_MODEL_LEN``)
+#: max_model_len when none is given: the model's max positions, capped here (the planner and the engine alike)
 DEFAULT_MAX_MODEL_LEN = 4096
 
 #: the main alternatives every plan is compared with: (label, dtype options; the rest auto)

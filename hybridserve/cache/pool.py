@@ -101,10 +101,6 @@ class Relocation:
     def __bool__(self) -> bool:
         return bool(self.pages or self.slots)
 
-    @property
-    def num_moves(self) -> int:
-        return len(self.pages) + len(self.slots)
-
 
 @dataclass
 class Allocation:
@@ -225,18 +221,6 @@ class CachePool:
         if slot is not None:
             self.free_slot(slot)
         self.padding = (None, None)
-
-    def allocate_pages(self, n: int) -> list[int]:
-        """Hand out ``n`` KV pages in place (no compaction) or raise :class:`OutOfCacheError`."""
-        if not self.fits_in_place(n, 0):
-            raise OutOfCacheError(f"cannot allocate {n} KV pages in place")
-        return self.allocate(n, 0).pages
-
-    def allocate_slot(self) -> int:
-        """Hand out one zeroed state slot in place (no compaction) or raise :class:`OutOfCacheError`."""
-        if not self.fits_in_place(0, 1):
-            raise OutOfCacheError("cannot allocate a state slot in place")
-        return self.allocate(0, 1).slots[0]
 
     def _take_slot(self) -> int:
         s = self._free_slots.pop()

@@ -12,7 +12,7 @@ from hybridserve.cache.capacity import max_sequences
 from hybridserve.cache.kv_events import KVEvent, KVEventRecorder
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.manager import CacheManager
-from hybridserve.cache.planner import speculation_summary
+from hybridserve.cache.planner import DEFAULT_MAX_MODEL_LEN, speculation_summary
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
@@ -43,7 +43,6 @@ from hybridserve.structured_output.matcher import FixedMask
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 4096
 #: a sequence in this many failed steps fails (see LLMEngine.step)
 MAX_STEP_FAILURES = 3
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridserve.cache.layout import kv_slot, kv_slots
 from hybridserve.cache.pool import CachePool, LayerCache
 from hybridserve.engine.decode_capture import CapturedDecode
 from hybridserve.engine.scheduler import ScheduledSeq
@@ -95,13 +96,13 @@ class ModelRunner:
         positions = [s.num_computed_tokens for s in seqs]
         bs = self.block_size
         if self.has_kv:
-            slot_mapping = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+            slot_mapping = [kv_slot(s.block_table, p, bs) for s, p in zip(seqs, positions)]
             tables = [s.block_table for s in seqs]
         else:
             slot_mapping, tables = [], []
         window = None
         if self.has_window:
-            window = ([s.window_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+            window = ([kv_slot(s.window_table, p, bs) for s, p in zip(seqs, positions)],
                       [s.window_table for s in seqs])
         hidden = captured.run(input_ids, positions, slot_mapping, [p + 1 for p in positions], tables,
                               _state_slots(scheduled) if self.has_state else [], window)
@@ -146,10 +147,10 @@ class ModelRunner:
             positions.extend(range(start, end))
             if self.has_kv:
                 table = seq.block_table
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                slot_mapping.extend(kv_slots(table, range(start, end), bs))
             if self.has_window:
                 table = seq.window_table
-                window_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                window_slots.extend(kv_slots(table, range(start, end), bs))
             if start + n == seq.num_tokens:
                 if m:  # the last pending token's row and each draft's: m + 1 predictions
                     verify_rows.extend(range(offset + n - 1, offset + n + m))
@@ -239,12 +240,12 @@ class ModelRunner:
         drafting steps); returns sampling logits (len(seqs), V). The tokens are not the sequences' own: the
         caller keeps track of what the speculative slot has absorbed."""
         bs = self.block_size
-        slot_mapping = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] if self.has_kv else []
+        slot_mapping = [kv_slot(s.block_table, p, bs) for s, p in zip(seqs, positions)] if self.has_kv else []
         seq_lens = [p + 1 for p in positions]
         slots = [s.spec_slot for s in seqs]
         window = None
         if self.has_window:
-            window = ([s.window_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+            window = ([kv_slot(s.window_table, p, bs) for s, p in zip(seqs, positions)],
                       [s.window_table for s in seqs])
         captured = self.captured_decode
         if captured is not None and len(seqs) <= captured.max_rows:

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from hybridserve.cache.layout import kv_slots
 from hybridserve.cache.manager import CacheManager
 from hybridserve.engine.model_runner import table_tensor
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
@@ -39,8 +40,7 @@ class MTPDrafter:
         self.block_size = self.pool.layout.block_size
 
     def _slots(self, seq, positions: range | list[int]) -> list[int]:
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in positions]
+        return kv_slots(seq.block_table, positions, self.block_size)
 
     @torch.inference_mode()
     def after_step(self, logits, room_of, default_generator: torch.Generator) -> None:
