@@ -35,16 +35,17 @@ LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 LAYER_LIST_KEYS = ("layer_types", "layers_block_type", "hybrid_override_pattern")
 
 
-def check_config_values(values: dict[str, Any], file: str) -> None:
+def check_config_values(values: dict[str, Any], file: str, check_memory: bool = True) -> None:
     """ValueError (one line, naming ``file``, the key and the allowed values) for the first bad size, count
-    or dtype in a config.json's ``values`` (its ``text_config`` too), or for sizes whose weights would not fit
-    in the memory available."""
+    or dtype in a config.json's ``values`` (its ``text_config`` too), or, with ``check_memory``, for sizes whose
+    weights would not fit in the memory available here."""
     for scope, table in _scopes(values):
         for key, value in table.items():
             _check_count(key, value, f"{file}: {scope}{key}")
         for key in ("dtype", "torch_dtype"):
             _check_dtype(table.get(key), f"{file}: {scope}{key}")
-    _check_memory(values, file)
+    if check_memory:
+        _check_memory(values, file)
 
 
 def _scopes(values: dict[str, Any]):

@@ -17,10 +17,11 @@ from hybridserve.models.base import CausalLM
 from hybridserve.models.registry import SERVED_AS_TEXT, model_class
 
 
-def load_hf_config(path: str) -> Any:
+def load_hf_config(path: str, check_memory: bool = True) -> Any:
     """config.json through transformers' AutoConfig (older key names are converted there), after its values
-    are checked (``models/config_checks.py``); a value transformers still rejects is a ValueError naming the
-    file."""
+    are checked (``models/config_checks.py``; with ``check_memory``, that the weights fit in this machine's
+    memory: off for planning a model for another machine); a value transformers still rejects is a
+    ValueError naming the file."""
     from transformers import AutoConfig
 
     from hybridserve.models import config_checks, config_specs
@@ -30,7 +31,7 @@ def load_hf_config(path: str) -> Any:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"model={path!r} has no config.json")
-    config_checks.check_config_values(config_specs.read_config(path).to_dict(), file)
+    config_checks.check_config_values(config_specs.read_config(path).to_dict(), file, check_memory)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # any failure of the config class on this file (its validators raise their own types)
