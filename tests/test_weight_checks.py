@@ -105,12 +105,19 @@ def test_float16_sum_overflow_is_not_mistaken_for_infinity():
         weight_checks.check_finite(tensor, "big")
 
 
-def test_fp8_nan_is_found():
-    tensor = torch.zeros(10, dtype=torch.float8_e4m3fn)
+@pytest.mark.parametrize("dtype,bad", [(torch.float8_e4m3fn, [0x7F, 0xFF]), (torch.float8_e5m2, [0x7C, 0xFC, 0x7E])],
+                         ids=["e4m3fn", "e5m2"])
+def test_fp8_non_finite_codes_are_found(dtype, bad, monkeypatch):
+    monkeypatch.setattr(weight_checks, "FP8_CHUNK", 64)  # several chunks
+    every_finite = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every_finite = every_finite[torch.isfinite(every_finite.view(dtype).to(torch.float32))]
+    tensor = every_finite.repeat(3).view(dtype)  # every finite code, the largest included
     weight_checks.check_finite(tensor, "codes")
-    tensor.view(torch.uint8)[3] = 0x7F  # e4m3fn's NaN
-    with pytest.raises(ValueError, match="codes has 1 NaN or infinite value.*flat index 3"):
-        weight_checks.check_finite(tensor, "codes")
+    for code in bad:
+        poisoned = tensor.clone()
+        poisoned.view(torch.uint8)[200] = code
+        with pytest.raises(ValueError, match="codes has 1 NaN or infinite value.*flat index 200"):
+            weight_checks.check_finite(poisoned, "codes")
 
 
 def test_cli_reports_nan_weights_as_one_line(ckpt_dir, tmp_path, capsys):

@@ -50,6 +50,7 @@ def write_record(library: Path) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"size": size, "sha256": sha}, f)
+        os.chmod(tmp, 0o644)  # readable wherever the library is (mkstemp makes it private)
         os.replace(tmp, record_path(library))
     finally:
         if os.path.exists(tmp):

@@ -95,6 +95,7 @@ def test_build_writes_a_record_of_size_and_sha256(cache):
     assert record["size"] == target.stat().st_size
     assert record["sha256"] == hashlib.sha256(target.read_bytes()).hexdigest()
     assert sorted(p.name for p in cache.iterdir()) == [target.name, target.name + ".sha256"]  # no temp files
+    assert library_record.record_path(target).stat().st_mode & 0o044 == 0o044  # readable where the library is
 
 
 @needs_compiler
