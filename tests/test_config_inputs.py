@@ -213,3 +213,15 @@ def test_planning_skips_the_memory_check(monkeypatch):
     with pytest.raises(ValueError, match="more than the 0.0 GiB of memory available"):
         load_hf_config(default_model_path())
     assert _transformers_config(default_model_path()).num_hidden_layers == 6
+
+
+def test_serve_prints_one_error_line_and_exits_2(tmp_path, capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from hybridserve.entrypoints.cli import main
+
+    path = _shipped_config(tmp_path / "bad", hidden_size="256")
+    assert main(["serve", path, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: {os.path.join(path, 'config.json')}: hidden_size='256' must be a positive integer"
+    assert not any("Traceback" in line for line in err)
