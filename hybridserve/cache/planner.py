@@ -58,7 +58,7 @@ def load_config(path: str) -> Any:
 
     if os.path.isfile(path):
         path = os.path.dirname(path) or "."
-    return load_hf_config(path)
+    return load_hf_config(path, check_memory=False)  # a plan may be for a bigger machine
 
 
 def cache_specs_from_config(hf_config: Any, dtypes: Any, tensor_parallel_size: int = 1) -> list[LayerCacheSpec]:

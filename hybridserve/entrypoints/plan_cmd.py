@@ -94,7 +94,7 @@ def _transformers_config(path: str):
 
     from hybridserve.models.loader import load_hf_config
 
-    return load_hf_config(path if os.path.isdir(path) else os.path.dirname(path) or ".")
+    return load_hf_config(path if os.path.isdir(path) else os.path.dirname(path) or ".", check_memory=False)
 
 
 def print_weights(weights: dict | None) -> None:

@@ -6,8 +6,11 @@ cached under ``$HYBRIDSERVE_KERNEL_CACHE`` (default ``~/.cache/hybridserve/kerne
 ``<name>-<level>-<hash>.so``, the hash over the sources, the flags, the compiler and the machine
 type. A library is loaded only for a level this CPU supports, and each one reports the level it was
 compiled for (``hs_built_isa_level``), checked at load: a cache shared between hosts never hands
-AVX-512 code to an AVX2 CPU. No compiler, or a failed build, means no library: callers then use the
-plain-PyTorch paths.
+AVX-512 code to an AVX2 CPU. Beside each library the build records its size and sha256
+(``kernels/library_record.py``); a cached library is loaded only when its bytes match that record, and
+is rebuilt when they do not (truncated, replaced) or when it has no record. A loaded library that lacks
+a symbol its source declares is declined, and its record dropped so the next start rebuilds it. No
+compiler, or a failed build, means no library: callers then use the plain-PyTorch paths.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.kernels import isa
+from hybridserve.kernels import isa, library_record
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +91,27 @@ def build_library(name: str, level: str) -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (set $CXX, or install g++)")
     target = library_path(name, level, compiler)
-    if not target.exists():
+    if not _cached_and_verified(target):
         # a few seconds, once per machine, level and source version: say so on stderr
         sys.stderr.write(f"hybridserve: building CPU kernels '{name}' for {level} (once; cached in {target.parent})\n")
         start = time.perf_counter()
         _compile(compiler, flags(name, level), [SOURCE_DIR / f"{name}.cpp"], target)
         logger.info("built %s in %.1f s", target, time.perf_counter() - start)
+        library_record.verify(target)  # the bytes just built and recorded (a concurrent builder's are as good)
     return target
+
+
+def _cached_and_verified(target: Path) -> bool:
+    """Whether ``target`` is in the cache with the bytes its build recorded (a WARNING says why not, when it is
+    there but unverified: it is then rebuilt over)."""
+    if not target.exists():
+        return False
+    try:
+        library_record.verify(target)
+    except (library_record.UnverifiedLibrary, OSError) as exc:
+        logger.warning("cached CPU kernel library not used, rebuilding it: %s", exc)
+        return False
+    return True
 
 
 def _compile(compiler: str, flags: list[str], sources: list[Path], target: Path) -> None:
@@ -107,6 +124,7 @@ def _compile(compiler: str, flags: list[str], sources: list[Path], target: Path)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+        library_record.write_record(target)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -144,6 +162,12 @@ def load_library(name: str, level: str | None = None) -> ctypes.CDLL | None:
             target = build_library(name, level)
             torch.get_num_threads()  # torch (and its OpenMP runtime) are loaded first, so they are shared
             lib = ctypes.CDLL(str(target))
+            missing = library_record.missing_symbols(lib, library_record.declared_symbols(SOURCE_DIR / f"{name}.cpp"))
+            if missing:
+                lib = None
+                library_record.discard_record(target)  # the next start rebuilds it
+                raise RuntimeError(f"{target} lacks the symbol(s) {', '.join(missing)} that csrc/{name}.cpp "
+                                   f"declares (not a build of it); it is rebuilt on the next start")
             built = lib.hs_built_isa_level()
             if built != isa.LEVELS.index(level):
                 lib = None

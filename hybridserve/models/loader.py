@@ -9,24 +9,35 @@ import re
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
-from hybridserve.models import fp8_checkpoint
+from hybridserve.models import fp8_checkpoint, weight_checks
 from hybridserve.models.base import CausalLM
 from hybridserve.models.registry import SERVED_AS_TEXT, model_class
 
 
-def load_hf_config(path: str) -> Any:
-    """config.json through transformers' AutoConfig (older key names are converted there)."""
+def load_hf_config(path: str, check_memory: bool = True) -> Any:
+    """config.json through transformers' AutoConfig (older key names are converted there), after its values
+    are checked (``models/config_checks.py``; with ``check_memory``, that the weights fit in this machine's
+    memory: off for planning a model for another machine); a value transformers still rejects is a
+    ValueError naming the file."""
     from transformers import AutoConfig
+
+    from hybridserve.models import config_checks, config_specs
 
     if not os.path.isdir(path):
         raise ValueError(f"model={path!r} is not a directory holding a checkpoint")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
         raise ValueError(f"model={path!r} has no config.json")
-    return served_text_config(AutoConfig.from_pretrained(path))
+    config_checks.check_config_values(config_specs.read_config(path).to_dict(), file, check_memory)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # any failure of the config class on this file (its validators raise their own types)
+        message = " ".join(str(exc).split())  # one line
+        raise ValueError(f"{file}: transformers rejects this config ({type(exc).__name__}: {message})") from exc
+    return served_text_config(config)
 
 
 def served_text_config(config: Any) -> Any:
@@ -55,12 +66,12 @@ def architecture_of(hf_config: Any) -> str:
 
 def checkpoint_tensors(path: str, renames, skip: str | None):
     """``(open safetensors file, raw name, renamed name)`` of every checkpoint tensor whose raw name ``skip``
-    (a regex, or None) does not match, file by file: read a tensor with ``f.get_tensor(raw)``."""
-    for file in weight_files(path):
-        with safe_open(file, framework="pt") as f:
-            for raw in f.keys():
-                if skip is None or not re.match(skip, raw):
-                    yield f, raw, _rename(raw, renames)
+    (a regex, or None) does not match, file by file: read a tensor with ``f.get_tensor(raw)``, which refuses
+    one holding a NaN or an infinity (``models/weight_checks.py``: a ValueError naming it and its file)."""
+    for f in weight_checks.open_checked(weight_files(path)):
+        for raw in f.keys():
+            if skip is None or not re.match(skip, raw):
+                yield f, raw, _rename(raw, renames)
 
 
 def weight_files(path: str) -> list[str]:
@@ -112,7 +123,9 @@ def _rename(name: str, renames: list[tuple[str, str]]) -> str:
 
 
 def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.device, keep_fp8: bool = False) -> None:
-    """Load every parameter strictly: missing, unexpected and mis-shaped weights are errors naming them.
+    """Load every parameter strictly: missing, unexpected and mis-shaped weights, weights with a NaN or an
+    infinity, and weights of the wrong kind of dtype (an int or bool tensor for a float parameter) are
+    errors naming them.
 
     An fp8 checkpoint's weights (``models/fp8_checkpoint.py``) are dequantized to ``dtype``, except, with
     ``keep_fp8``, those of plain ``nn.Linear`` layers: these keep their e4m3 codes, with ``weight_scale``
@@ -158,6 +171,9 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
            for n, t in loaded.items() if tuple(t.shape) != tuple(expected[n].shape)]
     if bad:
         raise ValueError(f"checkpoint {path!r} has weights of the wrong shape: " + "; ".join(bad[:20]))
+    bad = weight_checks.wrong_dtype_classes(loaded, expected)
+    if bad:
+        raise ValueError(f"checkpoint {path!r} has weights of the wrong dtype: " + "; ".join(bad[:20]))
     model.to_empty(device=device)
     with torch.no_grad():
         for name, tensor in loaded.items():
@@ -240,8 +256,12 @@ def build_model(path: str, hf_config: Any, dtype: torch.dtype, dtypes: CacheDtyp
     ``distributed.group.TPGroup`` of several ranks), the model is this rank's shard."""
     architecture = architecture_of(hf_config)
     cls = model_class(architecture)
-    with torch.device("meta"):
-        model = cls(hf_config, dtypes)
+    try:
+        with torch.device("meta"):
+            model = cls(hf_config, dtypes)
+    except (ArithmeticError, TypeError, IndexError, KeyError, AttributeError) as exc:  # a config value out of range
+        raise ValueError(f"config.json of {path!r} does not describe a buildable {architecture}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     if tp_group is not None and tp_group.world > 1:
         from hybridserve.distributed.sharding import shard_model
 

@@ -111,7 +111,8 @@ def test_library_is_cached_and_reused(fresh, sources, monkeypatch):
     lib = build.load_library("ok")
     assert lib is not None and lib.hs_answer() == 42
     assert len(compiled) == 1 and compiled[0].parent == fresh and compiled[0].exists()
-    assert [p.name for p in fresh.iterdir()] == [compiled[0].name]  # only the library (no temp files)
+    # only the library and its build record (no temp files)
+    assert sorted(p.name for p in fresh.iterdir()) == [compiled[0].name, compiled[0].name + ".sha256"]
     assert build.load_library("ok") is lib  # memoized in the process
 
     # A new process (fresh memo) finds the library on disk: no compiler run.

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from hybridserve.kernels import _abi, build, isa
+from hybridserve.kernels import _abi, build, isa, library_record
 
 OK_SOURCE = ('#include "isa_level.h"\n#include "registry.h"\nextern "C" int hs_answer(void) { return 7; }\n'
              'HS_REGISTRY(HS_KERNEL(hs_answer))\n')
@@ -142,11 +142,12 @@ def test_each_level_has_its_own_cached_library_reporting_its_level(fresh):
 @needs_compiler
 def test_a_library_built_for_another_feature_set_is_not_loaded(fresh):
     """A cache shared between hosts holds a library built for other features under this host's key
-    (a copied file, say): its own report of the level it was built for refuses it."""
+    (a copied file with its build record, say): its own report of the level it was built for refuses it."""
     compiler = build.find_compiler()
     built_for_avx2 = build.build_library("ok", "avx2")  # building needs no CPU support
     wrong = build.library_path("ok", "generic", compiler)
     shutil.copy(built_for_avx2, wrong)
+    shutil.copy(library_record.record_path(built_for_avx2), library_record.record_path(wrong))
     assert build.load_library("ok", "generic") is None
     assert "built for level 1, not generic" in build.unavailable_reason("ok", "generic")
 
