@@ -106,14 +106,14 @@ def test_vision_tower_and_mtp_head_are_never_read(tmp_path, ckpt_dir, monkeypatc
     """Every ``model.visual.*`` and ``mtp.*`` tensor is skipped by name, never read; the language model's all are."""
     import shutil
 
-    import hybridserve.models.loader as loader
+    from hybridserve.models import weight_checks
 
     path = str(tmp_path / "vl")
     shutil.copytree(make(ckpt_dir, "qwen3_5_vl"), path)
     save_file({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)},
               os.path.join(path, "mtp.safetensors"))  # a multi-token-prediction head beside the model
     read: list[str] = []
-    real_open = loader.safe_open
+    real_open = weight_checks.safe_open  # the loader reads every weights file through weight_checks
 
     class Recording:
         def __init__(self, *args, **kwargs):
@@ -133,7 +133,7 @@ def test_vision_tower_and_mtp_head_are_never_read(tmp_path, ckpt_dir, monkeypatc
             read.append(name)
             return self.f.get_tensor(name)
 
-    monkeypatch.setattr(loader, "safe_open", Recording)
+    monkeypatch.setattr(weight_checks, "safe_open", Recording)
     llm = LLM(path, cache_memory="16MiB")
     visual = [n for n in _checkpoint_keys(path) if n.startswith("model.visual.")]
     assert visual and not any(n.startswith(("model.visual.", "mtp.")) for n in read), read
