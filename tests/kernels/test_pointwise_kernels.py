@@ -158,6 +158,22 @@ def test_silu_mul_extreme_values():
         assert_matches_torch(pointwise.silu_mul(a, b), F.silu(a) * b, f"silu_mul {dtype}")
 
 
+@pytest.mark.parametrize("D", [64, 100])  # a vector width's multiple; not one
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_silu_gate_matches_torch(dtype, D):
+    """Mamba2's gate without a norm (Falcon-H1 without ``mamba_rms_norm``): ``(y * silu(gate)).to(dtype)``
+    for the float32 scan output y and a column slice of the in-projection as the gate."""
+    g = torch.Generator().manual_seed(14)
+    y = torch.randn(9, D, generator=g) * 3  # (T, D) float32 scan output
+    proj = torch.randn(9, 3 * D + 4, generator=g).mul(3).to(dtype)
+    gate = proj[:, :D]
+    extreme = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0])
+    gate[0, :extreme.numel()] = extreme.to(dtype)  # exp over/underflow in silu
+    assert_matches_torch(pointwise.silu_gate(y, gate), (y * F.silu(gate)).to(dtype), "silu_gate")
+    assert pointwise.silu_gate(y.to(torch.float16 if dtype != torch.float16 else torch.bfloat16), gate) is None
+    assert pointwise.silu_gate(y[:, :8], gate) is None  # shapes differ
+
+
 # ----------------------------------------------------------------------------------------------
 # declined calls
 # ----------------------------------------------------------------------------------------------

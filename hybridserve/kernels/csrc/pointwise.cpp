@@ -1,5 +1,6 @@
 // CPU kernels for the row-wise ops between the matmuls: RMS norm (optionally fused with the residual
-// add before it), Mamba2's gated group RMS norm, and the gated-MLP activation silu(a) * b.
+// add before it), Mamba2's gated group RMS norm and its gate without a norm, and the gated-MLP activation
+// silu(a) * b.
 //
 // Each reproduces the rounding of the PyTorch code it replaces (hybridserve/layers/norms.py, the
 // MLPs): math in float32, and a value is rounded to the activation dtype wherever PyTorch would hold
@@ -171,6 +172,25 @@ void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, i
       store16_ps(orow + d, _mm512_mul_ps(round16_ps<AT>(silu16(load16_ps(ar + d))), load16_ps(br + d)));
 #endif
     for (; d < D; ++d) orow[d] = from_f32<AT>(round_to<AT>(silu(to_f32(ar[d]))) * to_f32(br[d]));
+  }
+}
+
+// out = round(y * round(silu(gate))), y float32: ``(y * silu(gate)).to(dtype)``, the Mamba2 gate without a norm
+// (Falcon-H1 without ``mamba_rms_norm``): silu rounded to the gate's dtype, the product taken in float32
+template <typename AT>
+void silu_gate_f32_impl(int64_t T, int64_t D, const float* y, int64_t ys, const AT* gate, int64_t gs, AT* out,
+                        int64_t os) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* yr = y + t * ys;
+    const AT* gr = gate + t * gs;
+    AT* orow = out + t * os;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16)  // the same float32 operations, 16 lanes at a time
+      store16_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(yr + d), round16_ps<AT>(silu16(load16_ps(gr + d)))));
+#endif
+    for (; d < D; ++d) orow[d] = from_f32<AT>(yr[d] * round_to<AT>(silu(to_f32(gr[d]))));
   }
 }
 
@@ -355,6 +375,14 @@ int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
   });
 }
 
+int hs_silu_gate_f32(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
+                     void* out, int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    silu_gate_f32_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<AT*>(out), os);
+  });
+}
+
 int hs_rms_norm_stream(int act_dtype, int x_dtype, int64_t T, int64_t D, const void* x, int64_t xs, const void* h,
                        int64_t hs, float* x_out, int64_t xos, const void* w, float eps, int round_input, void* out,
                        int64_t os) {
@@ -513,7 +541,8 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_silu_gate_f32)
+            HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
             HS_KERNEL(hs_silu_or_sigmoid_mul) HS_KERNEL(hs_norm_then_gate) HS_KERNEL(hs_row_sigmoid_gate)
             HS_KERNEL(hs_gelu_mul) HS_KERNEL(hs_concat_cols) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))
