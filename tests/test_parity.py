@@ -9,6 +9,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
+from tests.default_configs import SIZES
 from tests.hf_reference import compare, hf_greedy
 from tests.prefix_utils import released_everything
 
@@ -46,3 +47,10 @@ def test_granitemoehybrid_dense_matches_hf(ckpt_dir):
 def test_nemotron_h_latent_moe_matches_hf(ckpt_dir):
     """Nemotron-H with ``moe_latent_size``: routed experts between fc1/fc2 latent projections."""
     test_float32_matches_hf(ckpt_dir, "nemotron_h_latent")
+
+
+@pytest.mark.parametrize("family", list(SIZES))
+def test_float32_at_config_defaults_matches_hf(ckpt_dir, family):
+    """Each family with every option of its config class at the transformers default (only sizes tiny,
+    ``tests/default_configs.py``): the configuration a user gets who sets nothing."""
+    test_float32_matches_hf(ckpt_dir, f"{family}_defaults")
