@@ -40,6 +40,9 @@ VARIANTS = {
                                                            linear_conv_kernel_dim=3, linear_num_key_heads=2,
                                                            linear_num_value_heads=2, linear_key_head_dim=32,
                                                            linear_value_head_dim=24)),
+    # two value heads per key head (value head h reads key head h // 2, HF's repeat_interleave), 3 key heads
+    "olmo_hybrid-grouped-values": ("olmo_hybrid", dict(linear_num_key_heads=3, linear_num_value_heads=6,
+                                                       linear_key_head_dim=16, linear_value_head_dim=16)),
     # biases everywhere (norms included), HF's default gate cap (15), a tight logit cap, 2 heads of 64, chunks of
     # 8 (HF cannot build weight_mode "fused" from a config: tests/test_xlstm.py checks it against these weights)
     "xlstm-bias-caps": ("xlstm", dict(use_bias=True, gate_soft_cap=15.0, output_logit_soft_cap=4.0, num_heads=2,
