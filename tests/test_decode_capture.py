@@ -100,6 +100,7 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "falcon-mamba": ("falcon_mamba", {}),  # weightless dt/B/C norms
           "jamba": ("jamba", {}),  # Mamba1 with weighted dt/B/C norms, attention, softmax-routed experts
           "falcon-h1": ("falcon_h1", {}),  # attention beside Mamba2, every muP multiplier
+          "falcon-h1 norm before gate": ("falcon_h1", {"mamba_norm_before_gate": True}),
           "zamba2": ("zamba2", {}),  # shared attention blocks over concat(x, embeddings), gelu MLP, adapters
           "lfm2": ("lfm2", {}),  # gated short convolutions, attention with q/k norms
           "lfm2-moe": ("lfm2_moe", {}),  # LFM2 layers, sigmoid-routed experts with an expert bias

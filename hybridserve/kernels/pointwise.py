@@ -116,9 +116,10 @@ def rms_norm_stream(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
-                   norm_in_float32: bool) -> torch.Tensor | None:
+                   norm_in_float32: bool, norm_before_gate: bool = False) -> torch.Tensor | None:
     """Mamba2's gated group norm: y (T, D) float32, gate (T, D) -> (T, D) in gate's dtype, as
-    ``GatedRMSNorm(y.to(dtype), gate)`` or, with ``norm_in_float32``, ``GatedRMSNorm(y, gate).to(dtype)``.
+    ``GatedRMSNorm(y.to(dtype), gate)`` or, with ``norm_in_float32``, ``GatedRMSNorm(y, gate).to(dtype)``;
+    with ``norm_before_gate`` (float32 throughout), ``(GatedRMSNorm(y, None) * silu(gate.float())).to(dtype)``.
     None when not covered."""
     lib = _library()
     if lib is None or y.dtype != torch.float32 or not rows_ok(y) or not rows_ok(gate) or y.shape != gate.shape:
@@ -127,9 +128,10 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     if not covers_gated_norm(weight, gate.dtype, D, group_size):
         return None
     act = DTYPE_CODES[gate.dtype]
+    mode = 2 if norm_before_gate else int(norm_in_float32)  # csrc/pointwise.cpp: gated_rms_norm_impl
     out = torch.empty(T, D, dtype=gate.dtype)
     check(lib.hs_gated_rms_norm(act, T, D, y.data_ptr(), y.stride(0), gate.data_ptr(), gate.stride(0),
-                                weight.data_ptr(), group_size, float(eps), int(norm_in_float32), out.data_ptr(),
+                                weight.data_ptr(), group_size, float(eps), mode, out.data_ptr(),
                                 out.stride(0)), "hs_gated_rms_norm")
     return out
 

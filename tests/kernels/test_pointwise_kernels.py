@@ -119,11 +119,11 @@ def test_rms_norm_two_threads_match_one():
     assert_bits_equal(two[1], exp_normed, "normed")
 
 
-@pytest.mark.parametrize("group_size", [16, 64])  # several groups per row; one group
+@pytest.mark.parametrize("group_size", [16, 64, 20])  # several groups per row; one group; no vector width
 @pytest.mark.parametrize("norm_in_float32", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_gated_rms_norm_matches_torch(dtype, norm_in_float32, group_size):
-    D, T = 64, 9
+    D, T = 80 if group_size == 20 else 64, 9
     g = torch.Generator().manual_seed(12)
     norm = GatedRMSNorm(D, group_size, eps=1e-5)
     with torch.no_grad():
@@ -135,6 +135,26 @@ def test_gated_rms_norm_matches_torch(dtype, norm_in_float32, group_size):
     expected = norm(y, gate).to(dtype) if norm_in_float32 else norm(y.to(dtype), gate)
     got = pointwise.gated_rms_norm(y, gate, norm.weight, group_size, norm.eps, norm_in_float32)
     assert_matches_torch(got, expected, f"gated_rms_norm(norm_in_float32={norm_in_float32})")
+
+
+@pytest.mark.parametrize("group_size", [16, 64, 20])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_norm_before_gate_matches_torch(dtype, group_size):
+    """Mamba2's group norm, then the gate (Falcon-H1 with ``mamba_norm_before_gate``), in float32 throughout:
+    ``(GatedRMSNorm(y, None) * silu(gate.float())).to(dtype)``."""
+    D, T = 80 if group_size == 20 else 64, 9
+    g = torch.Generator().manual_seed(15)
+    norm = GatedRMSNorm(D, group_size, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=g) * 0.5 + 1.0)
+    norm = norm.to(dtype)
+    y = torch.randn(T, D, generator=g) * 3
+    gate = torch.randn(T, 3 * D, generator=g).mul(2).to(dtype)[:, :D]
+    expected = (norm(y, None) * F.silu(gate.float())).to(dtype)
+    for norm_in_float32 in (False, True):  # the norm is in float32 either way
+        got = pointwise.gated_rms_norm(y, gate, norm.weight, group_size, norm.eps, norm_in_float32,
+                                       norm_before_gate=True)
+        assert_matches_torch(got, expected, f"gated_rms_norm(norm_before_gate, norm_in_float32={norm_in_float32})")
 
 
 @pytest.mark.parametrize("shape", [(13, 2 * 48), (2, 5, 2 * 40)], ids=["2d", "3d"])

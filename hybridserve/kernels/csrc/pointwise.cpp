@@ -112,11 +112,13 @@ void rms_norm_stream_impl(int64_t T, int64_t D, const XT* x, int64_t xs, const A
 }
 
 // Mamba2's gated group norm of y (float32) with gate (act dtype), groups of G along the row:
-//   norm_in_f32 = 0: v = round(y) * silu(gate); out = round(w * round(groupnorm(v)))
-//   norm_in_f32 = 1: v = y * silu(gate);        out = round(w * groupnorm(v))
+//   mode = 0: v = round(y) * silu(gate); out = round(w * round(groupnorm(v)))
+//   mode = 1: v = y * silu(gate);        out = round(w * groupnorm(v))
+//   mode = 2: v = y;                     out = round(w * groupnorm(v) * silu(gate))   (norm before the gate)
 template <typename AT>
 void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const AT* gate, int64_t gs, const AT* w,
-                         int64_t G, float eps, int norm_in_f32, AT* out, int64_t os) {
+                         int64_t G, float eps, int mode, AT* out, int64_t os) {
+  const bool round_y = mode == 0, gate_first = mode != 2;
 #pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     const float* yr = y + t * ys;
@@ -130,8 +132,8 @@ void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < G; d += 16) {
           __m512 yv = _mm512_loadu_ps(yr + g0 + d);
-          if (!norm_in_f32) yv = round16_ps<AT>(yv);
-          const __m512 vv = _mm512_mul_ps(yv, silu16(load16_ps(gr + g0 + d)));
+          if (round_y) yv = round16_ps<AT>(yv);
+          const __m512 vv = gate_first ? _mm512_mul_ps(yv, silu16(load16_ps(gr + g0 + d))) : yv;
           _mm512_storeu_ps(v + d, vv);
           acc = _mm512_add_ps(acc, _mm512_mul_ps(vv, vv));
         }
@@ -141,13 +143,16 @@ void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const
       {
 #pragma omp simd reduction(+ : ss)
         for (int64_t d = 0; d < G; ++d) {
-          const float yv = norm_in_f32 ? yr[g0 + d] : round_to<AT>(yr[g0 + d]);
-          v[d] = yv * silu(to_f32(gr[g0 + d]));
+          const float yv = round_y ? round_to<AT>(yr[g0 + d]) : yr[g0 + d];
+          v[d] = gate_first ? yv * silu(to_f32(gr[g0 + d])) : yv;
           ss += v[d] * v[d];
         }
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(G) + eps);
-      if (norm_in_f32) {
+      if (!gate_first) {
+        for (int64_t d = 0; d < G; ++d)
+          outr[g0 + d] = from_f32<AT>(to_f32(w[g0 + d]) * (v[d] * inv) * silu(to_f32(gr[g0 + d])));
+      } else if (!round_y) {
 #pragma omp simd
         for (int64_t d = 0; d < G; ++d) outr[g0 + d] = from_f32<AT>(to_f32(w[g0 + d]) * (v[d] * inv));
       } else {
@@ -349,12 +354,12 @@ int hs_rms_norm(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, 
 }
 
 int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
-                      const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os) {
-  if (G < 1 || G > 8192 || D % G != 0) return 1;
+                      const void* w, int64_t G, float eps, int mode, void* out, int64_t os) {
+  if (G < 1 || G > 8192 || D % G != 0 || mode < 0 || mode > 2) return 1;
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
     gated_rms_norm_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<const AT*>(w), G, eps,
-                            norm_in_f32, static_cast<AT*>(out), os);
+                            mode, static_cast<AT*>(out), os);
   });
 }
 
