@@ -142,21 +142,22 @@ def test_replay_is_bit_identical_to_eager(ckpt_dir, monkeypatch, setting, model)
 @needs_compiler
 @needs_bf16_kernel
 @pytest.mark.parametrize("family", list(SIZES))
-def test_config_defaults_are_captured(ckpt_dir, monkeypatch, family):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_config_defaults_are_captured(ckpt_dir, monkeypatch, dtype, family):
     """Each family with every option of its config class at the transformers default (only sizes tiny,
-    ``tests/default_configs.py``), in bf16: every call on its kernel, the decode captured and replayed bit
-    for bit as its eager run."""
-    path = make(ckpt_dir, f"{family}_defaults", dtype=torch.bfloat16)
+    ``tests/default_configs.py``): every call on its kernel, the decode captured and replayed bit for bit as
+    its eager run."""
+    path = make(ckpt_dir, f"{family}_defaults", dtype=getattr(torch, dtype))
 
     def greedy(i):
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], logprobs=4, ignore_eos=True)
 
     declined_before = fallbacks.total()
-    replayed, runs, llm = _run(path, True, greedy, monkeypatch)
+    replayed, runs, llm = _run(path, True, greedy, monkeypatch, dtype=dtype)
     assert fallbacks.total() == declined_before, fallbacks.counts()
     assert llm.engine.runner.captured_decode is not None, llm.engine.cpu_fast_paths.decode_reason
     assert runs >= 8, f"only {runs} steps were replays"
-    _assert_identical(replayed, _run(path, False, greedy)[0])
+    _assert_identical(replayed, _run(path, False, greedy, dtype=dtype)[0])
 
 
 @needs_compiler
