@@ -61,11 +61,9 @@ SIZES: dict[str, tuple[str, dict[str, Any]]] = {
                                          num_attention_heads=4, num_key_value_heads=1, mamba_d_ssm=128,
                                          mamba_n_heads=16, mamba_d_head=8, mamba_d_state=16,
                                          max_position_embeddings=2048)),
-    # one attention layer in Granite's and Bamba's patterns (the classes default to Mamba2 layers only, which
-    # HF's generate cannot run: its cache has no attention layer to count the sequence length)
+    # one attention layer in Granite's and Bamba's patterns (:data:`ATTENTION_PATTERNS`)
     "granitemoehybrid": ("GraniteMoeHybridConfig", dict(hidden_size=64, intermediate_size=32,
                                                         shared_intermediate_size=48, num_hidden_layers=4,
-                                                        layer_types=["mamba", "mamba", "attention", "mamba"],
                                                         num_attention_heads=4, num_key_value_heads=4,
                                                         mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16)),
     "nemotron_h": ("NemotronHConfig", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
@@ -74,7 +72,7 @@ SIZES: dict[str, tuple[str, dict[str, Any]]] = {
                                            moe_shared_expert_intermediate_size=48, max_position_embeddings=2048)),
     "bamba": ("BambaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                                   num_key_value_heads=1, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
-                                  attn_layer_indices=[2], max_position_embeddings=2048)),
+                                  max_position_embeddings=2048)),
     "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                   num_key_value_heads=4, head_dim=16)),
     "mamba2": ("Mamba2Config", dict(hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16, state_size=16)),
@@ -87,12 +85,24 @@ SIZES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def defaults_config(family: str) -> Any:
-    """``family``'s config class at its defaults with the tiny sizes of :data:`SIZES`; a token id the
-    class defaults outside the tiny vocabulary becomes 0 (pad), 1 (bos) or 2 (eos)."""
+#: families whose config class defaults to Mamba2 layers only, which HF's ``generate`` cannot run (its cache has
+#: no attention layer to count the sequence length): ``<family>_defaults`` puts one attention layer in, and
+#: ``<family>_defaults_mamba_only`` keeps the class's pattern (compared with HF's uncached forward instead)
+ATTENTION_PATTERNS: dict[str, dict[str, Any]] = {
+    "granitemoehybrid": dict(layer_types=["mamba", "mamba", "attention", "mamba"]),
+    "bamba": dict(attn_layer_indices=[2]),
+}
+
+
+def defaults_config(family: str, class_pattern: bool = False) -> Any:
+    """``family``'s config class at its defaults with the tiny sizes of :data:`SIZES` (and, unless
+    ``class_pattern``, the layer pattern of :data:`ATTENTION_PATTERNS`); a token id the class defaults
+    outside the tiny vocabulary becomes 0 (pad), 1 (bos) or 2 (eos)."""
     import transformers
 
     class_name, sizes = SIZES[family]
+    if not class_pattern:
+        sizes = {**sizes, **ATTENTION_PATTERNS.get(family, {})}
     config_class = getattr(transformers, class_name)
     defaults = config_class()
     ids = {name: fallback for fallback, name in enumerate(_TOKEN_IDS)
@@ -102,8 +112,11 @@ def defaults_config(family: str) -> Any:
 
 #: ``<family>_defaults`` -> a builder taking no overrides but ``tests/checkpoints.make``'s keywords
 DEFAULTS_BUILDERS: dict[str, Callable[..., Any]] = {
-    f"{family}_defaults": (lambda family=family, **overrides: _with(defaults_config(family), overrides))
-    for family in SIZES
+    **{f"{family}_defaults": (lambda family=family, **overrides: _with(defaults_config(family), overrides))
+       for family in SIZES},
+    **{f"{family}_defaults_mamba_only": (lambda family=family, **overrides: _with(defaults_config(family, True),
+                                                                                   overrides))
+       for family in ATTENTION_PATTERNS},
 }
 
 

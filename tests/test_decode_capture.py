@@ -18,7 +18,7 @@ from hybridserve.entrypoints.cli import build_parser
 from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import fallbacks, gemm
 from tests.checkpoints import make
-from tests.default_configs import SIZES
+from tests.default_configs import DEFAULTS_BUILDERS
 from tests.kernels.helpers import needs_compiler
 from tests.prefix_utils import released_everything
 
@@ -141,13 +141,13 @@ def test_replay_is_bit_identical_to_eager(ckpt_dir, monkeypatch, setting, model)
 
 @needs_compiler
 @needs_bf16_kernel
-@pytest.mark.parametrize("family", list(SIZES))
+@pytest.mark.parametrize("checkpoint", list(DEFAULTS_BUILDERS))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_config_defaults_are_captured(ckpt_dir, monkeypatch, dtype, family):
+def test_config_defaults_are_captured(ckpt_dir, monkeypatch, dtype, checkpoint):
     """Each family with every option of its config class at the transformers default (only sizes tiny,
     ``tests/default_configs.py``): every call on its kernel, the decode captured and replayed bit for bit as
     its eager run."""
-    path = make(ckpt_dir, f"{family}_defaults", dtype=getattr(torch, dtype))
+    path = make(ckpt_dir, checkpoint, dtype=getattr(torch, dtype))
 
     def greedy(i):
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], logprobs=4, ignore_eos=True)
