@@ -14,6 +14,8 @@ VARIANTS = {
     "bamba-g4-d32": ("bamba", dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=4, mamba_d_state=8,
                                    mamba_chunk_size=32, num_attention_heads=2, num_key_value_heads=2)),
     "mamba2-g1-chunk5": ("mamba2", dict(n_groups=1, chunk_size=5, conv_kernel=2, num_heads=4, head_dim=32)),
+    # the gated RMS norm applied before the gate (``norm(y) * silu(z)``), one SSM group
+    "falcon_h1-norm-before-gate": ("falcon_h1", dict(mamba_norm_before_gate=True, mamba_n_groups=1)),
     "llama-mha-hd32": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32)),
     # LFM3 without sandwich norms and output gates, MHA, biased attention, a 5-token window (the block size
     # here is 8: windows and blocks misaligned), plain RoPE on the full layers too
