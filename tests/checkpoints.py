@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from tests.default_configs import DEFAULTS_BUILDERS
+
 LM_HEAD_SCALE = 4.0
 
 
@@ -418,7 +420,7 @@ def make(tmp_dir: str, family: str, dtype: torch.dtype = torch.float32, seed: in
     tag = hashlib.sha1(repr(sorted(overrides.items())).encode()).hexdigest()[:8] if overrides else "base"
     path = os.path.join(tmp_dir, f"{family}-{str(dtype).removeprefix('torch.')}-{seed}-{tag}")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        build({**BUILDERS, **VL_BUILDERS}[family](**overrides), path, seed=seed, dtype=dtype)
+        build({**BUILDERS, **VL_BUILDERS, **DEFAULTS_BUILDERS}[family](**overrides), path, seed=seed, dtype=dtype)
     return path
 
 

@@ -38,6 +38,23 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int,
     return results
 
 
+@torch.inference_mode()
+def hf_greedy_uncached(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[RefResult]:
+    """As :func:`hf_greedy` in float32, each step a whole forward of the sequence so far without a cache: for
+    models ``generate`` cannot run (a hybrid config with recurrent layers only)."""
+    model = hf_model(path, torch.float32)
+    results = []
+    for ids in prompts:
+        seq, tokens, lps = list(ids), [], []
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1].float()  # (V,)
+            lps.append(torch.log_softmax(logits, -1))
+            tokens.append(int(logits.argmax()))
+            seq.append(tokens[-1])
+        results.append(RefResult(tokens, lps))
+    return results
+
+
 @dataclass
 class Comparison:
     compared_tokens: int = 0

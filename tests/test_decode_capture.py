@@ -18,6 +18,7 @@ from hybridserve.entrypoints.cli import build_parser
 from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import fallbacks, gemm
 from tests.checkpoints import make
+from tests.default_configs import DEFAULTS_BUILDERS
 from tests.kernels.helpers import needs_compiler
 from tests.prefix_utils import released_everything
 
@@ -83,7 +84,8 @@ CACHE_SETTINGS = {
 # RoPE; Bamba: RoPE over half of each head (partial rotary), separate gate and up projections; pure
 # Mamba2; Llama (attention only); Granite-4.0-H with experts; Nemotron-H (Mamba2, attention, relu2
 # MLP and MoE layers), also with its latent expert projection; Mamba, FalconMamba and Jamba (Mamba1);
-# Falcon-H1; Zamba2; LFM2; MiniMax; Qwen3-Next; Qwen3.5, dense and MoE; OLMo-Hybrid, with and without RoPE;
+# Falcon-H1; Zamba2; LFM2; MiniMax; Qwen3-Next; Qwen3.5, dense and MoE; OLMo-Hybrid, with and without RoPE and
+# with value heads grouped per key head;
 # xLSTM; Kimi Linear.
 MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "granite rope": ("granitemoehybrid_dense", {"position_embedding_type": "rope"}),
@@ -98,6 +100,7 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "falcon-mamba": ("falcon_mamba", {}),  # weightless dt/B/C norms
           "jamba": ("jamba", {}),  # Mamba1 with weighted dt/B/C norms, attention, softmax-routed experts
           "falcon-h1": ("falcon_h1", {}),  # attention beside Mamba2, every muP multiplier
+          "falcon-h1 norm before gate": ("falcon_h1", {"mamba_norm_before_gate": True}),
           "zamba2": ("zamba2", {}),  # shared attention blocks over concat(x, embeddings), gelu MLP, adapters
           "lfm2": ("lfm2", {}),  # gated short convolutions, attention with q/k norms
           "lfm2-moe": ("lfm2_moe", {}),  # LFM2 layers, sigmoid-routed experts with an expert bias
@@ -108,6 +111,7 @@ MODELS = {"granite": ("granitemoehybrid_dense", {}),
           "qwen3.5-moe": ("qwen3_5_moe", {}),  # ... and an always-renormalized MoE on every layer
           "olmo-hybrid": ("olmo_hybrid", {}),  # Qwen3-Next's delta net (beta in [0, 2]), post-norm attention
           "olmo-hybrid nope": ("olmo_hybrid", {"rope_parameters": {"rope_type": "default", "rope_theta": None}}),
+          "olmo-hybrid grouped": ("olmo_hybrid", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
           "xlstm": ("xlstm", {}),  # mLSTM cell (matrix memory, normalizer, max state), gate and logit soft caps
           "kimi-linear": ("kimi_linear", {})}  # KDA (per-channel decay), NoPE MLA over a latent cache, MoE
 
@@ -133,6 +137,27 @@ def test_replay_is_bit_identical_to_eager(ckpt_dir, monkeypatch, setting, model)
     eager, _, llm_off = _run(path, False, greedy, **opts)
     assert llm_off.engine.runner.captured_decode is None
     _assert_identical(replayed, eager)
+
+
+@needs_compiler
+@needs_bf16_kernel
+@pytest.mark.parametrize("checkpoint", list(DEFAULTS_BUILDERS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_config_defaults_are_captured(ckpt_dir, monkeypatch, dtype, checkpoint):
+    """Each family with every option of its config class at the transformers default (only sizes tiny,
+    ``tests/default_configs.py``): every call on its kernel, the decode captured and replayed bit for bit as
+    its eager run."""
+    path = make(ckpt_dir, checkpoint, dtype=getattr(torch, dtype))
+
+    def greedy(i):
+        return SamplingParams(temperature=0, max_tokens=MAX_TOKENS[i], logprobs=4, ignore_eos=True)
+
+    declined_before = fallbacks.total()
+    replayed, runs, llm = _run(path, True, greedy, monkeypatch, dtype=dtype)
+    assert fallbacks.total() == declined_before, fallbacks.counts()
+    assert llm.engine.runner.captured_decode is not None, llm.engine.cpu_fast_paths.decode_reason
+    assert runs >= 8, f"only {runs} steps were replays"
+    _assert_identical(replayed, _run(path, False, greedy, dtype=dtype)[0])
 
 
 @needs_compiler

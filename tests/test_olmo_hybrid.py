@@ -89,10 +89,12 @@ def test_missing_conv_part_is_named(ckpt_dir, tmp_path):
         LLM(broken, cache_memory="16MiB")
 
 
-def test_unequal_linear_heads_are_rejected():
-    """HF's OLMo-Hybrid gives each value head its own key head; a config that shares key heads is refused by name."""
-    config = olmo_hybrid_config(linear_num_key_heads=2, linear_num_value_heads=4)
-    with pytest.raises(ValueError, match=r"linear_num_value_heads \(4\) must equal linear_num_key_heads \(2\)"):
+def test_value_heads_not_a_multiple_of_key_heads_are_rejected():
+    """Value heads are grouped per key head (HF's ``repeat_interleave``): a count that does not divide is refused
+    by name."""
+    config = olmo_hybrid_config(linear_num_key_heads=2, linear_num_value_heads=3)
+    with pytest.raises(ValueError, match=r"linear_num_value_heads \(3\) must be a multiple of "
+                                         r"linear_num_key_heads \(2\)"):
         _meta_model(config)
 
 

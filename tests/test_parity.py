@@ -9,7 +9,8 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
-from tests.hf_reference import compare, hf_greedy
+from tests.default_configs import ATTENTION_PATTERNS, SIZES
+from tests.hf_reference import compare, hf_greedy, hf_greedy_uncached
 from tests.prefix_utils import released_everything
 
 FAMILIES = ["llama", "mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "minimax",
@@ -46,3 +47,27 @@ def test_granitemoehybrid_dense_matches_hf(ckpt_dir):
 def test_nemotron_h_latent_moe_matches_hf(ckpt_dir):
     """Nemotron-H with ``moe_latent_size``: routed experts between fc1/fc2 latent projections."""
     test_float32_matches_hf(ckpt_dir, "nemotron_h_latent")
+
+
+@pytest.mark.parametrize("family", list(SIZES))
+def test_float32_at_config_defaults_matches_hf(ckpt_dir, family):
+    """Each family with every option of its config class at the transformers default (only sizes tiny,
+    ``tests/default_configs.py``): the configuration a user gets who sets nothing."""
+    test_float32_matches_hf(ckpt_dir, f"{family}_defaults")
+
+
+@pytest.mark.parametrize("family", list(ATTENTION_PATTERNS))
+def test_mamba2_only_class_pattern_matches_hf(ckpt_dir, family):
+    """Granite-4.0-H and Bamba at their config class's own layer pattern (Mamba2 layers only, no attention),
+    against HF's uncached forward (its ``generate`` cannot run such a model)."""
+    path = make(ckpt_dir, f"{family}_defaults_mamba_only")
+    llm = LLM(path, max_num_batched_tokens=20, max_num_seqs=3, cache_memory="16MiB")
+    assert llm.cache_layout()["kv_bytes_per_token"] == 0  # no attention layer: the class's pattern
+    ps = prompts(llm.engine.hf_config.vocab_size)[:4]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True))
+    cmp = compare([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
+                  hf_greedy_uncached(path, ps, 8))
+    assert cmp.compared_tokens >= len(ps) * 4, cmp.diverged_at
+    assert cmp.max_topk_error <= 1e-3, cmp.max_topk_error
+    assert released_everything(llm.engine)

@@ -14,6 +14,8 @@ VARIANTS = {
     "bamba-g4-d32": ("bamba", dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=4, mamba_d_state=8,
                                    mamba_chunk_size=32, num_attention_heads=2, num_key_value_heads=2)),
     "mamba2-g1-chunk5": ("mamba2", dict(n_groups=1, chunk_size=5, conv_kernel=2, num_heads=4, head_dim=32)),
+    # the gated RMS norm applied before the gate (``norm(y) * silu(z)``), one SSM group
+    "falcon_h1-norm-before-gate": ("falcon_h1", dict(mamba_norm_before_gate=True, mamba_n_groups=1)),
     "llama-mha-hd32": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32)),
     # LFM3 without sandwich norms and output gates, MHA, biased attention, a 5-token window (the block size
     # here is 8: windows and blocks misaligned), plain RoPE on the full layers too
@@ -40,6 +42,9 @@ VARIANTS = {
                                                            linear_conv_kernel_dim=3, linear_num_key_heads=2,
                                                            linear_num_value_heads=2, linear_key_head_dim=32,
                                                            linear_value_head_dim=24)),
+    # two value heads per key head (value head h reads key head h // 2, HF's repeat_interleave), 3 key heads
+    "olmo_hybrid-grouped-values": ("olmo_hybrid", dict(linear_num_key_heads=3, linear_num_value_heads=6,
+                                                       linear_key_head_dim=16, linear_value_head_dim=16)),
     # biases everywhere (norms included), HF's default gate cap (15), a tight logit cap, 2 heads of 64, chunks of
     # 8 (HF cannot build weight_mode "fused" from a config: tests/test_xlstm.py checks it against these weights)
     "xlstm-bias-caps": ("xlstm", dict(use_bias=True, gate_soft_cap=15.0, output_logit_soft_cap=4.0, num_heads=2,

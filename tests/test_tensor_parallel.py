@@ -30,7 +30,9 @@ FAMILIES = {
     # one group on 2 ranks: B and C on both, the gated norm's sums of squares summed over them
     "mamba2_one_group": ("mamba2", {"n_groups": 1}), "bamba_one_group": ("bamba", {"mamba_n_groups": 1}),
     "qwen3_5": ("qwen3_5", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
-    "olmo_hybrid": ("olmo_hybrid", {}), "mamba": ("mamba", {}), "falcon_mamba": ("falcon_mamba", {}),
+    "olmo_hybrid": ("olmo_hybrid", {}),
+    "olmo_hybrid_grouped": ("olmo_hybrid", {"linear_num_key_heads": 2, "linear_num_value_heads": 4}),
+    "mamba": ("mamba", {}), "falcon_mamba": ("falcon_mamba", {}),
     "jamba": ("jamba", {}), "lfm2": ("lfm2", {}), "lfm2_moe": ("lfm2_moe", {}), "lfm3": ("lfm3", {}),
     "minimax": ("minimax", {}), "kimi_linear": ("kimi_linear", {}), "xlstm": ("xlstm", {}),
 }

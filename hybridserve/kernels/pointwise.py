@@ -1,8 +1,8 @@
 """Python entry points of the C++ row-wise kernels (``csrc/pointwise.cpp``) for the CPU: RMS norms
 (optionally fused with the residual add before them; over a float32 residual stream; the families'
-roundings), the gated group norms of Mamba2 and Qwen3-Next, the activations (silu(a) * b, gelu(a) * b,
-silu, relu2, sigmoid gates), element-wise glue (add, mul, scale, concat), row gathers (embeddings,
-RoPE tables), RoPE, and the sampler's argmax + logsumexp.
+roundings), the gated group norms of Mamba2 and Qwen3-Next, Mamba2's gate without a norm, the
+activations (silu(a) * b, gelu(a) * b, silu, relu2, sigmoid gates), element-wise glue (add, mul, scale,
+concat), row gathers (embeddings, RoPE tables), RoPE, and the sampler's argmax + logsumexp.
 
 Each reproduces the rounding of the PyTorch code it replaces and returns None, doing nothing, when
 the call is one it does not cover (not on the CPU, a dtype or layout it does not take, or no
@@ -116,9 +116,10 @@ def rms_norm_stream(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 
 def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
-                   norm_in_float32: bool) -> torch.Tensor | None:
+                   norm_in_float32: bool, norm_before_gate: bool = False) -> torch.Tensor | None:
     """Mamba2's gated group norm: y (T, D) float32, gate (T, D) -> (T, D) in gate's dtype, as
-    ``GatedRMSNorm(y.to(dtype), gate)`` or, with ``norm_in_float32``, ``GatedRMSNorm(y, gate).to(dtype)``.
+    ``GatedRMSNorm(y.to(dtype), gate)`` or, with ``norm_in_float32``, ``GatedRMSNorm(y, gate).to(dtype)``;
+    with ``norm_before_gate`` (float32 throughout), ``(GatedRMSNorm(y, None) * silu(gate.float())).to(dtype)``.
     None when not covered."""
     lib = _library()
     if lib is None or y.dtype != torch.float32 or not rows_ok(y) or not rows_ok(gate) or y.shape != gate.shape:
@@ -127,10 +128,25 @@ def gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     if not covers_gated_norm(weight, gate.dtype, D, group_size):
         return None
     act = DTYPE_CODES[gate.dtype]
+    mode = 2 if norm_before_gate else int(norm_in_float32)  # csrc/pointwise.cpp: gated_rms_norm_impl
     out = torch.empty(T, D, dtype=gate.dtype)
     check(lib.hs_gated_rms_norm(act, T, D, y.data_ptr(), y.stride(0), gate.data_ptr(), gate.stride(0),
-                                weight.data_ptr(), group_size, float(eps), int(norm_in_float32), out.data_ptr(),
+                                weight.data_ptr(), group_size, float(eps), mode, out.data_ptr(),
                                 out.stride(0)), "hs_gated_rms_norm")
+    return out
+
+
+def silu_gate(y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """The Mamba2 gate without a norm: y (T, D) float32, gate (T, D) -> ``(y * silu(gate)).to(gate.dtype)``,
+    silu rounded to gate's dtype and the product taken in float32. None when not covered."""
+    lib = _library()
+    if (lib is None or y.dtype != torch.float32 or y.dim() != 2 or y.shape != gate.shape
+            or gate.dtype not in DTYPE_CODES or not rows_ok(y) or not rows_ok(gate)):
+        return None
+    T, D = y.shape
+    out = torch.empty(T, D, dtype=gate.dtype)
+    check(lib.hs_silu_gate_f32(DTYPE_CODES[gate.dtype], T, D, y.data_ptr(), y.stride(0), gate.data_ptr(),
+                               gate.stride(0), out.data_ptr(), out.stride(0)), "hs_silu_gate_f32")
     return out
 
 

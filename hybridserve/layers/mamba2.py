@@ -163,15 +163,16 @@ class Mamba2Mixer(nn.Module):
 
     def _gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """y: (T, inter) float32 scan output, gate: (T, inter) -> (T, inter) in ``dtype``."""
-        if (self.use_cpu_kernels and self.norm is not None and not self.norm_before_gate and gate.dtype == dtype):
-            out = pointwise_kernels.gated_rms_norm(y, gate, self.norm.weight, self.norm.group_size, self.norm.eps,
-                                                   self.norm_in_float32)
+        if self.use_cpu_kernels and gate.dtype == dtype:
+            if self.norm is None:
+                out = pointwise_kernels.silu_gate(y, gate)
+            else:
+                out = pointwise_kernels.gated_rms_norm(y, gate, self.norm.weight, self.norm.group_size,
+                                                       self.norm.eps, self.norm_in_float32, self.norm_before_gate)
             if out is not None:
                 return out
         if self.use_cpu_kernels:
-            plain_gate = self.norm is None or self.norm_before_gate
-            fallbacks.record("gated_rms_norm", "no gated norm after the gate" if plain_gate
-                             else fallbacks.describe(y, gate))
+            fallbacks.record("silu_gate" if self.norm is None else "gated_rms_norm", fallbacks.describe(y, gate))
         if self.norm is None:
             return (y * nn.functional.silu(gate)).to(dtype)
         if self.norm_before_gate:

@@ -9,8 +9,10 @@ What is another family's computation, and where it differs:
   names the output ``o_norm`` / ``o_proj``: ``transform_checkpoint`` reorders them into Qwen3-Next's
   grouped ``in_proj_qkvz`` / ``in_proj_ba`` (``grouped_projections``) and ``norm`` / ``out_proj``, so the
   layer and its CPU kernels are Qwen3-Next's. The conv weight is stored in three parts (``q_conv1d``,
-  ``k_conv1d``, ``v_conv1d``, rows concatenated in that order, as HF loads them) or whole. HF computes
-  the recurrence with as many key heads as value heads, so those counts must be equal.
+  ``k_conv1d``, ``v_conv1d``, rows concatenated in that order, as HF loads them) or whole. With more
+  value heads than key heads, value head h reads key head h // (Hv / Hk), as HF's ``repeat_interleave``
+  of q and k and as Qwen3-Next's grouping (the value heads one key head serves are consecutive in
+  ``v_proj``, ``g_proj``, ``b_proj`` and ``a_proj``).
 * checkpoint norm names: OLMo-core's ``attention_layer_norm`` / ``feedforward_layer_norm`` load as
   ``input_layernorm`` / ``post_attention_layernorm`` (HF's renaming), HF's own names as they are.
 * attention (OLMo-3's): ``q_norm`` / ``k_norm`` are RMS norms over the whole q / k projection (all heads
@@ -97,10 +99,6 @@ class OlmoHybridLinearAttentionDecoderLayer(nn.Module):
 
     def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
         super().__init__()
-        if config.linear_num_value_heads != config.linear_num_key_heads:
-            raise ValueError(f"linear_num_value_heads ({config.linear_num_value_heads}) must equal "
-                             f"linear_num_key_heads ({config.linear_num_key_heads}) for OLMo-Hybrid "
-                             "(HF's gated delta net gives each value head its own key head)")
         self.linear_attn = GatedDeltaNet(
             index, config.hidden_size, num_k_heads=config.linear_num_key_heads,
             num_v_heads=config.linear_num_value_heads, head_k_dim=config.linear_key_head_dim,

@@ -110,6 +110,28 @@ def test_kernels_match_pytorch_paths(ckpt_dir, kernel_calls, family, dtype):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mamba2_gate_without_norm_runs_on_its_kernel(ckpt_dir, monkeypatch, dtype):
+    """Falcon-H1 at its config defaults (``mamba_rms_norm=False``: ``y * silu(gate)``, no gated norm): the gate
+    runs on ``silu_gate`` and the generation equals the plain-PyTorch run."""
+    calls = {"silu_gate": 0}
+    real = pointwise.silu_gate
+
+    def counted(*args):
+        out = real(*args)
+        calls["silu_gate"] += out is not None
+        return out
+
+    monkeypatch.setattr(pointwise, "silu_gate", counted)
+    path = make(ckpt_dir, "falcon_h1_defaults")
+    with_kernels = _generate(path, True, dtype=dtype)
+    assert calls["silu_gate"] > 0
+    without, largest = _generate_with_logits_range(path, False, dtype=dtype)
+    _assert_same_generation(with_kernels, without,
+                            bf16_logprob_tolerance(largest) if dtype == "bfloat16" else LOGPROB_TOL[dtype])
+
+
+@needs_compiler
 def test_kernels_with_mixed_cache_dtypes(ckpt_dir, kernel_calls):
     """bf16 activations with float32 SSM state, float16 conv state and float16 KV: each kernel works in
     its cache's own dtype."""

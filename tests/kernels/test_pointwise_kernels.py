@@ -119,11 +119,11 @@ def test_rms_norm_two_threads_match_one():
     assert_bits_equal(two[1], exp_normed, "normed")
 
 
-@pytest.mark.parametrize("group_size", [16, 64])  # several groups per row; one group
+@pytest.mark.parametrize("group_size", [16, 64, 20])  # several groups per row; one group; no vector width
 @pytest.mark.parametrize("norm_in_float32", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_gated_rms_norm_matches_torch(dtype, norm_in_float32, group_size):
-    D, T = 64, 9
+    D, T = 80 if group_size == 20 else 64, 9
     g = torch.Generator().manual_seed(12)
     norm = GatedRMSNorm(D, group_size, eps=1e-5)
     with torch.no_grad():
@@ -135,6 +135,26 @@ def test_gated_rms_norm_matches_torch(dtype, norm_in_float32, group_size):
     expected = norm(y, gate).to(dtype) if norm_in_float32 else norm(y.to(dtype), gate)
     got = pointwise.gated_rms_norm(y, gate, norm.weight, group_size, norm.eps, norm_in_float32)
     assert_matches_torch(got, expected, f"gated_rms_norm(norm_in_float32={norm_in_float32})")
+
+
+@pytest.mark.parametrize("group_size", [16, 64, 20])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_norm_before_gate_matches_torch(dtype, group_size):
+    """Mamba2's group norm, then the gate (Falcon-H1 with ``mamba_norm_before_gate``), in float32 throughout:
+    ``(GatedRMSNorm(y, None) * silu(gate.float())).to(dtype)``."""
+    D, T = 80 if group_size == 20 else 64, 9
+    g = torch.Generator().manual_seed(15)
+    norm = GatedRMSNorm(D, group_size, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=g) * 0.5 + 1.0)
+    norm = norm.to(dtype)
+    y = torch.randn(T, D, generator=g) * 3
+    gate = torch.randn(T, 3 * D, generator=g).mul(2).to(dtype)[:, :D]
+    expected = (norm(y, None) * F.silu(gate.float())).to(dtype)
+    for norm_in_float32 in (False, True):  # the norm is in float32 either way
+        got = pointwise.gated_rms_norm(y, gate, norm.weight, group_size, norm.eps, norm_in_float32,
+                                       norm_before_gate=True)
+        assert_matches_torch(got, expected, f"gated_rms_norm(norm_before_gate, norm_in_float32={norm_in_float32})")
 
 
 @pytest.mark.parametrize("shape", [(13, 2 * 48), (2, 5, 2 * 40)], ids=["2d", "3d"])
@@ -156,6 +176,22 @@ def test_silu_mul_extreme_values():
         a = vals.to(dtype).repeat(3, 1)
         b = torch.linspace(-1, 1, vals.numel()).to(dtype).repeat(3, 1)
         assert_matches_torch(pointwise.silu_mul(a, b), F.silu(a) * b, f"silu_mul {dtype}")
+
+
+@pytest.mark.parametrize("D", [64, 100])  # a vector width's multiple; not one
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_silu_gate_matches_torch(dtype, D):
+    """Mamba2's gate without a norm (Falcon-H1 without ``mamba_rms_norm``): ``(y * silu(gate)).to(dtype)``
+    for the float32 scan output y and a column slice of the in-projection as the gate."""
+    g = torch.Generator().manual_seed(14)
+    y = torch.randn(9, D, generator=g) * 3  # (T, D) float32 scan output
+    proj = torch.randn(9, 3 * D + 4, generator=g).mul(3).to(dtype)
+    gate = proj[:, :D]
+    extreme = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0])
+    gate[0, :extreme.numel()] = extreme.to(dtype)  # exp over/underflow in silu
+    assert_matches_torch(pointwise.silu_gate(y, gate), (y * F.silu(gate)).to(dtype), "silu_gate")
+    assert pointwise.silu_gate(y.to(torch.float16 if dtype != torch.float16 else torch.bfloat16), gate) is None
+    assert pointwise.silu_gate(y[:, :8], gate) is None  # shapes differ
 
 
 # ----------------------------------------------------------------------------------------------

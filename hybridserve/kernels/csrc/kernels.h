@@ -18,9 +18,11 @@ int hs_rms_norm_stream(int act_dtype, int x_dtype, int64_t T, int64_t D, const v
                        int64_t hs, float* x_out, int64_t xos, const void* w, float eps, int round_input, void* out,
                        int64_t os);
 int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
-                      const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os);
+                      const void* w, int64_t G, float eps, int mode, void* out, int64_t os);
 int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, void* out,
                 int64_t os);
+int hs_silu_gate_f32(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
+                     void* out, int64_t os);
 int hs_add(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, const void* b, int64_t bs, float scale,
            void* out, int64_t os);
 int hs_silu_or_sigmoid_mul(int act_dtype, int act, int64_t T, int64_t D, const void* x, int64_t xs, const void* b,

@@ -1,5 +1,6 @@
 // CPU kernels for the row-wise ops between the matmuls: RMS norm (optionally fused with the residual
-// add before it), Mamba2's gated group RMS norm, and the gated-MLP activation silu(a) * b.
+// add before it), Mamba2's gated group RMS norm and its gate without a norm, and the gated-MLP activation
+// silu(a) * b.
 //
 // Each reproduces the rounding of the PyTorch code it replaces (hybridserve/layers/norms.py, the
 // MLPs): math in float32, and a value is rounded to the activation dtype wherever PyTorch would hold
@@ -111,11 +112,13 @@ void rms_norm_stream_impl(int64_t T, int64_t D, const XT* x, int64_t xs, const A
 }
 
 // Mamba2's gated group norm of y (float32) with gate (act dtype), groups of G along the row:
-//   norm_in_f32 = 0: v = round(y) * silu(gate); out = round(w * round(groupnorm(v)))
-//   norm_in_f32 = 1: v = y * silu(gate);        out = round(w * groupnorm(v))
+//   mode = 0: v = round(y) * silu(gate); out = round(w * round(groupnorm(v)))
+//   mode = 1: v = y * silu(gate);        out = round(w * groupnorm(v))
+//   mode = 2: v = y;                     out = round(w * groupnorm(v) * silu(gate))   (norm before the gate)
 template <typename AT>
 void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const AT* gate, int64_t gs, const AT* w,
-                         int64_t G, float eps, int norm_in_f32, AT* out, int64_t os) {
+                         int64_t G, float eps, int mode, AT* out, int64_t os) {
+  const bool round_y = mode == 0, gate_first = mode != 2;
 #pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
   for (int64_t t = 0; t < T; ++t) {
     const float* yr = y + t * ys;
@@ -129,8 +132,8 @@ void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < G; d += 16) {
           __m512 yv = _mm512_loadu_ps(yr + g0 + d);
-          if (!norm_in_f32) yv = round16_ps<AT>(yv);
-          const __m512 vv = _mm512_mul_ps(yv, silu16(load16_ps(gr + g0 + d)));
+          if (round_y) yv = round16_ps<AT>(yv);
+          const __m512 vv = gate_first ? _mm512_mul_ps(yv, silu16(load16_ps(gr + g0 + d))) : yv;
           _mm512_storeu_ps(v + d, vv);
           acc = _mm512_add_ps(acc, _mm512_mul_ps(vv, vv));
         }
@@ -140,13 +143,16 @@ void gated_rms_norm_impl(int64_t T, int64_t D, const float* y, int64_t ys, const
       {
 #pragma omp simd reduction(+ : ss)
         for (int64_t d = 0; d < G; ++d) {
-          const float yv = norm_in_f32 ? yr[g0 + d] : round_to<AT>(yr[g0 + d]);
-          v[d] = yv * silu(to_f32(gr[g0 + d]));
+          const float yv = round_y ? round_to<AT>(yr[g0 + d]) : yr[g0 + d];
+          v[d] = gate_first ? yv * silu(to_f32(gr[g0 + d])) : yv;
           ss += v[d] * v[d];
         }
       }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(G) + eps);
-      if (norm_in_f32) {
+      if (!gate_first) {
+        for (int64_t d = 0; d < G; ++d)
+          outr[g0 + d] = from_f32<AT>(to_f32(w[g0 + d]) * (v[d] * inv) * silu(to_f32(gr[g0 + d])));
+      } else if (!round_y) {
 #pragma omp simd
         for (int64_t d = 0; d < G; ++d) outr[g0 + d] = from_f32<AT>(to_f32(w[g0 + d]) * (v[d] * inv));
       } else {
@@ -171,6 +177,25 @@ void silu_mul_impl(int64_t T, int64_t D, const AT* a, int64_t as, const AT* b, i
       store16_ps(orow + d, _mm512_mul_ps(round16_ps<AT>(silu16(load16_ps(ar + d))), load16_ps(br + d)));
 #endif
     for (; d < D; ++d) orow[d] = from_f32<AT>(round_to<AT>(silu(to_f32(ar[d]))) * to_f32(br[d]));
+  }
+}
+
+// out = round(y * round(silu(gate))), y float32: ``(y * silu(gate)).to(dtype)``, the Mamba2 gate without a norm
+// (Falcon-H1 without ``mamba_rms_norm``): silu rounded to the gate's dtype, the product taken in float32
+template <typename AT>
+void silu_gate_f32_impl(int64_t T, int64_t D, const float* y, int64_t ys, const AT* gate, int64_t gs, AT* out,
+                        int64_t os) {
+#pragma omp parallel for schedule(static) if (T * D >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* yr = y + t * ys;
+    const AT* gr = gate + t * gs;
+    AT* orow = out + t * os;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16)  // the same float32 operations, 16 lanes at a time
+      store16_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(yr + d), round16_ps<AT>(silu16(load16_ps(gr + d)))));
+#endif
+    for (; d < D; ++d) orow[d] = from_f32<AT>(yr[d] * round_to<AT>(silu(to_f32(gr[d]))));
   }
 }
 
@@ -329,12 +354,12 @@ int hs_rms_norm(int act_dtype, int64_t T, int64_t D, const void* x, int64_t xs, 
 }
 
 int hs_gated_rms_norm(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
-                      const void* w, int64_t G, float eps, int norm_in_f32, void* out, int64_t os) {
-  if (G < 1 || G > 8192 || D % G != 0) return 1;
+                      const void* w, int64_t G, float eps, int mode, void* out, int64_t os) {
+  if (G < 1 || G > 8192 || D % G != 0 || mode < 0 || mode > 2) return 1;
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
     gated_rms_norm_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<const AT*>(w), G, eps,
-                            norm_in_f32, static_cast<AT*>(out), os);
+                            mode, static_cast<AT*>(out), os);
   });
 }
 
@@ -352,6 +377,14 @@ int hs_silu_mul(int act_dtype, int64_t T, int64_t D, const void* a, int64_t as, 
   return dispatch_dtype(act_dtype, [&](auto tag) {
     using AT = decltype(tag);
     silu_mul_impl<AT>(T, D, static_cast<const AT*>(a), as, static_cast<const AT*>(b), bs, static_cast<AT*>(out), os);
+  });
+}
+
+int hs_silu_gate_f32(int act_dtype, int64_t T, int64_t D, const float* y, int64_t ys, const void* gate, int64_t gs,
+                     void* out, int64_t os) {
+  return dispatch_dtype(act_dtype, [&](auto tag) {
+    using AT = decltype(tag);
+    silu_gate_f32_impl<AT>(T, D, y, ys, static_cast<const AT*>(gate), gs, static_cast<AT*>(out), os);
   });
 }
 
@@ -513,7 +546,8 @@ int hs_gather_rows(int dtype, int64_t T, const int64_t* ids, const void* table, 
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
+HS_REGISTRY(HS_KERNEL(hs_rms_norm) HS_KERNEL(hs_rms_norm_stream) HS_KERNEL(hs_gated_rms_norm) HS_KERNEL(hs_silu_mul) HS_KERNEL(hs_silu_gate_f32)
+            HS_KERNEL(hs_relu2) HS_KERNEL(hs_add) HS_KERNEL(hs_mul) HS_KERNEL(hs_scale)
             HS_KERNEL(hs_silu_or_sigmoid_mul) HS_KERNEL(hs_norm_then_gate) HS_KERNEL(hs_row_sigmoid_gate)
             HS_KERNEL(hs_gelu_mul) HS_KERNEL(hs_concat_cols) HS_KERNEL(hs_rotary)
             HS_KERNEL(hs_gather_rows) HS_KERNEL(hs_argmax_logsumexp))
