@@ -61,7 +61,8 @@ def _post(client: httpx.Client, base: str, path: str, body: dict, key: str | Non
 
 
 def probe_cache_salt(client, base, model) -> dict:
-    """A secret in one salt's prompt; another salt sends a guess twice: cached_tokens must stay 0."""
+    """A secret in one salt's prompt; another salt sends the right guess twice: cached_tokens must stay 0 (the
+    second send would report the match without salts), while the same salt's sends do hit."""
     story = "Once upon a time there was a small model that served many requests at once. " * 4
     victim = {"model": model, "prompt": story + "The vault code is 4817.", "max_tokens": 1, "cache_salt": "tenant-a"}
     _post(client, base, "/v1/completions", victim)
@@ -69,7 +70,8 @@ def probe_cache_salt(client, base, model) -> dict:
     for _ in range(2):
         r = client.post(f"{base}/v1/completions", json={**victim, "cache_salt": "tenant-b"})
         cached.append(((r.json().get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0))
-    same = client.post(f"{base}/v1/completions", json=victim).json()
+    for _ in range(2):  # the same salt: its second send resumes from the branch point its first one planted
+        same = client.post(f"{base}/v1/completions", json=victim).json()
     same_cached = ((same.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {"other salt cached_tokens": cached, "same salt cached_tokens": same_cached,
             "ok": all(c == 0 for c in cached) and same_cached > 0}
