@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "dtypes.h"
+#include "flush_denormals.h"
 #include "vec16.h"
 #include "vecmath.h"
 
@@ -356,6 +357,7 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
   const int64_t H = p.H, P = p.P, N = p.N;
 #pragma omp parallel
   {
+    const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
     std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -397,33 +399,37 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
                       const AT* dt, int64_t dts, const float* A, const AT* Bm, int64_t bs, const AT* Cm, int64_t cs,
                       const float* D, const AT* z, int64_t zs, const float* dt_bias, int dt_softplus, ST* states,
                       int64_t slot_stride, AT* y, int64_t ys, int64_t Dm, int64_t N) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t d = 0; d < Dm; ++d) {
-      ST* st = states + slots[s] * slot_stride + d * N;
-      const float* a = A + d * N;
-      float h[kMaxStateN];
-      for (int64_t n = 0; n < N; ++n) h[n] = to_f32(st[n]);
-      for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-        float dtv = to_f32(dt[t * dts + d]) + (dt_bias != nullptr ? dt_bias[d] : 0.0f);
-        if (dt_softplus) dtv = softplus(dtv);
-        const float xv = to_f32(x[t * xs + d]);
-        const float dx = dtv * xv;
-        const AT* Br = Bm + t * bs;
-        const AT* Cr = Cm + t * cs;
-        float acc = 0.0f;
-        for (int64_t n = 0; n < N; ++n) {
-          h[n] = std::exp(dtv * a[n]) * h[n] + dx * to_f32(Br[n]);
-          acc += h[n] * to_f32(Cr[n]);
+#pragma omp parallel
+  {
+    const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t d = 0; d < Dm; ++d) {
+        ST* st = states + slots[s] * slot_stride + d * N;
+        const float* a = A + d * N;
+        float h[kMaxStateN];
+        for (int64_t n = 0; n < N; ++n) h[n] = to_f32(st[n]);
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+          float dtv = to_f32(dt[t * dts + d]) + (dt_bias != nullptr ? dt_bias[d] : 0.0f);
+          if (dt_softplus) dtv = softplus(dtv);
+          const float xv = to_f32(x[t * xs + d]);
+          const float dx = dtv * xv;
+          const AT* Br = Bm + t * bs;
+          const AT* Cr = Cm + t * cs;
+          float acc = 0.0f;
+          for (int64_t n = 0; n < N; ++n) {
+            h[n] = std::exp(dtv * a[n]) * h[n] + dx * to_f32(Br[n]);
+            acc += h[n] * to_f32(Cr[n]);
+          }
+          float out = acc + (D != nullptr ? D[d] * xv : 0.0f);
+          if (z != nullptr) {
+            const float zv = to_f32(z[t * zs + d]);
+            out *= zv / (1.0f + std::exp(-zv));
+          }
+          y[t * ys + d] = from_f32<AT>(out);
         }
-        float out = acc + (D != nullptr ? D[d] * xv : 0.0f);
-        if (z != nullptr) {
-          const float zv = to_f32(z[t * zs + d]);
-          out *= zv / (1.0f + std::exp(-zv));
-        }
-        y[t * ys + d] = from_f32<AT>(out);
+        for (int64_t n = 0; n < N; ++n) st[n] = from_f32<ST>(h[n]);
       }
-      for (int64_t n = 0; n < N; ++n) st[n] = from_f32<ST>(h[n]);
     }
   }
 }
