@@ -226,3 +226,35 @@ def test_env_report_names_each_path():
     assert f"{recurrent.CHUNKED_SCAN_MIN_TOKENS}+ tokens" in at_amx
     below = report.mamba2_scan_variant("avx512_bf16")
     assert "token-by-token" in below and "needs the amx level" in below
+
+
+@pytest.mark.parametrize("family,overrides", [("mamba2", {"state_size": 32}),
+                                              ("granitemoehybrid", {"mamba_d_state": 32})])
+def test_engine_prefill_on_chunked_path_against_hf(amx, ckpt_dir, monkeypatch, family, overrides):
+    """A bf16 model whose d_state the tiles take (32): its 150-token prompt is scanned in the chunked form
+    (the scan calls are watched), nothing is counted as declined, and greedy decoding against HF float32
+    follows the near-tie rule."""
+    from hybridserve import LLM, SamplingParams
+    from tests.checkpoints import make
+    from tests.hf_reference import compare, hf_greedy
+
+    path32 = make(ckpt_dir, family, **overrides)
+    path16 = make(ckpt_dir, family, dtype=torch.bfloat16, **overrides)
+    prompt = torch.randint(3, 120, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    paths = []  # per scan call: (its longest sequence, the path that sequence takes)
+    scan = recurrent.mamba2_scan
+
+    def watched(ssm_states, x, *args):
+        cu_seqlens = args[-3]
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        paths.append((longest, recurrent.mamba2_scan_path(x.dtype, ssm_states.shape[2], ssm_states.shape[3], longest)))
+        return scan(ssm_states, x, *args)
+
+    fallbacks.reset()
+    llm = LLM(path16, mamba_ssm_cache_dtype="float32", cache_memory="32MiB", enforce_eager=True)
+    monkeypatch.setattr(recurrent, "mamba2_scan", watched)
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True))[0]
+    assert (150, "chunked") in paths, paths
+    assert not fallbacks.counts(), fallbacks.counts()
+    compare([out.outputs[0].token_ids], [out.outputs[0].logprobs], hf_greedy(path32, [prompt], 12))
