@@ -162,6 +162,20 @@ def test_chunked_mixed_call_nonzero_states(amx, state_dtype):
         assert same == (n < recurrent.CHUNKED_SCAN_MIN_TOKENS), f"sequence {i} ({n} tokens) took the wrong path"
 
 
+def test_chunked_two_threads_match_one(amx):
+    case = Case([1, 150, 64], H=6, G=2, seed=13)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y2, fin2 = case.run()
+        case.reset()
+        torch.set_num_threads(1)
+        y1, fin1 = case.run()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y1, y2) and torch.equal(fin1, fin2)
+
+
 def test_chunked_strong_decay(amx):
     """Decays down to the subnormal floats (A to -64): the masked exponentials stay finite and exact enough."""
     case = Case([200], H=8, seed=5, strong_decay=True)
