@@ -9,13 +9,15 @@
 //   W[t,u] = CB[t,u] * exp(cs_t - cs_u) * dt_u, u <= t (L x L)  rounded to bf16 as an operand
 //   y      = W . x + exp(cs_t) * (C . S) + D * x       (L x P)  S split into two bf16 (hi + lo)
 //   S'     = exp(cs_last) * S + B^T . (w * x)           (N x P)  w_u = exp(cs_last - cs_u) * dt_u,
-//                                                                w * x rounded to bf16 as an operand
+//                                                                w * x split into two bf16 (hi + lo)
 //
 // Every product accumulates in float32 on the tiles; the state stays float32 from chunk to chunk and is
-// stored in the pool's dtype at the end. The operands rounded to bf16 are the activations themselves
-// (already bf16), the decay-weighted W and w * x (one rounding each, a relative error of at most 2^-8 per
-// term, as mamba_ssm's chunked kernels round them to the activation dtype), and the state, whose hi + lo
-// split keeps 16 of float32's 24 bits. A chunk's rows past the sequence end are zero-padded.
+// stored in the pool's dtype at the end. The activations are bf16 already; the decay-weighted W is
+// rounded to bf16 (a relative error of at most 2^-8 per term of y, as mamba_ssm's chunked kernels round
+// it to the activation dtype). The two operands that carry the state, w * x into it and S out of it, are
+// each split into a hi + lo pair of bf16, which keeps 16 of float32's 24 bits: the state itself (what is
+// carried from chunk to chunk and stored) stays within about 2^-16 of its float32 value per term. A
+// chunk's rows past the sequence end are zero-padded.
 //
 // A call first packs, per chunk and group, what every head of the group shares (C's rows, B^T, CB), in
 // parallel over chunks; then each (sequence, head) runs its chunks in order.
@@ -161,7 +163,7 @@ struct SsdScratch {
   std::vector<uint16_t> w;
   std::vector<float> y_intra, y_state, s_add, cs, dts;
   SsdScratch(int64_t P, int64_t N)
-      : x_pairs(kSsdChunk / 2 * P), xw_pairs(kSsdChunk / 2 * P), s_pairs(N * P), bt_pairs(kSsdChunk * N / 2),
+      : x_pairs(kSsdChunk / 2 * P), xw_pairs(kSsdChunk * P), s_pairs(N * P), bt_pairs(kSsdChunk * N / 2),
         w(kSsdChunk * kSsdChunk), y_intra(kSsdChunk * P), y_state(kSsdChunk * P), s_add(N * P), cs(kSsdChunk),
         dts(kSsdChunk) {}
 };
@@ -184,7 +186,8 @@ void ssd_scan_head(const SsdPlan& plan, int64_t ci, int64_t t0, int64_t t1, int6
       s.cs[u] = run;
     }
     const float cs_last = s.cs[lc - 1];
-    // x in the pair layout, plain and weighted by w_u = exp(cs_last - cs_u) * dt_u (zero past the end)
+    // x in the pair layout, plain and weighted by w_u = exp(cs_last - cs_u) * dt_u as hi + lo (zero past
+    // the end)
     for (int64_t j = 0; j < L / 2; ++j) {
       const int64_t u = 2 * j;
       const bool has0 = u < lc, has1 = u + 1 < lc;
@@ -196,7 +199,11 @@ void ssd_scan_head(const SsdPlan& plan, int64_t ci, int64_t t0, int64_t t1, int6
         const __m512 v0 = has0 ? ssd_load_bf16(x0 + p) : zero, v1 = has1 ? ssd_load_bf16(x1 + p) : zero;
         const __m512i plain = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(v0), 16), _mm512_castps_si512(v1));
         _mm512_storeu_si512(&s.x_pairs[j * P + p], plain);
-        _mm512_storeu_si512(&s.xw_pairs[j * P + p], ssd_pair(_mm512_mul_ps(v0, w0), _mm512_mul_ps(v1, w1)));
+        const __m512 xw0 = _mm512_mul_ps(v0, w0), xw1 = _mm512_mul_ps(v1, w1);
+        const __m512i h0 = ssd_bf16_high(xw0), h1 = ssd_bf16_high(xw1);
+        _mm512_storeu_si512(&s.xw_pairs[j * P + p], _mm512_or_si512(_mm512_srli_epi32(h0, 16), h1));
+        _mm512_storeu_si512(&s.xw_pairs[(L / 2 + j) * P + p],
+                            ssd_pair(_mm512_sub_ps(xw0, _mm512_castsi512_ps(h0)), _mm512_sub_ps(xw1, _mm512_castsi512_ps(h1))));
       }
     }
     // the state as two bf16 operands, hi and lo (N / 2 pair rows each: the hi ones, then the lo ones)
@@ -226,7 +233,8 @@ void ssd_scan_head(const SsdPlan& plan, int64_t ci, int64_t t0, int64_t t1, int6
     const uint16_t* c_rows = plan.c_of(ci, g);
     ssd_tile_matmul(L, P, L, s.w.data(), L, s.x_pairs.data(), s.y_intra.data(), P);  // W . x
     ssd_tile_matmul(L, P, N, c_rows, N, s.s_pairs.data(), s.y_state.data(), P, s.s_pairs.data() + N / 2 * P);  // C . S
-    ssd_tile_matmul(N, P, L, plan.bt_of(ci, g), L, s.xw_pairs.data(), s.s_add.data(), P);  // B^T . (w x)
+    ssd_tile_matmul(N, P, L, plan.bt_of(ci, g), L, s.xw_pairs.data(), s.s_add.data(), P,
+                    s.xw_pairs.data() + L / 2 * P);  // B^T . (w x), hi + lo
     for (int64_t t = 0; t < lc; ++t) {
       const float e = std::exp(s.cs[t]);
       const BF16* xr = x + (c0 + t) * x_stride + h * P;
