@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from hybridserve.kernels import fallbacks, isa
 from hybridserve.kernels._abi import (
     DTYPE_CODES,
     bind,
@@ -25,6 +26,23 @@ from hybridserve.kernels._abi import (
 
 MAX_CONV_WIDTH = 16  # kMaxTaps in csrc/recurrent.cpp
 MAX_MAMBA1_STATE = 256  # kMaxStateN in csrc/recurrent.cpp
+CHUNKED_SCAN_CHUNK = 64  # kSsdChunk in csrc/mamba2_chunked_amx.h: tokens per chunk
+CHUNKED_SCAN_MIN_TOKENS = 64  # kSsdMinTokens there: sequences this long or longer take the chunked path
+
+
+def chunked_scan_shape_ok(head_dim: int, d_state: int) -> bool:
+    """Whether the chunked scan's tiles take this head_dim (a multiple of 16) and d_state (of 32)."""
+    return head_dim > 0 and d_state > 0 and head_dim % 16 == 0 and d_state % 32 == 0
+
+
+def mamba2_scan_path(act_dtype: torch.dtype, head_dim: int, d_state: int, num_tokens: int) -> str:
+    """The path ``mamba2_scan`` takes for one sequence of ``num_tokens`` in a call: ``"chunked"`` (the SSD
+    form, products on the AMX tiles: the amx level, bf16 activations, CHUNKED_SCAN_MIN_TOKENS or more tokens,
+    a shape the tiles take) or ``"token"`` (the float32 token-by-token recurrence: decode, short chunks,
+    float32/float16 activations, other shapes, CPUs without AMX)."""
+    chunked = (isa.level_in_force() == "amx" and act_dtype == torch.bfloat16
+               and num_tokens >= CHUNKED_SCAN_MIN_TOKENS and chunked_scan_shape_ok(head_dim, d_state))
+    return "chunked" if chunked else "token"
 
 
 
@@ -113,6 +131,11 @@ def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
             or A is None or not all(float_param_ok(t) for t in (A, D, dt_bias))
             or not index_ok(cu_seqlens) or not index_ok(state_indices)):
         return False
+    # a sequence of CHUNKED_SCAN_MIN_TOKENS needs T - S >= that - 1 (never so in a decode group, which a capture
+    # records: the check below runs torch operators)
+    if (x.dtype == torch.bfloat16 and x.shape[0] - state_indices.numel() >= CHUNKED_SCAN_MIN_TOKENS - 1
+            and not chunked_scan_shape_ok(P, N) and isa.level_in_force() == "amx"):
+        _record_chunked_decline(P, N, cu_seqlens)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     check(lib.hs_mamba2_scan(act, st, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
                              x.data_ptr(), x.stride(0), B.data_ptr(), B.stride(0), C.data_ptr(), C.stride(0),
@@ -120,6 +143,13 @@ def mamba2_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: 
                              int(lo > 0.0 or hi != math.inf), lo, hi, ssm_states.data_ptr(), ssm_states.stride(0),
                              y.data_ptr(), y.stride(0), H, P, G, N), "hs_mamba2_scan")
     return True
+
+
+def _record_chunked_decline(P: int, N: int, cu_seqlens: torch.Tensor) -> None:
+    """Count a call whose long bf16 sequences keep the token path because the tiles do not take the shape."""
+    if cu_seqlens.numel() > 1 and int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) >= CHUNKED_SCAN_MIN_TOKENS:
+        fallbacks.record("mamba2_chunked_scan", f"head_dim {P} (needs a multiple of 16) or d_state {N} (needs a "
+                                                "multiple of 32): token-by-token scan")
 
 
 def mamba1_scan(ssm_states: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -51,6 +51,8 @@ def _variant(op: str, level: str) -> str:
 
         sums = "AMX-INT8 tiles" if linear_w8.w8a8_on_tiles() else "integer vectors"
         return f"{level}: activations quantized per row, exact int32 sums on {sums}, every row count"
+    if op == "mamba2_scan":
+        return mamba2_scan_variant(level)
     return f"{level}: compiled"
 
 
@@ -68,6 +70,20 @@ def w8_variant(level: str | None = None) -> str:
         return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
                 f"to bf16; others {fma}")
     return f"{level}: {fma}"
+
+
+def mamba2_scan_variant(level: str | None = None) -> str:
+    """Which Mamba2 scan path each case takes at ``level`` (default: the level in force)."""
+    from hybridserve.kernels import recurrent
+
+    level = level or isa.level_in_force()
+    token = "float32 token-by-token recurrence"
+    if level != "amx":
+        return f"{level}: {token} (the chunked form on AMX tiles needs the amx level)"
+    return (f"{level}: prefill sequences of {recurrent.CHUNKED_SCAN_MIN_TOKENS}+ tokens with bf16 activations, "
+            f"head_dim a multiple of 16 and d_state of 32: chunked (SSD) form, chunks of "
+            f"{recurrent.CHUNKED_SCAN_CHUNK} tokens, products on AMX-BF16 tiles, state float32 between chunks; "
+            f"decode, shorter sequences, float32/float16 activations and other shapes: {token}")
 
 
 def op_variants() -> dict[str, dict[str, str | None]]:

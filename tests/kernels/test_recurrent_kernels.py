@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from hybridserve.kernels import recurrent
+from hybridserve.kernels import isa, recurrent
 from hybridserve.ops.causal_conv1d import causal_conv1d_varlen_ref
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen_ref
 from tests.kernels.helpers import (
@@ -405,6 +405,35 @@ def test_scan_declines_uncovered_calls(change):
     assert torch.equal(case.y, y_before)
 
 
+SUBNORMAL = 1e-39  # a float32 subnormal (the smallest normal float32 is 1.18e-38)
+x86_only = pytest.mark.skipif(not isa.cpu_info().is_x86, reason="the kernels flush subnormals on x86 only (MXCSR)")
+
+
+def assert_thread_keeps_subnormals():
+    """torch's operators on this thread and on its OpenMP workers still produce subnormals: a kernel that
+    flushed them restored each thread's floating-point mode."""
+    one = torch.full((1,), SUBNORMAL) * 0.5  # this thread
+    many = torch.full((1 << 17,), SUBNORMAL) * 0.5  # split over the OpenMP threads
+    assert bool((one != 0).all()) and bool((many != 0).all()), "subnormals are flushed after the kernel returned"
+
+
+@x86_only
+@pytest.mark.parametrize("lens,N,P", [((1, 1, 1), 64, 64), ((9, 1, 17), 64, 64), ((9, 1, 17), 16, 48)],
+                         ids=["decode-vector-step", "prefill-P64", "prefill-generic"])
+def test_scan_flushes_subnormal_state(lens, N, P):
+    """Subnormal values are flushed to zero inside the scan (a decay exp(dt * A) below 1.2e-38 made every
+    multiply a slow microcode assist): a subnormal state decayed by 0.5 with no input is stored as 0, not
+    as the subnormal 5e-40; torch keeps its IEEE subnormals after the call."""
+    case = ScanCase(torch.float32, torch.float32, P, 1, H=2, lens=lens, slots=(4, 0, 7), seed=9, N=N)
+    case.states[case.slots] = SUBNORMAL
+    x = torch.zeros_like(case.x_all[case.rows])
+    A = torch.full((case.H,), -2.0 * math.log(2.0))  # dt = 0.5 (clamped): decay exp(0.5 * A) = 0.5
+    assert case.run(x=x, A=A, dt_limit=(0.5, 0.5)) is True
+    assert torch.count_nonzero(case.states[case.slots]) == 0, "a subnormal state survived the scan"
+    assert torch.count_nonzero(case.y[case.rows]) == 0
+    assert_thread_keeps_subnormals()
+
+
 def _assert_pool_close(buf, expected, state_dtype, what):
     """A state pool after a call against the expected one: float32 within float32 noise, 16-bit states
     within one ulp (the float32 state rounded once)."""
@@ -447,6 +476,24 @@ def test_mamba1_scan_matches_ref(act_dtype, state_dtype, with_gate):
     _assert_output_close(y, y_ref.to(act_dtype), act_dtype, "mamba1 y")
     expected_states[index] = final.to(state_dtype)
     _assert_pool_close(pool.buf, copy, state_dtype, "mamba1 states")
+
+
+@x86_only
+def test_mamba1_scan_flushes_subnormal_state():
+    """As the Mamba2 scan: a subnormal state decayed by 0.5 with no input is stored as 0, and torch keeps
+    its IEEE subnormals after the call."""
+    lens, Dm, N = [1, 5], 8, 16
+    T = sum(lens)
+    states = torch.full((3, Dm, N), SUBNORMAL)
+    x, dt = torch.zeros(T, Dm), torch.full((T, Dm), 0.5)  # raw dt, no softplus: step 0.5
+    A = torch.full((Dm, N), -2.0 * math.log(2.0))  # decay exp(0.5 * A) = 0.5
+    B, C = torch.ones(T, N), torch.ones(T, N)
+    y = torch.full((T, Dm), float("nan"))
+    assert recurrent.mamba1_scan(states, x, dt, A, B, C, None, None, None, False, cu(lens), torch.tensor([2, 0]), y)
+    assert torch.count_nonzero(states[[2, 0]]) == 0, "a subnormal state survived the scan"
+    assert torch.count_nonzero(y) == 0
+    assert bool((states[1] == SUBNORMAL).all()), "a slot outside the call changed"
+    assert_thread_keeps_subnormals()
 
 
 def test_mamba1_scan_declines_uncovered_calls():

@@ -4,7 +4,9 @@
 // dtype (float32, bfloat16 or float16), and compute in float32. One call covers a whole group of
 // sequences: a decode group (one token each) or a prefill group (a chunk each), given by cu_seqlens.
 // The recurrence runs token by token: the (head_dim x d_state) state of one head stays in L1, so
-// this costs O(P*N) per token and head, with no padding and no chunk matrices.
+// this costs O(P*N) per token and head, with no padding and no chunk matrices. In the amx build, a
+// Mamba2 prefill sequence of kSsdMinTokens or more with bf16 activations takes the chunked (SSD) form
+// instead, its products on the AMX tiles (mamba2_chunked_amx.h).
 //
 // Plain C ABI (loaded with ctypes); OpenMP threads come from the process's OpenMP runtime, which
 // is the one torch uses (same soname), so torch.set_num_threads applies.
@@ -14,12 +16,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <cstring>
+#include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "dtypes.h"
+#include "flush_denormals.h"
 #include "vec16.h"
 #include "vecmath.h"
+#include "mamba2_chunked_amx.h"
 
 namespace {
 
@@ -348,20 +353,71 @@ void mamba2_step_head_v(int64_t t, int64_t h, const AT* x, int64_t x_stride, con
 }
 #endif
 
+#if defined(HS_MAMBA2_CHUNKED)
+// One head of one long prefill sequence in the chunked form: the state read into hT (N x P float32,
+// transposed as in mamba2_scan_head), the chunks on the tiles, the state stored back in its dtype.
+template <typename ST>
+void mamba2_chunked_head(const SsdPlan& plan, int64_t s, int64_t t0, int64_t t1, int64_t h, const BF16* x,
+                         int64_t x_stride, const BF16* dt, int64_t dt_stride, ST* st, float* y, int64_t y_stride,
+                         const ScanParams& p, float* __restrict__ hT, SsdScratch& scratch) {
+  const int64_t P = p.P, N = p.N;
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t n = 0; n < N; ++n) hT[n * P + q] = to_f32(st[q * N + n]);
+  const float bias = p.dt_bias ? p.dt_bias[h] : 0.0f;
+  auto dt_of = [&](int64_t t) {
+    float dtv = to_f32(dt[t * dt_stride + h]) + bias;
+    if (p.dt_softplus) dtv = softplus(dtv);
+    if (p.dt_clamp) dtv = dtv < p.dt_lo ? p.dt_lo : (dtv > p.dt_hi ? p.dt_hi : dtv);
+    return dtv;
+  };
+  ssd_scan_head(plan, plan.first_chunk[s], t0, t1, h, x, x_stride, y, y_stride, P, N, h / (p.H / p.G), p.A[h],
+                p.D ? p.D[h] : 0.0f, dt_of, hT, scratch);
+  for (int64_t q = 0; q < P; ++q)
+    for (int64_t n = 0; n < N; ++n) st[q * N + n] = from_f32<ST>(hT[n * P + q]);
+}
+#endif
+
 template <typename AT, typename ST>
 void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x,
                       int64_t x_stride, const AT* Bm, int64_t b_stride, const AT* Cm, int64_t c_stride,
                       const AT* dt, int64_t dt_stride, ST* states, int64_t slot_stride, float* y,
                       int64_t y_stride, const ScanParams& p) {
   const int64_t H = p.H, P = p.P, N = p.N;
+#if defined(HS_MAMBA2_CHUNKED)
+  SsdPlan plan;  // the long sequences' chunks and their shared operands (none: every sequence token by token)
+  if (std::is_same_v<AT, BF16> && ssd_shape_ok(P, N)) plan = SsdPlan(num_seqs, cu_seqlens, p.G, N);
+#endif
 #pragma omp parallel
   {
+    const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
     std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N);
+#if defined(HS_MAMBA2_CHUNKED)
+    std::unique_ptr<SsdScratch> scratch;
+    if (plan.chunks > 0) {  // the same on every thread
+      scratch = std::make_unique<SsdScratch>(P, N);
+      static const SsdTileConfig config;
+      _tile_loadconfig(&config);
+      if constexpr (std::is_same_v<AT, BF16>) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < plan.chunks * p.G; ++i)
+          plan.pack(i / p.G, i % p.G, Bm, b_stride, Cm, c_stride, scratch->bt_pairs.data());
+      }
+    }
+#endif
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
         ST* st = states + slots[s] * slot_stride + h * P * N;
         const int64_t t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
+#if defined(HS_MAMBA2_CHUNKED)
+        if constexpr (std::is_same_v<AT, BF16>) {
+          if (plan.chunks > 0 && plan.first_chunk[s] >= 0) {
+            mamba2_chunked_head(plan, s, t0, t1, h, x, x_stride, dt, dt_stride, st, y, y_stride, p, hbuf.data(),
+                                *scratch);
+            continue;
+          }
+        }
+#endif
 #if defined(__AVX512F__)
         if (t1 - t0 == 1 && (N == 64 || N == 128)) {
           // the state this thread takes next: the next head, or the first head of the next sequence
@@ -386,6 +442,9 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
                               hbuf.data(), wbuf.data());
       }
     }
+#if defined(HS_MAMBA2_CHUNKED)
+    if (scratch) _tile_release();
+#endif
   }
 }
 
@@ -397,33 +456,37 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
                       const AT* dt, int64_t dts, const float* A, const AT* Bm, int64_t bs, const AT* Cm, int64_t cs,
                       const float* D, const AT* z, int64_t zs, const float* dt_bias, int dt_softplus, ST* states,
                       int64_t slot_stride, AT* y, int64_t ys, int64_t Dm, int64_t N) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t d = 0; d < Dm; ++d) {
-      ST* st = states + slots[s] * slot_stride + d * N;
-      const float* a = A + d * N;
-      float h[kMaxStateN];
-      for (int64_t n = 0; n < N; ++n) h[n] = to_f32(st[n]);
-      for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-        float dtv = to_f32(dt[t * dts + d]) + (dt_bias != nullptr ? dt_bias[d] : 0.0f);
-        if (dt_softplus) dtv = softplus(dtv);
-        const float xv = to_f32(x[t * xs + d]);
-        const float dx = dtv * xv;
-        const AT* Br = Bm + t * bs;
-        const AT* Cr = Cm + t * cs;
-        float acc = 0.0f;
-        for (int64_t n = 0; n < N; ++n) {
-          h[n] = std::exp(dtv * a[n]) * h[n] + dx * to_f32(Br[n]);
-          acc += h[n] * to_f32(Cr[n]);
+#pragma omp parallel
+  {
+    const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      for (int64_t d = 0; d < Dm; ++d) {
+        ST* st = states + slots[s] * slot_stride + d * N;
+        const float* a = A + d * N;
+        float h[kMaxStateN];
+        for (int64_t n = 0; n < N; ++n) h[n] = to_f32(st[n]);
+        for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
+          float dtv = to_f32(dt[t * dts + d]) + (dt_bias != nullptr ? dt_bias[d] : 0.0f);
+          if (dt_softplus) dtv = softplus(dtv);
+          const float xv = to_f32(x[t * xs + d]);
+          const float dx = dtv * xv;
+          const AT* Br = Bm + t * bs;
+          const AT* Cr = Cm + t * cs;
+          float acc = 0.0f;
+          for (int64_t n = 0; n < N; ++n) {
+            h[n] = std::exp(dtv * a[n]) * h[n] + dx * to_f32(Br[n]);
+            acc += h[n] * to_f32(Cr[n]);
+          }
+          float out = acc + (D != nullptr ? D[d] * xv : 0.0f);
+          if (z != nullptr) {
+            const float zv = to_f32(z[t * zs + d]);
+            out *= zv / (1.0f + std::exp(-zv));
+          }
+          y[t * ys + d] = from_f32<AT>(out);
         }
-        float out = acc + (D != nullptr ? D[d] * xv : 0.0f);
-        if (z != nullptr) {
-          const float zv = to_f32(z[t * zs + d]);
-          out *= zv / (1.0f + std::exp(-zv));
-        }
-        y[t * ys + d] = from_f32<AT>(out);
+        for (int64_t n = 0; n < N; ++n) st[n] = from_f32<ST>(h[n]);
       }
-      for (int64_t n = 0; n < N; ++n) st[n] = from_f32<ST>(h[n]);
     }
   }
 }
