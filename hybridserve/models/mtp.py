@@ -32,8 +32,7 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.models.base import CausalLM, merge_specs
-from hybridserve.models.mtp_config import MTP_COUNT_KEYS, mtp_layer_count
-from hybridserve.models.mtp_config import architecture_name as _architecture
+from hybridserve.models.mtp_config import mtp_count_key, mtp_layer_count
 
 #: a raw checkpoint name of an MTP weight: ``mtp.*``, also under a vision-language wrapper's language model
 MTP_NAME = r"^(?:model\.language_model\.|language_model\.)?mtp\."
@@ -150,7 +149,7 @@ def build_mtp_head(path: str, hf_config: Any, target: CausalLM, dtype: torch.dty
         raise ValueError(f"{arch} has no multi-token-prediction (MTP) head; families with one: {MTP_FAMILIES}")
     num_layers = mtp_layer_count(hf_config)
     if num_layers == 0:
-        key = MTP_COUNT_KEYS.get(_architecture(hf_config), "the MTP layer count")
+        key = mtp_count_key(hf_config) or "the MTP layer count"
         raise ValueError(f"{arch} checkpoint {path!r} declares no MTP layers ({key} is 0 or absent in config.json)")
     if not mtp_weight_names(path):
         raise ValueError(f"{arch} checkpoint {path!r} declares {num_layers} MTP layers but holds no MTP weights "
