@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.cache.plan_config import PlanConfig
-from hybridserve.cache.planner import plan_cache
 from hybridserve.distributed.group import TensorParallelError
 from hybridserve.models.loader import load_hf_config
+from hybridserve.planning.plan_config import PlanConfig
+from hybridserve.planning.planner import plan_cache
 from tests.checkpoints import add_mtp_weights, make
 from tests.prefix_utils import released_everything
 

@@ -5,7 +5,7 @@ torch, and reading the config needs transformers' config classes, which import t
 imports. Here a config.json is read as plain keys and each family's record (``models/registry.py``) maps
 it to the same specs with its torch-free function (``models/family_specs.py``).
 
-Families without such a function are planned the engine's way (:func:`hybridserve.cache.planner.
+Families without such a function are planned the engine's way (:func:`hybridserve.planning.planner.
 cache_specs_from_config`).
 """
 

@@ -9,7 +9,7 @@ and the capacity from :mod:`hybridserve.cache.capacity`, the functions the engin
 with. So a plan's figures are the engine's real ones, for models that have not been downloaded.
 
 The options come as an :class:`~hybridserve.config.EngineConfig` (torch dtypes) or a
-:class:`~hybridserve.cache.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses, so
+:class:`~hybridserve.planning.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses, so
 that it imports neither torch nor transformers).
 """
 
