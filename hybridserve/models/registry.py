@@ -34,6 +34,8 @@ class ModelFamily:
     served_as_text: bool = False  # vision-language: ``text_config`` is the served model's (no image inputs)
     #: the config key counting its multi-token-prediction modules (``models/mtp_config.py``), or None
     mtp_count_key: str | None = None
+    #: its MTP head class as "module:Class" (``models/mtp.py``; a subclass's model finds it through its bases)
+    mtp_head: str | None = None
     class_name: str = ""  # defaults to ``architecture``
 
     @property
@@ -56,9 +58,10 @@ _FAMILIES = (
                 2048),
     ModelFamily("JambaForCausalLM", "jamba", ("jamba",), fs.jamba_specs, 262144),
     ModelFamily("NemotronHForCausalLM", "nemotron_h", ("nemotron_h",), fs.nemotron_h_specs, 4096,
-                mtp_count_key="num_nextn_predict_layers"),  # mtp_config.NEMOTRON_H_MTP_COUNT_KEY
+                mtp_count_key="num_nextn_predict_layers",  # mtp_config.NEMOTRON_H_MTP_COUNT_KEY
+                mtp_head="mtp_nemotron_h:NemotronHMTPHead"),
     ModelFamily("Qwen3NextForCausalLM", "qwen3_next", ("qwen3_next",), fs.qwen3_next_specs, 32768,
-                mtp_count_key=_QWEN_MTP),
+                mtp_count_key=_QWEN_MTP, mtp_head="mtp_qwen3_next:Qwen3NextMTPHead"),
     ModelFamily("MiniMaxForCausalLM", "minimax", ("minimax",), fs.minimax_specs, 131072),
     ModelFamily("Lfm2ForCausalLM", "lfm2", ("lfm2",), fs.lfm2_specs, 128000),
     ModelFamily("Lfm2MoeForCausalLM", "lfm2_moe", ("lfm2_moe",), fs.lfm2_moe_specs, 128000),
@@ -112,6 +115,17 @@ def model_class(architecture: str) -> type:
                          + ", ".join(supported_architectures()))
     record = _MODELS[architecture]
     return getattr(importlib.import_module(record.module_path), record.model_class_name)
+
+
+def mtp_head_class(model_class: type) -> type | None:
+    """The MTP head class of a model class's family (looked up along its bases, so Qwen3.5's model finds
+    Qwen3-Next's head), or None for a family without one."""
+    for cls in model_class.__mro__:
+        record = _MODELS.get(cls.__name__)
+        if record is not None and record.mtp_head is not None:
+            module, name = record.mtp_head.split(":")
+            return getattr(importlib.import_module(f"hybridserve.models.{module}"), name)
+    return None
 
 
 def model_types() -> dict[str, str]:
