@@ -202,6 +202,8 @@ def test_plan_imports_neither_torch_nor_transformers():
     assert result.returncode == 0, result.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import")]
     assert "hybridserve.planning.planner" in imported  # the check sees the planner's imports
+    # the family records and the mixers' shape functions the layers call are the ones the plan reads
+    assert {"hybridserve.models.registry", "hybridserve.layers.state_shapes"} <= set(imported)
     heavy = [m for m in imported if m.split(".")[0] in ("torch", "transformers", "safetensors", "numpy")]
     assert heavy == []
     assert json.loads(result.stdout)["architecture"] == "BambaForCausalLM"
