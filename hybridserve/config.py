@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from hybridserve.cache.dtypes import DTYPE_ALIASES, dtype_name
-from hybridserve.cache.plan_config import check_cache_shape_options, check_positive_int, parse_size
 from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import check_thread_options, check_wait_policy
+from hybridserve.option_checks import check_cache_shape_options, check_positive_int, parse_size
 from hybridserve.spec_decode.config import parse_speculative_config
 from hybridserve.structured_output.limits import (
     DEFAULT_GRAMMAR_CACHE_BYTES,

@@ -14,16 +14,16 @@ import torch
 from transformers import AutoConfig
 
 from hybridserve.cache import dtypes as dtype_names
-from hybridserve.cache.plan_config import PlanConfig, parse_size
-from hybridserve.cache.planner import DEFAULT_MAX_MODEL_LEN, load_config, plan_cache
 from hybridserve.cache.spec import CacheDtypes, dtype_size
 from hybridserve.config import KV_CACHE_DTYPES, MODEL_DTYPES, STATE_DTYPES, EngineConfig
 from hybridserve.config import parse_size as engine_parse_size
 from hybridserve.default_model import default_model_path
 from hybridserve.entrypoints.cli import main
-from hybridserve.models import config_specs
+from hybridserve.models import config_specs, registry
 from hybridserve.models.loader import served_text_config
 from hybridserve.models.registry import model_class, supported_architectures
+from hybridserve.planning.plan_config import PlanConfig, parse_size
+from hybridserve.planning.planner import DEFAULT_MAX_MODEL_LEN, load_config, plan_cache
 from tests.checkpoints import BUILDERS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,8 +71,8 @@ def _case(name: str) -> dict:
         config = type(AutoConfig.for_model(model_type))(**overrides)
     values = config.to_diff_dict()
     values["model_type"] = config.model_type
-    if not values.get("architectures") and config.model_type in config_specs.ARCHITECTURE_OF_MODEL_TYPE:
-        values["architectures"] = [config_specs.ARCHITECTURE_OF_MODEL_TYPE[config.model_type]]
+    if not values.get("architectures") and config.model_type in registry.model_types():
+        values["architectures"] = [registry.model_types()[config.model_type]]
     return values
 
 
@@ -80,7 +80,7 @@ def _described(specs) -> list:
     return [(s.describe(), s.attention.sliding_window if s.attention is not None else None) for s in specs]
 
 
-CASES = [*BUILDERS, *(f"defaults-{t}" for t in config_specs.ARCHITECTURE_OF_MODEL_TYPE if t != "lfm2_moe"),
+CASES = [*BUILDERS, *(f"defaults-{t}" for t in registry.model_types() if t != "lfm2_moe"),
          *VARIANTS]
 
 
@@ -90,7 +90,7 @@ def test_config_specs_are_the_models_own(tmp_path, name):
     tensor (names, shapes, dtypes by role, sliding windows), and so does the length bound."""
     values = _case(name)
     architecture = (values.get("architectures") or [values["model_type"]])[0]
-    if architecture not in config_specs.FAMILIES:
+    if registry.family(architecture).plan_specs is None:
         pytest.skip(f"{architecture} has no torch-free entry: planned from its model")
     path = _write(tmp_path / name, values)
     hf_config = AutoConfig.from_pretrained(path)
@@ -104,17 +104,23 @@ def test_config_specs_are_the_models_own(tmp_path, name):
     assert config_specs.max_positions(raw) == getattr(served, "max_position_embeddings", None)
 
 
-def test_torch_free_families_are_registered_ones():
-    assert set(config_specs.FAMILIES) <= set(supported_architectures())
-    assert set(config_specs.ARCHITECTURE_OF_MODEL_TYPE.values()) <= set(supported_architectures())
+def test_every_family_record_is_complete():
+    """Each built-in record plans without torch, runs tensor-parallel, names its model class and claims its own
+    model types (no model_type maps to two families)."""
+    records = registry.families()
+    assert len(records) == len(supported_architectures()) == 22
+    claimed = [t for r in records for t in r.model_types]
+    assert len(claimed) == len(set(claimed)) == len(registry.model_types())
+    for record in records:
+        assert record.plan_specs is not None and record.tensor_parallel and record.model_types, record
+        assert model_class(record.architecture).__name__ == record.architecture
 
 
 def test_an_architecture_without_a_torch_free_entry_is_planned_from_its_model(tmp_path, monkeypatch):
     """A registered architecture that config_specs does not know is planned the engine's way (the model built on
     the meta device), with the same figures."""
-    from hybridserve.models import registry
-
-    monkeypatch.setitem(registry._MODELS, "OtherLlamaForCausalLM", ("hybridserve.models.llama", "LlamaForCausalLM"))
+    monkeypatch.setattr(registry, "_MODELS", dict(registry._MODELS))  # registered for this test only
+    registry.register("OtherLlamaForCausalLM", "hybridserve.models.llama", "LlamaForCausalLM")
     values = _case("llama")
     known = _write(tmp_path / "known", values)
     other = _write(tmp_path / "other", {**values, "architectures": ["OtherLlamaForCausalLM"]})
@@ -195,7 +201,9 @@ def test_plan_imports_neither_torch_nor_transformers():
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert result.returncode == 0, result.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import")]
-    assert "hybridserve.cache.planner" in imported  # the check sees the planner's imports
+    assert "hybridserve.planning.planner" in imported  # the check sees the planner's imports
+    # the family records and the mixers' shape functions the layers call are the ones the plan reads
+    assert {"hybridserve.models.registry", "hybridserve.layers.state_shapes"} <= set(imported)
     heavy = [m for m in imported if m.split(".")[0] in ("torch", "transformers", "safetensors", "numpy")]
     assert heavy == []
     assert json.loads(result.stdout)["architecture"] == "BambaForCausalLM"

@@ -283,9 +283,9 @@ def test_planner_counts_the_window_for_a_real_size_lfm3(options):
     short-conv layers of 2048 x 6): the planner's bytes per sequence are the conv state, every page of the
     full layers and 17 pages of the window layers (256 positions span at most 17 blocks of 16), in pages of
     the full layers' size; the torch-free plan (``hybridserve plan``) says the same."""
-    from hybridserve.cache.plan_config import PlanConfig
-    from hybridserve.cache.planner import load_config, plan_cache
     from hybridserve.config import EngineConfig
+    from hybridserve.planning.plan_config import PlanConfig
+    from hybridserve.planning.planner import load_config, plan_cache
     from tests.cache.real_configs import lfm3_defaults
 
     config = lfm3_defaults()

@@ -452,8 +452,8 @@ def test_mtp_on_a_checkpoint_without_mtp_weights_is_refused(bamba, ckpt_dir):
 def test_the_planner_counts_what_speculation_adds(ckpt_dir, kind):
     """``hybridserve plan --speculative-config`` lays out the drafter's layers and counts the verification
     slot exactly as the engine does."""
-    from hybridserve.cache.plan_config import PlanConfig
-    from hybridserve.cache.planner import load_config, plan_cache
+    from hybridserve.planning.plan_config import PlanConfig
+    from hybridserve.planning.planner import load_config, plan_cache
     from tests.checkpoints import add_mtp_weights
 
     target = make(ckpt_dir, "bamba")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.cache.plan_config import PlanConfig
-from hybridserve.cache.planner import plan_cache
 from hybridserve.distributed.group import TensorParallelError
 from hybridserve.models.loader import load_hf_config
+from hybridserve.planning.plan_config import PlanConfig
+from hybridserve.planning.planner import plan_cache
 from tests.checkpoints import add_mtp_weights, make
 from tests.prefix_utils import released_everything
 
@@ -270,11 +270,13 @@ def test_kv_head_replication_matches_tp1(ckpt_dir):
 def test_unsupported_family_and_options_refused(ckpt_dir, monkeypatch):
     """A family whose layers are not sharded (every built-in one is; a newly registered one until it opts in)
     is refused by name, before any worker starts; so are options tensor parallelism does not run with."""
-    from hybridserve.distributed import sharding
+    import dataclasses
+
+    from hybridserve.models import registry
 
     path = make(ckpt_dir, "mamba")
-    monkeypatch.setattr(sharding, "SUPPORTED_ARCHITECTURES", tuple(a for a in sharding.SUPPORTED_ARCHITECTURES
-                                                                   if a != "MambaForCausalLM"))
+    monkeypatch.setitem(registry._MODELS, "MambaForCausalLM",
+                        dataclasses.replace(registry.family("MambaForCausalLM"), tensor_parallel=False))
     with pytest.raises(ValueError, match="tensor parallel is not supported for MambaForCausalLM yet"):
         LLM(path, tensor_parallel_size=2, enable_progress_bar=False)
     monkeypatch.undo()

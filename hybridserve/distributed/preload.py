@@ -11,5 +11,5 @@ import hybridserve.distributed.worker  # noqa: F401
 import hybridserve.engine.llm_engine  # noqa: F401
 from hybridserve.models import registry
 
-for _module, _ in sorted(set(registry._MODELS.values())):
+for _module in sorted({family.module_path for family in registry.families()}):
     importlib.import_module(_module)

@@ -29,23 +29,15 @@ from hybridserve.layers.mamba1 import Mamba1Mixer
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP, PlainMLP
 from hybridserve.layers.moe import FusedExperts
-
-#: architectures whose every layer is sharded here (any other is refused)
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Mamba2ForCausalLM", "BambaForCausalLM",
-                           "GraniteMoeHybridForCausalLM", "NemotronHForCausalLM", "Qwen3NextForCausalLM",
-                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5ForConditionalGeneration",
-                           "Qwen3_5MoeForConditionalGeneration", "FalconH1ForCausalLM", "Zamba2ForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM", "JambaForCausalLM",
-                           "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM",
-                           "MiniMaxForCausalLM", "OlmoHybridForCausalLM", "KimiLinearForCausalLM",
-                           "xLSTMForCausalLM")
+from hybridserve.models import registry
 
 
 def check_supported(architecture: str, world: int) -> None:
     """ValueError unless ``architecture`` can run on ``world`` > 1 tensor-parallel ranks."""
-    if world > 1 and architecture not in SUPPORTED_ARCHITECTURES:
+    supported = registry.tensor_parallel_architectures()
+    if world > 1 and architecture not in supported:
         raise ValueError(f"tensor parallel is not supported for {architecture} yet (supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}); run it with tensor_parallel_size=1")
+                         f"{', '.join(supported)}); run it with tensor_parallel_size=1")
 
 
 def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
@@ -107,13 +99,11 @@ def check_shardable(hf_config: Any, cache_dtypes: Any, world: int) -> None:
     """Shard a meta copy of the model for rank 0 of ``world``: ValueError (naming the counts, or the
     architecture) when it cannot run tensor-parallel. Cheap: no weights are read."""
     from hybridserve.models import fp8_checkpoint
-    from hybridserve.models.loader import architecture_of
-    from hybridserve.models.registry import model_class
 
-    architecture = architecture_of(hf_config)
+    architecture = registry.architecture_of(hf_config)
     check_supported(architecture, world)
     if fp8_checkpoint.fp8_config(hf_config) is not None:
         raise ValueError(f"tensor parallel does not shard fp8 checkpoints yet (tensor_parallel_size={world})")
     with torch.device("meta"):
-        model = model_class(architecture)(hf_config, cache_dtypes)
+        model = registry.model_class(architecture)(hf_config, cache_dtypes)
     shard_model(model, architecture, RankGeometry(0, world))

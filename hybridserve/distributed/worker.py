@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 def _drafter_specs(config: EngineConfig, hf_config, model) -> list:
     """A draft model's or an MTP head's cache layers, after the target's: rank 0 alone runs the drafter
     (whole), but every pool has room for them so that all pools share one layout."""
-    from hybridserve.cache.planner import drafter_specs
+    from hybridserve.planning.planner import drafter_specs
     from hybridserve.spec_decode.config import parse_speculative_config
 
     spec = parse_speculative_config(config.speculative_config)

@@ -12,7 +12,6 @@ from hybridserve.cache.capacity import max_sequences
 from hybridserve.cache.kv_events import KVEvent, KVEventRecorder
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.manager import CacheManager
-from hybridserve.cache.planner import DEFAULT_MAX_MODEL_LEN, speculation_summary
 from hybridserve.cache.pool import CachePool
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.config import FP8_KV_DTYPES, EngineConfig, ResolvedDtypes, dtype_name
@@ -34,6 +33,7 @@ from hybridserve.kernels.threads import setup_threads
 from hybridserve.layers.weight_bytes import weight_bytes
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.planning.planner import DEFAULT_MAX_MODEL_LEN, speculation_summary
 from hybridserve.sampling_params import SamplingParams
 from hybridserve.spec_decode.acceptance import Verification, verify
 from hybridserve.spec_decode.config import parse_speculative_config
@@ -107,7 +107,7 @@ class LLMEngine:
                                            self.max_model_len, self.draft_model, self.mtp_head, self.generator)
                            if self.spec_config is not None else None)
         if config.max_model_len:
-            from hybridserve.cache.planner import positions_warning
+            from hybridserve.planning.planner import positions_warning
 
             past_positions = positions_warning(self.hf_config, self.max_model_len)
             if past_positions:

@@ -52,8 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridserve.cache.plan_config import PlanConfig
-    from hybridserve.cache.planner import (
+    from hybridserve.planning.plan_config import PlanConfig
+    from hybridserve.planning.planner import (
         DTYPE_OPTIONS,
         load_config,
         plan_alternatives,
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if warning is not None:
         print(warning, file=sys.stderr)
     alternatives = plan_alternatives(hf_config, config)
-    from hybridserve.cache.weight_plan import weight_bytes
+    from hybridserve.planning.weight_plan import weight_bytes
 
     weights = weight_bytes(args.model, bool(getattr(hf_config, "tie_word_embeddings", False)))
     if args.json:

@@ -6,13 +6,14 @@ import torch
 from torch import nn
 
 from hybridserve.cache.pool import LayerCache
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import attention as attention_kernels
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import apply_rotary
+from hybridserve.layers.state_shapes import attention_spec
 from hybridserve.ops.paged_attention import paged_attention, write_kv_cache
 
 
@@ -94,8 +95,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered=qk_norm_zero_centered)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, zero_centered=qk_norm_zero_centered)
-        self.spec = LayerCacheSpec(layer_index, "sliding_attention" if sliding_window else "attention",
-                                   attention=dtypes.attention(num_kv_heads, head_dim, sliding_window))
+        self.spec = attention_spec(layer_index, dtypes, num_kv_heads, head_dim, sliding_window)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -7,11 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.layers.state_shapes import gated_delta_net_conv_dim, gated_delta_net_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
 
@@ -80,7 +81,7 @@ class GatedDeltaNet(nn.Module):
         self.checkpoint_heads = (num_k_heads, num_v_heads)  # whole counts (a tensor-parallel rank keeps a slice)
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_dim = gated_delta_net_conv_dim(num_k_heads, num_v_heads, head_k_dim, head_v_dim)
         self.activation, self.chunk_size, self.beta_scale = activation, chunk_size, float(beta_scale)
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
@@ -90,10 +91,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = NormThenGateRMSNorm(head_v_dim, norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
-        self.spec = LayerCacheSpec(layer_index, "gated_delta_net", state=(
-            dtypes.conv_state("conv", (self.conv_dim, conv_kernel - 1)),
-            dtypes.temporal_state("recurrent", (num_v_heads, head_k_dim, head_v_dim)),
-        ))
+        self.spec = gated_delta_net_spec(layer_index, dtypes, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+                                         head_k_dim=head_k_dim, head_v_dim=head_v_dim, conv_kernel=conv_kernel)
 
     def _project(self, x: torch.Tensor):
         """x: (T, hidden) -> mixed qkv (T, conv_dim), z (T, Hv, Dv), b, a (T, Hv)."""

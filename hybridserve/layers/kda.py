@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.layers.state_shapes import kda_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.kda import kda_update, kda_varlen
 
@@ -82,10 +83,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(head_dim, self.qkv_dim, bias=False)
         self.o_norm = SigmoidGatedRMSNorm(head_dim, norm_eps)
         self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False)
-        self.spec = LayerCacheSpec(layer_index, "kda", state=(
-            dtypes.conv_state("conv", (self.conv_dim, conv_kernel - 1)),
-            dtypes.temporal_state("recurrent", (num_heads, head_dim, head_dim)),
-        ))
+        self.spec = kda_spec(layer_index, dtypes, num_heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel)
 
     use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 

@@ -6,13 +6,14 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks, gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers import dense
 from hybridserve.layers.norms import RMSNorm
+from hybridserve.layers.state_shapes import mamba1_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.selective_scan import selective_scan_varlen, selective_state_update
 
@@ -62,10 +63,8 @@ class Mamba1Mixer(nn.Module):
             self.dt_layernorm = RMSNorm(dt_rank, norm_eps)
             self.b_layernorm = RMSNorm(d_state, norm_eps)
             self.c_layernorm = RMSNorm(d_state, norm_eps)
-        self.spec = LayerCacheSpec(layer_index, "mamba", state=(
-            dtypes.conv_state("conv", (intermediate_size, conv_kernel - 1)),
-            dtypes.temporal_state("ssm", (intermediate_size, d_state)),
-        ))
+        self.spec = mamba1_spec(layer_index, dtypes, intermediate=intermediate_size, d_state=d_state,
+                                conv_kernel=conv_kernel)
 
     def _scan_inputs(self, xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """xs: (T, inter) conv output -> raw dt (T, inter) (no bias), B (T, N), C (T, N)."""

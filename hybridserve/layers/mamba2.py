@@ -6,13 +6,14 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.elementwise import scale
 from hybridserve.layers.norms import GatedRMSNorm
+from hybridserve.layers.state_shapes import mamba2_conv_dim, mamba2_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
 
@@ -48,7 +49,7 @@ class Mamba2Mixer(nn.Module):
         self.layer_index = layer_index
         self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
         self.intermediate = intermediate_size if intermediate_size is not None else num_heads * head_dim
-        self.conv_dim = self.intermediate + 2 * n_groups * d_state
+        self.conv_dim = mamba2_conv_dim(self.intermediate, n_groups, d_state)
         self.chunk_size = chunk_size
         self.time_step_limit = (float(time_step_limit[0]), float(time_step_limit[1]))
         limit = time_step_limit if decode_time_step_limit is None else decode_time_step_limit
@@ -71,10 +72,8 @@ class Mamba2Mixer(nn.Module):
         if self.proj_multipliers is not None:
             self.register_buffer("proj_scale", torch.empty(self.in_proj.out_features), persistent=False)
             self.reset_buffers()
-        self.spec = LayerCacheSpec(layer_index, "mamba2", state=(
-            dtypes.conv_state("conv", (self.conv_dim, conv_kernel - 1)),
-            dtypes.temporal_state("ssm", (num_heads, head_dim, d_state)),
-        ))
+        self.spec = mamba2_spec(layer_index, dtypes, intermediate=self.intermediate, n_groups=n_groups,
+                                d_state=d_state, conv_kernel=conv_kernel, num_heads=num_heads, head_dim=head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""

@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from hybridserve.cache.pool import LayerCache
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks, gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import paged_attend
 from hybridserve.layers.norms import RMSNorm
+from hybridserve.layers.state_shapes import mla_spec
 
 
 class LatentAttention(nn.Module):
@@ -59,8 +60,7 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.scale = qk_dim ** -0.5
         self.k_scale = self.v_scale = 1.0  # fp8 cache scale of the latent (the loader may set k_scale)
-        self.spec = LayerCacheSpec(layer_index, "mla", attention=dtypes.latent_attention(kv_lora_rank,
-                                                                                         qk_rope_head_dim))
+        self.spec = mla_spec(layer_index, dtypes, kv_lora_rank, qk_rope_head_dim)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_uk (H, nope, rank) and W_uv (H, v, rank), float32 views of ``kv_b_proj`` (made once per weight)."""

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.layers.state_shapes import mlstm_spec
 from hybridserve.ops.mlstm import fit_max_state, mlstm_update, mlstm_varlen, soft_cap
 
 WEIGHT_MODES = ("single", "fused")
@@ -74,11 +75,7 @@ class MLSTMLayer(nn.Module):
             self.ifgate_preact = nn.Linear(hidden, 2 * H, bias=True)
         self.multihead_norm = MultiHeadLayerNorm(H, self.dv, config.norm_eps, bias)
         self.out_proj = nn.Linear(self.v_dim, hidden, bias=bias)
-        self.spec = LayerCacheSpec(layer_index, "mlstm", state=(
-            dtypes.temporal_state("C", (H, self.dk, self.dv)),
-            dtypes.temporal_state("n", (H, self.dk)),
-            dtypes.temporal_state("m", (H,)),
-        ))
+        self.spec = mlstm_spec(layer_index, dtypes, num_heads=H, qk_head_dim=self.dk, v_head_dim=self.dv)
 
     def _project(self, x: torch.Tensor):
         """x: (T, hidden) -> q, k (T, qk_dim), v, o (T, v_dim), raw i, f pre-activations (T, H), all

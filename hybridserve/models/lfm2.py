@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
@@ -25,6 +25,7 @@ from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.layers.state_shapes import short_conv_spec
 from hybridserve.models.base import RopeDecoderLM
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 
@@ -69,7 +70,7 @@ class Lfm2ShortConv(nn.Module):
         self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=config.conv_bias, padding=kernel - 1)
         self.in_proj = nn.Linear(hidden, 3 * hidden, bias=config.conv_bias)
         self.out_proj = nn.Linear(hidden, hidden, bias=config.conv_bias)
-        self.spec = LayerCacheSpec(layer_index, "short_conv", state=(dtypes.conv_state("conv", (hidden, kernel - 1)),))
+        self.spec = short_conv_spec(layer_index, dtypes, hidden=hidden, conv_kernel=kernel)
 
     use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 

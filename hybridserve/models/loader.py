@@ -14,7 +14,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.models import fp8_checkpoint, weight_checks
 from hybridserve.models.base import CausalLM
-from hybridserve.models.registry import SERVED_AS_TEXT, model_class
+from hybridserve.models.registry import SERVED_AS_TEXT, architecture_of, model_class
 
 
 def load_hf_config(path: str, check_memory: bool = True) -> Any:
@@ -54,14 +54,6 @@ def served_text_config(config: Any) -> Any:
     if getattr(config, "dtype", None) is not None:
         text.dtype = config.dtype
     return text
-
-
-def architecture_of(hf_config: Any) -> str:
-    """``architectures[0]``, else the architecture the config's ``model_type`` maps to (ValueError naming the
-    allowed model types otherwise)."""
-    from hybridserve.models import config_specs
-
-    return config_specs.architecture_of(hf_config)
 
 
 def checkpoint_tensors(path: str, renames, skip: str | None):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
+from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks, gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
@@ -31,6 +31,7 @@ from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.layers.state_shapes import linear_attention_spec
 from hybridserve.models.base import RopeDecoderLM
 from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
 
@@ -68,9 +69,7 @@ class LightningAttention(nn.Module):
         self.output_gate = nn.Linear(config.hidden_size, inner, bias=False)
         self.register_buffer("slope_rate", slope_rates(self.num_heads, layer_index, self.num_layers),
                              persistent=False)
-        self.spec = LayerCacheSpec(layer_index, "linear_attention", state=(
-            dtypes.temporal_state("kv_state", (self.num_heads, self.head_dim, self.head_dim)),
-        ))
+        self.spec = linear_attention_spec(layer_index, dtypes, num_heads=self.num_heads, head_dim=self.head_dim)
 
     def reset_buffers(self) -> None:
         """Recompute the float32 decay rates on the module's device (after meta construction)."""

@@ -31,9 +31,9 @@ from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.models import registry
 from hybridserve.models.base import CausalLM, merge_specs
-from hybridserve.models.mtp_config import MTP_COUNT_KEYS, mtp_layer_count
-from hybridserve.models.mtp_config import architecture_name as _architecture
+from hybridserve.models.mtp_config import mtp_count_key, mtp_layer_count
 
 #: a raw checkpoint name of an MTP weight: ``mtp.*``, also under a vision-language wrapper's language model
 MTP_NAME = r"^(?:model\.language_model\.|language_model\.)?mtp\."
@@ -109,16 +109,6 @@ class MTPHead(nn.Module):
         raise NotImplementedError
 
 
-def _families() -> dict[type, type[MTPHead]]:
-    """Target model class -> its head class (imported here: the family modules import this one)."""
-    from hybridserve.models.mtp_nemotron_h import NemotronHMTPHead
-    from hybridserve.models.mtp_qwen3_next import Qwen3NextMTPHead
-    from hybridserve.models.nemotron_h import NemotronHForCausalLM
-    from hybridserve.models.qwen3_next import Qwen3NextForCausalLM
-
-    return {Qwen3NextForCausalLM: Qwen3NextMTPHead, NemotronHForCausalLM: NemotronHMTPHead}
-
-
 #: the families with an MTP head, for error messages
 MTP_FAMILIES = "Qwen3-Next, Qwen3.5, Qwen3.5-MoE (and their vision-language checkpoints), Nemotron-H"
 
@@ -144,13 +134,13 @@ def build_mtp_head(path: str, hf_config: Any, target: CausalLM, dtype: torch.dty
     MTP weights; or when a head cache index would collide with the target's."""
     from hybridserve.models.loader import load_weights
 
-    head_cls = next((h for t, h in _families().items() if isinstance(target, t)), None)
+    head_cls = registry.mtp_head_class(type(target))
     arch = type(target).__name__
     if head_cls is None:
         raise ValueError(f"{arch} has no multi-token-prediction (MTP) head; families with one: {MTP_FAMILIES}")
     num_layers = mtp_layer_count(hf_config)
     if num_layers == 0:
-        key = MTP_COUNT_KEYS.get(_architecture(hf_config), "the MTP layer count")
+        key = mtp_count_key(hf_config) or "the MTP layer count"
         raise ValueError(f"{arch} checkpoint {path!r} declares no MTP layers ({key} is 0 or absent in config.json)")
     if not mtp_weight_names(path):
         raise ValueError(f"{arch} checkpoint {path!r} declares {num_layers} MTP layers but holds no MTP weights "

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridserve.models.config_specs import NEMOTRON_ALIASES, NEMOTRON_PATTERN, architecture_of
+from hybridserve.models import registry
+from hybridserve.models.family_specs import NEMOTRON_ALIASES, NEMOTRON_PATTERN
+from hybridserve.models.registry import architecture_of
 
-#: architecture -> the config key counting its MTP modules
-MTP_COUNT_KEYS = {
-    "Qwen3NextForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5ForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5MoeForCausalLM": "mtp_num_hidden_layers",
-    "Qwen3_5ForConditionalGeneration": "mtp_num_hidden_layers",
-    "Qwen3_5MoeForConditionalGeneration": "mtp_num_hidden_layers",
-    "NemotronHForCausalLM": "num_nextn_predict_layers",
-}
+#: the config key counting Nemotron-H's MTP modules (each holds blocks of several kinds; Qwen's, one layer)
+NEMOTRON_H_MTP_COUNT_KEY = "num_nextn_predict_layers"
 NEMOTRON_H_MTP_KINDS = ("full_attention", "moe", "mlp")
 
 
@@ -31,10 +26,16 @@ def _value(config: Any, key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
+def mtp_count_key(hf_config: Any) -> str | None:
+    """The config key counting the family's MTP modules (its registry record's), or None for a family without."""
+    record = registry.family(architecture_name(hf_config))
+    return record.mtp_count_key if record is not None else None
+
+
 def mtp_layer_count(hf_config: Any) -> int:
     """Number of MTP modules the checkpoint declares (Qwen3-Next/Qwen3.5: ``mtp_num_hidden_layers``;
     Nemotron-H: ``num_nextn_predict_layers``); 0 if none or family without MTP."""
-    key = MTP_COUNT_KEYS.get(architecture_name(hf_config))
+    key = mtp_count_key(hf_config)
     if key is None:
         return 0
     for config in (hf_config, _value(hf_config, "text_config")):
@@ -63,6 +64,6 @@ def mtp_attention_layer_count(hf_config: Any) -> int:
     """Attention layers (cache layers) of all the checkpoint's MTP modules: one per Qwen module, one per
     attention block of each Nemotron-H module."""
     count = mtp_layer_count(hf_config)
-    if count and architecture_name(hf_config) == "NemotronHForCausalLM":
+    if count and mtp_count_key(hf_config) == NEMOTRON_H_MTP_COUNT_KEY:
         return count * nemotron_h_mtp_block_kinds(hf_config).count("full_attention")
     return count

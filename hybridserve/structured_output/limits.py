@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridserve.cache.plan_config import parse_size
+from hybridserve.option_checks import parse_size
 
 #: each limit's engine option and CLI flag, as error messages name them
 FLAGS = {"max_grammar_bytes": "--max-grammar-bytes",

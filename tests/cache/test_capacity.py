@@ -15,8 +15,8 @@ import torch
 
 from hybridserve.cache.capacity import bytes_per_sequence, ideal_bytes_per_sequence, max_sequences, pool_geometry
 from hybridserve.cache.layout import ALIGN, align_up, compute_layout
-from hybridserve.cache.planner import plan_cache
 from hybridserve.config import EngineConfig
+from hybridserve.planning.planner import plan_cache
 from tests.cache.real_configs import REAL_CONFIGS
 
 CACHE_MEMORY = 80 * 2**30  # one H100's worth

@@ -1,15 +1,17 @@
 """Plan the cache of a model from its config.json alone: no weights, no tokenizer, and no torch.
 
 A plan's specs are the engine's: for the built-in families, :mod:`hybridserve.models.config_specs`
-derives them from the config with the shapes the model's layers declare (checked against the model
-built on the ``meta`` device in ``tests/test_plan_cmd.py``); for an architecture registered without
-such an entry, the model class is built on the ``meta`` device (no memory, no weights) and asked, as
-the engine does after loading. The layout comes from :func:`~hybridserve.cache.layout.compute_layout`
+derives them from the config with the family record's spec function (``models/registry.py``,
+``models/family_specs.py``), which builds each layer's spec with the function its layer calls
+(``layers/state_shapes.py``; checked against the model built on the ``meta`` device in
+``tests/test_plan_cmd.py``); for an architecture registered without one, the model class is built on the
+``meta`` device (no memory, no weights) and asked, as the engine does after loading.
+The layout comes from :func:`~hybridserve.cache.layout.compute_layout`
 and the capacity from :mod:`hybridserve.cache.capacity`, the functions the engine's pool allocates
 with. So a plan's figures are the engine's real ones, for models that have not been downloaded.
 
 The options come as an :class:`~hybridserve.config.EngineConfig` (torch dtypes) or a
-:class:`~hybridserve.cache.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses, so
+:class:`~hybridserve.planning.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses, so
 that it imports neither torch nor transformers).
 """
 
