@@ -17,22 +17,13 @@ pages wholly behind the window of its next token go back to the pool after every
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from hybridserve.cache.capacity import fits, pages_for
+from hybridserve.cache.holdings import CacheHolder, decrement_ref, window_hit
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixHit
+from hybridserve.cache.prefix_cache import PrefixCache, PrefixHit
+from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
-
-class CacheHolder(Protocol):
-    """What the manager needs of a sequence: its block table, its state slot and how many of its
-    tokens are in the cache (``engine.Sequence`` is one)."""
-
-    block_table: list[int]
-    window_table: list[int]  # read and written only with a window page group
-    state_slot: int | None
-    spec_slot: int | None  # a second slot a speculative verification runs on (None without one)
-    num_computed_tokens: int
+__all__ = ["CacheHolder", "CacheManager"]
 
 
 class CacheManager:
@@ -161,7 +152,7 @@ class CacheManager:
         need_slots = 1 if self.pool.layout.has_state else 0
         first, window_shared, need_window = 0, [], 0
         if self.window is not None:  # the window layers' pages come from the snapshot (prefix_cache.PrefixHit)
-            first, window_shared, partial = _window_hit(hit, self.window, self.block_size)
+            first, window_shared, partial = window_hit(hit, self.window, self.block_size)
             for page in window_shared:
                 pages.append(page)
                 self._seq_ref(page)
@@ -177,7 +168,7 @@ class CacheManager:
             seq.state_slot = got.slots[0] if got.slots else None
             self._holders[id(seq)] = seq
             if self.window is not None:
-                _, window_shared, partial = _window_hit(hit, self.window, self.block_size)  # moved ids
+                _, window_shared, partial = window_hit(hit, self.window, self.block_size)  # moved ids
                 seq.window_table = [-1] * first + window_shared + got.pages[need_pages:]
                 if partial is not None:
                     self.copy_page(partial, got.pages[need_pages])
@@ -287,7 +278,7 @@ class CacheManager:
         self.seq_page_refs[page] = self.seq_page_refs.get(page, 0) + 1
 
     def _seq_unref(self, page: int) -> None:
-        _decrement(self.seq_page_refs, page)
+        decrement_ref(self.seq_page_refs, page)
         self.unref_page(page)
 
     def held_bytes(self) -> int:
@@ -309,7 +300,7 @@ class CacheManager:
 
     def unref_page(self, page: int) -> None:
         """Drop one reference to ``page``; the last one returns it to the pool."""
-        if _decrement(self.page_refs, page):
+        if decrement_ref(self.page_refs, page):
             self.pool.free_pages([page])
 
     def free_slot(self, slot: int) -> None:
@@ -395,24 +386,3 @@ class CacheManager:
         groups = 2 if self.window is not None else 1
         return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens) + pad_pages,
                     (1 if pool.layout.has_state else 0) + pad_slots)
-
-
-def _window_hit(hit: PrefixHit, window: int, block_size: int) -> tuple[int, list[int], int | None]:
-    """(first block, full pages to share, partly filled page to copy or None) of the window layers' pages a
-    hit at ``hit.tokens`` resumes with: its snapshot's (``Snapshot.window_pages``), read now (compaction
-    may have moved them)."""
-    snap = hit.snapshot
-    assert snap is not None, "a window page group resumes from snapshots only"
-    pages = list(snap.window_pages)
-    partial = pages.pop() if hit.tokens % block_size else None
-    return max(0, hit.tokens - window + 1) // block_size, pages, partial
-
-
-def _decrement(refs: dict[int, int], page: int) -> bool:
-    """One reference fewer to ``page`` in ``refs``; True (and the entry gone) when that was the last."""
-    count = refs[page] - 1
-    if count:
-        refs[page] = count
-        return False
-    del refs[page]
-    return True

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hybridserve.cache.dtypes import DEVICES, KV_CACHE_DTYPE_NAMES, MODEL_DTYPE_NAMES, STATE_DTYPE_NAMES
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import WAIT_POLICIES
-from hybridserve.structured_output.limits import (
+from hybridserve.options import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+    DEFAULT_SNAPSHOT_INTERVAL,
+    DEVICES,
+    KV_CACHE_DTYPE_NAMES,
+    MODEL_DTYPE_NAMES,
+    STATE_DTYPE_NAMES,
 )
 
 

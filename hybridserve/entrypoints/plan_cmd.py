@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.entrypoints.engine_args import HelpFormatter, add_dtype_args
+from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
