@@ -21,12 +21,13 @@ from hybridserve.cache.capacity import fits, pages_for
 from hybridserve.cache.holdings import CacheHolder, decrement_ref, window_hit
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixHit
+from hybridserve.cache.verification_slots import VerificationSlots
 from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
 __all__ = ["CacheHolder", "CacheManager"]
 
 
-class CacheManager:
+class CacheManager(VerificationSlots):
     """Grants and releases each sequence's pages and slot, shares pages by reference; never leaks.
 
     With ``prefix_caching``, a new sequence resumes from the longest cached prefix
@@ -92,16 +93,6 @@ class CacheManager:
         if self.prefix is not None and self.prefix.evict_for(num_pages, num_slots):
             return True
         return self.reclaim_spec_slots() and self.pool.can_allocate(num_pages, num_slots)
-
-    def reclaim_spec_slots(self) -> bool:
-        """Free every sequence's speculative slot but those of this step's verifications (between steps it is
-        scratch: a verification copies the state onto it first); True if any was freed. Room a request needs
-        comes before any speculation."""
-        holders = [seq for key, seq in self._holders.items()
-                   if getattr(seq, "spec_slot", None) is not None and key not in self._verifying]
-        for seq in holders:
-            self.release_spec_slot(seq)
-        return bool(holders)
 
     def grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
@@ -339,39 +330,6 @@ class CacheManager:
             seq.state_slot = None
         self.release_spec_slot(seq)
         self._holders.pop(id(seq), None)
-
-    def grant_spec_slot(self, seq: CacheHolder) -> bool:
-        """Give ``seq`` (holding its state slot) a second slot for speculative verification, unless it has
-        one; False, nothing granted, when the pool has no room for it (cached prefixes are evicted first,
-        no sequence is preempted for it)."""
-        if not self.pool.layout.has_state or getattr(seq, "spec_slot", None) is not None:
-            return True
-        if not self.make_room(0, 1):
-            return False
-        seq.spec_slot = self.allocate_raw(0, 1).slots[0]
-        return True
-
-    def release_spec_slot(self, seq: CacheHolder) -> None:
-        """Return ``seq``'s speculative slot, if it holds one."""
-        slot = getattr(seq, "spec_slot", None)
-        self._verifying.discard(id(seq))
-        if slot is not None:
-            self.pool.free_slot(slot)
-            seq.spec_slot = None
-
-    def begin_verification(self, seq: CacheHolder) -> None:
-        """Copy ``seq``'s state onto its speculative slot, which the verification then advances; the state
-        slot keeps the state before the drafts."""
-        if seq.spec_slot is not None:
-            self.copy_slot(seq.state_slot, seq.spec_slot)
-            self._verifying.add(id(seq))
-
-    def end_verification(self, seq: CacheHolder, all_accepted: bool) -> None:
-        """Every draft was accepted: the speculative slot, past them all, becomes the state slot (and the
-        old one the next verification's). Otherwise the state slot, before the drafts, stays."""
-        self._verifying.discard(id(seq))
-        if all_accepted and seq.spec_slot is not None:
-            seq.state_slot, seq.spec_slot = seq.spec_slot, seq.state_slot
 
     def reset_prefix_cache(self) -> bool:
         """Evict every cached prefix no request holds; True if nothing cached is left."""
