@@ -161,6 +161,7 @@ class EngineConfig:
 
     def grammar_limits(self) -> GrammarLimits:
         """Structured output's limits on a request's grammar (size, compile time) and on the compiled-grammar cache."""
+        assert isinstance(self.grammar_cache_bytes, int)  # (made bytes in __post_init__)
         return GrammarLimits(self.max_grammar_bytes, self.max_grammar_compile_seconds, self.grammar_cache_bytes)
 
     def resolve_device(self) -> torch.device:

@@ -131,6 +131,8 @@ class CacheManager(VerificationSlots):
 
     def _attach(self, seq, hit: PrefixHit, budget: int) -> int:
         """Give ``seq`` the hit's pages (shared), a copy of its partly used page and of its snapshot."""
+        prefix = self.prefix
+        assert prefix is not None  # (a hit comes from the prefix cache)
         start = hit.tokens
         pages = [node.page for node in hit.shared if node.page is not None]
         for page in pages:  # the sequence's own references; they also keep eviction off them
@@ -141,14 +143,15 @@ class CacheManager(VerificationSlots):
         n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
         need_pages = self.pages_for(start + n) - len(pages)
         need_slots = 1 if self.pool.layout.has_state else 0
-        first, window_shared, need_window = 0, [], 0
+        first, need_window = 0, 0
+        window_shared: list[int] = []
         if self.window is not None:  # the window layers' pages come from the snapshot (prefix_cache.PrefixHit)
             first, window_shared, partial = window_hit(hit, self.window, self.block_size)
             for page in window_shared:
                 pages.append(page)
                 self._seq_ref(page)
             need_window = self.pages_for(start + n) - first - len(window_shared)
-        self.prefix.hold(hit)  # its snapshots, until let_go below
+        prefix.hold(hit)  # its snapshots, until let_go below
         try:
             if not self.make_room(need_pages + need_window, need_slots):
                 for page in pages:
@@ -164,15 +167,15 @@ class CacheManager(VerificationSlots):
                 if partial is not None:
                     self.copy_page(partial, got.pages[need_pages])
             if tail is not None:
-                self.copy_page(hit.tail_page(), got.pages[0])
+                self.copy_page(_held(hit.tail_page()), got.pages[0])
             if hit.snapshot is not None:
-                self.copy_slot(hit.snapshot.slot, seq.state_slot)
+                self.copy_slot(_held(hit.snapshot.slot), _held(seq.state_slot))
         finally:
             if tail is not None:
-                self.unref_page(hit.tail_page())
-            self.prefix.let_go(hit)
+                self.unref_page(_held(hit.tail_page()))
+            prefix.let_go(hit)
         seq.num_computed_tokens = start
-        self.prefix.attached(seq, hit)
+        prefix.attached(seq, hit)
         return n
 
     def chunk(self, seq, n: int, start: int | None = None) -> int:
@@ -210,7 +213,7 @@ class CacheManager(VerificationSlots):
                 self.copy_page(parent.window_table[full], got.pages[partial])
         if slots:
             child.state_slot = got.slots[0]
-            self.copy_slot(parent.state_slot, child.state_slot)
+            self.copy_slot(_held(parent.state_slot), child.state_slot)
         child.num_computed_tokens = done
         self._holders[id(child)] = child
         if self.prefix is not None:
@@ -344,3 +347,9 @@ class CacheManager(VerificationSlots):
         groups = 2 if self.window is not None else 1
         return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens) + pad_pages,
                     (1 if pool.layout.has_state else 0) + pad_slots)
+
+
+def _held(item: int | None) -> int:
+    """The page or slot id of something the caller knows is held (a snapshot's slot, a hit's tail page)."""
+    assert item is not None, "a page or slot that must be held is not"
+    return item

@@ -198,6 +198,7 @@ class PrefixCache(PrefixEviction):
         if i >= full:
             return
         node = seq.prefix_node or self.index.root_of(seq.params.cache_salt, create=True)
+        assert node is not None  # (root_of creates it)
         while i < full:
             tokens = tuple(seq.token_ids_slice(i * bs, bs))
             child = node.children.get(tokens)
@@ -272,13 +273,14 @@ class PrefixCache(PrefixEviction):
         """The node and tail tokens of a snapshot of ``seq`` at its last computed token (None if its pages
         are not indexed up to there)."""
         node = seq.prefix_node or self.index.root_of(seq.params.cache_salt, create=True)
+        assert node is not None  # (root_of creates it)
         if node.depth != seq.num_computed_tokens // self.block_size:
             self._consider(node)  # (a salt's root made just now, holding nothing, is dropped again)
             return None, ()
         start = node.depth * self.block_size
         return node, tuple(seq.token_ids_slice(start, seq.num_computed_tokens - start))
 
-    def _record(self, seq, slot: int) -> Snapshot | None:
+    def _record(self, seq, slot: int | None) -> Snapshot | None:
         """Add the snapshot of ``seq``'s last computed token held in ``slot`` (None, nothing done, if the
         index already has one there or ``seq`` is not indexed up to it)."""
         node, tail = self._where(seq)
@@ -309,6 +311,7 @@ class PrefixCache(PrefixEviction):
         """``snap`` takes a reference to ``seq``'s window-group pages of the blocks holding the ``window``
         positions before it (all held by ``seq``: they are the ones its next token attends to)."""
         pos, bs = snap.position, self.block_size
+        assert self.window is not None  # (called with a window page group only)
         first = max(0, pos - self.window + 1) // bs
         snap.window_pages = seq.window_table[first:-(-pos // bs)]
         for page in snap.window_pages:
@@ -361,8 +364,8 @@ class PrefixCache(PrefixEviction):
             for old, snaps in windows.items():
                 self._windows[moves.pages[old]] = snaps
         if moves.slots:
-            snaps = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
-            for old, snap in snaps.items():
+            moved = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
+            for old, snap in moved.items():
                 snap.slot = moves.slots[old]
                 self._snapshot_by_slot[snap.slot] = snap
 

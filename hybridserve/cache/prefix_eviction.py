@@ -109,6 +109,7 @@ class PrefixEviction:
             del self._node_by_page[item.page]
             self.manager.unref_page(item.page)
             self.stats.evicted_pages += 1
+        assert item.parent is not None  # (remove_leaf takes no root)
         self._consider(item.parent)
 
     def clear(self) -> bool:

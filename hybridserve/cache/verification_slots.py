@@ -63,6 +63,7 @@ class VerificationSlots(ABC):
         """Copy ``seq``'s state onto its speculative slot, which the verification then advances; the state
         slot keeps the state before the drafts."""
         if seq.spec_slot is not None:
+            assert seq.state_slot is not None, "a verification runs on a sequence holding its state slot"
             self.copy_slot(seq.state_slot, seq.spec_slot)
             self._verifying.add(id(seq))
 

@@ -23,7 +23,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, unless the help already says it, there is none (``None``), or the
     flag is a plain switch (``store_true`` / ``store_false``). Used by every ``hybridserve`` parser."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if ("%(default)" in text or "default:" in text or action.default in (None, argparse.SUPPRESS)
                 or (action.nargs == 0 and isinstance(action.default, bool)
