@@ -18,6 +18,23 @@ CIRCLES_IN_FLIGHT = {"hybridserve.engine.llm_engine", "hybridserve.distributed.d
                      "hybridserve.distributed.sharding", "hybridserve.models.loader"}
 LONG_IN_FLIGHT = {"engine/llm_engine.py", "engine/async_engine.py", "models/config_specs.py"}
 
+#: the floors of docs/architecture.md, lowest first: a module may import its own floor and those below; the
+#: longest prefix (a module path under ``hybridserve.``) decides a module's floor
+FLOORS = [
+    ["hybridserve", "options", "sampling_params", "outputs", "default_model", "structured_output.params",
+     "spec_decode.config", "cache.dtypes", "cache.salt"],
+    ["kernels", "ops", "forward_batch", "cache.spec", "cache.plan_config", "cache.capacity", "cache.layout",
+     "cache.id_set", "cache.weight_plan", "cache.pool", "cache.slots", "structured_output.limits"],
+    ["config", "cache"],
+    ["layers", "distributed", "distributed.group", "distributed.layers"],
+    ["models", "distributed.sharding", "distributed.sharder", "distributed.shard_attention",
+     "distributed.shard_dense", "distributed.shard_recurrent"],
+    ["cache.planner", "planner", "structured_output"],
+    ["engine", "spec_decode", "distributed.driver", "distributed.launch", "distributed.worker"],
+    ["entrypoints", "distributed.preload"],
+]
+MAX_UPWARD_IMPORTS = 6
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -104,6 +121,24 @@ def test_no_import_circle_outside_the_parts_in_flight():
     assert "hybridserve.cache.manager" in graph["hybridserve.engine.scheduler"]  # the graph is read at all
     bad = [sorted(c) for c in circles(graph) if not c <= CIRCLES_IN_FLIGHT]
     assert bad == []
+
+
+def floor_of(module: str) -> int:
+    """The floor of a module (its longest matching prefix in FLOORS); ValueError if none matches."""
+    name = module.removeprefix("hybridserve.") if module != "hybridserve" else module
+    matches = [(len(prefix), floor) for floor, prefixes in enumerate(FLOORS) for prefix in prefixes
+               if name == prefix or name.startswith(prefix + ".")]
+    if not matches:
+        raise ValueError(f"{module} is on no floor: add it to FLOORS (and docs/architecture.md)")
+    return max(matches)[1]
+
+
+def test_at_most_six_imports_run_up_the_floors():
+    graph = import_graph()
+    upward = sorted(f"{a} -> {b}" for a, imported in graph.items() for b in imported if floor_of(b) > floor_of(a))
+    assert len(upward) <= MAX_UPWARD_IMPORTS, upward
+    assert floor_of("hybridserve.engine.scheduler") > floor_of("hybridserve.cache.manager") > floor_of(
+        "hybridserve.options")
 
 
 def test_the_options_module_is_on_the_ground_floor():
