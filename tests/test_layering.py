@@ -29,7 +29,7 @@ FLOORS = [
     ["layers", "distributed", "distributed.group", "distributed.layers"],
     ["models", "distributed.sharding", "distributed.sharder", "distributed.shard_attention",
      "distributed.shard_dense", "distributed.shard_recurrent"],
-    ["cache.planner", "planner", "structured_output"],
+    ["cache.planner", "planning", "structured_output"],
     ["engine", "spec_decode", "distributed.driver", "distributed.launch", "distributed.worker"],
     ["entrypoints", "distributed.preload"],
 ]
