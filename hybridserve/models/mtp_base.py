@@ -32,6 +32,7 @@ class MTPHead(nn.Module):
     checkpoint_renames = [(MTP_NAME, "")]
     tied_weights: dict[str, str] = {}
     use_cpu_kernels = False  # set by enable_cpu_kernels (the concat before the fusing projection)
+    target: CausalLM  # the model it drafts for, set by share() (not a submodule)
 
     def __init__(self, hf_config: Any, num_layers: int, first_layer_index: int) -> None:
         super().__init__()
@@ -41,7 +42,8 @@ class MTPHead(nn.Module):
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         """Its layers' cache specs, indices ``first_layer_index``, ``first_layer_index + 1``, ..."""
-        return merge_specs([m.spec for m in self.modules() if isinstance(getattr(m, "spec", None), LayerCacheSpec)])
+        return merge_specs([spec for m in self.modules()
+                            if isinstance(spec := getattr(m, "spec", None), LayerCacheSpec)])
 
     def shared_modules(self, target: CausalLM) -> dict[str, nn.Module]:
         """Attribute name -> the target's module the head uses as its own (the embedding, say)."""
