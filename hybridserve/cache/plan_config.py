@@ -3,7 +3,7 @@
 :class:`PlanConfig` holds the fields of :class:`hybridserve.config.EngineConfig` that decide the cache
 (dtype options, block size, cache memory, length, device, capture and prefix caching) and checks them
 with the same rules and messages; its dtypes resolve to names (:class:`ResolvedDtypeNames`). The
-planner takes either class. ``tests/test_plan_cmd.py`` checks both agree.
+planner takes either class. ``tests/entrypoints/test_plan_cmd.py`` checks both agree.
 """
 
 from __future__ import annotations
