@@ -20,19 +20,28 @@ from typing import Any
 
 import torch
 
-from hybridserve.cache.dtypes import DTYPE_ALIASES, dtype_name
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
+from hybridserve.cache.dtypes import dtype_name
+from hybridserve.cache.spec import ResolvedDtypes
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import check_thread_options, check_wait_policy
-from hybridserve.option_checks import check_cache_shape_options, check_positive_int, parse_size
-from hybridserve.spec_decode.config import parse_speculative_config
-from hybridserve.structured_output.limits import (
+from hybridserve.options import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
-    GrammarLimits,
+    DEFAULT_SNAPSHOT_INTERVAL,
+    DTYPE_ALIASES,
+    check_cache_shape_options,
+    check_positive_int,
     parse_cache_bytes,
+    parse_size,
 )
+from hybridserve.spec_decode.config import parse_speculative_config
+from hybridserve.structured_output.limits import GrammarLimits
+
+# re-exported: callers import these from here
+__all__ = ["DEVICES", "FP8_KV_DTYPES", "INT8_QUANTIZATIONS", "KV_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZATIONS",
+           "STATE_DTYPES", "EngineConfig", "ResolvedDtypes", "check_tensor_parallel_options", "checkpoint_dtype",
+           "checkpoint_ssm_dtype", "dtype_name", "parse_size"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -68,26 +77,6 @@ def _check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> str:
     if canonical not in allowed:
         raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
     return canonical
-
-
-
-
-@dataclass(frozen=True)
-class ResolvedDtypes:
-    """The concrete dtypes an engine runs with."""
-
-    model: torch.dtype
-    kv_cache: torch.dtype
-    conv_state: torch.dtype
-    ssm_state: torch.dtype
-
-    def as_names(self) -> dict[str, str]:
-        return {
-            "dtype": dtype_name(self.model),
-            "kv_cache_dtype": dtype_name(self.kv_cache),
-            "mamba_cache_dtype": dtype_name(self.conv_state),
-            "mamba_ssm_cache_dtype": dtype_name(self.ssm_state),
-        }
 
 
 # EngineConfig fields that change speed or output, never results: left out of the fingerprint.
@@ -172,6 +161,7 @@ class EngineConfig:
 
     def grammar_limits(self) -> GrammarLimits:
         """Structured output's limits on a request's grammar (size, compile time) and on the compiled-grammar cache."""
+        assert isinstance(self.grammar_cache_bytes, int)  # (made bytes in __post_init__)
         return GrammarLimits(self.max_grammar_bytes, self.max_grammar_compile_seconds, self.grammar_cache_bytes)
 
     def resolve_device(self) -> torch.device:

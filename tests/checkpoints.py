@@ -332,7 +332,7 @@ def xlstm_config(**overrides: Any) -> Any:
     kernel over whole chunks, then steps the rest). Gates soft-capped at 3 rather than 15: HF's init gives
     forget-gate biases of 3 to 6 (memories of hundreds of tokens), over which a bf16 state's rounding grows
     past the near-ties of a random model within the precision test's first 50 tokens; capped at 3 (memories
-    of about 20 tokens) a bf16 state stays comparable with HF that long (tests/test_parity_variants.py runs
+    of about 20 tokens) a bf16 state stays comparable with HF that long (tests/engine/test_parity_variants.py runs
     the default cap of 15)."""
     from transformers import xLSTMConfig
 

@@ -48,7 +48,7 @@ def pages_for(layout: PoolLayout, num_tokens: int) -> int:
 def window_pages(layout: PoolLayout, num_tokens: int) -> int:
     """Window-group pages a decoding sequence of ``num_tokens`` tokens holds: those holding its last
     ``window`` positions, at most ``ceil((window - 1) / block_size) + 1`` (0 without a window group)."""
-    if not layout.has_window:
+    if layout.window is None:
         return 0
     return min(pages_for(layout, num_tokens), -(-(layout.window - 1) // layout.block_size) + 1)
 
@@ -82,6 +82,7 @@ def ideal_bytes_per_sequence(layout: PoolLayout, num_tokens: int) -> int:
     window_kv = layout.window_kv_bytes_per_token
     kv = num_tokens * (layout.kv_bytes_per_token - window_kv)
     if window_kv:
+        assert layout.window is not None, "window-group KV without a window"
         kv += min(num_tokens, layout.window) * window_kv
     return layout.state_bytes_per_sequence + kv
 

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-MODEL_DTYPE_NAMES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPE_NAMES = (*MODEL_DTYPE_NAMES, "fp8_e4m3", "fp8_e5m2")
-STATE_DTYPE_NAMES = MODEL_DTYPE_NAMES
-FP8_KV_DTYPE_NAMES = ("fp8_e4m3", "fp8_e5m2")
-DEVICES = ("auto", "cpu", "cuda")
+from hybridserve.options import (  # the name tables, defined once in the options module
+    DEVICES,
+    DTYPE_ALIASES,
+    FP8_KV_DTYPE_NAMES,
+    KV_CACHE_DTYPE_NAMES,
+    MODEL_DTYPE_NAMES,
+    STATE_DTYPE_NAMES,
+    canonical_option,
+)
 
-#: the spellings an option accepts besides its name (as ``config._DTYPE_ALIASES``)
-DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
-                 "fp16": "float16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+__all__ = ["DEVICES", "DTYPE_ALIASES", "FP8_KV_DTYPE_NAMES", "ITEMSIZE", "KV_CACHE_DTYPE_NAMES", "MODEL_DTYPE_NAMES",
+           "STATE_DTYPE_NAMES", "TORCH_NAMES", "canonical_option", "checkpoint_dtype_name",
+           "checkpoint_ssm_dtype_name", "dtype_name", "dtype_size", "torch_name"]
+
 #: option name -> torch's attribute name, where they differ
 TORCH_NAMES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 #: bytes per element, by torch's attribute name
@@ -50,16 +55,6 @@ def dtype_size(dtype: Any) -> int:
     if name not in ITEMSIZE:
         raise ValueError(f"dtype {dtype!r} has no known size; known: {', '.join(ITEMSIZE)}")
     return ITEMSIZE[name]
-
-
-def canonical_option(option: str, value: Any, allowed: tuple[str, ...]) -> str:
-    """``value`` as one of ``allowed`` (aliases resolved); ValueError naming the option and the allowed values."""
-    if not isinstance(value, str):
-        raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
-    name = DTYPE_ALIASES.get(value.lower(), value.lower())
-    if name not in allowed:
-        raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
-    return name
 
 
 def _model_dtype_of(value: Any) -> str | None:

@@ -17,25 +17,17 @@ pages wholly behind the window of its next token go back to the pool after every
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from hybridserve.cache.capacity import fits, pages_for
+from hybridserve.cache.holdings import CacheHolder, decrement_ref, window_hit
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL, PrefixCache, PrefixHit
+from hybridserve.cache.prefix_cache import PrefixCache, PrefixHit
+from hybridserve.cache.verification_slots import VerificationSlots
+from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
+
+__all__ = ["CacheHolder", "CacheManager"]
 
 
-class CacheHolder(Protocol):
-    """What the manager needs of a sequence: its block table, its state slot and how many of its
-    tokens are in the cache (``engine.Sequence`` is one)."""
-
-    block_table: list[int]
-    window_table: list[int]  # read and written only with a window page group
-    state_slot: int | None
-    spec_slot: int | None  # a second slot a speculative verification runs on (None without one)
-    num_computed_tokens: int
-
-
-class CacheManager:
+class CacheManager(VerificationSlots):
     """Grants and releases each sequence's pages and slot, shares pages by reference; never leaks.
 
     With ``prefix_caching``, a new sequence resumes from the longest cached prefix
@@ -102,16 +94,6 @@ class CacheManager:
             return True
         return self.reclaim_spec_slots() and self.pool.can_allocate(num_pages, num_slots)
 
-    def reclaim_spec_slots(self) -> bool:
-        """Free every sequence's speculative slot but those of this step's verifications (between steps it is
-        scratch: a verification copies the state onto it first); True if any was freed. Room a request needs
-        comes before any speculation."""
-        holders = [seq for key, seq in self._holders.items()
-                   if getattr(seq, "spec_slot", None) is not None and key not in self._verifying]
-        for seq in holders:
-            self.release_spec_slot(seq)
-        return bool(holders)
-
     def grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
 
@@ -149,6 +131,8 @@ class CacheManager:
 
     def _attach(self, seq, hit: PrefixHit, budget: int) -> int:
         """Give ``seq`` the hit's pages (shared), a copy of its partly used page and of its snapshot."""
+        prefix = self.prefix
+        assert prefix is not None  # (a hit comes from the prefix cache)
         start = hit.tokens
         pages = [node.page for node in hit.shared if node.page is not None]
         for page in pages:  # the sequence's own references; they also keep eviction off them
@@ -159,14 +143,15 @@ class CacheManager:
         n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
         need_pages = self.pages_for(start + n) - len(pages)
         need_slots = 1 if self.pool.layout.has_state else 0
-        first, window_shared, need_window = 0, [], 0
+        first, need_window = 0, 0
+        window_shared: list[int] = []
         if self.window is not None:  # the window layers' pages come from the snapshot (prefix_cache.PrefixHit)
-            first, window_shared, partial = _window_hit(hit, self.window, self.block_size)
+            first, window_shared, partial = window_hit(hit, self.window, self.block_size)
             for page in window_shared:
                 pages.append(page)
                 self._seq_ref(page)
             need_window = self.pages_for(start + n) - first - len(window_shared)
-        self.prefix.hold(hit)  # its snapshots, until let_go below
+        prefix.hold(hit)  # its snapshots, until let_go below
         try:
             if not self.make_room(need_pages + need_window, need_slots):
                 for page in pages:
@@ -177,20 +162,20 @@ class CacheManager:
             seq.state_slot = got.slots[0] if got.slots else None
             self._holders[id(seq)] = seq
             if self.window is not None:
-                _, window_shared, partial = _window_hit(hit, self.window, self.block_size)  # moved ids
+                _, window_shared, partial = window_hit(hit, self.window, self.block_size)  # moved ids
                 seq.window_table = [-1] * first + window_shared + got.pages[need_pages:]
                 if partial is not None:
                     self.copy_page(partial, got.pages[need_pages])
             if tail is not None:
-                self.copy_page(hit.tail_page(), got.pages[0])
+                self.copy_page(_held(hit.tail_page()), got.pages[0])
             if hit.snapshot is not None:
-                self.copy_slot(hit.snapshot.slot, seq.state_slot)
+                self.copy_slot(_held(hit.snapshot.slot), _held(seq.state_slot))
         finally:
             if tail is not None:
-                self.unref_page(hit.tail_page())
-            self.prefix.let_go(hit)
+                self.unref_page(_held(hit.tail_page()))
+            prefix.let_go(hit)
         seq.num_computed_tokens = start
-        self.prefix.attached(seq, hit)
+        prefix.attached(seq, hit)
         return n
 
     def chunk(self, seq, n: int, start: int | None = None) -> int:
@@ -228,7 +213,7 @@ class CacheManager:
                 self.copy_page(parent.window_table[full], got.pages[partial])
         if slots:
             child.state_slot = got.slots[0]
-            self.copy_slot(parent.state_slot, child.state_slot)
+            self.copy_slot(_held(parent.state_slot), child.state_slot)
         child.num_computed_tokens = done
         self._holders[id(child)] = child
         if self.prefix is not None:
@@ -287,7 +272,7 @@ class CacheManager:
         self.seq_page_refs[page] = self.seq_page_refs.get(page, 0) + 1
 
     def _seq_unref(self, page: int) -> None:
-        _decrement(self.seq_page_refs, page)
+        decrement_ref(self.seq_page_refs, page)
         self.unref_page(page)
 
     def held_bytes(self) -> int:
@@ -309,7 +294,7 @@ class CacheManager:
 
     def unref_page(self, page: int) -> None:
         """Drop one reference to ``page``; the last one returns it to the pool."""
-        if _decrement(self.page_refs, page):
+        if decrement_ref(self.page_refs, page):
             self.pool.free_pages([page])
 
     def free_slot(self, slot: int) -> None:
@@ -349,39 +334,6 @@ class CacheManager:
         self.release_spec_slot(seq)
         self._holders.pop(id(seq), None)
 
-    def grant_spec_slot(self, seq: CacheHolder) -> bool:
-        """Give ``seq`` (holding its state slot) a second slot for speculative verification, unless it has
-        one; False, nothing granted, when the pool has no room for it (cached prefixes are evicted first,
-        no sequence is preempted for it)."""
-        if not self.pool.layout.has_state or getattr(seq, "spec_slot", None) is not None:
-            return True
-        if not self.make_room(0, 1):
-            return False
-        seq.spec_slot = self.allocate_raw(0, 1).slots[0]
-        return True
-
-    def release_spec_slot(self, seq: CacheHolder) -> None:
-        """Return ``seq``'s speculative slot, if it holds one."""
-        slot = getattr(seq, "spec_slot", None)
-        self._verifying.discard(id(seq))
-        if slot is not None:
-            self.pool.free_slot(slot)
-            seq.spec_slot = None
-
-    def begin_verification(self, seq: CacheHolder) -> None:
-        """Copy ``seq``'s state onto its speculative slot, which the verification then advances; the state
-        slot keeps the state before the drafts."""
-        if seq.spec_slot is not None:
-            self.copy_slot(seq.state_slot, seq.spec_slot)
-            self._verifying.add(id(seq))
-
-    def end_verification(self, seq: CacheHolder, all_accepted: bool) -> None:
-        """Every draft was accepted: the speculative slot, past them all, becomes the state slot (and the
-        old one the next verification's). Otherwise the state slot, before the drafts, stays."""
-        self._verifying.discard(id(seq))
-        if all_accepted and seq.spec_slot is not None:
-            seq.state_slot, seq.spec_slot = seq.spec_slot, seq.state_slot
-
     def reset_prefix_cache(self) -> bool:
         """Evict every cached prefix no request holds; True if nothing cached is left."""
         return self.prefix.clear() if self.prefix is not None else True
@@ -397,22 +349,7 @@ class CacheManager:
                     (1 if pool.layout.has_state else 0) + pad_slots)
 
 
-def _window_hit(hit: PrefixHit, window: int, block_size: int) -> tuple[int, list[int], int | None]:
-    """(first block, full pages to share, partly filled page to copy or None) of the window layers' pages a
-    hit at ``hit.tokens`` resumes with: its snapshot's (``Snapshot.window_pages``), read now (compaction
-    may have moved them)."""
-    snap = hit.snapshot
-    assert snap is not None, "a window page group resumes from snapshots only"
-    pages = list(snap.window_pages)
-    partial = pages.pop() if hit.tokens % block_size else None
-    return max(0, hit.tokens - window + 1) // block_size, pages, partial
-
-
-def _decrement(refs: dict[int, int], page: int) -> bool:
-    """One reference fewer to ``page`` in ``refs``; True (and the entry gone) when that was the last."""
-    count = refs[page] - 1
-    if count:
-        refs[page] = count
-        return False
-    del refs[page]
-    return True
+def _held(item: int | None) -> int:
+    """The page or slot id of something the caller knows is held (a snapshot's slot, a hit's tail page)."""
+    assert item is not None, "a page or slot that must be held is not"
+    return item

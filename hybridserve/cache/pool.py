@@ -268,12 +268,14 @@ class CachePool:
         sb, pb = self.layout.slot_bytes, self.layout.page_bytes
         dense_bottom = (self.num_pages - len(self._live_pages) - num_pages) * pb
         # 1. slots above the densest KV bottom must move: no page move can help them
-        while self._live_slots and (self._live_slots.peek() + 1) * sb > dense_bottom:
+        while (top_slot := self._live_slots.peek()) is not None and (top_slot + 1) * sb > dense_bottom:
             self._move_slot(relocation)
         if not self.fits_in_place(num_pages, num_slots):
             # 2. the state top is in the KV region: lower it, or lift the pages below it
             top = self._state_top_slots(num_slots) * sb
-            bottom = self._live_pages.peek() * pb
+            lowest_page = self._live_pages.peek()
+            assert lowest_page is not None, "the state top reaches the KV region only when pages are live"
+            bottom = lowest_page * pb
             page_cost = pb * sum(1 for b in self._live_pages if b * pb < top)
             slots_ok = (len(self._live_slots) + num_slots) * sb <= bottom
             slot_cost = sb * sum(1 for s in self._live_slots if (s + 1) * sb > bottom) if slots_ok else None
@@ -289,7 +291,7 @@ class CachePool:
     def _move_slot(self, relocation: Relocation) -> None:
         """Move the highest live slot into the lowest free slot (always below it)."""
         src, dst = self._live_slots.peek(), self._free_slots.peek()
-        assert dst is not None and dst < src
+        assert src is not None and dst is not None and dst < src
         self._copy(src, dst, self.layout.slot_bytes)
         self._live_slots.remove(src)
         self._free_slots.push(src)
@@ -300,7 +302,7 @@ class CachePool:
     def _move_page(self, relocation: Relocation) -> None:
         """Move the lowest live page into the highest free page (always above it)."""
         src, dst = self._live_pages.peek(), self._free_pages.peek()
-        assert dst is not None and dst > src
+        assert src is not None and dst is not None and dst > src
         self._copy(src, dst, self.layout.page_bytes)
         self._live_pages.remove(src)
         self._free_pages.push(src)

@@ -52,66 +52,28 @@ docs/data_parallel.md).
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybridserve.cache.kv_events import KVEventRecorder
+from hybridserve.cache.prefix_eviction import PrefixEviction
+from hybridserve.cache.prefix_hit import PrefixHit, PrefixStats
 from hybridserve.cache.prefix_index import PageNode, PrefixIndex, Snapshot
+from hybridserve.cache.prefix_owner import PrefixCacheOwner
 from hybridserve.cache.prefix_sharing import follower_branch_points
+from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
 if TYPE_CHECKING:
-    from hybridserve.cache.manager import CacheManager
     from hybridserve.cache.pool import Relocation
 
-logger = logging.getLogger(__name__)
-
-#: default tokens between the snapshots of a long prefill
-DEFAULT_SNAPSHOT_INTERVAL = 512
+__all__ = ["PrefixCache", "PrefixHit", "PrefixStats"]
 
 
-@dataclass
-class PrefixHit:
-    """What a new sequence resumes from: ``tokens`` cached tokens, and where their cache is."""
+class PrefixCache(PrefixEviction):
+    """The prefix index over one pool: lookups, indexing, snapshots, eviction (:class:`PrefixEviction`) and
+    compaction moves. ``manager`` is the owner of the pool's pages and slots (the ``CacheManager``), reached
+    only through :class:`~hybridserve.cache.prefix_owner.PrefixCacheOwner`."""
 
-    tokens: int
-    shared: list[PageNode]  # the full pages it shares (tokens // block_size of them)
-    tail: PageNode | Snapshot | None  # holder of the partly used page to copy (None if tokens % bs == 0)
-    snapshot: Snapshot | None  # the state to copy (models with recurrent state)
-    kv_tokens: int = 0  # tokens whose KV matched (the divergence point)
-    num_tokens: int = 0  # tokens looked up
-
-    def tail_page(self) -> int | None:
-        """The page to copy on write, read at attach time (compaction may have moved it)."""
-        if self.tail is None:
-            return None
-        return self.tail.tail_page if isinstance(self.tail, Snapshot) else self.tail.page
-
-    def snapshots(self) -> list[Snapshot]:
-        """The snapshots an attach reads: the state's, and a KV tail's holder if another."""
-        found = [] if self.snapshot is None else [self.snapshot]
-        if isinstance(self.tail, Snapshot) and self.tail is not self.snapshot:
-            found.append(self.tail)
-        return found
-
-
-@dataclass
-class PrefixStats:
-    """Counters of the prefix cache (tokens for queries and hits, as vLLM counts them)."""
-
-    queries: int = 0  # tokens of the sequences looked up
-    hits: int = 0  # of those, tokens resumed from the cache
-    kv_beyond_snapshot: int = 0  # lookups whose KV matched further than any usable state snapshot
-    snapshots_taken: int = 0
-    snapshots_skipped: int = 0  # a snapshot was due but the pool held nothing of lower value to evict
-    evicted_pages: int = 0
-    evicted_snapshots: int = 0
-
-
-class PrefixCache:
-    """The prefix index over one pool: lookups, indexing, snapshots, eviction and compaction moves."""
-
-    def __init__(self, manager: "CacheManager", snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
+    def __init__(self, manager: PrefixCacheOwner, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
         self.manager = manager
         layout = manager.pool.layout
         self.block_size = layout.block_size
@@ -236,6 +198,7 @@ class PrefixCache:
         if i >= full:
             return
         node = seq.prefix_node or self.index.root_of(seq.params.cache_salt, create=True)
+        assert node is not None  # (root_of creates it)
         while i < full:
             tokens = tuple(seq.token_ids_slice(i * bs, bs))
             child = node.children.get(tokens)
@@ -310,13 +273,14 @@ class PrefixCache:
         """The node and tail tokens of a snapshot of ``seq`` at its last computed token (None if its pages
         are not indexed up to there)."""
         node = seq.prefix_node or self.index.root_of(seq.params.cache_salt, create=True)
+        assert node is not None  # (root_of creates it)
         if node.depth != seq.num_computed_tokens // self.block_size:
             self._consider(node)  # (a salt's root made just now, holding nothing, is dropped again)
             return None, ()
         start = node.depth * self.block_size
         return node, tuple(seq.token_ids_slice(start, seq.num_computed_tokens - start))
 
-    def _record(self, seq, slot: int) -> Snapshot | None:
+    def _record(self, seq, slot: int | None) -> Snapshot | None:
         """Add the snapshot of ``seq``'s last computed token held in ``slot`` (None, nothing done, if the
         index already has one there or ``seq`` is not indexed up to it)."""
         node, tail = self._where(seq)
@@ -347,112 +311,13 @@ class PrefixCache:
         """``snap`` takes a reference to ``seq``'s window-group pages of the blocks holding the ``window``
         positions before it (all held by ``seq``: they are the ones its next token attends to)."""
         pos, bs = snap.position, self.block_size
+        assert self.window is not None  # (called with a window page group only)
         first = max(0, pos - self.window + 1) // bs
         snap.window_pages = seq.window_table[first:-(-pos // bs)]
         for page in snap.window_pages:
             assert page >= 0, "a snapshot's window page was released"
             self.manager.ref_page(page)
             self._windows.setdefault(page, []).append(snap)
-
-    def _drop_window(self, snap: Snapshot) -> None:
-        for page in snap.window_pages:
-            holders = self._windows[page]
-            holders.remove(snap)
-            if not holders:
-                del self._windows[page]
-            self.manager.unref_page(page)
-        snap.window_pages = []
-
-    # -------------------------------------------------------------- eviction
-    def evictable(self, item: PageNode | Snapshot) -> bool:
-        """Whether nothing but the cache holds ``item``."""
-        if item.removed or item.pins:
-            return False
-        if isinstance(item, Snapshot):
-            return True
-        if item.parent is None or item.children or item.snapshots:
-            return False
-        if item.page is None:
-            return True
-        return self.manager.page_refs[item.page] == 1 + len(self._tails.get(item.page, ()))
-
-    def value(self, item: PageNode | Snapshot) -> float:
-        """Tokens of recompute ``item`` saves per byte, times (1 + its hits): lower is evicted first."""
-        if isinstance(item, Snapshot):
-            if item.slot is None:  # a KV tail alone
-                return (1 + item.hits) * len(item.tail) / self.page_bytes
-            return (1 + item.hits) * item.position / (self.slot_bytes + len(item.window_pages) * self.page_bytes)
-        if item.page is None or self.has_state:
-            return 0.0
-        return (1 + item.hits) * self.block_size / self.page_bytes
-
-    def _consider(self, item: PageNode | Snapshot) -> None:
-        """Queue ``item`` for eviction if it is evictable (a node without bytes is dropped at once; a salt's
-        root that holds nothing is forgotten)."""
-        if isinstance(item, PageNode) and item.parent is None:
-            self.index.drop_root_if_empty(item)
-            return
-        if not self.evictable(item):
-            return
-        if isinstance(item, PageNode) and item.page is None:
-            self._evict(item)
-            return
-        self.index.push(item, self.value(item))
-        if self.index.needs_rebuild():
-            self.index.rebuild(self.value, self.evictable)
-
-    def evict_for(self, num_pages: int, num_slots: int) -> bool:
-        """Evict cached items, lowest value first, until ``num_pages`` pages and ``num_slots`` slots fit."""
-        return self._evict_until(lambda: self.manager.pool.can_allocate(num_pages, num_slots))
-
-    def _evict_until(self, done, below: float | None = None) -> bool:
-        while not done():
-            victim = self.index.pop_victim(self.evictable, below)
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    def _evict(self, item: PageNode | Snapshot) -> None:
-        if isinstance(item, Snapshot):
-            self.index.remove_snapshot(item)
-            if item.slot is not None:
-                del self._snapshot_by_slot[item.slot]
-                self.manager.free_slot(item.slot)
-                self.stats.evicted_snapshots += 1
-            else:
-                self.stats.evicted_pages += 1
-            self._drop_window(item)
-            if item.tail_page is not None:
-                holders = self._tails[item.tail_page]
-                holders.remove(item)
-                if not holders:
-                    del self._tails[item.tail_page]
-                node = self._node_by_page.get(item.tail_page)
-                self.manager.unref_page(item.tail_page)
-                if node is not None:
-                    self._consider(node)
-            self._consider(item.node)
-            return
-        self.index.remove_leaf(item)
-        if self.events is not None:
-            self.events.removed(item)
-        if item.page is not None:
-            del self._node_by_page[item.page]
-            self.manager.unref_page(item.page)
-            self.stats.evicted_pages += 1
-        self._consider(item.parent)
-
-    def clear(self) -> bool:
-        """Evict everything no request holds; True if the cache is empty afterwards."""
-        while True:
-            victims = [item for item in self.index.items() if self.evictable(item)]
-            if not victims:
-                break
-            for item in victims:
-                if self.evictable(item):
-                    self._evict(item)
-        return self.index.num_nodes == 0 and self.index.num_snapshots == 0
 
     def drop_all(self, seqs) -> None:
         """Give back everything the cache holds, whoever else holds it too (``seqs``: every sequence with a
@@ -499,8 +364,8 @@ class PrefixCache:
             for old, snaps in windows.items():
                 self._windows[moves.pages[old]] = snaps
         if moves.slots:
-            snaps = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
-            for old, snap in snaps.items():
+            moved = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
+            for old, snap in moved.items():
                 snap.slot = moves.slots[old]
                 self._snapshot_by_slot[snap.slot] = snap
 

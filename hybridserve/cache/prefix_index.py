@@ -153,7 +153,8 @@ class PrefixIndex:
                 break
             path.append(child)
             node = child
-        kv, partial, longest = node.depth * bs, None, 0
+        kv, longest = node.depth * bs, 0
+        partial: PageNode | Snapshot | None = None
         rest = tokens[kv:kv + bs]
         if rest:
             for child in itertools.islice(node.children.values(), MAX_CHILDREN_SCANNED):

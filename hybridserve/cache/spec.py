@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from hybridserve.cache.dtypes import dtype_name, dtype_size
 
 if TYPE_CHECKING:
-    from hybridserve.config import ResolvedDtypes
+    import torch
 
 #: a torch dtype (the engine's specs) or its name (a plan's, made without torch): see cache/dtypes.py
 DType = Any
 
-__all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "StateTensorSpec", "dtype_size"]
+__all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "ResolvedDtypes", "StateTensorSpec",
+           "dtype_size"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,25 @@ class LayerCacheSpec:
         return {"index": self.index, "kind": self.kind, "tensors": tensors,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "state_bytes_per_sequence": self.state_bytes_per_sequence}
+
+
+@dataclass(frozen=True)
+class ResolvedDtypes:
+    """The concrete dtypes an engine runs with (``EngineConfig.resolve_dtypes``; re-exported by ``config``)."""
+
+    model: torch.dtype
+    kv_cache: torch.dtype
+    conv_state: torch.dtype
+    ssm_state: torch.dtype
+
+    def as_names(self) -> dict[str, str]:
+        """The four dtype options' names of these dtypes, as the config fingerprint records them."""
+        return {
+            "dtype": dtype_name(self.model),
+            "kv_cache_dtype": dtype_name(self.kv_cache),
+            "mamba_cache_dtype": dtype_name(self.conv_state),
+            "mamba_ssm_cache_dtype": dtype_name(self.ssm_state),
+        }
 
 
 @dataclass(frozen=True)

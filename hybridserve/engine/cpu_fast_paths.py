@@ -19,8 +19,14 @@ from hybridserve.engine.decode_capture import try_capture
 from hybridserve.kernels import enable_cpu_kernels, gemm, isa, unavailable_reason
 from hybridserve.kernels.report import w8_variant
 from hybridserve.layers.linear_w8 import W8Linear
-from hybridserve.layers.packed_linear import copy_remaining_parameters, pack_kernel_linear_layers, pack_linear_layers
+from hybridserve.layers.packed_linear import (
+    copy_remaining_parameters,
+    is_fp8_linear,
+    pack_kernel_linear_layers,
+    pack_linear_layers,
+)
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.ops.linear_w8 import dequantize
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +103,6 @@ def _count_w8_linears(model: nn.Module) -> dict[str, int]:
 
 def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
     """Give the fp8 linears the kernels did not pack (kernels unavailable) dequantized weights."""
-    from hybridserve.layers.packed_linear import is_fp8_linear
-    from hybridserve.ops.linear_w8 import dequantize
-
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
                  torch.float32)
     count = 0

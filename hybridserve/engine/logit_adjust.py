@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.sampling_params import SamplingParams
+from hybridserve.structured_output.matcher import apply_grammar_masks
 
 #: fills row ``row`` of ``logits`` (N, V) in place with -inf where a token is not allowed; a mask that also has
 #: ``fill_bitmask`` (structured output's SequenceMatcher) is applied with the batch's other such rows at once
@@ -78,8 +79,6 @@ class LogitAdjuster:
                 ctx.token_mask(out, i)
         grammar_rows = [i for i in self._active if hasattr(self.rows[i].token_mask, "fill_bitmask")]
         if grammar_rows:  # structured output: all rows' bitmasks filled into one (R, W) tensor, applied at once
-            from hybridserve.structured_output.matcher import apply_grammar_masks
-
             apply_grammar_masks(out, grammar_rows, [self.rows[i].token_mask for i in grammar_rows])
         penalized = [i for i in self._active if self.rows[i].params.has_penalties]
         if penalized:

@@ -89,8 +89,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             gen = generators[row] or default_generator
             picks[row] = torch.multinomial(probs[row], 1, generator=gen)[0]
         chosen = picks.to(logits.device)
-    lse = fused[1] if fused is not None else None
-    return report(logits, chosen, params, lse, errors)
+    fused_lse = fused[1] if fused is not None else None
+    return report(logits, chosen, params, fused_lse, errors)
 
 
 def report(logits: torch.Tensor, chosen: torch.Tensor, params: list[SamplingParams],
@@ -110,10 +110,10 @@ def report(logits: torch.Tensor, chosen: torch.Tensor, params: list[SamplingPara
     top_lps: list[list[float]] = [[] for _ in params]
     if max_k > 0:
         values, ids = logits.topk(max_k, dim=-1)  # (N, k)
-        values, ids = (values - lse[:, None]).tolist(), ids.tolist()
+        value_rows, id_rows = (values - lse[:, None]).tolist(), ids.tolist()
         for row, p in enumerate(params):
             k = p.logprobs or 0
-            top_ids[row], top_lps[row] = ids[row][:k], values[row][:k]
+            top_ids[row], top_lps[row] = id_rows[row][:k], value_rows[row][:k]
     return SampleResult(chosen.tolist(), sampled_lp.tolist(), ranks, top_ids, top_lps, errors or {})
 
 

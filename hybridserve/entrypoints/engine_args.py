@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hybridserve.cache.dtypes import DEVICES, KV_CACHE_DTYPE_NAMES, MODEL_DTYPE_NAMES, STATE_DTYPE_NAMES
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import WAIT_POLICIES
-from hybridserve.structured_output.limits import (
+from hybridserve.options import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+    DEFAULT_SNAPSHOT_INTERVAL,
+    DEVICES,
+    KV_CACHE_DTYPE_NAMES,
+    MODEL_DTYPE_NAMES,
+    STATE_DTYPE_NAMES,
 )
 
 
@@ -20,7 +23,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's help ends with its default, unless the help already says it, there is none (``None``), or the
     flag is a plain switch (``store_true`` / ``store_false``). Used by every ``hybridserve`` parser."""
 
-    def _get_help_string(self, action: argparse.Action) -> str:
+    def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if ("%(default)" in text or "default:" in text or action.default in (None, argparse.SUPPRESS)
                 or (action.nargs == 0 and isinstance(action.default, bool)

@@ -10,8 +10,8 @@ import argparse
 import json
 import sys
 
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
 from hybridserve.entrypoints.engine_args import HelpFormatter, add_dtype_args
+from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -152,7 +152,7 @@ def _flags(options: dict[str, str]) -> str:
 
 def print_plan(plan, alternatives) -> None:
     """Human output: the per-layer table, the totals, and the alternatives (rich tables)."""
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
     from rich.table import Table
 
     console = Console()
@@ -164,8 +164,10 @@ def print_plan(plan, alternatives) -> None:
         console.print(f"tensor parallel: {plan.tensor_parallel_size} ranks; every figure below is one rank's (each "
                       "rank's pool holds its slice of every cache tensor)")
     layers = Table(title="Cached tensors per layer (one row per kind of layer, \u00d7 how many)", title_justify="left")
-    for col, justify in (("count", "right"), ("kind", "left"), ("tensor", "left"), ("shape", "left"),
-                         ("dtype", "left"), ("bytes each", "right"), ("layers", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("count", "right"), ("kind", "left"), ("tensor", "left"), ("shape", "left"), ("dtype", "left"),
+        ("bytes each", "right"), ("layers", "left"))
+    for col, justify in columns:
         layers.add_column(col, justify=justify, no_wrap=col != "layers", min_width=8 if col == "layers" else None)
     for group in layer_groups(plan.specs):
         for i, t in enumerate(group["tensors"]):

@@ -31,5 +31,6 @@ def enable_cpu_kernels(model: "nn.Module") -> bool:
         return False
     for module in model.modules():
         if hasattr(module, "use_cpu_kernels"):
-            module.use_cpu_kernels = True
+            # a plain bool attribute; torch types a module's attributes as Tensor | Module
+            module.use_cpu_kernels = True  # type: ignore[assignment]
     return True

@@ -10,6 +10,7 @@ being captured (``kernels/graph.py``), records the call.
 from __future__ import annotations
 
 import ctypes
+from typing import Any, Protocol
 
 import torch
 
@@ -18,10 +19,21 @@ from hybridserve.kernels.build import load_library
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 I64, PTR, INT, F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-CTYPES = {"i": INT, "l": I64, "f": F32, "p": PTR, "w": PTR}  # registry.h's signature characters
+#: registry.h's signature characters
+CTYPES: dict[str, type[ctypes._SimpleCData[Any]]] = {"i": INT, "l": I64, "f": F32, "p": PTR, "w": PTR}
 
 _bound: dict[tuple[str, str], "KernelLibrary | None"] = {}  # (name, ISA level) -> bound library
-recorder = None  # the capture in progress (kernels/graph.py sets it), or None
+
+
+class CallRecorder(Protocol):
+    """A capture in progress (``kernels/graph.py``): it records every kernel call."""
+
+    def record(self, kernel: Kernel, args: tuple) -> None:
+        """Note the call of ``kernel`` with ``args``."""
+        ...
+
+
+recorder: CallRecorder | None = None  # the capture in progress (kernels/graph.py sets it), or None
 
 
 class Kernel:
@@ -60,11 +72,14 @@ class KernelLibrary:
             fields = [ctypes.c_void_p() for _ in range(4)]
             if cdll.hs_registry_entry(i, *(ctypes.byref(f) for f in fields)) != 0:
                 raise RuntimeError(f"library {name}: registry entry {i} unreadable")
-            fn_name = ctypes.cast(fields[0], ctypes.c_char_p).value.decode()
-            signature = ctypes.cast(fields[1], ctypes.c_char_p).value.decode()
+            raw_name, raw_signature = (ctypes.cast(f, ctypes.c_char_p).value for f in fields[:2])
+            address, invoker = fields[2].value, fields[3].value
+            if raw_name is None or raw_signature is None or address is None or invoker is None:
+                raise RuntimeError(f"library {name}: registry entry {i} has a null field")
+            fn_name, signature = raw_name.decode(), raw_signature.decode()
             if any(c not in CTYPES for c in signature):
                 raise RuntimeError(f"library {name}: {fn_name} has an unknown signature {signature!r}")
-            self.kernels[fn_name] = Kernel(fn_name, signature, fields[2].value, fields[3].value)
+            self.kernels[fn_name] = Kernel(fn_name, signature, address, invoker)
         self.__dict__.update(self.kernels)
 
     def __getattr__(self, item: str):

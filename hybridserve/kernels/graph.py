@@ -231,6 +231,7 @@ class Graph:
         if rc != 0:
             i = self._failed.value
             raise RuntimeError(f"captured call {i} of {self.num_calls} ({self.kernel_names[i]}) failed (code {rc})")
+        assert self.output is not None  # (set by place, with the arena)
         return self.output
 
 

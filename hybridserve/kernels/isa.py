@@ -130,7 +130,8 @@ def check_level(level: str) -> str:
 
 
 def _proc_cpuinfo() -> tuple[str, str, set[str]]:
-    model, vendor, flags = "", "", set()
+    model, vendor = "", ""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:

@@ -282,6 +282,7 @@ def setup_threads(cpu_threads: int | None = None, cpu_reserved_cores: int = 0,
     now = torch.get_num_threads()
     if _last_set is None or now != _last_set:  # the first engine, or someone changed it since: a new baseline
         _torch_baseline = now
+    assert _torch_baseline is not None  # (set above on the first call)
     threads, reason = resolve_threads(cpu_threads, cpu_reserved_cores, _torch_baseline)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

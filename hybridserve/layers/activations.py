@@ -4,7 +4,7 @@ for the common ones.
 ``transformers.activations`` imports transformers' kernel-hub and model-loading machinery (and with it
 ``torch.distributed``): about a second of a cold start. The names below are, in HF's own table
 (``ACT2CLS``), plain PyTorch activations with PyTorch's forward, so the same module class is taken
-directly; any other name is looked up in HF's table (``tests/test_startup.py`` checks the two
+directly; any other name is looked up in HF's table (``tests/engine/test_startup.py`` checks the two
 agree to the bit).
 """
 

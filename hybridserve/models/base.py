@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,23 @@ def merge_specs(specs: list[LayerCacheSpec]) -> list[LayerCacheSpec]:
     return [by_index[i] for i in sorted(by_index)]
 
 
+class ResidualNorm(Protocol):
+    """A norm that also fuses the residual add before it (``layers/norms.RMSNorm`` and its kin)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of ``x``."""
+        ...
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + residual``, then the norm: (new x, normed)."""
+        ...
+
+    def add_and_norm_float32(self, x: torch.Tensor, residual: torch.Tensor, norm_rounded: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same over a float32 residual stream: (new x float32, normed)."""
+        ...
+
+
 class CausalLM(nn.Module):
     """Base class: subclasses set ``self.lm_head`` and implement ``forward``.
 
@@ -35,6 +52,7 @@ class CausalLM(nn.Module):
 
     #: HF weight names that may be absent from a checkpoint (e.g. a tied ``lm_head.weight``).
     tied_weights: dict[str, str] = {}
+    lm_head: nn.Module  # set by the subclass
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
@@ -43,7 +61,7 @@ class CausalLM(nn.Module):
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         """Every cache spec declared by a submodule (attribute ``spec``), merged per index."""
-        specs = [m.spec for m in self.modules() if isinstance(getattr(m, "spec", None), LayerCacheSpec)]
+        specs = [spec for m in self.modules() if isinstance(spec := getattr(m, "spec", None), LayerCacheSpec)]
         return merge_specs(specs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -78,6 +96,9 @@ class RopeDecoderLM(CausalLM):
 
     final_norm = "norm"
     fused_residual = False
+    #: the decoder stack, set by the subclass: ``embed_tokens``, ``rotary_emb``, ``layers``, the final norm
+    #: (each family's own module class, so typed loosely here)
+    model: Any
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
@@ -93,7 +114,7 @@ class RopeDecoderLM(CausalLM):
         return norm(x) if pending is None else norm.add_and_norm(x, pending)[1]
 
 
-def norm_with_pending(norm: nn.Module, x: torch.Tensor, pending: torch.Tensor | None, float32_stream: bool,
+def norm_with_pending(norm: ResidualNorm, x: torch.Tensor, pending: torch.Tensor | None, float32_stream: bool,
                       final: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm after a residual add left pending (Mamba and Mamba2 blocks): ``x + pending`` fused into
     the norm, the residual stream in float32 with ``float32_stream`` (``residual_in_fp32``), the final
@@ -108,6 +129,10 @@ def norm_with_pending(norm: nn.Module, x: torch.Tensor, pending: torch.Tensor | 
 class NormMixerBlock(nn.Module):
     """A Mamba/Mamba2 block, ``residual + mixer(norm(x))``, whose residual add is left pending for the
     next norm; subclasses set ``norm``, ``mixer`` and ``residual_in_fp32``."""
+
+    norm: ResidualNorm
+    mixer: nn.Module
+    residual_in_fp32: bool
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.moe import stack_expert_weights
-from hybridserve.models.mtp import MTPHead
+from hybridserve.models.mtp_base import MTPHead
 from hybridserve.models.mtp_config import nemotron_h_mtp_block_kinds
 from hybridserve.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM, NemotronHRMSNorm
 

@@ -22,7 +22,7 @@ from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.moe import stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
-from hybridserve.models.mtp import MTPHead
+from hybridserve.models.mtp_base import MTPHead
 from hybridserve.models.qwen3_5 import Qwen3NextView, text_config_of
 from hybridserve.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
 

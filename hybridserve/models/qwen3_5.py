@@ -10,7 +10,7 @@ Qwen3.5's text model is Qwen3-Next's computation, so its layers are Qwen3-Next's
 * gated attention with zero-centered q/k norms, partial RoPE, zero-centered RMS norms: Qwen3-Next's.
 * RoPE: HF's interleaved M-RoPE (Qwen3-VL) rotates frequency j by the temporal, height or width position
   stream as ``mrope_section`` assigns it; for text the three streams are the token position, so it is
-  plain RoPE over ``partial_rotary_factor * head_dim`` (``tests/test_qwen3_5.py`` checks HF's against ours).
+  plain RoPE over ``partial_rotary_factor * head_dim`` (``tests/models/test_qwen3_5.py`` checks HF's against ours).
 * feed-forward: the dense model has a SwiGLU MLP on every layer; the MoE model a sparse MoE block on every
   layer (no ``mlp_only_layers`` / ``decoder_sparse_step``): Qwen3-Next's softmax top-k router, always
   renormalized over the chosen experts, plus the sigmoid-gated shared expert.

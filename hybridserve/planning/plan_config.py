@@ -3,7 +3,7 @@
 :class:`PlanConfig` holds the fields of :class:`hybridserve.config.EngineConfig` that decide the cache
 (dtype options, block size, cache memory, length, device, capture and prefix caching) and checks them
 with the same rules and messages; its dtypes resolve to names (:class:`ResolvedDtypeNames`). The
-planner takes either class. ``tests/test_plan_cmd.py`` checks both agree.
+planner takes either class. ``tests/entrypoints/test_plan_cmd.py`` checks both agree.
 """
 
 from __future__ import annotations
@@ -13,18 +13,22 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from hybridserve.cache.dtypes import (
+from hybridserve.cache.dtypes import checkpoint_dtype_name, checkpoint_ssm_dtype_name
+from hybridserve.options import (
+    DEFAULT_SNAPSHOT_INTERVAL,
     DEVICES,
     KV_CACHE_DTYPE_NAMES,
     MODEL_DTYPE_NAMES,
     STATE_DTYPE_NAMES,
     canonical_option,
-    checkpoint_dtype_name,
-    checkpoint_ssm_dtype_name,
+    check_cache_shape_options,
+    check_positive_int,
+    parse_size,
 )
-from hybridserve.cache.prefix_cache import DEFAULT_SNAPSHOT_INTERVAL
-from hybridserve.option_checks import check_cache_shape_options, check_positive_int, parse_size
+from hybridserve.spec_decode.config import parse_speculative_config
 
+__all__ = ["PlanConfig", "ResolvedDtypeNames", "check_cache_shape_options", "check_positive_int", "cuda_available",
+           "parse_size"]
 
 @dataclass(frozen=True)
 class ResolvedDtypeNames:
@@ -73,8 +77,6 @@ class PlanConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         self.cache_memory = parse_size(self.cache_memory)
-        from hybridserve.spec_decode.config import parse_speculative_config
-
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
 
     def resolve_dtypes(self, config: Any) -> ResolvedDtypeNames:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.scheduler import ScheduledSeq
 from hybridserve.models.loader import build_model, load_hf_config
 from hybridserve.spec_decode.acceptance import draw_drafts
+
+if TYPE_CHECKING:
+    from hybridserve.engine.cpu_fast_paths import CpuFastPaths
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class DraftModel:
         self.own_specs = self.model.cache_specs()
         self.specs = [dataclasses.replace(s, index=s.index + self.offset) for s in self.own_specs]
         self.runner: ModelRunner | None = None
-        self.fast_paths = None
+        self.fast_paths: CpuFastPaths | None = None  # set where it runs on the CPU kernels
 
     def bind(self, pool: CachePool, device: torch.device) -> ModelRunner:
         """Its runner over ``pool`` (made after the pool, which holds its layers)."""
@@ -63,11 +67,14 @@ class DraftModel:
         """Run the step's scheduled tokens through the draft model, then draft for each ``(item, room)`` of
         ``drafting`` (its pages and speculative slot granted): ``item.drafts`` gets ``room`` tokens, and
         ``item.draft_probs`` their distributions where the request samples."""
-        logits = self.runner.run(scheduled)
+        runner = self.runner
+        assert runner is not None, "bind() comes before the first step"
+        logits = runner.run(scheduled)
         if not drafting:
             return
         row_of = {id(it): i for i, it in enumerate(logits.sample_seqs)}
         rows = [row_of[id(item)] for item, _ in drafting]
+        assert logits.sample_logits is not None  # (every drafting item samples this step)
         current = logits.sample_logits[rows] if len(rows) != len(logits.sample_seqs) else logits.sample_logits
         probs: list[list[torch.Tensor]] = [[] for _ in drafting]
         active = list(range(len(drafting)))  # drafting items still short of their room
@@ -80,7 +87,7 @@ class DraftModel:
             # absorb each new draft (the last one too: a fully accepted verification leaves both models past it)
             seqs = [drafting[i][0].seq for i in active]
             positions = [drafting[i][0].seq.num_computed_tokens + j + 1 for i in active]
-            current = self.runner.run_one_token_rows(seqs, tokens, positions)
+            current = runner.run_one_token_rows(seqs, tokens, positions)
             keep = [r for r, i in enumerate(active) if drafting[i][1] > j + 1]
             if not keep:
                 break

@@ -46,7 +46,9 @@ class MTPDrafter:
     def after_step(self, logits, room_of, default_generator: torch.Generator) -> None:
         """Run the head over the step's rows whose next token is known; draft for the sequences that decode
         next (``room_of(seq)`` drafts at most, 0: none), leaving them on ``seq.spec``."""
-        rows, ids, positions, slots, cu, seq_lens, seqs = [], [], [], [], [0], [], []
+        rows: list[int] = []
+        positions: list[int] = []
+        ids, slots, cu, seq_lens, seqs = [], [], [0], [], []
         for item, start, offset in zip(logits.order, logits.starts, logits.offsets):
             seq = item.seq
             if seq.is_finished or logits.hidden is None:

@@ -24,6 +24,7 @@ def load_drafter(spec: SpeculativeConfig, config, hf_config, model, specs: list[
     """The draft model or MTP head ``spec`` asks for (prepared for the CPU kernels on the CPU), and the cache
     layers it adds after the target's ``specs``; (None, None, []) for n-gram drafting."""
     if spec.method == "draft_model":
+        assert spec.model is not None  # (parse_speculative_config requires it for this method)
         draft = DraftModel(spec.model, hf_config, config, specs, device)
         if device.type == "cpu":
             draft.fast_paths = prepare_model(draft.model, config)

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridserve.option_checks import parse_size
+from hybridserve.options import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+    parse_cache_bytes,
+)
+from hybridserve.options import GRAMMAR_LIMIT_FLAGS as FLAGS
 
-#: each limit's engine option and CLI flag, as error messages name them
-FLAGS = {"max_grammar_bytes": "--max-grammar-bytes",
-         "max_grammar_compile_seconds": "--max-grammar-compile-seconds",
-         "grammar_cache_bytes": "--grammar-cache-bytes"}
-DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2 ** 10
-DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS = 5.0
-DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2 ** 20
+__all__ = ["DEFAULT_GRAMMAR_CACHE_BYTES", "DEFAULT_MAX_GRAMMAR_BYTES", "DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS", "FLAGS",
+           "GrammarLimitError", "GrammarLimits", "check_grammar_size", "compile_timeout_error", "parse_cache_bytes"]
+
 
 
 class GrammarLimitError(ValueError):
@@ -44,17 +46,6 @@ class GrammarLimits:
                 or self.grammar_cache_bytes < 0):
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes!r} must be a size >= 0 "
                              f"({FLAGS['grammar_cache_bytes']})")
-
-
-def parse_cache_bytes(value: int | str) -> int:
-    """``grammar_cache_bytes`` given as bytes or a size such as "256MiB" (0 keeps no compiled grammar)."""
-    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
-        return 0
-    try:
-        return parse_size(value)
-    except ValueError:
-        raise ValueError(f"grammar_cache_bytes={value!r} is not a size: use bytes or a size such as '256MiB' "
-                         f"({FLAGS['grammar_cache_bytes']})") from None
 
 
 def check_grammar_size(kind: str, text: str, limits: GrammarLimits) -> None:

@@ -195,7 +195,7 @@ def kimi_linear_defaults() -> Any:
 
 
 #: layers' KV for the last ``window`` tokens only, in pages sized as the larger group's
-#: (tests/test_sliding_window.py checks their planner bytes exactly; they are kept out of REAL_CONFIGS' 1% bar,
+#: (tests/cache/test_sliding_window.py checks their planner bytes exactly; they are kept out of REAL_CONFIGS' 1% bar,
 #: which a window group's page padding and its one extra page per sequence do not meet at 1,000 tokens)
 WINDOWED_CONFIGS: dict[str, Callable[[], Any]] = {
     "lfm3-defaults": lfm3_defaults,

@@ -18,8 +18,8 @@ from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import attention, gemm, pointwise, recurrent
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
+from tests.layers.test_int8_weights import compare_near_tie
 from tests.prefix_utils import released_everything
-from tests.test_int8_weights import compare_near_tie
 
 PROMPT_LENGTHS = (1, 7, 19, 33)  # with a 24-token budget: chunked prefill, prefill and decode in one step
 PARAMS = SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True)

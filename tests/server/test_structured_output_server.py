@@ -1,7 +1,7 @@
 """Structured output over the OpenAI-compatible server (the shipped default model, live on loopback, driven by
 the ``openai`` client): ``response_format``, vLLM's ``structured_outputs`` and ``guided_*`` fields, and 400s
 naming the bad param. The schemas bound their strings and arrays, so every output completes (see
-tests/test_structured_output.py)."""
+tests/structured_output/test_structured_output.py)."""
 
 from __future__ import annotations
 

@@ -102,6 +102,7 @@ def check_max_connections(requested: int | None, descriptors: tuple[int, int] | 
     ValueError; by default DEFAULT_MAX_CONNECTIONS or the room the descriptors leave, if less."""
     room = connection_room(descriptors)
     if room is not None and room < 1:
+        assert descriptors is not None  # (a room is only computed from them)
         soft, in_use = descriptors
         raise ValueError(f"the file descriptor limit (ulimit -n {soft}) leaves no room for connections: {in_use} are "
                          f"open and {FD_RESERVE} are kept free; raise ulimit -n")
@@ -110,6 +111,7 @@ def check_max_connections(requested: int | None, descriptors: tuple[int, int] | 
     if requested < 1:
         raise ValueError(f"--max-connections={requested} must be >= 1")
     if room is not None and requested > room:
+        assert descriptors is not None  # (a room is only computed from them)
         soft, in_use = descriptors
         raise ValueError(f"--max-connections={requested} needs more file descriptors than this process may open "
                          f"(ulimit -n {soft}, {in_use} open, {FD_RESERVE} kept free): at most {room}; raise ulimit -n "

@@ -22,6 +22,7 @@ The deadlines follow h11's view of the client: IDLE (head expected), SEND_BODY (
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -54,14 +55,14 @@ class EdgeH11Protocol(H11Protocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._deadline = None  # the asyncio TimerHandle of the phase below
+        self._deadline: asyncio.TimerHandle | None = None  # the timer of the phase below
         self._phase: str | None = None  # "head", "body" or None (no deadline: answering, or kept alive)
         self._head_bytes = 0  # bytes received in the current head phase
         self._refused = False
         self._lingers = False  # a refused connection counted in ``lingering``
 
     # ---------------------------------------------------------------------------- connection limit
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         if len(self.connections) >= self.edge.max_connections:
             self._refuse(transport)
             return

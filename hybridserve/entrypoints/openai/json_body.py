@@ -26,6 +26,7 @@ def parse_body(body: bytes) -> Any:
     data = json.loads(text, parse_constant=_refuse_constant)
     if _SURROGATE_ESCAPE.search(body) is not None and _has_lone_surrogate(data):
         path = _lone_surrogate_path(data)
+        assert path is not None  # (_has_lone_surrogate found one)
         where = ".".join(str(p) for p in path) or "the body"
         raise APIError(400, f"{where}: contains a lone UTF-16 surrogate (not valid Unicode text)",
                        param=str(path[0]) if path else None)

@@ -224,7 +224,7 @@ class ZmqEventPublisher:
         endpoint = config.endpoint
         try:
             pub.bind(endpoint)
-            if replay is not None:
+            if replay is not None and config.replay_endpoint is not None:
                 replay.setsockopt(zmq.LINGER, 0)
                 endpoint = config.replay_endpoint
                 replay.bind(endpoint)

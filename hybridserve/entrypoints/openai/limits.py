@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-from hybridserve.config import parse_size
+from hybridserve.options import parse_size
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,7 @@ async def _events(state: ServerState, request: ChatCompletionRequest, requests: 
     while not requests.done:
         await requests.wait(raw)
         out = requests.latest[0]
+        assert out is not None  # (wait returns once the request has an output)
         for i, c in enumerate(choices_of(out, n)):
             if finished[i]:
                 continue

@@ -204,6 +204,7 @@ async def _events(state: ServerState, request: CompletionRequest, requests: Engi
     while not requests.done:
         for p in await requests.wait(raw):
             out = requests.latest[p]
+            assert out is not None  # (wait returns the prompts with a new output)
             for i, c in enumerate(choices_of(out, n)):
                 if finished[p][i]:
                     continue

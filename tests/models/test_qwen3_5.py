@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
+from tests.engine.test_parity import NEW_TOKENS, prompts
 from tests.hf_reference import RefResult, compare
 from tests.prefix_utils import released_everything
-from tests.test_parity import NEW_TOKENS, prompts
 
 #: checkpoint family -> HF's class for it (not AutoModelForCausalLM: that maps these configs to the text model)
 VL_CLASSES = {"qwen3_5_vl": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration"}

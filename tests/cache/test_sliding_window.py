@@ -262,14 +262,14 @@ def test_window_layers_without_state_get_no_hits(ckpt_dir):
 
 @pytest.mark.parametrize("shared", [16, 23, 40])
 def test_shared_prefix_suite(ckpt_dir, shared):
-    """tests/test_prefix_caching.py's exactness check on LFM3 (its family table lists the state kinds)."""
-    from tests.test_prefix_caching import test_cached_prefixes_give_the_uncached_outputs
+    """tests/cache/test_prefix_caching.py's exactness check on LFM3 (its family table lists the state kinds)."""
+    from tests.cache.test_prefix_caching import test_cached_prefixes_give_the_uncached_outputs
 
     test_cached_prefixes_give_the_uncached_outputs(ckpt_dir, "lfm3", shared)
 
 
 def test_chat_turn_suite(ckpt_dir):
-    from tests.test_prefix_caching import test_turn_two_resumes_from_turn_one_prompt_and_answer
+    from tests.cache.test_prefix_caching import test_turn_two_resumes_from_turn_one_prompt_and_answer
 
     test_turn_two_resumes_from_turn_one_prompt_and_answer(ckpt_dir, "lfm3")
 
@@ -320,9 +320,9 @@ def test_planner_counts_the_window_for_a_real_size_lfm3(options):
 
 
 def test_prefix_suite_arrivals_forks_and_evictions(ckpt_dir):
-    """tests/test_prefix_caching.py's checks of requests arriving together, children sharing the prompt's
+    """tests/cache/test_prefix_caching.py's checks of requests arriving together, children sharing the prompt's
     pages and cached items evicted before any preemption, on LFM3."""
-    from tests import test_prefix_caching as suite
+    from tests.cache import test_prefix_caching as suite
 
     suite.test_requests_arriving_together_compute_the_shared_prefix_once(ckpt_dir, "lfm3")
     suite.test_children_share_the_prompt_pages(ckpt_dir, "lfm3")

@@ -4,7 +4,7 @@
 Their routers pick experts by scores that lie within 0.001-0.05 of each other (random router
 weights), so the small change int8 rounding makes to a router's input can flip an expert choice, and the
 recurrent state carries the flip to every later token: the plain run misses the near-tie rule of
-``tests/test_int8_weights.py`` there (marked xfail). Two checks measure what int8 rounding itself does:
+``tests/layers/test_int8_weights.py`` there (marked xfail). Two checks measure what int8 rounding itself does:
 
 - up to the int8 run's first flipped expert choice, no router's selection score (sigmoid(x W^T) + bias)
   moved by more than ``SCORE_BOUND``: the flip came from a perturbation that small, at a near tie;
@@ -13,7 +13,7 @@ recurrent state carries the flip to every later token: the plain run misses the 
   scores stay within ``SCORE_BOUND`` of the bf16 run's up to the first token that differs.
 
 Both runs are eager (``enforce_eager``) so that the routers' Python forwards run; replay is bit-identical
-to eager (tests/test_decode_capture.py).
+to eager (tests/engine/test_decode_capture.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hybridserve.models.nemotron_h import NemotronHTopkRouter
 from hybridserve.models.qwen3_next import Qwen3NextSparseMoeBlock
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
-from tests.test_int8_weights import MEAN_DELTA_BOUND, PARAMS, _prompts, compare_near_tie
+from tests.layers.test_int8_weights import MEAN_DELTA_BOUND, PARAMS, _prompts, compare_near_tie
 
 #: a selection score in (0, 1) + bias moved by at most this much: observed 0.009 (LFM2-MoE) and 0.021
 #: (Kimi-Linear) before the first flip; a broken 8-bit linear moves them by 0.1-0.5
@@ -151,7 +151,7 @@ def _run_softmax_routed(path: str, quantization: str, monkeypatch, held: list | 
 @pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build")
 def test_int8_softmax_routing_flips_are_near_ties_and_held_routing_keeps_the_near_tie_rule(ckpt_dir, monkeypatch):
     """Qwen3.5-MoE: the same two checks with softmax probabilities as the selection scores. Its plain run's
-    mean |dlogprob| sits at the bound of tests/test_int8_weights.py (0.14-0.16 over its 7 compared steps,
+    mean |dlogprob| sits at the bound of tests/layers/test_int8_weights.py (0.14-0.16 over its 7 compared steps,
     by CPU path), and an expert choice flips during the prefill at a probability gap of about 0.001."""
     path = make(ckpt_dir, "qwen3_5_moe", dtype=torch.bfloat16)
     _check_flip_and_held_routing("qwen3_5_moe", lambda quantization, held=None: _run_softmax_routed(

@@ -19,7 +19,7 @@ from hybridserve.entrypoints.cli import apply_cpu_wait_policy_from_argv, build_p
 from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import threads
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

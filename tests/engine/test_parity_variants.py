@@ -4,9 +4,9 @@ import pytest
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
+from tests.engine.test_parity import prompts
 from tests.hf_reference import compare, hf_greedy
 from tests.prefix_utils import released_everything
-from tests.test_parity import prompts
 
 VARIANTS = {
     "bamba-g1-chunk8-conv3": ("bamba", dict(mamba_n_groups=1, mamba_chunk_size=8, mamba_d_conv=3,
@@ -46,7 +46,7 @@ VARIANTS = {
     "olmo_hybrid-grouped-values": ("olmo_hybrid", dict(linear_num_key_heads=3, linear_num_value_heads=6,
                                                        linear_key_head_dim=16, linear_value_head_dim=16)),
     # biases everywhere (norms included), HF's default gate cap (15), a tight logit cap, 2 heads of 64, chunks of
-    # 8 (HF cannot build weight_mode "fused" from a config: tests/test_xlstm.py checks it against these weights)
+    # 8 (HF cannot build weight_mode "fused" from a config: tests/models/test_xlstm.py checks it against these weights)
     "xlstm-bias-caps": ("xlstm", dict(use_bias=True, gate_soft_cap=15.0, output_logit_soft_cap=4.0, num_heads=2,
                                       qk_dim_factor=1.0, chunk_size=8)),
     # single projections, wider values than keys per head (qk 8, v 48), a 96-multiple feed-forward

@@ -17,11 +17,11 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.kernels import recurrent
 from hybridserve.ops.mlstm import fit_max_state, mlstm_varlen_ref
 from tests.checkpoints import make
+from tests.engine.test_parity import prompts
 from tests.hf_reference import compare, hf_greedy
 from tests.kernels.helpers import needs_compiler
 from tests.ops.test_mlstm import _assert_close_rel, _cu, _initial, _inputs, _pool
 from tests.prefix_utils import released_everything
-from tests.test_parity import prompts
 
 
 @needs_compiler

@@ -10,9 +10,9 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.models.lfm3 import Lfm3ForCausalLM, Lfm3RotaryEmbedding
 from tests.checkpoints import lfm3_config, make
+from tests.engine.test_parity import NEW_TOKENS, prompts
 from tests.hf_reference import compare, hf_greedy
 from tests.prefix_utils import released_everything
-from tests.test_parity import NEW_TOKENS, prompts
 
 DTYPES = CacheDtypes(kv=torch.float32, conv=torch.float32, temporal=torch.float32)
 

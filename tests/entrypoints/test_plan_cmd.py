@@ -26,7 +26,7 @@ from hybridserve.planning.plan_config import PlanConfig, parse_size
 from hybridserve.planning.planner import DEFAULT_MAX_MODEL_LEN, load_config, plan_cache
 from tests.checkpoints import BUILDERS
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: distinct dtypes per role, so a role mixed up shows
 TORCH_ROLES = CacheDtypes(kv=torch.bfloat16, conv=torch.float16, temporal=torch.float32)
 NAME_ROLES = CacheDtypes(kv="bfloat16", conv="float16", temporal="float32")

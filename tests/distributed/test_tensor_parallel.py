@@ -326,7 +326,7 @@ def test_torchrun_style_launch(ckpt_dir, tmp_path):
     expected = LLM(path, cache_memory="16MiB", enable_progress_bar=False).generate(
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     script = tmp_path / "launched.py"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script.write_text(LAUNCHED.format(root=root, path=path, prompt=prompt))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

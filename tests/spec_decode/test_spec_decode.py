@@ -488,10 +488,10 @@ def test_verification_slots_give_way_to_requests(bamba):
 
 def test_mtp_drafts_are_the_heads_predictions(ckpt_dir):
     """Each step's MTP drafts are the head's own predictions as a plain-PyTorch reference computes them from
-    the checkpoint (tests/test_mtp_head.py) over the whole sequence: draft 1 from the target's hidden state
+    the checkpoint (tests/models/test_mtp_head.py) over the whole sequence: draft 1 from the target's hidden state
     before the pending token and the pending token itself, draft 2 from the head's output and draft 1."""
     from tests.checkpoints import add_mtp_weights
-    from tests.test_mtp_head import BLOCK, _group, _load, _pool, _reference
+    from tests.models.test_mtp_head import BLOCK, _group, _load, _pool, _reference
 
     path = add_mtp_weights(make(ckpt_dir, "qwen3_next"), num_layers=1, seed=4)
     spec = LLM(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "acceptance_floor": 0.0,

@@ -14,7 +14,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.models.olmo_hybrid import NoRotary, OlmoHybridForCausalLM
 from tests.checkpoints import make, olmo_hybrid_config
-from tests.test_parity import prompts
+from tests.engine.test_parity import prompts
 
 DTYPES = CacheDtypes(kv=torch.float32, conv=torch.float32, temporal=torch.float32)
 NOPE = {"rope_parameters": {"rope_type": "default", "rope_theta": None}}

@@ -18,7 +18,7 @@ from hybridserve.kernels import fallbacks, gemm
 from hybridserve.ops.linear_w8 import dequantize
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
-from tests.test_int8_weights import compare_near_tie
+from tests.layers.test_int8_weights import compare_near_tie
 
 PARAMS = SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True)
 BLOCK = [32, 32]

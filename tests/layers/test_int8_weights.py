@@ -33,11 +33,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore
 #: an expert choice flips on these tiny MoE checkpoints (a jump of 0.5-0.7 in one step's logprob, then
 #: small again: kimi_linear at steps 4 and 16 of prompt 1, lfm2_moe at step 4), and a later divergence
 #: follows at a bf16 gap wider than NEAR_TIE: not met by per-channel int8 here (docs/quantization.md);
-#: tests/test_int8_routing.py shows the flips are near ties and holds the routing to compare the rest
+#: tests/models/test_int8_routing.py shows the flips are near ties and holds the routing to compare the rest
 ROUTING_FLIPS = pytest.mark.xfail(strict=True, reason="int8 rounding flips an expert choice, then a token")
 #: Qwen3.5-MoE's softmax router flips an expert during the prefill at a probability gap of ~0.001; the mean
 #: |Δlogprob| over its 7 compared steps then lands at 0.14-0.16 depending on the CPU path (0.1535 with the AMX
-#: tiles), around MEAN_DELTA_BOUND. Not strict: other paths pass. tests/test_int8_routing.py holds its routing
+#: tiles), around MEAN_DELTA_BOUND. Not strict: other paths pass. tests/models/test_int8_routing.py holds its routing
 #: and bounds the rest (0.064 over 18 steps there)
 SOFTMAX_ROUTING_FLIP = pytest.mark.xfail(strict=False, reason="int8 rounding flips a near-tied softmax expert choice")
 FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", pytest.param("lfm2_moe",

@@ -14,11 +14,11 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from tests.checkpoints import make
+from tests.engine.test_parity import NEW_TOKENS, prompts
 from tests.hf_reference import compare, hf_greedy
 from tests.prefix_utils import assert_drained, released_everything
-from tests.test_parity import NEW_TOKENS, prompts
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
 
 

@@ -5,7 +5,7 @@
 - A request's tokens and logprobs do not depend on what shares its steps (per-row scales, exact integer
   sums): alone and batched give the same bits.
 - Against the bf16 run of the same checkpoint, the near-tie rule and mean |Δlogprob| bound of
-  ``tests/test_int8_weights.py``, in the families where activation rounding keeps to it; the Qwen3-Next-like
+  ``tests/layers/test_int8_weights.py``, in the families where activation rounding keeps to it; the Qwen3-Next-like
   MoE layout moves further, and xLSTM (exponential gates) is at the rule's edge (docs/quantization.md): both
   are marked.
 """
@@ -22,7 +22,7 @@ from hybridserve.entrypoints.engine_args import engine_kwargs
 from hybridserve.kernels import fallbacks, gemm, linear_w8
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
-from tests.test_int8_weights import MEAN_DELTA_BOUND, _run, compare_near_tie
+from tests.layers.test_int8_weights import MEAN_DELTA_BOUND, _run, compare_near_tie
 
 needs_kernels = pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build")
 PARAMS = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)

@@ -1,0 +1,101 @@
+"""The engine's option defaults, name tables and checks, on the ground floor: standard library only.
+
+``config.EngineConfig`` (torch dtypes), ``cache/plan_config.PlanConfig`` (the torch-free planner's options),
+``cache/*`` and ``structured_output/limits.py`` all take their defaults and checks from here, so every option
+is checked once, with one message, whichever of them reads it; nothing here imports the rest of hybridserve.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: tokens between the periodic state snapshots of a long prefill (``prefix_snapshot_interval``; 0: none)
+DEFAULT_SNAPSHOT_INTERVAL = 512
+
+# -- dtype and device names (``cache/dtypes.py`` maps them to sizes and torch names) --
+
+MODEL_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPE_NAMES = (*MODEL_DTYPE_NAMES, "fp8_e4m3", "fp8_e5m2")
+STATE_DTYPE_NAMES = MODEL_DTYPE_NAMES
+FP8_KV_DTYPE_NAMES = ("fp8_e4m3", "fp8_e5m2")
+DEVICES = ("auto", "cpu", "cuda")
+
+#: the spellings an option accepts besides its name (``config._DTYPE_ALIASES`` is this table)
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
+                 "fp16": "float16", "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3"}
+
+
+def canonical_option(option: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """``value`` as one of ``allowed`` (aliases resolved); ValueError naming the option and the allowed values."""
+    if not isinstance(value, str):
+        raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
+    name = DTYPE_ALIASES.get(value.lower(), value.lower())
+    if name not in allowed:
+        raise ValueError(f"{option}={value!r} is not valid; allowed values: {', '.join(allowed)}")
+    return name
+
+
+# -- sizes and counts --
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+               "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """A byte count given as an int or a string such as "2GiB", "512MB" (``config.parse_size`` is this function)."""
+    if isinstance(value, bool):
+        raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        match = _SIZE_RE.match(str(value))
+        if match is None:
+            raise ValueError(f"cache_memory={value!r} is not a size; use bytes or a string such as '2GiB'")
+        size = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+    if size <= 0:
+        raise ValueError(f"cache_memory={value!r} must be a positive size")
+    return size
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is an integer > 0 (a boolean is not)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def check_cache_shape_options(options: Any) -> None:
+    """The checks EngineConfig and PlanConfig share: ``block_size``, ``max_model_len``, ``prefix_snapshot_interval``."""
+    check_positive_int("block_size", options.block_size)
+    if options.max_model_len is not None:
+        check_positive_int("max_model_len", options.max_model_len)
+    if not 1 <= options.block_size <= 64:
+        raise ValueError(f"block_size={options.block_size!r} must be between 1 and 64 tokens")
+    interval = options.prefix_snapshot_interval
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise ValueError(f"prefix_snapshot_interval={interval!r} must be a whole number "
+                         "of tokens >= 0 (0: no periodic snapshots)")
+
+
+# -- structured output's grammar limits (``structured_output/limits.py``, docs/structured_output.md) --
+
+#: each grammar limit's engine option and CLI flag, as error messages name them
+GRAMMAR_LIMIT_FLAGS = {"max_grammar_bytes": "--max-grammar-bytes",
+         "max_grammar_compile_seconds": "--max-grammar-compile-seconds",
+         "grammar_cache_bytes": "--grammar-cache-bytes"}
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2 ** 10
+DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS = 5.0
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 2 ** 20
+
+
+def parse_cache_bytes(value: int | str) -> int:
+    """``grammar_cache_bytes`` given as bytes or a size such as "256MiB" (0 keeps no compiled grammar)."""
+    if value == 0 or (isinstance(value, str) and value.strip() == "0"):
+        return 0
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise ValueError(f"grammar_cache_bytes={value!r} is not a size: use bytes or a size such as '256MiB' "
+                         f"({GRAMMAR_LIMIT_FLAGS['grammar_cache_bytes']})") from None

@@ -1,0 +1,161 @@
+"""The package's layering (docs/architecture.md): no import circle, a torch-free options module on the ground
+floor, no module over 400 lines. Read from the source with ``ast``; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hybridserve
+
+PACKAGE = Path(hybridserve.__file__).parent
+MAX_LINES = 400
+
+#: circles and long modules of the parts of issue 34 done in other branches (the engine split, the family
+#: records): remove an entry once its part is merged
+CIRCLES_IN_FLIGHT = {"hybridserve.engine.llm_engine", "hybridserve.distributed.driver",
+                     "hybridserve.distributed.launch", "hybridserve.distributed.worker"}
+LONG_IN_FLIGHT = {"engine/llm_engine.py", "engine/async_engine.py"}
+
+#: the floors of docs/architecture.md, lowest first: a module may import its own floor and those below; the
+#: longest prefix (a module path under ``hybridserve.``) decides a module's floor
+FLOORS = [
+    ["hybridserve", "options", "sampling_params", "outputs", "default_model", "structured_output.params",
+     "spec_decode.config", "cache.dtypes", "cache.salt"],
+    ["kernels", "ops", "forward_batch", "cache.spec", "cache.capacity", "cache.layout",
+     "cache.id_set", "cache.pool", "cache.slots", "structured_output.limits"],
+    ["config", "cache"],
+    ["layers", "distributed", "distributed.group", "distributed.layers"],
+    ["models", "distributed.sharding", "distributed.sharder", "distributed.shard_attention",
+     "distributed.shard_dense", "distributed.shard_recurrent"],
+    ["planning", "structured_output"],
+    ["engine", "spec_decode", "distributed.driver", "distributed.launch", "distributed.worker"],
+    ["entrypoints", "distributed.preload"],
+]
+MAX_UPWARD_IMPORTS = 6
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The hybridserve modules a module imports outside functions (``if TYPE_CHECKING:`` blocks included)."""
+    found: set[str] = set()
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            pending += node.body + node.orelse + getattr(node, "finalbody", []) + [
+                stmt for handler in getattr(node, "handlers", []) for stmt in handler.body]
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_package else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    return {name: top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", modules)
+            for name, path in paths.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(component)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_outside_the_parts_in_flight():
+    graph = import_graph()
+    assert "hybridserve.cache.manager" in graph["hybridserve.engine.scheduler"]  # the graph is read at all
+    bad = [sorted(c) for c in circles(graph) if not c <= CIRCLES_IN_FLIGHT]
+    assert bad == []
+
+
+def floor_of(module: str) -> int:
+    """The floor of a module (its longest matching prefix in FLOORS); ValueError if none matches."""
+    name = module.removeprefix("hybridserve.") if module != "hybridserve" else module
+    matches = [(len(prefix), floor) for floor, prefixes in enumerate(FLOORS) for prefix in prefixes
+               if name == prefix or name.startswith(prefix + ".")]
+    if not matches:
+        raise ValueError(f"{module} is on no floor: add it to FLOORS (and docs/architecture.md)")
+    return max(matches)[1]
+
+
+def test_at_most_six_imports_run_up_the_floors():
+    graph = import_graph()
+    upward = sorted(f"{a} -> {b}" for a, imported in graph.items() for b in imported if floor_of(b) > floor_of(a))
+    assert len(upward) <= MAX_UPWARD_IMPORTS, upward
+    assert floor_of("hybridserve.engine.scheduler") > floor_of("hybridserve.cache.manager") > floor_of(
+        "hybridserve.options")
+
+
+def test_the_options_module_is_on_the_ground_floor():
+    tree = ast.parse((PACKAGE / "options.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not {m for m in imported if m.split(".")[0] in ("hybridserve", "torch", "numpy")}, imported
+
+
+def test_cache_and_limits_take_their_options_from_below_the_config():
+    graph = import_graph()
+    for name in ("hybridserve.cache.spec", "hybridserve.planning.plan_config", "hybridserve.cache.prefix_cache",
+                 "hybridserve.structured_output.limits"):
+        assert "hybridserve.config" not in graph[name], name
+    assert "hybridserve.cache.manager" not in graph["hybridserve.cache.prefix_cache"]
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= LONG_IN_FLIGHT, long
