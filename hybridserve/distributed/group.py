@@ -19,6 +19,17 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 POLL_TIMEOUT = timedelta(seconds=2)
 
 
+@dataclass
+class RankGeometry:
+    """Rank and world size alone: enough to shard a meta model for a check (nothing runs on it)."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a model sharded by rank geometry alone is for checks: it does not run")
+
+
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died: the engine cannot go on (the ranks' states diverged)."""
 

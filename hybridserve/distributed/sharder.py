@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hybridserve.distributed.group import TPGroup
+from hybridserve.distributed.group import RankGeometry, TPGroup
 from hybridserve.distributed.layers import SpanningRMSNorm
 
 Slicer = Callable[[torch.Tensor], torch.Tensor]
@@ -43,7 +43,7 @@ def rank0_only(rank: int) -> Slicer:
 class Sharder:
     """Shards one model's modules for ``group``'s rank, collecting the slicers by parameter name."""
 
-    def __init__(self, group: TPGroup) -> None:
+    def __init__(self, group: TPGroup | RankGeometry) -> None:
         self.group = group
         self.rank, self.world = group.rank, group.world
         self.slicers: dict[str, Slicer] = {}

@@ -13,14 +13,13 @@ This module walks the model and dispatches each layer to its sharder: ``shard_at
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from hybridserve.distributed import shard_attention, shard_dense, shard_recurrent
-from hybridserve.distributed.group import TPGroup
+from hybridserve.distributed.group import RankGeometry, TPGroup
 from hybridserve.distributed.sharder import Sharder
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
@@ -40,7 +39,7 @@ def check_supported(architecture: str, world: int) -> None:
                          f"{', '.join(supported)}); run it with tensor_parallel_size=1")
 
 
-def shard_model(model: nn.Module, architecture: str, group: TPGroup) -> None:
+def shard_model(model: nn.Module, architecture: str, group: TPGroup | RankGeometry) -> None:
     """Shard ``model`` (built on the meta device) for ``group``'s rank; sets ``model.tp_slicers`` and
     ``model.tp_vocab_size``. A config whose counts cannot be split raises ValueError naming them."""
     check_supported(architecture, group.world)
@@ -85,14 +84,6 @@ def gather_logits(model: nn.Module, method: str, hidden: torch.Tensor) -> torch.
     full = model.tp_group.all_gather_last(local)  # (N, ranks * V_local)
     vocab = model.tp_vocab_size
     return full if full.shape[-1] == vocab else full[:, :vocab].contiguous()
-
-
-@dataclasses.dataclass
-class RankGeometry:
-    """Rank and world size alone: enough to shard a meta model for a check (nothing runs on it)."""
-
-    rank: int
-    world: int
 
 
 def check_shardable(hf_config: Any, cache_dtypes: Any, world: int) -> None:
