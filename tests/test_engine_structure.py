@@ -1,4 +1,4 @@
-"""The engine's split by job (docs/architecture.md): who may import and reach into what."""
+"""The engine's split by job (docs/engine.md): who may import and reach into what."""
 
 from __future__ import annotations
 

@@ -19,9 +19,10 @@ from hybridserve.distributed.group import TensorParallelError
 from hybridserve.distributed.launch import Launch, launch
 from hybridserve.distributed.sharding import check_shardable
 from hybridserve.engine.detokenizer import Detokenizer
+from hybridserve.engine.model_runner import StepLogits
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request_registry import RequestRegistry
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.scheduler import ScheduledSeq, Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.worker import Worker
 from hybridserve.kernels.threads import setup_threads
@@ -216,22 +217,35 @@ class LLMEngine:
                 raise RuntimeError("the cache pool cannot hold the next waiting request")
             return self.output.outputs(touched, finished_only)
         solo = self.scheduler.solo
+        logits = self._run(plan.scheduled, solo, touched)
+        if logits is not None:
+            self._process(plan.scheduled, logits, touched)
+            if solo is not None and (solo.is_finished or solo.num_pending_tokens <= 1):
+                self.scheduler.cleared(solo)
+        return self.output.outputs(touched, finished_only)
+
+    def _run(self, scheduled: list[ScheduledSeq], solo: Sequence | None, touched: dict[str, None]) -> StepLogits | None:
+        """The forward over ``scheduled`` (drafts attached first); None when it failed (contained here)."""
         try:
             if self.speculator is not None:
-                self.speculator.attach(plan.scheduled, self.scheduler.num_running, may_draft=solo is None)
-            logits = self.runner.run(plan.scheduled)
+                self.speculator.attach(scheduled, self.scheduler.num_running, may_draft=solo is None)
+            return self.runner.run(scheduled)
         except TensorParallelError:
             raise  # the ranks are out of step: the engine is down, not one request
         except Exception as exc:  # noqa: BLE001 - contained below
-            self._contain_step_failure([it.seq for it in plan.scheduled], exc, touched)
-            return self.output.outputs(touched, finished_only)
-        for item in plan.scheduled:
+            self._contain_step_failure([it.seq for it in scheduled], exc, touched)
+            return None
+
+    def _process(self, scheduled: list[ScheduledSeq], logits: StepLogits, touched: dict[str, None]) -> None:
+        """After a forward: count the computed tokens, let the output processor verify, sample and append,
+        and let the prefix cache and an MTP drafter see the step (their failures only turn them off)."""
+        for item in scheduled:
             if not item.drafts:  # a verification's computed tokens depend on its verdict
                 item.seq.num_computed_tokens += item.num_tokens
         if logits.verify_seqs:
             self.output.verify_and_append(logits, touched)
         try:
-            self.cache.after_step([it.seq for it in plan.scheduled])
+            self.cache.after_step([it.seq for it in scheduled])
         except Exception:  # noqa: BLE001 - caching is an optimization: the step's results stand
             logger.exception("prefix caching after a step failed; the cache is cleared")
             self._drop_prefix_cache()
@@ -245,9 +259,6 @@ class LLMEngine:
                 self.speculator.after_step(logits)
             except Exception:  # noqa: BLE001 - drafting is an optimization: the step's results stand
                 logger.exception("the MTP head failed after a step; no drafts from it this step")
-        if solo is not None and (solo.is_finished or solo.num_pending_tokens <= 1):
-            self.scheduler.cleared(solo)
-        return self.output.outputs(touched, finished_only)
 
     def _contain_step_failure(self, seqs: list[Sequence], exc: Exception, touched: dict[str, None]) -> None:
         """A forward over ``seqs`` raised: fail the sequence if it ran alone, else rerun each alone."""
@@ -261,7 +272,7 @@ class LLMEngine:
             seq.num_step_failures += 1
             if seq.num_step_failures >= MAX_STEP_FAILURES:
                 self.output.fail(seq.request_id, f"the model step failed {seq.num_step_failures} times: "
-                                           f"{type(exc).__name__}: {exc}", touched)
+                                                 f"{type(exc).__name__}: {exc}", touched)
             else:
                 self.scheduler.preempt(seq)
         self.scheduler.suspect(seqs)

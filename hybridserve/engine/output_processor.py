@@ -8,7 +8,6 @@ the requests' outputs. A failure is contained to its request: it ends with reaso
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
@@ -16,6 +15,7 @@ from hybridserve.cache.manager import CacheManager
 from hybridserve.engine.detokenizer import Detokenizer
 from hybridserve.engine.fork import make_children, place_children, wants_fork
 from hybridserve.engine.logit_adjust import LogitAdjuster, RowContext
+from hybridserve.engine.model_runner import StepLogits
 from hybridserve.engine.request_registry import RequestRegistry
 from hybridserve.engine.sampler import SampleResult, report, sample, sample_rows_alone
 from hybridserve.engine.scheduler import Scheduler
@@ -24,6 +24,7 @@ from hybridserve.engine.stop_check import check_stop
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.spec_decode.acceptance import Verification, verify
+from hybridserve.spec_decode.speculator import Speculator
 from hybridserve.structured_output.manager import StructuredOutputManager
 from hybridserve.structured_output.matcher import FixedMask
 
@@ -39,13 +40,14 @@ class OutputProcessor:
 
     def __init__(self, requests: RequestRegistry, scheduler: Scheduler, cache: CacheManager,
                  structured: StructuredOutputManager, detokenizer: Detokenizer, generator: torch.Generator,
-                 cpu_kernels: bool, max_model_len: int, speculator: Any, stats: dict[str, int]) -> None:
+                 cpu_kernels: bool, max_model_len: int, speculator: Speculator | None,
+                 stats: dict[str, int]) -> None:
         self.requests, self.scheduler, self.cache = requests, scheduler, cache
         self.structured, self.detokenizer, self.generator = structured, detokenizer, generator
         self.cpu_kernels, self.max_model_len, self.speculator = cpu_kernels, max_model_len, speculator
         self.stats = stats  # the engine's token counters
 
-    def prompt_logprobs(self, logits, touched: dict[str, None]) -> None:
+    def prompt_logprobs(self, logits: StepLogits, touched: dict[str, None]) -> None:
         """Record the prompt logprobs of the step's rows that asked for them; a failure fails those requests."""
         try:
             self._record_prompt_logprobs(logits)
@@ -69,7 +71,7 @@ class OutputProcessor:
             self.end([seq], "length")
             touched[seq.request_id] = None
 
-    def sample_and_append(self, logits, touched: dict[str, None]) -> None:
+    def sample_and_append(self, logits: StepLogits, touched: dict[str, None]) -> None:
         """Fork the parents that sample their first token, sample every row, append and check stops."""
         seqs = [it.seq for it in logits.sample_seqs]
         rows = list(range(len(seqs)))  # logits row of each sampling sequence
@@ -116,7 +118,7 @@ class OutputProcessor:
                 continue
             touched[seq.request_id] = None
 
-    def verify_and_append(self, logits, touched: dict[str, None]) -> None:
+    def verify_and_append(self, logits: StepLogits, touched: dict[str, None]) -> None:
         """Accept or reject each verified sequence's drafts, append the tokens its verdict emits (up to a
         stop), and set what its cache holds (``Speculator.settle``)."""
         items = logits.verify_seqs
@@ -185,7 +187,7 @@ class OutputProcessor:
         adjuster = LogitAdjuster(rows)
         return adjuster if adjuster else None
 
-    def _record_prompt_logprobs(self, logits) -> None:
+    def _record_prompt_logprobs(self, logits: StepLogits) -> None:
         all_lp = torch.log_softmax(logits.prompt_logits, dim=-1)  # (R, V)
         row = 0
         for item, start, count in logits.prompt_seqs:
