@@ -49,7 +49,7 @@ def _reaches(path: Path, owner: str, attributes: set[str]) -> list[str]:
     return hits
 
 
-@pytest.mark.parametrize("name", ["llm_engine.py", "output_processor.py"])
+@pytest.mark.parametrize("name", ["llm_engine.py", "output_processor.py", "async_engine.py"])
 def test_the_engine_asks_the_scheduler_and_the_cache_instead_of_reaching_in(name):
     path = PACKAGE / "engine" / name
     assert _reaches(path, "scheduler", {"running", "waiting", "suspects"}) == []

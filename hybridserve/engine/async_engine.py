@@ -339,7 +339,7 @@ class AsyncEngine:
         engine = self.engine
         scheduler = engine.scheduler
         self.snapshot = EngineSnapshot(
-            num_requests_running=len({seq.request_id for seq in scheduler.running}),
+            num_requests_running=scheduler.num_running_requests(),
             num_requests_waiting=len(self._unstarted_ids),
             cache_usage=engine.cache.usage(),
             prompt_tokens=engine.stats["prompt_tokens"],

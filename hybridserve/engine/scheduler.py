@@ -96,6 +96,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def num_running_requests(self) -> int:
+        """How many requests have a running sequence (a request with ``n > 1`` counts once)."""
+        return len({seq.request_id for seq in self.running})
+
     def sequences(self) -> list[Sequence]:
         """Every sequence it holds: the running ones, then the waiting ones in queue order."""
         return list(self.running) + list(self.waiting)
