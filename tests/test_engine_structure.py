@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hybridserve"
+import hybridserve
+
+PACKAGE = Path(hybridserve.__file__).parent
 
 
 def _imported_modules(path: Path) -> set[str]:
