@@ -95,6 +95,7 @@ class OutputProcessor:
         if not seqs:
             return
         sample_logits = logits.sample_logits
+        assert sample_logits is not None, "a step with sampling rows has their logits"
         if regather:
             sample_logits = sample_logits[rows]  # (rows, V)
         args = (sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
@@ -121,11 +122,12 @@ class OutputProcessor:
     def verify_and_append(self, logits: StepLogits, touched: dict[str, None]) -> None:
         """Accept or reject each verified sequence's drafts, append the tokens its verdict emits (up to a
         stop), and set what its cache holds (``Speculator.settle``)."""
-        items = logits.verify_seqs
+        items, verify_logits, speculator = logits.verify_seqs, logits.verify_logits, self.speculator
+        assert verify_logits is not None and speculator is not None, "a verification step has its logits"
         adjust = self._verify_adjuster(items)
-        fused = (pointwise_kernels.argmax_logsumexp(logits.verify_logits, with_max=True)
+        fused = (pointwise_kernels.argmax_logsumexp(verify_logits, with_max=True)
                  if self.cpu_kernels and adjust is None else None)
-        draw_from = adjust(logits.verify_logits.float()) if adjust is not None else logits.verify_logits
+        draw_from = adjust(verify_logits.float()) if adjust is not None else verify_logits
         verdicts = verify(draw_from, [Verification(it.drafts, it.seq.params, it.seq.generator, it.draft_probs)
                                       for it in items],
                           self.generator, self.cpu_kernels, fused[0] if fused is not None else None)
@@ -138,7 +140,7 @@ class OutputProcessor:
             lp = (mx - lse).tolist()  # float32 subtraction, as the sampler's
             result = SampleResult(chosen, [lp[r] for r in rows], [0] * len(rows), [[]] * len(rows), [[]] * len(rows))
         else:
-            result = report(logits.verify_logits[rows].float(), torch.tensor(chosen), params)
+            result = report(verify_logits[rows].float(), torch.tensor(chosen), params)
         flat = 0
         for item, verdict in zip(items, verdicts):
             seq = item.seq
@@ -156,7 +158,7 @@ class OutputProcessor:
                 emitted += 1
             flat += len(verdict.tokens)
             touched[seq.request_id] = None
-            self.speculator.settle(item, verdict.num_accepted, emitted)
+            speculator.settle(item, verdict.num_accepted, emitted)
 
     def _verify_adjuster(self, items) -> LogitAdjuster | None:
         """Penalties, biases, stop masks and grammar masks of every verification row (row ``j`` of a sequence as
@@ -188,6 +190,7 @@ class OutputProcessor:
         return adjuster if adjuster else None
 
     def _record_prompt_logprobs(self, logits: StepLogits) -> None:
+        assert logits.prompt_logits is not None, "a step with prompt logprobs rows has their logits"
         all_lp = torch.log_softmax(logits.prompt_logits, dim=-1)  # (R, V)
         row = 0
         for item, start, count in logits.prompt_seqs:
@@ -203,7 +206,7 @@ class OutputProcessor:
                 if len(seq.prompt_logprobs) != start + 1 + j:
                     continue  # already recorded before a preemption
                 entry = {}
-                if k > 0:
+                if top_i is not None and top_v is not None:  # k > 0
                     for tid, lp in zip(top_i[j].tolist(), top_v[j].tolist()):
                         entry[tid] = Logprob(lp, None)
                     for rank, tid in enumerate(top_i[j].tolist(), start=1):
@@ -253,7 +256,7 @@ class OutputProcessor:
         else:
             self._finish(seq, stop.reason, stop.stop_reason)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
         """Finish ``seq`` (not at a stop string); its final text is the whole output decoded at once."""
         if seq.params.detokenize:
             seq.output_text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
@@ -294,6 +297,7 @@ class OutputProcessor:
     def _output(self, request_id: str) -> RequestOutput:
         """The request's output so far: one completion per sequence (``n`` once forked)."""
         group = self.requests.group(request_id)
+        assert group is not None, f"request {request_id} is registered"
         for seq in group.seqs:
             self.sync_text(seq)
         completions = [CompletionOutput(

@@ -40,6 +40,6 @@ def check_stop(seq: Sequence, text_before: int, grammar_finished: bool, max_mode
                 return Stop("stop", stop, pos + len(stop) if params.include_stop_str_in_output else pos)
     if grammar_finished:  # the grammar is complete: nothing but EOS could follow
         return Stop("stop")
-    if num_out >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if (params.max_tokens is not None and num_out >= params.max_tokens) or seq.num_tokens >= max_model_len:
         return Stop("length")
     return None

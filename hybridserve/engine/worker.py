@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from hybridserve.cache.layout import compute_layout
 from hybridserve.cache.planner import DEFAULT_MAX_MODEL_LEN, drafter_specs
@@ -35,6 +34,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, hf_config: Any, dtypes: ResolvedDtypes, device: torch.device,
                  tp_group: Any = None, load_drafter: bool = True) -> None:
+        assert config.model is not None, "a validated config names its checkpoint"
         self.config, self.device = config, device
         keep_fp8 = device.type == "cpu" and config.cpu_kernels and config.quantization != "none"
         self.model = build_model(config.model, hf_config, dtypes.model, CacheDtypes.from_resolved(dtypes), device,
@@ -45,7 +45,8 @@ class Worker:
         self.draft_model, self.mtp_head, draft_specs = self._drafter(hf_config, dtypes, load_drafter)
         self.layout_specs = self.specs + draft_specs  # the target's layers, then a drafter's (draft model, MTP)
         self.layout = compute_layout(self.layout_specs, config.block_size)
-        self.pool = CachePool(self.layout, config.cache_memory, device)
+        cache_memory: Any = config.cache_memory  # bytes: the config parsed its size when it was validated
+        self.pool = CachePool(self.layout, cache_memory, device)
         apply_kv_scales(self.model, self.pool, dtypes.kv_cache)
         if self.draft_model is not None:
             apply_kv_scales(self.draft_model.model, self.pool, dtypes.kv_cache, self.draft_model.offset)
@@ -68,7 +69,7 @@ class Worker:
         """Whether the compiled CPU kernels run this model."""
         return self.cpu_fast_paths is not None and self.cpu_fast_paths.kernels
 
-    def make_runner(self, front: nn.Module | None = None) -> ModelRunner:
+    def make_runner(self, front: Any = None) -> ModelRunner:
         """The runner over ``front`` (rank 0's driver of the ranks) or, by default, the model itself."""
         self.runner = ModelRunner(front if front is not None else self.model, self.pool, self.device)
         return self.runner
