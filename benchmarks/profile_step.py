@@ -49,7 +49,7 @@ def main() -> None:
 
     import torch
 
-    import hybridserve.engine.llm_engine as llm_engine
+    import hybridserve.engine.output_processor as output_processor
     from hybridserve.config import EngineConfig
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.kernels import _abi, attention, pointwise, recurrent
@@ -104,7 +104,7 @@ def main() -> None:
                           (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul", "gather_rows", "rotary"))):
         for name in names:
             timed(module, name, name)
-    timed(llm_engine, "sample", "sampling")
+    timed(output_processor, "sample", "sampling")
     timed(engine.model, "forward", "model forward")
     timed(engine.runner, "run", "runner")
     captured = engine.runner.captured_decode

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from hybridserve.cache.capacity import fits, pages_for
 from hybridserve.cache.holdings import CacheHolder, decrement_ref, window_hit
+from hybridserve.cache.kv_events import KVEventRecorder
 from hybridserve.cache.pool import Allocation, CachePool, Relocation
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixHit
 from hybridserve.cache.verification_slots import VerificationSlots
@@ -337,6 +338,34 @@ class CacheManager(VerificationSlots):
     def reset_prefix_cache(self) -> bool:
         """Evict every cached prefix no request holds; True if nothing cached is left."""
         return self.prefix.clear() if self.prefix is not None else True
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefixes are cached (on unless turned off, or dropped after an internal error)."""
+        return self.prefix is not None
+
+    def enable_prefix_events(self) -> KVEventRecorder | None:
+        """Record the prefix cache's block events from now on; None with prefix caching off."""
+        return self.prefix.enable_events() if self.prefix is not None else None
+
+    def drop_prefix_cache(self, seqs: list) -> None:
+        """Stop caching prefixes for good, forgetting what ``seqs`` (every live sequence) hold of the cache."""
+        if self.prefix is not None:
+            self.prefix.drop_all(seqs)
+            self.prefix = None
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The prefix cache's counters (``PrefixStats``) and sizes: snapshots and their bytes, cached pages and
+        the bytes held only by the cache; zeros when it is off."""
+        names = ("queries", "hits", "kv_beyond_snapshot", "snapshots_taken", "snapshots_skipped",
+                 "evicted_pages", "evicted_snapshots")
+        prefix = self.prefix
+        if prefix is None:
+            return dict.fromkeys((*names, "snapshots", "snapshot_bytes", "cached_pages", "cached_bytes"), 0)
+        stats = {name: getattr(prefix.stats, name) for name in names}
+        stats.update(snapshots=prefix.num_snapshots, snapshot_bytes=prefix.snapshot_bytes,
+                     cached_pages=prefix.num_cached_pages, cached_bytes=self.cached_bytes())
+        return stats
 
     def fits_at_all(self, num_tokens: int) -> bool:
         """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the

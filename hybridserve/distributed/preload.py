@@ -1,5 +1,6 @@
-"""What the forkserver imports once, before it forks any worker: the worker, the engine, transformers'
-config classes, safetensors and every model family (each worker then starts without importing them)."""
+"""What the forkserver imports once, before it forks any worker: the rank worker and what it builds with
+(``engine/worker.py``), transformers' config classes, safetensors and every model family (each worker then
+starts without importing them)."""
 
 import importlib
 
@@ -8,7 +9,7 @@ from transformers import AutoConfig  # noqa: F401
 from transformers.models.auto import configuration_auto  # noqa: F401
 
 import hybridserve.distributed.worker  # noqa: F401
-import hybridserve.engine.llm_engine  # noqa: F401
+import hybridserve.engine.worker  # noqa: F401
 from hybridserve.models import registry
 
 for _module in sorted({family.module_path for family in registry.families()}):

@@ -23,18 +23,6 @@ from hybridserve.distributed.sharding import gather_logits
 logger = logging.getLogger(__name__)
 
 
-def _drafter_specs(config: EngineConfig, hf_config, model) -> list:
-    """A draft model's or an MTP head's cache layers, after the target's: rank 0 alone runs the drafter
-    (whole), but every pool has room for them so that all pools share one layout."""
-    from hybridserve.planning.planner import drafter_specs
-    from hybridserve.spec_decode.config import parse_speculative_config
-
-    spec = parse_speculative_config(config.speculative_config)
-    if spec is None or spec.method not in ("draft_model", "mtp"):
-        return []
-    return drafter_specs(hf_config, model.cache_specs(), spec, config)
-
-
 def pool_signature(pool) -> str:
     """What every rank's pool must share for rank 0's byte moves to mean the same on it."""
     layout = pool.layout
@@ -47,33 +35,19 @@ class WorkerRuntime:
     """One rank's model shard, pool and fast paths, built as rank 0 builds its own."""
 
     def __init__(self, config: EngineConfig, group: TPGroup) -> None:
-        from hybridserve.cache.layout import compute_layout
-        from hybridserve.cache.pool import CachePool
-        from hybridserve.cache.spec import CacheDtypes
-        from hybridserve.engine.cpu_fast_paths import attach_captured_decode, prepare_model
-        from hybridserve.engine.llm_engine import apply_kv_scales, default_max_model_len, tensor_parallel_reason
-        from hybridserve.engine.model_runner import ModelRunner
-        from hybridserve.models.loader import build_model, load_hf_config
+        from hybridserve.engine.worker import Worker
+        from hybridserve.models.loader import load_hf_config
 
         self.group = group
-        device = config.resolve_device()
         hf_config = load_hf_config(config.model)
-        dtypes = config.resolve_dtypes(hf_config)
         torch.manual_seed(config.seed)
-        keep_fp8 = device.type == "cpu" and config.cpu_kernels and config.quantization != "none"
-        self.model = build_model(config.model, hf_config, dtypes.model, CacheDtypes.from_resolved(dtypes), device,
-                                 keep_fp8, tp_group=group)
-        fast = prepare_model(self.model, config) if device.type == "cpu" else None
-        layout = compute_layout(self.model.cache_specs() + _drafter_specs(config, hf_config, self.model),
-                                config.block_size)
-        self.pool = CachePool(layout, config.cache_memory, device)
+        worker = Worker(config, hf_config, config.resolve_dtypes(hf_config), config.resolve_device(), tp_group=group,
+                        load_drafter=False)  # rank 0 alone runs a drafter, but every pool has room for its layers
+        self.model, self.pool = worker.model, worker.pool
         group.store.set(f"layout{group.rank}", pool_signature(self.pool))  # rank 0 checks it against its own
-        apply_kv_scales(self.model, self.pool, dtypes.kv_cache)
-        if fast is not None:  # RoPE tables as rank 0 makes them; no capture (the steps all-reduce)
-            runner = ModelRunner(self.model, self.pool, device)
-            attach_captured_decode(runner, self.model, self.pool, config,
-                                   config.max_model_len or default_max_model_len(hf_config), fast,
-                                   eager_reason=tensor_parallel_reason(config))
+        if worker.cpu_fast_paths is not None:  # RoPE tables as rank 0 makes them; no capture (the steps all-reduce)
+            worker.make_runner()
+            worker.capture_decode()
 
     @torch.inference_mode()
     def run(self, command: tuple) -> bool:

@@ -25,6 +25,7 @@ from hybridserve.cache.kv_events import KVEvent
 from hybridserve.distributed.group import TensorParallelError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.metrics import Histogram
+from hybridserve.engine.output_sink import OutputSink
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling_params import SamplingParams
 
@@ -62,40 +63,6 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
-
-
-class OutputSink:
-    """Where one caller's outputs arrive: the latest output per request id, and a wake-up event.
-
-    One sink may collect several engine requests (a completion with several prompts). Only the
-    asyncio loop thread touches it.
-    """
-
-    def __init__(self) -> None:
-        self._latest: dict[str, RequestOutput] = {}
-        self._event = asyncio.Event()
-        self._error: BaseException | None = None
-
-    def put(self, output: RequestOutput) -> None:
-        self._latest[output.request_id] = output
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    async def get(self, timeout: float | None = None) -> dict[str, RequestOutput]:
-        """Wait for new outputs (at most ``timeout`` seconds; then ``{}``) and take them, by request id."""
-        if not self._event.is_set():
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout)
-            except asyncio.TimeoutError:
-                return {}
-        self._event.clear()
-        if self._error is not None:
-            raise self._error
-        taken, self._latest = self._latest, {}
-        return taken
 
 
 @dataclass
@@ -372,7 +339,7 @@ class AsyncEngine:
         engine = self.engine
         scheduler = engine.scheduler
         self.snapshot = EngineSnapshot(
-            num_requests_running=len({seq.request_id for seq in scheduler.running}),
+            num_requests_running=scheduler.num_running_requests(),
             num_requests_waiting=len(self._unstarted_ids),
             cache_usage=engine.cache.usage(),
             prompt_tokens=engine.stats["prompt_tokens"],
@@ -406,3 +373,7 @@ def _aborted_output(request_id: str, last: RequestOutput | None) -> RequestOutpu
         return RequestOutput(request_id, None, [], None, [], finished=True)
     completions = [dataclasses.replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
     return dataclasses.replace(last, outputs=completions, finished=True)
+
+
+__all__ = ["AsyncEngine", "EngineSnapshot", "EngineStoppedError", "NewRequest", "OutputSink", "QueueFullError",
+           "RequestFailedError"]

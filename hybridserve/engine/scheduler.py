@@ -93,6 +93,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_running_requests(self) -> int:
+        """How many requests have a running sequence (a request with ``n > 1`` counts once)."""
+        return len({seq.request_id for seq in self.running})
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence it holds: the running ones, then the waiting ones in queue order."""
+        return list(self.running) + list(self.waiting)
+
+    def stalled(self) -> bool:
+        """Whether requests wait while none runs (the next one found no room in an otherwise empty pool)."""
+        return bool(self.waiting) and not self.running
+
+    def suspect(self, seqs: list[Sequence]) -> None:
+        """Queue ``seqs`` (those of a failed step still unfinished, oldest first) to run alone one by one."""
+        self.suspects.extend(s for s in sorted(seqs, key=lambda s: s.arrival) if not s.is_finished)
+
+    @property
     def solo(self) -> Sequence | None:
         """The suspect running alone now, if any."""
         while self.suspects and self.suspects[0].is_finished:

@@ -50,7 +50,7 @@ class Sequence:
         self.output_logprobs: list[PositionLogprobs] = []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[PositionLogprobs | None] = [None] if params.prompt_logprobs is not None else []
-        self.output_text = ""  # the text of output_token_ids[:decoder's count] (LLMEngine.sync_text catches it up)
+        self.output_text = ""  # the text of output_token_ids[:decoder's count] (see OutputProcessor.sync_text)
         self.decoder: IncrementalDecoder | None = None  # the output's incremental detokenizer (made at its first sync)
         self.text_final = False  # output_text is the finished output's text (no more syncs)
         self.num_preemptions = 0

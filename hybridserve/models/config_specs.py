@@ -42,7 +42,9 @@ def _served_as_text(values: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config served as text (``registry.SERVED_AS_TEXT``): its ``text_config`` naming the
     architecture, with the top-level ``tie_word_embeddings`` and dtype (``loader.served_text_config``, without
     transformers). Any other config unchanged."""
-    archs = values.get("architectures") or [registry.model_types().get(values.get("model_type"))]
+    model_type = values.get("model_type")
+    named = registry.model_types().get(model_type) if isinstance(model_type, str) else None
+    archs = values.get("architectures") or [named]
     text = values.get("text_config") or {}
     if archs[0] not in registry.SERVED_AS_TEXT or not isinstance(text, dict):
         return values

@@ -140,7 +140,7 @@ def test_a_sampler_exception_is_pinned_to_its_row(path, monkeypatch):
     prompts = _prompts(3, seed=6)
     plain = [o.outputs[0].token_ids for o in _gen(LLM(path, cache_memory="8MiB"), prompts[1:], GREEDY)]
     monkeypatch.setattr(sampler, "sample", raising)
-    monkeypatch.setattr("hybridserve.engine.llm_engine.sample", raising)
+    monkeypatch.setattr("hybridserve.engine.output_processor.sample", raising)
     llm = LLM(path, cache_memory="8MiB")
     outs = _gen(llm, prompts, [SamplingParams(temperature=MARK, max_tokens=8), GREEDY, GREEDY])
     assert "injected sampler failure" in outs[0].error

@@ -178,14 +178,14 @@ def test_plan_config_refuses_what_engine_config_refuses(bad):
 
 
 def test_sizes_and_default_length_match_the_engine():
-    from hybridserve.engine import llm_engine
+    from hybridserve.engine import worker
 
     assert engine_parse_size is parse_size  # one parser, shared by the engine and the torch-free planner
     assert parse_size("1GiB") == 2 ** 30 and parse_size("512MB") == 512 * 10 ** 6 and parse_size(" 7 KiB ") == 7 * 1024
     for bad in ("0", "lots", "1e9", True):
         with pytest.raises(ValueError, match="cache_memory="):
             parse_size(bad)
-    assert DEFAULT_MAX_MODEL_LEN == llm_engine.DEFAULT_MAX_MODEL_LEN
+    assert DEFAULT_MAX_MODEL_LEN == worker.DEFAULT_MAX_MODEL_LEN
 
 
 # ------------------------------------------------------------------------------------------- the command
