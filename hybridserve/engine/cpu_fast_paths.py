@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridserve.config import INT8_QUANTIZATIONS, EngineConfig
 from hybridserve.engine.decode_capture import try_capture
-from hybridserve.kernels import enable_cpu_kernels, gemm, isa, unavailable_reason
+from hybridserve.kernels import enable_cpu_kernels, gemm, isa, linear_w8, unavailable_reason
 from hybridserve.kernels.report import w8_variant
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.packed_linear import (
@@ -138,6 +138,10 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.w8_linears = _count_w8_linears(model)
         report.quantization = (config.quantization if config.quantization in INT8_QUANTIZATIONS
                                else "fp8" if report.w8_linears else "none")
+        if config.quantization == "w8a8" and not linear_w8.w8a8_on_tiles():
+            logger.warning("quantization='w8a8' at ISA %s sums on integer vectors (no AMX-INT8 tiles here), about "
+                           "100 GFLOP/s on 2 cores: slower than 'int8' or bf16 for batched steps "
+                           "(docs/quantization.md)", report.isa)
     _dequantize_unpacked_fp8(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take

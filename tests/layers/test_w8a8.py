@@ -106,3 +106,26 @@ def test_w8a8_option_is_validated_and_on_the_cli():
             != EngineConfig(model="x", quantization="int8").fingerprint())
     args = build_parser().parse_args(["generate", "some/dir", "--quantization", "w8a8"])
     assert EngineConfig(**{**engine_kwargs(args), "model": "x"}).quantization == "w8a8"
+
+
+@needs_compiler
+@needs_kernels
+def test_w8a8_below_the_tiles_says_it_is_slow(ckpt_dir, caplog):
+    """At a level without AMX-INT8 tiles (avx2 here) the engine warns that W8A8 sums on integer vectors; on
+    the tiles it does not."""
+    from hybridserve.kernels import isa
+
+    path = make(ckpt_dir, "granitemoehybrid", dtype=torch.bfloat16)
+    level = "avx2" if not isa.cpu_info().missing("avx2") else "generic"
+    previous = isa.cap()
+    try:
+        with caplog.at_level("WARNING", logger="hybridserve.engine.cpu_fast_paths"):
+            LLM(path, cache_memory="16MiB", enable_progress_bar=False, quantization="w8a8", cpu_isa=level)
+        assert "sums on integer vectors" in caplog.text
+        if not isa.cpu_info().missing("amx") and "amx_int8" in isa.cpu_info().features:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="hybridserve.engine.cpu_fast_paths"):
+                LLM(path, cache_memory="16MiB", enable_progress_bar=False, quantization="w8a8", cpu_isa="amx")
+            assert "sums on integer vectors" not in caplog.text
+    finally:
+        isa.set_cap(previous)
