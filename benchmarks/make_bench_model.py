@@ -16,7 +16,7 @@ Random weights with a scaled LM head (peaky logits, stable greedy decoding), sav
 tokenizer is written (the benchmarks feed token ids; make_gguf.py makes one for llama.cpp).
 
     python benchmarks/make_bench_model.py /tmp/bench-bamba-100m --arch bamba
-    python benchmarks/make_bench_model.py /root/bench/granite-1.3b --size 1.3b
+    python benchmarks/make_bench_model.py /tmp/bench-granite-1.3b --size 1.3b
 """
 
 from __future__ import annotations
