@@ -1,6 +1,6 @@
 """The engine's option defaults, name tables and checks, on the ground floor: standard library only.
 
-``config.EngineConfig`` (torch dtypes), ``cache/plan_config.PlanConfig`` (the torch-free planner's options),
+``config.EngineConfig`` (torch dtypes), ``planning/plan_config.PlanConfig`` (the planner's options, dtype names),
 ``cache/*`` and ``structured_output/limits.py`` all take their defaults and checks from here, so every option
 is checked once, with one message, whichever of them reads it; nothing here imports the rest of hybridserve.
 """

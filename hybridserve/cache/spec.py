@@ -2,7 +2,7 @@
 
 Every layer that caches anything declares one :class:`LayerCacheSpec`. The pool, block manager,
 planner and runner only ever see specs; no model builds a cache of its own. Dtypes are torch dtypes in
-the engine and may be their names in a plan (``hybridserve plan`` runs without torch).
+the engine and may be their names in a plan (``planning/plan_config.py`` resolves dtype names).
 
 * Attention KV is per token: ``AttentionSpec(num_kv_heads, head_size, dtype)`` stores K and V,
   each ``(num_kv_heads, head_size)`` per token, in pages of ``block_size`` tokens.
@@ -22,7 +22,7 @@ from hybridserve.cache.dtypes import dtype_name, dtype_size
 if TYPE_CHECKING:
     import torch
 
-#: a torch dtype (the engine's specs) or its name (a plan's, made without torch): see cache/dtypes.py
+#: a torch dtype (the engine's specs) or its name (a plan's): see cache/dtypes.py
 DType = Any
 
 __all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "ResolvedDtypes", "StateTensorSpec",

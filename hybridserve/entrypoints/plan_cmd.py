@@ -1,7 +1,7 @@
 """``hybridserve plan``: cache layout and capacity of a model, from its config.json alone.
 
-Imports neither torch nor transformers for the built-in families (``models/config_specs.py``), so it
-answers in a fraction of a second.
+The config is read with transformers' config class and the model built on the meta device (no weights, no
+memory), so the plan's specs are the engine's own (``planning/planner.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                         prefix_snapshot_interval=args.prefix_snapshot_interval,
                         speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                         **{name: getattr(args, name) for name in DTYPE_OPTIONS})
-    hf_config = load_config(args.model) if config.tensor_parallel_size == 1 else _transformers_config(args.model)
+    hf_config = load_config(args.model)
     plan = plan_cache(hf_config, config)
     warning = positions_warning(hf_config, plan.max_model_len, "--max-model-len")
     if warning is not None:
@@ -86,15 +86,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"weights per rank: about 1/{plan.tensor_parallel_size} of these (norms, routers and the "
                   "projections inside low-rank gates are whole on every rank)")
     return 0
-
-
-def _transformers_config(path: str):
-    """The config as the engine reads it (sharding a model needs transformers' converted attributes)."""
-    import os
-
-    from hybridserve.models.loader import load_hf_config
-
-    return load_hf_config(path if os.path.isdir(path) else os.path.dirname(path) or ".", check_memory=False)
 
 
 def print_weights(weights: dict | None) -> None:

@@ -1,7 +1,7 @@
 """Each mixer's cache spec from its sizes alone: one torch-free function per mixer.
 
-The layers call these to declare their specs, and ``hybridserve plan`` calls the same functions from a
-config.json (``models/family_specs.py``), so a state's shape is written down once. Nothing here imports torch.
+The layers call these to declare their specs, and ``hybridserve plan`` reaches the same calls through the model
+built on the meta device, so a state's shape is written down once. Nothing here imports torch.
 Shapes are per sequence for states, per token for attention KV.
 """
 

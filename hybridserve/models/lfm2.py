@@ -152,6 +152,10 @@ class Lfm2Model(nn.Module):
     def __init__(self, config: Any, dtypes: CacheDtypes, feed_forward=None) -> None:
         """``feed_forward(config, index)``: a layer's feed-forward module (default: the SwiGLU MLP)."""
         super().__init__()
+        kinds = getattr(config, "layer_types", None)
+        if not isinstance(kinds, (list, tuple)) or len(kinds) < config.num_hidden_layers:
+            raise ValueError(f"config.json has no layer_types for its {config.num_hidden_layers} layers (the kind of "
+                             f"each layer: conv or full_attention); got {kinds!r}")
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             Lfm2DecoderLayer(config, i, dtypes, feed_forward(config, i) if feed_forward else None)

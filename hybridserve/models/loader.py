@@ -24,14 +24,15 @@ def load_hf_config(path: str, check_memory: bool = True) -> Any:
     ValueError naming the file."""
     from transformers import AutoConfig
 
-    from hybridserve.models import config_checks, config_specs
+    from hybridserve.models import config_checks
+    from hybridserve.models.config_file import read_config_values
 
     if not os.path.isdir(path):
         raise ValueError(f"model={path!r} is not a directory holding a checkpoint")
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         raise ValueError(f"model={path!r} has no config.json")
-    config_checks.check_config_values(config_specs.read_config(path).to_dict(), file, check_memory)
+    config_checks.check_config_values(read_config_values(path), file, check_memory)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # any failure of the config class on this file (its validators raise their own types)

@@ -6,12 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from hybridserve.models import registry
-from hybridserve.models.family_specs import NEMOTRON_ALIASES, NEMOTRON_PATTERN
 from hybridserve.models.registry import architecture_of
 
 #: the config key counting Nemotron-H's MTP modules (each holds blocks of several kinds; Qwen's, one layer)
 NEMOTRON_H_MTP_COUNT_KEY = "num_nextn_predict_layers"
 NEMOTRON_H_MTP_KINDS = ("full_attention", "moe", "mlp")
+#: the older one-character spelling of Nemotron-H block kinds (``mtp_hybrid_override_pattern``), and older names
+NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+NEMOTRON_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
 
 
 def architecture_name(hf_config: Any) -> str:

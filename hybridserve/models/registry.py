@@ -1,35 +1,26 @@
 """The model families: one record per architecture, the one place that lists them.
 
 A record names the model class (imported lazily: this module imports no torch), the HF ``model_type``s that
-map to it, its torch-free cache specs for ``hybridserve plan`` (``models/family_specs.py``), its config class's
-default ``max_position_embeddings``, and whether it runs tensor-parallel. Adding a family is its model file
-plus one row here (and a spec function in ``family_specs.py`` to plan it without torch).
+map to it, whether it runs tensor-parallel, and its multi-token-prediction keys. Everything else is the model
+file's: its layer kinds decoded from the config, each layer's cache spec (``layers/state_shapes.py``, which
+``hybridserve plan`` reaches through the model built on the meta device) and transformers' config class for the
+defaults. Adding a family is its model file plus one row here.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
-
-from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.models import family_specs as fs
-
-SpecsFunction = Callable[[Any, CacheDtypes], list[LayerCacheSpec]]
+from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One architecture: where its model class lives and what is known of it without torch."""
+    """One architecture: where its model class lives and what the engine needs to know of it before building it."""
 
     architecture: str
     module: str  # under hybridserve.models, or a full dotted path
     model_types: tuple[str, ...] = ()
-    #: every layer's cache spec from the config alone (None: planned from the model built on the meta device)
-    plan_specs: SpecsFunction | None = None
-    default_max_positions: int | None = None  # the config class's default (None: it has none)
-    #: the positions the config class sets whatever the file says, or None (Zamba2's long context)
-    fixed_positions: Callable[[Any], int | None] | None = None
     tensor_parallel: bool = True  # every layer is sharded by ``distributed/sharding.py``
     served_as_text: bool = False  # vision-language: ``text_config`` is the served model's (no image inputs)
     #: the config key counting its multi-token-prediction modules (``models/mtp_config.py``), or None
@@ -49,43 +40,42 @@ class ModelFamily:
 
 _QWEN_MTP = "mtp_num_hidden_layers"
 _FAMILIES = (
-    ModelFamily("LlamaForCausalLM", "llama", ("llama",), fs.llama_specs, 2048),
-    ModelFamily("MambaForCausalLM", "mamba", ("mamba",), fs.mamba_specs),
-    ModelFamily("FalconMambaForCausalLM", "falcon_mamba", ("falcon_mamba",), fs.mamba_specs),
-    ModelFamily("Mamba2ForCausalLM", "mamba2", ("mamba2",), fs.mamba2_specs),
-    ModelFamily("BambaForCausalLM", "bamba", ("bamba",), fs.bamba_specs, 262144),
-    ModelFamily("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",), fs.granitemoehybrid_specs,
-                2048),
-    ModelFamily("JambaForCausalLM", "jamba", ("jamba",), fs.jamba_specs, 262144),
-    ModelFamily("NemotronHForCausalLM", "nemotron_h", ("nemotron_h",), fs.nemotron_h_specs, 4096,
+    ModelFamily("LlamaForCausalLM", "llama", ("llama",)),
+    ModelFamily("MambaForCausalLM", "mamba", ("mamba",)),
+    ModelFamily("FalconMambaForCausalLM", "falcon_mamba", ("falcon_mamba",)),
+    ModelFamily("Mamba2ForCausalLM", "mamba2", ("mamba2",)),
+    ModelFamily("BambaForCausalLM", "bamba", ("bamba",)),
+    ModelFamily("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",)),
+    ModelFamily("JambaForCausalLM", "jamba", ("jamba",)),
+    ModelFamily("NemotronHForCausalLM", "nemotron_h", ("nemotron_h",),
                 mtp_count_key="num_nextn_predict_layers",  # mtp_config.NEMOTRON_H_MTP_COUNT_KEY
                 mtp_head="mtp_nemotron_h:NemotronHMTPHead"),
-    ModelFamily("Qwen3NextForCausalLM", "qwen3_next", ("qwen3_next",), fs.qwen3_next_specs, 32768,
+    ModelFamily("Qwen3NextForCausalLM", "qwen3_next", ("qwen3_next",),
                 mtp_count_key=_QWEN_MTP, mtp_head="mtp_qwen3_next:Qwen3NextMTPHead"),
-    ModelFamily("MiniMaxForCausalLM", "minimax", ("minimax",), fs.minimax_specs, 131072),
-    ModelFamily("Lfm2ForCausalLM", "lfm2", ("lfm2",), fs.lfm2_specs, 128000),
-    ModelFamily("Lfm2MoeForCausalLM", "lfm2_moe", ("lfm2_moe",), fs.lfm2_moe_specs, 128000),
-    ModelFamily("Lfm3ForCausalLM", "lfm3", ("lfm3",), fs.lfm3_specs, 128000),
-    ModelFamily("Zamba2ForCausalLM", "zamba2", ("zamba2",), fs.zamba2_specs, 4096, fs.zamba2_positions),
-    ModelFamily("FalconH1ForCausalLM", "falcon_h1", ("falcon_h1",), fs.falcon_h1_specs, 8192),
-    ModelFamily("xLSTMForCausalLM", "xlstm", ("xlstm",), fs.xlstm_specs),
-    ModelFamily("Qwen3_5ForCausalLM", "qwen3_5", ("qwen3_5_text",), fs.qwen3_5_specs, 32768,
+    ModelFamily("MiniMaxForCausalLM", "minimax", ("minimax",)),
+    ModelFamily("Lfm2ForCausalLM", "lfm2", ("lfm2",)),
+    ModelFamily("Lfm2MoeForCausalLM", "lfm2_moe", ("lfm2_moe",)),
+    ModelFamily("Lfm3ForCausalLM", "lfm3", ("lfm3",)),
+    ModelFamily("Zamba2ForCausalLM", "zamba2", ("zamba2",)),
+    ModelFamily("FalconH1ForCausalLM", "falcon_h1", ("falcon_h1",)),
+    ModelFamily("xLSTMForCausalLM", "xlstm", ("xlstm",)),
+    ModelFamily("Qwen3_5ForCausalLM", "qwen3_5", ("qwen3_5_text",),
                 mtp_count_key=_QWEN_MTP),
-    ModelFamily("Qwen3_5MoeForCausalLM", "qwen3_5", ("qwen3_5_moe_text",), fs.qwen3_5_moe_specs, 32768,
+    ModelFamily("Qwen3_5MoeForCausalLM", "qwen3_5", ("qwen3_5_moe_text",),
                 mtp_count_key=_QWEN_MTP),
-    ModelFamily("Qwen3_5ForConditionalGeneration", "qwen3_5", ("qwen3_5",), fs.qwen3_5_specs, 32768,
+    ModelFamily("Qwen3_5ForConditionalGeneration", "qwen3_5", ("qwen3_5",),
                 served_as_text=True, mtp_count_key=_QWEN_MTP),
-    ModelFamily("Qwen3_5MoeForConditionalGeneration", "qwen3_5", ("qwen3_5_moe",), fs.qwen3_5_moe_specs, 32768,
+    ModelFamily("Qwen3_5MoeForConditionalGeneration", "qwen3_5", ("qwen3_5_moe",),
                 served_as_text=True, mtp_count_key=_QWEN_MTP),
-    ModelFamily("OlmoHybridForCausalLM", "olmo_hybrid", ("olmo_hybrid",), fs.olmo_hybrid_specs, 65536),
-    ModelFamily("KimiLinearForCausalLM", "kimi_linear", ("kimi_linear",), fs.kimi_linear_specs, 1048576),
+    ModelFamily("OlmoHybridForCausalLM", "olmo_hybrid", ("olmo_hybrid",)),
+    ModelFamily("KimiLinearForCausalLM", "kimi_linear", ("kimi_linear",)),
 )
 
 #: architecture -> its record (``register`` adds to it)
 _MODELS: dict[str, ModelFamily] = {family.architecture: family for family in _FAMILIES}
 
 #: vision-language architectures served as text: their config's ``text_config`` is the served model's config
-#: (``loader.load_hf_config``, ``config_specs.read_config``); image inputs are not accepted
+#: (``loader.load_hf_config``, ``config_file.read_config_values``); image inputs are not accepted
 SERVED_AS_TEXT = frozenset(f.architecture for f in _FAMILIES if f.served_as_text)
 
 

@@ -1,4 +1,4 @@
-"""The engine options a cache plan depends on, validated without torch (``hybridserve plan``).
+"""The engine options a cache plan depends on, validated without torch dtypes (``hybridserve plan``).
 
 :class:`PlanConfig` holds the fields of :class:`hybridserve.config.EngineConfig` that decide the cache
 (dtype options, block size, cache memory, length, device, capture and prefix caching) and checks them

@@ -1,18 +1,15 @@
-"""Plan the cache of a model from its config.json alone: no weights, no tokenizer, and no torch.
+"""Plan the cache of a model from its config.json alone: no weights and no tokenizer.
 
-A plan's specs are the engine's: for the built-in families, :mod:`hybridserve.models.config_specs`
-derives them from the config with the family record's spec function (``models/registry.py``,
-``models/family_specs.py``), which builds each layer's spec with the function its layer calls
-(``layers/state_shapes.py``; checked against the model built on the ``meta`` device in
-``tests/test_plan_cmd.py``); for an architecture registered without one, the model class is built on the
-``meta`` device (no memory, no weights) and asked, as the engine does after loading.
-The layout comes from :func:`~hybridserve.cache.layout.compute_layout`
-and the capacity from :mod:`hybridserve.cache.capacity`, the functions the engine's pool allocates
-with. So a plan's figures are the engine's real ones, for models that have not been downloaded.
+A plan's specs are the engine's own: the config is read through transformers' config class (so every key the
+file leaves out takes that class's default, derived values included), the model class is built on the ``meta``
+device (no memory, no weights) and each layer declares its cache with its mixer's function in
+``layers/state_shapes.py``, as the engine's model does after loading. The layout comes from
+:func:`~hybridserve.cache.layout.compute_layout` and the capacity from :mod:`hybridserve.cache.capacity`, the
+functions the engine's pool allocates with. So a plan's figures are the engine's real ones, for models that
+have not been downloaded.
 
 The options come as an :class:`~hybridserve.config.EngineConfig` (torch dtypes) or a
-:class:`~hybridserve.planning.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses, so
-that it imports neither torch nor transformers).
+:class:`~hybridserve.planning.plan_config.PlanConfig` (dtype names; what ``hybridserve plan`` uses).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from hybridserve.cache.capacity import (
 from hybridserve.cache.dtypes import FP8_KV_DTYPE_NAMES, dtype_name
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
-from hybridserve.models import config_specs
+from hybridserve.models.registry import architecture_of
 from hybridserve.spec_decode.config import parse_speculative_config
 
 DTYPE_OPTIONS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype")
@@ -50,12 +47,8 @@ ALTERNATIVES: tuple[tuple[str, dict[str, str]], ...] = (
 
 
 def load_config(path: str) -> Any:
-    """The config of a checkpoint directory, or of a config.json file (read alone): the file's keys
-    (:class:`~hybridserve.models.config_specs.JsonConfig`) for a built-in family, else transformers'
-    config (which imports torch)."""
-    config = config_specs.read_config(path)
-    if config_specs.has_family(config):
-        return config
+    """The config of a checkpoint directory, or of a config.json file (read alone), through transformers'
+    config class (``models.loader.load_hf_config``; a vision-language config as its served ``text_config``)."""
     from hybridserve.models.loader import load_hf_config
 
     if os.path.isfile(path):
@@ -64,20 +57,17 @@ def load_config(path: str) -> Any:
 
 
 def cache_specs_from_config(hf_config: Any, dtypes: Any, tensor_parallel_size: int = 1) -> list[LayerCacheSpec]:
-    """Every layer's cache spec: from the config alone for a built-in family, else from the model class
-    built on the meta device (no weights). ``dtypes``: resolved dtypes (torch dtypes or names). With
+    """Every layer's cache spec, from the model class built on the meta device (no weights): each layer's own
+    declaration. ``dtypes``: resolved dtypes (torch dtypes or names). With
     ``tensor_parallel_size`` > 1, one rank's specs, from the model sharded as the engine shards it (every rank's
     are the same); ``hf_config`` must then be transformers' (``models.loader.load_hf_config``)."""
-    cache_dtypes = CacheDtypes.from_resolved(dtypes)
-    if config_specs.has_family(hf_config) and tensor_parallel_size == 1:
-        return config_specs.config_cache_specs(hf_config, cache_dtypes)
     import torch
 
     from hybridserve.models.registry import model_class
 
-    architecture = config_specs.architecture_of(hf_config)
+    architecture = architecture_of(hf_config)
     with torch.device("meta"):
-        model = model_class(architecture)(hf_config, cache_dtypes)
+        model = model_class(architecture)(hf_config, CacheDtypes.from_resolved(dtypes))
     if tensor_parallel_size > 1:
         from hybridserve.distributed.sharding import RankGeometry, check_supported, shard_model
 
@@ -86,16 +76,23 @@ def cache_specs_from_config(hf_config: Any, dtypes: Any, tensor_parallel_size: i
     return model.cache_specs()
 
 
+def max_positions(config: Any) -> int | None:
+    """The most positions the model was trained for: its config's ``max_position_embeddings`` (the config
+    class's default where the file leaves it out), or None for a family without such a bound (Mamba)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
 def default_max_model_len(config: Any) -> int:
     """The engine's ``max_model_len`` when none is given: the model's max positions, capped at 4096."""
-    positions = config_specs.max_positions(config)
+    positions = max_positions(config)
     return min(positions, DEFAULT_MAX_MODEL_LEN) if positions else DEFAULT_MAX_MODEL_LEN
 
 
 def positions_warning(config: Any, max_model_len: int, option: str = "max_model_len") -> str | None:
     """One line saying that ``max_model_len`` (given as ``option``) runs past the positions the model was
     trained for, or None."""
-    positions = config_specs.max_positions(config)
+    positions = max_positions(config)
     if positions is None or max_model_len <= positions:
         return None
     return (f"warning: {option}={max_model_len} exceeds the model's max_position_embeddings={positions}: "
@@ -217,7 +214,7 @@ def plan_cache(hf_config: Any, config: Any, max_model_len: int | None = None,
     length = max_model_len or config.max_model_len or default_max_model_len(hf_config)
     options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
     reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
-    return CachePlan(label, config_specs.architecture_of(hf_config), options, dtypes, tuple(specs), layout,
+    return CachePlan(label, architecture_of(hf_config), options, dtypes, tuple(specs), layout,
                      int(config.cache_memory), int(length), reserved, config.enable_prefix_caching,
                      config.prefix_snapshot_interval, speculation, len(drafter),
                      getattr(config, "tensor_parallel_size", 1))
@@ -252,7 +249,7 @@ def drafter_specs(hf_config: Any, specs: list[LayerCacheSpec], speculation: Any,
                          None)
         count = mtp_attention_layer_count(hf_config)
         if attention is None or count == 0:
-            raise ValueError(f"{config_specs.architecture_of(hf_config)} declares no MTP layers to plan for")
+            raise ValueError(f"{architecture_of(hf_config)} declares no MTP layers to plan for")
         return [LayerCacheSpec(offset + i, "attention", attention) for i in range(count)]
     return []
 

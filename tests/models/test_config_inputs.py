@@ -205,14 +205,14 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path, capsys, changes, needle
 def test_planning_skips_the_memory_check(monkeypatch):
     """``hybridserve plan`` may plan for a bigger machine: it reads the config without the memory check."""
     from hybridserve.default_model import default_model_path
-    from hybridserve.entrypoints.plan_cmd import _transformers_config
     from hybridserve.models import config_checks
     from hybridserve.models.loader import load_hf_config
+    from hybridserve.planning.planner import load_config
 
     monkeypatch.setattr(config_checks, "available_memory", lambda: 1024)
     with pytest.raises(ValueError, match="more than the 0.0 GiB of memory available"):
         load_hf_config(default_model_path())
-    assert _transformers_config(default_model_path()).num_hidden_layers == 6
+    assert load_config(default_model_path()).num_hidden_layers == 6
 
 
 def test_serve_prints_one_error_line_and_exits_2(tmp_path, capsys):

@@ -152,12 +152,13 @@ def test_missing_conv_weight_is_named(tmp_path, ckpt_dir):
 
 def test_published_config_form_plans_as_the_model(tmp_path):
     """A config.json in the published checkpoints' form (``linear_attn_config`` with 1-indexed layer lists, no
-    ``layer_types``): the torch-free specs of ``hybridserve plan`` equal the specs of the model built from it."""
+    ``layer_types``): ``hybridserve plan`` decodes its layer kinds as the model built from it does."""
     from transformers import AutoConfig
 
     from hybridserve.cache.spec import CacheDtypes
-    from hybridserve.models import config_specs
     from hybridserve.models.kimi_linear import KimiLinearForCausalLM
+    from hybridserve.planning.plan_config import PlanConfig
+    from hybridserve.planning.planner import cache_specs_from_config, load_config
 
     values = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "num_hidden_layers": 5,
               "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "kv_lora_rank": 16,
@@ -166,8 +167,10 @@ def test_published_config_form_plans_as_the_model(tmp_path):
               "linear_attn_config": {"full_attn_layers": [2, 5], "kda_layers": [1, 3, 4], "head_dim": 16,
                                      "num_heads": 2, "short_conv_kernel_size": 3}}
     (tmp_path / "config.json").write_text(json.dumps(values))
-    dtypes = CacheDtypes(kv="bfloat16", conv="float16", temporal="float32")
-    planned = config_specs.config_cache_specs(config_specs.read_config(str(tmp_path)), dtypes)
+    hf_config = load_config(str(tmp_path))
+    options = PlanConfig(device="cpu", kv_cache_dtype="bfloat16", mamba_cache_dtype="float16",
+                         mamba_ssm_cache_dtype="float32")
+    planned = cache_specs_from_config(hf_config, options.resolve_dtypes(hf_config))
     assert [s.kind for s in planned] == ["kda", "mla", "kda", "kda", "mla"]
     torch_dtypes = CacheDtypes(kv=torch.bfloat16, conv=torch.float16, temporal=torch.float32)
     with torch.device("meta"):
