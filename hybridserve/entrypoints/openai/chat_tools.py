@@ -96,6 +96,22 @@ def schema_problem(schema: dict) -> str | None:
     return short_error(error).split("\n")[0] if error else None
 
 
+#: the chat template's own arguments, which chat_template_kwargs may not set
+RESERVED_TEMPLATE_ARGS = ("messages", "conversation", "tools", "add_generation_prompt", "tokenize", "chat_template",
+                          "continue_final_message", "return_dict", "documents")
+
+
+def template_kwargs(request: Any) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs``; a 400 naming one that sets the template's own arguments."""
+    kwargs = getattr(request, "chat_template_kwargs", None) or {}
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_ARGS:
+            raise APIError(400, f"chat_template_kwargs.{key} is not allowed: it is set by the server (from the "
+                                f"request's messages and tools); reserved: {', '.join(RESERVED_TEMPLATE_ARGS)}",
+                           param="chat_template_kwargs")
+    return dict(kwargs)
+
+
 def template_tools(request: Any, specs: list[ToolSpec]) -> list[dict] | None:
     """The tools as chat templates take them (OpenAI's definitions as dicts), or None when none are in play."""
     if not specs:

@@ -16,6 +16,7 @@ from hybridserve.entrypoints.openai.chat_tools import (
     check_tools,
     output_constraint,
     reply_tool_calls,
+    template_kwargs,
     template_messages,
     template_tools,
     tool_choice_of,
@@ -69,7 +70,8 @@ async def render_chat_prompt(state: ServerState, request: ChatCompletionRequest)
         raise APIError(400, f"this model's tokenizer has no chat template: the model `{state.model_name}` cannot "
                             "be used with /v1/chat/completions; use /v1/completions", param="messages")
     specs = check_tools(request, state.tool_parser, state.tokenizer.chat_template_takes_tools)
-    ids, text = await state.tokenizer.render_chat(template_messages(request), template_tools(request, specs))
+    ids, text = await state.tokenizer.render_chat(template_messages(request), template_tools(request, specs),
+                                                  template_kwargs(request))
     return ids, text, specs
 
 

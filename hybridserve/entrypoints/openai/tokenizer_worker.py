@@ -55,10 +55,12 @@ class TokenizerWorker:
         ids, _ = await self._run(self._encode_chat, messages, add_generation_prompt, add_special_tokens)
         return ids
 
-    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], str]:
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
         """The token ids and the text of the chat template applied to ``messages`` with the generation prompt,
-        and ``tools`` (OpenAI's tool definitions) passed to the template when given."""
-        return await self._run(self._encode_chat, messages, True, False, tools)
+        ``tools`` (OpenAI's tool definitions) passed to the template when given, and ``template_kwargs`` (further
+        template variables)."""
+        return await self._run(self._encode_chat, messages, True, False, tools, template_kwargs)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens kept); a 400 naming the first id outside the vocabulary."""
@@ -112,12 +114,13 @@ class TokenizerWorker:
                 for i, text in enumerate(texts)]
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False, tools: list[dict] | None = None) -> tuple[list[int], str]:
+                     add_special_tokens: bool = False, tools: list[dict] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
         from jinja2 import TemplateError
 
         try:
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=False, tools=tools)
+                                                       tokenize=False, tools=tools, **(template_kwargs or {}))
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused these messages: {_short(exc)}", param="messages") from None
         except (TypeError, UnicodeError) as exc:

@@ -53,6 +53,8 @@ class ToolRequestFields(BaseModel):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    #: extra variables for the chat template (vLLM's field), e.g. ``{"enable_thinking": true}``
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ToolMessageFields(BaseModel):
