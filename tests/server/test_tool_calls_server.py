@@ -68,8 +68,9 @@ def test_forced_tool_calls_parse_and_satisfy_the_schema(client, choice):
         _check_calls(choice_.message.tool_calls, ["count"] if isinstance(choice, dict) else None)
 
 
-def test_streamed_tool_calls_add_up_to_the_unstreamed_reply(client):
-    kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "lookup_weather"}}])
+def test_streamed_tool_calls_add_up_to_the_unstreamed_reply(client, choice):
+    kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
               temperature=1.0, seed=7, max_tokens=80)
     whole = client.chat.completions.create(**kw).choices[0]
     chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -193,14 +194,20 @@ def test_bad_tool_requests_are_400_naming_the_field(hermes, extra, param, proble
 
 
 def test_tool_grammar_over_the_grammar_limit_is_400_naming_it(tmp_path_factory):
+    """Each tool's schema (checked even with ``auto``) and a forced call's whole grammar are within
+    --max-grammar-bytes."""
     proc = _start(tmp_path_factory, "small-limit", HERMES_TEMPLATE, "--tool-call-parser", "hermes",
                   "--max-grammar-bytes", "200")
+    big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(12)}}
     try:
-        r = httpx.post(proc.url + "/v1/chat/completions", timeout=30, json={
-            "model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 4})
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert error["param"] == "tools" and "--max-grammar-bytes" in error["message"], error
+        for extra, param in [({"tools": TOOLS, "tool_choice": "required"}, "tools"),
+                             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": big}}]},
+                              "tools[0].function.parameters")]:
+            r = httpx.post(proc.url + "/v1/chat/completions", timeout=30,
+                           json={"model": "m", "messages": MESSAGES, "max_tokens": 4, **extra})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == param and "--max-grammar-bytes" in error["message"], error
     finally:
         proc.stop()
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridserve.entrypoints.openai.errors import APIError
 from hybridserve.entrypoints.openai.tool_protocol import FunctionCall, NamedToolChoice, ToolCall
+from hybridserve.options import DEFAULT_MAX_GRAMMAR_BYTES, GRAMMAR_LIMIT_FLAGS
 from hybridserve.reasoning import ThinkTagReasoningParser
 from hybridserve.structured_output.params import StructuredOutputsParams
 from hybridserve.structured_output.tool_grammar import reply_grammar
@@ -30,16 +31,18 @@ def tool_choice_of(request: Any) -> str:
     return "named" if isinstance(choice, NamedToolChoice) else choice
 
 
-def check_tools(request: Any, parser: ToolCallParser | None, template_takes_tools: bool) -> list[ToolSpec]:
-    """The request's tools, checked: 400s naming the field for a bad definition, a ``tool_choice`` that does not
-    fit them, tools without ``--tool-call-parser`` or with a chat template that does not render them. Empty when
-    no tools are in play (none given, or ``tool_choice`` "none")."""
+def check_tools(request: Any, parser: ToolCallParser | None, template_takes_tools: bool,
+                max_schema_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> list[ToolSpec]:
+    """The request's tools, checked: 400s naming the field for a bad definition (a parameters schema longer than
+    ``max_schema_bytes``, the grammar limit, included), a ``tool_choice`` that does not fit them, tools without
+    ``--tool-call-parser`` or with a chat template that does not render them. Empty when no tools are in play
+    (none given, or ``tool_choice`` "none")."""
     tools = request.tools or []
     choice = tool_choice_of(request)
     if request.tool_choice is not None and choice != "none" and not tools:
         raise APIError(400, f"tool_choice={_shown(request.tool_choice)} needs tools: the request has none",
                        param="tool_choice")
-    specs = [_tool_spec(i, tool) for i, tool in enumerate(tools)]
+    specs = [_tool_spec(i, tool, max_schema_bytes) for i, tool in enumerate(tools)]
     seen: dict[str, int] = {}
     for i, spec in enumerate(specs):
         if spec.name in seen:
@@ -65,7 +68,7 @@ def _shown(choice: Any) -> str:
     return json.dumps(choice.model_dump()) if isinstance(choice, NamedToolChoice) else repr(choice)
 
 
-def _tool_spec(i: int, tool: Any) -> ToolSpec:
+def _tool_spec(i: int, tool: Any, max_schema_bytes: int) -> ToolSpec:
     if tool.type != "function":
         raise APIError(400, f"tools[{i}].type={tool.type!r} is not supported: the only tool type is 'function'",
                        param=f"tools[{i}].type")
@@ -80,6 +83,11 @@ def _tool_spec(i: int, tool: Any) -> ToolSpec:
                             f"{MAX_FUNCTION_NAME_CHARS} letters, digits, underscores and dashes",
                        param=f"tools[{i}].function.name")
     parameters = fn.parameters if fn.parameters is not None else {"type": "object", "properties": {}}
+    size = len(json.dumps(parameters, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    if size > max_schema_bytes:
+        raise APIError(400, f"tools[{i}].function.parameters is {size} bytes, over the limit of {max_schema_bytes} "
+                            f"bytes (max_grammar_bytes, set by {GRAMMAR_LIMIT_FLAGS['max_grammar_bytes']})",
+                       param=f"tools[{i}].function.parameters")
     problem = schema_problem(parameters)
     if problem:
         raise APIError(400, f"tools[{i}].function.parameters is not a valid JSON schema: {problem}",

@@ -69,7 +69,8 @@ async def render_chat_prompt(state: ServerState, request: ChatCompletionRequest)
     if not state.tokenizer.has_chat_template:
         raise APIError(400, f"this model's tokenizer has no chat template: the model `{state.model_name}` cannot "
                             "be used with /v1/chat/completions; use /v1/completions", param="messages")
-    specs = check_tools(request, state.tool_parser, state.tokenizer.chat_template_takes_tools)
+    specs = check_tools(request, state.tool_parser, state.tokenizer.chat_template_takes_tools,
+                        state.engine.engine.structured.compiler.limits.max_grammar_bytes)
     ids, text = await state.tokenizer.render_chat(template_messages(request), template_tools(request, specs),
                                                   template_kwargs(request))
     return ids, text, specs
