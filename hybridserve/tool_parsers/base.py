@@ -50,6 +50,11 @@ class ToolCallParser(ABC):
     #: the text that opens the calls (a tag: one added token in the families' tokenizers)
     start_tag: str = ""
 
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag of the format (what must stay in the decoded text for it to be parsed)."""
+        return (self.start_tag, *((self.end_tag,) if getattr(self, "end_tag", "") else ()))
+
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput:
         """Split ``text`` (the output so far; ``final``: the whole output). A final output whose calls do not

@@ -27,9 +27,9 @@ SCHEMAS = {"lookup_weather": LOOKUP, "count": COUNT}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _start(tmp_path_factory, name: str, template: str, *args: str) -> ServerProcess:
+def _start(tmp_path_factory, name: str, template: str, *args: str, special: bool = False) -> ServerProcess:
     root = tmp_path_factory.mktemp(name)
-    model = make_tool_checkpoint(str(root / "model"), template)
+    model = make_tool_checkpoint(str(root / "model"), template, special)
     proc = ServerProcess(model, str(root / "server.log"), "--served-model-name", "m", "--cache-memory", "32MiB", *args)
     proc.wait_healthy()
     return proc
@@ -213,7 +213,8 @@ def test_tool_grammar_over_the_grammar_limit_is_400_naming_it(tmp_path_factory):
 
 
 def test_granite_format_streamed_and_not(tmp_path_factory):
-    proc = _start(tmp_path_factory, "granite", GRANITE_TEMPLATE, "--tool-call-parser", "granite")
+    """Granite's format, its tags special tokens (decoding keeps them for the parser; EOS text is dropped)."""
+    proc = _start(tmp_path_factory, "granite", GRANITE_TEMPLATE, "--tool-call-parser", "granite", special=True)
     try:
         client = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3,
@@ -221,6 +222,8 @@ def test_granite_format_streamed_and_not(tmp_path_factory):
         whole = client.chat.completions.create(**kw).choices[0]
         assert whole.finish_reason == "tool_calls"
         _check_calls(whole.message.tool_calls)
+        plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=1)
+        assert "<|" not in (plain.choices[0].message.content or "")  # no tools: special tokens skipped as before
         pieces = [tc for ch in client.chat.completions.create(stream=True, **kw) for c in ch.choices
                   for tc in (c.delta.tool_calls or [])]
         names = [p.function.name for p in pieces if p.id]

@@ -64,16 +64,21 @@ GRANITE_TEMPLATE = """\
 {%- if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}"""
 
 
-def tool_tokenizer(template: str):
-    """The test tokenizer with the tags added (as Qwen's: added, not special) and ``template``."""
+def tool_tokenizer(template: str, special: bool = False):
+    """The test tokenizer with the tags added and ``template``: as Qwen's (added, not special tokens), or as
+    special tokens (which decoding skips by default) with ``special``."""
     tokenizer = train_tokenizer(template)
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tokens = [AddedToken(t, special=special, normalized=False) for t in TAGS]
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    else:
+        tokenizer.add_tokens(tokens)
     return tokenizer
 
 
-def make_tool_checkpoint(path: str, template: str = HERMES_TEMPLATE) -> str:
-    """One tiny Bamba checkpoint whose chat template renders tools."""
-    tokenizer = tool_tokenizer(template)
+def make_tool_checkpoint(path: str, template: str = HERMES_TEMPLATE, special: bool = False) -> str:
+    """One tiny Bamba checkpoint whose chat template renders tools (its tags special tokens with ``special``)."""
+    tokenizer = tool_tokenizer(template, special)
     build(bamba_config(vocab_size=len(tokenizer)), path)
     tokenizer.save_pretrained(path)
     return path

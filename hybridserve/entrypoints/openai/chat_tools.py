@@ -220,9 +220,30 @@ class ReplyReader:
     parser: ToolCallParser | None = None
     reasoning: ThinkTagReasoningParser | None = None
     reasoning_state: str = "after"
+    #: special tokens' texts removed before reading (set by :meth:`keep_special_tags`)
+    strip: tuple[str, ...] = ()
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """The tags the parsers read."""
+        tags = self.parser.tags if self.parser is not None else ()
+        if self.reasoning is not None:
+            tags += (self.reasoning.start_tag, self.reasoning.end_tag)
+        return tags
+
+    def keep_special_tags(self, special_texts: set[str]) -> bool:
+        """Whether some tag is a special token, which the detokenizer would drop: then the output must be decoded
+        with special tokens (``skip_special_tokens=False``), and the other special tokens' texts (EOS, ...) are
+        removed here before reading."""
+        if not any(tag in special_texts for tag in self.tags):
+            return False
+        self.strip = tuple(sorted(special_texts - set(self.tags), key=len, reverse=True))
+        return True
 
     def read(self, text: str, final: bool) -> ReadReply:
         """Read ``text`` (the output so far; ``final``: all of it)."""
+        for special in self.strip:
+            text = text.replace(special, "")
         reasoning = None
         reply = text
         if self.reasoning is not None:

@@ -113,6 +113,8 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     reasoning = state.reasoning_parser
     reader = ReplyReader(state.tool_parser if specs else None, reasoning,
                          reasoning.prompt_state(prompt_text) if reasoning is not None else "after")
+    if params.skip_special_tokens and reader.keep_special_tags(state.tokenizer.special_texts):
+        params = dataclasses.replace(params, skip_special_tokens=False)
     constraint = output_constraint(request, specs, params.structured_outputs, reader.parser, reasoning,
                                    reader.reasoning_state, state.tokenizer.added_tokens)
     if constraint is not params.structured_outputs:

@@ -29,6 +29,7 @@ class TokenizerWorker:
         self.vocab_size = 0  # token ids 0 .. vocab_size - 1 (added tokens included), set by _load
         self.chat_template_takes_tools = False  # the chat template reads a ``tools`` variable, set by _load
         self.added_tokens: dict[str, int] = {}  # the added tokens' texts and ids (tags of tool calls, reasoning)
+        self.special_texts: set[str] = set()  # the texts of the special tokens (which decoding may skip)
         self.has_tokenizer, self.has_chat_template, self.max_token_chars = (
             self._executor.submit(self._load, path).result())
 
@@ -83,6 +84,8 @@ class TokenizerWorker:
             return False, False, 0
         self.vocab_size = len(tokenizer)
         self.added_tokens = {text: int(i) for text, i in tokenizer.get_added_vocab().items()}
+        self.special_texts = {str(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special}
+        self.special_texts |= {str(t) for t in tokenizer.all_special_tokens}
         self.chat_template_takes_tools = _template_reads(getattr(tokenizer, "chat_template", None), "tools")
         longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
         return True, bool(getattr(tokenizer, "chat_template", None)), max(1, longest)
