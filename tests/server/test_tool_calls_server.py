@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.server_utils import ServerProcess, idle, make_checkpoint, wait_for
+from tests.server.server_utils import ServerProcess, idle, wait_for
 from tests.server.tool_checkpoint import GRANITE_TEMPLATE, HERMES_TEMPLATE, make_tool_checkpoint
 
 LOOKUP = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -38,7 +38,7 @@ def _start(tmp_path_factory, name: str, template: str, *args: str, special: bool
 @pytest.fixture(scope="module")
 def hermes(tmp_path_factory):
     proc = _start(tmp_path_factory, "hermes", HERMES_TEMPLATE, "--tool-call-parser", "hermes",
-                  "--reasoning-parser", "think")
+                  "--reasoning-parser", "think", "--max-grammar-bytes", "1000")
     yield proc
     proc.stop()
 
@@ -193,23 +193,23 @@ def test_bad_tool_requests_are_400_naming_the_field(hermes, extra, param, proble
     assert error["param"] == param and problem in error["message"], error
 
 
-def test_tool_grammar_over_the_grammar_limit_is_400_naming_it(tmp_path_factory):
+def _wide_schema(fields: int) -> dict:
+    return {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(fields)}}
+
+
+def test_tool_grammar_over_the_grammar_limit_is_400_naming_it(hermes):
     """Each tool's schema (checked even with ``auto``) and a forced call's whole grammar are within
-    --max-grammar-bytes."""
-    proc = _start(tmp_path_factory, "small-limit", HERMES_TEMPLATE, "--tool-call-parser", "hermes",
-                  "--max-grammar-bytes", "200")
-    big = {"type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(12)}}
-    try:
-        for extra, param in [({"tools": TOOLS, "tool_choice": "required"}, "tools"),
-                             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": big}}]},
-                              "tools[0].function.parameters")]:
-            r = httpx.post(proc.url + "/v1/chat/completions", timeout=30,
-                           json={"model": "m", "messages": MESSAGES, "max_tokens": 4, **extra})
-            assert r.status_code == 400, r.text
-            error = r.json()["error"]
-            assert error["param"] == param and "--max-grammar-bytes" in error["message"], error
-    finally:
-        proc.stop()
+    --max-grammar-bytes (1000 on this server)."""
+    assert len(json.dumps(_wide_schema(20))) < 1000 < len(json.dumps(_wide_schema(40)))
+    two = [{"type": "function", "function": {"name": name, "parameters": _wide_schema(20)}} for name in "ab"]
+    for extra, param in [({"tools": two, "tool_choice": "required"}, "tools"),
+                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _wide_schema(40)}}]},
+                          "tools[0].function.parameters")]:
+        r = httpx.post(hermes.url + "/v1/chat/completions", timeout=30,
+                       json={"model": "m", "messages": MESSAGES, "max_tokens": 4, **extra})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "--max-grammar-bytes" in error["message"], error
 
 
 def test_granite_format_streamed_and_not(tmp_path_factory):
@@ -234,24 +234,11 @@ def test_granite_format_streamed_and_not(tmp_path_factory):
         proc.stop()
 
 
-def test_tools_without_a_parser_or_a_tool_template_are_400(tmp_path_factory):
-    """Tools are never silently ignored: without --tool-call-parser, or with a template that has no `tools`."""
-    root = tmp_path_factory.mktemp("no-parser")
-    model = make_tool_checkpoint(str(root / "tools"))
-    plain = make_checkpoint(str(root / "plain"))  # its template never reads `tools`
-    servers = [ServerProcess(model, str(root / "a.log"), "--served-model-name", "m", "--cache-memory", "32MiB"),
-               ServerProcess(plain, str(root / "b.log"), "--served-model-name", "m", "--cache-memory", "32MiB",
-                             "--tool-call-parser", "hermes")]
-    try:
-        for proc, problem in zip(servers, ["--tool-call-parser", "does not render tools"]):
-            proc.wait_healthy()
-            r = httpx.post(proc.url + "/v1/chat/completions", timeout=30,
-                           json={"model": "m", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
-            assert problem in r.json()["error"]["message"]
-            ok = httpx.post(proc.url + "/v1/chat/completions", timeout=30, json={
-                "model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 4})
-            assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["tool_calls"] == []
-    finally:
-        for proc in servers:
-            proc.stop()
+def test_tool_choice_none_neither_renders_nor_parses_tools(hermes):
+    body = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 4}
+    r = httpx.post(hermes.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == [], r.text
+    rendered = httpx.post(hermes.url + "/v1/chat/completions/render", json=body, timeout=30).json()
+    with_tools = httpx.post(hermes.url + "/v1/chat/completions/render", timeout=30,
+                            json={**body, "tool_choice": "auto"}).json()
+    assert len(rendered["token_ids"]) < len(with_tools["token_ids"])
