@@ -49,11 +49,13 @@ class ToolCallParser(ABC):
     name: str = ""
     #: the text that opens the calls (a tag: one added token in the families' tokenizers)
     start_tag: str = ""
+    #: the text that closes each call, if the format has one
+    end_tag: str = ""
 
     @property
     def tags(self) -> tuple[str, ...]:
         """Every tag of the format (what must stay in the decoded text for it to be parsed)."""
-        return (self.start_tag, *((self.end_tag,) if getattr(self, "end_tag", "") else ()))
+        return (self.start_tag, self.end_tag) if self.end_tag else (self.start_tag,)
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedOutput:
