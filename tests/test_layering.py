@@ -20,7 +20,7 @@ LONG_IN_FLIGHT: set[str] = set()
 #: longest prefix (a module path under ``hybridserve.``) decides a module's floor
 FLOORS = [
     ["hybridserve", "options", "sampling_params", "outputs", "default_model", "structured_output.params",
-     "spec_decode.config", "cache.dtypes", "cache.salt"],
+     "spec_decode.config", "cache.dtypes", "cache.salt", "tool_parsers", "reasoning"],
     ["kernels", "ops", "forward_batch", "cache.spec", "cache.capacity", "cache.layout",
      "cache.id_set", "cache.pool", "cache.slots", "structured_output.limits"],
     ["config", "cache"],

@@ -11,6 +11,8 @@ from hybridserve.entrypoints.openai.cache_isolation import ISOLATION_MODES, chec
 from hybridserve.entrypoints.openai.edge_limits import add_edge_args, edge_limits_from_args
 from hybridserve.entrypoints.openai.hosts import allowed_hosts
 from hybridserve.entrypoints.openai.limits import add_limit_args, limits_from_args
+from hybridserve.reasoning import REASONING_PARSERS
+from hybridserve.tool_parsers import TOOL_PARSERS
 
 #: the API name of the model shipped with hybridserve (served when no MODEL_DIR is given)
 DEFAULT_MODEL_NAME = "hybridserve-default"
@@ -59,6 +61,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="who shares the prefix cache: 'shared', every request of the same cache_salt (none: the "
                         "unsalted ones); 'api-key', requests made with the same API key and cache_salt (needs "
                         "--api-key)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format, which enables `tools` on /v1/chat/completions: 'hermes' "
+                        "(<tool_call>{...}</tool_call>: Hermes, Qwen, Granite 4.0), 'granite' (<|tool_call|>[...]: "
+                        "Granite 3.x). Without it a request with tools is refused (400)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's <think>...</think> into reasoning_content on "
+                        "/v1/chat/completions ('think'; 'qwen3' and 'deepseek_r1' are the same format); "
+                        "structured output and forced tool calls then start after the reasoning")
     add_limit_args(p)
     add_edge_args(p)
     add_engine_args(p)
@@ -127,4 +137,5 @@ def run(args: argparse.Namespace) -> int:
                       max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                       log_level=args.log_level, limits=limits, protect_metrics_and_docs=args.protect_metrics_and_docs,
                       allowed_hosts=hosts, kv_events=kv_events, kv_events_allow_remote=args.kv_events_allow_remote,
-                      prefix_cache_isolation=args.prefix_cache_isolation, edge=edge)
+                      prefix_cache_isolation=args.prefix_cache_isolation, edge=edge,
+                      tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)

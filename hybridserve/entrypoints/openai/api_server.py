@@ -61,6 +61,8 @@ from hybridserve.entrypoints.openai.serving_completion import create_completion
 from hybridserve.entrypoints.openai.serving_router import flush_cache, load, render_chat, render_completion
 from hybridserve.entrypoints.openai.serving_tokenize import detokenize, tokenize
 from hybridserve.entrypoints.openai.tokenizer_worker import TokenizerWorker
+from hybridserve.reasoning import reasoning_parser as reasoning_parser_named
+from hybridserve.tool_parsers import tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -207,13 +209,16 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                log_level: str = "info", limits: ServerLimits | None = None, protect_metrics_and_docs: bool = False,
                allowed_hosts: tuple[str, ...] | None = None, kv_events: KVEventsConfig | None = None,
                kv_events_allow_remote: bool = False, prefix_cache_isolation: str = "shared",
-               edge: EdgeLimits | None = None) -> int:
+               edge: EdgeLimits | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> int:
     """Serve ``engine`` until SIGTERM/SIGINT; 0 after a clean shutdown, 1 if the server could not start.
 
     ``model_name``: the name requests may use, or several (the first is the one responses carry).
     ``edge``: the connection bounds (:mod:`http_edge`; the defaults of EdgeLimits if None).
     ``kv_events``: publish the prefix cache's block events as it says (:mod:`kv_events`), when active; an endpoint
     beyond loopback needs ``kv_events_allow_remote``. ``prefix_cache_isolation``: :mod:`cache_isolation`.
+    ``tool_call_parser`` / ``reasoning_parser``: the names of the parsers chat replies are read with (tools are
+    refused without the first; :mod:`chat_tools`).
 
     Raises ValueError for a key that cannot be used (empty, say) or docs protection without a key.
     """
@@ -222,6 +227,8 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
         raise ValueError("--protect-metrics-and-docs needs --api-key")
     check_isolation(prefix_cache_isolation, api_key)
     names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    tools = tool_parser(tool_call_parser) if tool_call_parser else None
+    reasoning = reasoning_parser_named(reasoning_parser) if reasoning_parser else None
     publisher = None
     if kv_events is not None and kv_events.active:
         engine.enable_kv_events()
@@ -233,7 +240,8 @@ def run_server(engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000, 
                         tokenizer=TokenizerWorker(engine.config.tokenizer or engine.config.model, engine.max_model_len),
                         model_name=names[0], max_model_len=engine.max_model_len, api_key=api_key,
                         limits=limits or ServerLimits(), protect_metrics_and_docs=protect_metrics_and_docs,
-                        extra_model_names=names[1:], prefix_cache_isolation=prefix_cache_isolation)
+                        extra_model_names=names[1:], prefix_cache_isolation=prefix_cache_isolation,
+                        tool_parser=tools, reasoning_parser=reasoning)
     edge = edge or EdgeLimits()
     config = uvicorn.Config(build_app(state, allowed_hosts), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5.0,

@@ -18,6 +18,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, Field, PlainValidator, WithJsonSchema
 
 from hybridserve.cache.salt import MAX_CACHE_SALT_CHARS, check_cache_salt
+from hybridserve.entrypoints.openai.tool_protocol import (
+    ToolDeltaFields,
+    ToolMessageFields,
+    ToolRequestFields,
+    ToolResponseFields,
+)
 
 
 def _no_bool(value: Any) -> Any:
@@ -138,7 +144,7 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(ToolMessageFields):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -157,7 +163,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -214,7 +220,7 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class ChatResponseMessage(ToolResponseFields):
     role: str = "assistant"
     content: str | None = None
 
@@ -235,7 +241,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(ToolDeltaFields):
     role: str | None = None
     content: str | None = None
 

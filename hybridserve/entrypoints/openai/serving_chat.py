@@ -1,13 +1,26 @@
-"""``POST /v1/chat/completions``: the tokenizer's chat template, then a completion."""
+"""``POST /v1/chat/completions``: the tokenizer's chat template (with the request's tools), then a completion,
+read back into reasoning, content and tool calls (chat_tools.py, chat_stream.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from hybridserve.entrypoints.openai.chat_stream import ReplyStream
+from hybridserve.entrypoints.openai.chat_tools import (
+    ReplyReader,
+    check_tools,
+    output_constraint,
+    reply_tool_calls,
+    template_kwargs,
+    template_messages,
+    template_tools,
+    tool_choice_of,
+)
 from hybridserve.entrypoints.openai.errors import APIError
 from hybridserve.entrypoints.openai.limit_checks import check_completions, check_response_size
 from hybridserve.entrypoints.openai.off_loop_json import json_response_off_loop
@@ -44,17 +57,29 @@ from hybridserve.outputs import CompletionOutput
 
 
 async def chat_prompt_ids(state: ServerState, request: ChatCompletionRequest) -> list[int]:
-    """The chat template applied to the messages, tokenized (off the event loop)."""
+    """The chat template applied to the messages (and the tools in play), tokenized (off the event loop)."""
+    ids, _, _ = await render_chat_prompt(state, request)
+    return ids
+
+
+async def render_chat_prompt(state: ServerState, request: ChatCompletionRequest) -> tuple[list[int], str, list]:
+    """The prompt's token ids and text, and the request's tools in play (checked: see chat_tools.check_tools)."""
     if not request.messages:
         raise APIError(400, "messages is empty: at least one message is required", param="messages")
     if not state.tokenizer.has_chat_template:
         raise APIError(400, f"this model's tokenizer has no chat template: the model `{state.model_name}` cannot "
                             "be used with /v1/chat/completions; use /v1/completions", param="messages")
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    return await state.tokenizer.encode_chat(messages)
+    specs = check_tools(request, state.tool_parser, state.tokenizer.chat_template_takes_tools,
+                        state.engine.engine.structured.compiler.limits.max_grammar_bytes)
+    ids, text = await state.tokenizer.render_chat(template_messages(request), template_tools(request, specs),
+                                                  template_kwargs(request))
+    return ids, text, specs
+
+
+def _reply_finish(c: CompletionOutput | None, called: bool) -> str:
+    """OpenAI's finish reason: "tool_calls" when a reply that stopped by itself called tools."""
+    reason = finish_reason(c)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _logprobs(c: CompletionOutput, tokens: range, k: int) -> ChatLogprobs:
@@ -82,15 +107,25 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     check_completions(state.limits, request.n, 1)
     params = sampling_params(request, max_tokens, logprobs, cache_salt=state.cache_salt_of(request, raw),
                              vocab_size=state.vocab_size)
-    prompt_ids = await chat_prompt_ids(state, request)
+    prompt_ids, prompt_text, specs = await render_chat_prompt(state, request)
     check_response_size(state.limits, params.n, [len(prompt_ids)], False, max_tokens, state.max_model_len, logprobs,
                         "top_logprobs")
-    await compile_structured_output(state, request, params)
+    reasoning = state.reasoning_parser
+    reader = ReplyReader(state.tool_parser if specs else None, reasoning,
+                         reasoning.prompt_state(prompt_text) if reasoning is not None else "after")
+    if params.skip_special_tokens and reader.keep_special_tags(state.tokenizer.special_texts):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    constraint = output_constraint(request, specs, params.structured_outputs, reader.parser, reasoning,
+                                   reader.reasoning_state, state.tokenizer.added_tokens)
+    if constraint is not params.structured_outputs:
+        params = dataclasses.replace(params, structured_outputs=constraint)
+    forced = bool(specs) and tool_choice_of(request) in ("required", "named")
+    await compile_structured_output(state, request, params, param="tools" if forced else None)
     requests = EngineRequests(state.engine, new_id("chatcmpl"), [(prompt_ids, None)], params)
     await requests.start()
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return StreamingResponse(sse_stream(_events(state, request, requests, logprobs, include_usage, raw),
+        return StreamingResponse(sse_stream(_events(state, requests, reader, logprobs, include_usage, raw),
                                             requests),
                                  media_type="text/event-stream")
     try:
@@ -103,19 +138,23 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
         choices = []
         for i, c in enumerate(choices_of(requests.latest[0], params.n)):
             lp = _logprobs(c, range(len(c.token_ids)), logprobs) if logprobs is not None and c is not None else None
-            choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=c.text if c is not None else ""),
-                                      logprobs=lp, finish_reason=finish_reason(c)))
+            read = reader.read(c.text if c is not None else "", True)
+            message = ChatResponseMessage(content=read.content if read.content or not read.calls else None,
+                                          reasoning_content=read.reasoning, tool_calls=reply_tool_calls(read.calls))
+            choices.append(ChatChoice(index=i, message=message, logprobs=lp,
+                                      finish_reason=_reply_finish(c, bool(read.calls))))
         return ChatCompletionResponse(id=requests.base_id, model=state.model_name, choices=choices,
                                       usage=UsageInfo(**usage_of(requests.latest, requests.prompts)))
 
     return await json_response_off_loop(build)
 
 
-async def _events(state: ServerState, request: ChatCompletionRequest, requests: EngineRequests,
+async def _events(state: ServerState, requests: EngineRequests, reader: ReplyReader,
                   logprobs: int | None, include_usage: bool, raw: Request) -> AsyncIterator[str]:
     n = requests.params.n
     rid, model = requests.base_id, state.model_name
     deltas = [TextDelta(holdback_of(requests.params)) for _ in range(n)]
+    replies = [ReplyStream(reader) for _ in range(n)]
     finished = [False] * n
     yield sse(ChatCompletionChunk(id=rid, model=model, choices=[
         ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)]))
@@ -132,8 +171,11 @@ async def _events(state: ServerState, request: ChatCompletionRequest, requests: 
                 continue
             lp = _logprobs(c, tokens, logprobs) if logprobs is not None and c is not None else None
             finished[i] = done
-            choice = ChatChunkChoice(index=i, delta=DeltaMessage(content=text) if text else DeltaMessage(),
-                                     logprobs=lp, finish_reason=finish_reason(c) if done else None)
+            piece = replies[i].advance(text, done)
+            delta = DeltaMessage(content=piece.content or None, reasoning_content=piece.reasoning or None,
+                                 tool_calls=piece.tool_calls or None)
+            choice = ChatChunkChoice(index=i, delta=delta, logprobs=lp,
+                                     finish_reason=_reply_finish(c, replies[i].called) if done else None)
             yield sse(ChatCompletionChunk(id=rid, model=model, choices=[choice]))
             await asyncio.sleep(0)  # let the loop serve others between chunks
     if include_usage:

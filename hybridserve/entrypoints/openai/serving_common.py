@@ -49,6 +49,8 @@ class ServerState:
     protect_metrics_and_docs: bool = False  # /metrics and the docs routes need the API key too
     extra_model_names: tuple[str, ...] = ()  # further names requests may use (``--served-model-name A B``)
     prefix_cache_isolation: str = "shared"  # or "api-key" (``--prefix-cache-isolation``, cache_isolation.py)
+    tool_parser: Any = None  # a tool_parsers.ToolCallParser (``--tool-call-parser``); None: tools are refused
+    reasoning_parser: Any = None  # a reasoning.ThinkTagReasoningParser (``--reasoning-parser``); None: no split
 
     @property
     def vocab_size(self) -> int:
@@ -112,17 +114,19 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
         raise APIError(400, str(exc), param=str(exc).split("=", 1)[0]) from None
 
 
-async def compile_structured_output(state: ServerState, request: Any, params: SamplingParams) -> None:
+async def compile_structured_output(state: ServerState, request: Any, params: SamplingParams,
+                                    param: str | None = None) -> None:
     """Compile the request's grammar, if it has one, in the engine's grammar worker while the event loop goes on
     (the engine then reuses it); one that does not compile, or is over a grammar limit, is a 400 naming the field
-    the client set, the limit and its flag."""
+    the client set (``param``, when the caller knows it better: ``tools`` for a tool-call grammar), the limit and
+    its flag."""
     spec = params.structured_outputs
     if spec is None:
         return
     try:
         await state.engine.engine.structured.compiler.compile_async(spec)
     except ValueError as exc:
-        param = requested_field(request)
+        param = param or requested_field(request)
         raise APIError(400, in_api_terms(str(exc), param), param=param) from None
 
 

@@ -27,6 +27,9 @@ class TokenizerWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridserve-tokenizer")
         self._tokenizer: Any = None  # touched only in the executor's thread
         self.vocab_size = 0  # token ids 0 .. vocab_size - 1 (added tokens included), set by _load
+        self.chat_template_takes_tools = False  # the chat template reads a ``tools`` variable, set by _load
+        self.added_tokens: dict[str, int] = {}  # the added tokens' texts and ids (tags of tool calls, reasoning)
+        self.special_texts: set[str] = set()  # the texts of the special tokens (which decoding may skip)
         self.has_tokenizer, self.has_chat_template, self.max_token_chars = (
             self._executor.submit(self._load, path).result())
 
@@ -50,7 +53,15 @@ class TokenizerWorker:
                           add_special_tokens: bool = False) -> list[int]:
         """The token ids of the chat template applied to ``messages`` (with the generation prompt unless told
         not to; the template writes the special tokens, so none are added unless asked)."""
-        return await self._run(self._encode_chat, messages, add_generation_prompt, add_special_tokens)
+        ids, _ = await self._run(self._encode_chat, messages, add_generation_prompt, add_special_tokens)
+        return ids
+
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+        """The token ids and the text of the chat template applied to ``messages`` with the generation prompt,
+        ``tools`` (OpenAI's tool definitions) passed to the template when given, and ``template_kwargs`` (further
+        template variables)."""
+        return await self._run(self._encode_chat, messages, True, False, tools, template_kwargs)
 
     async def decode(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` (special tokens kept); a 400 naming the first id outside the vocabulary."""
@@ -72,6 +83,10 @@ class TokenizerWorker:
         if tokenizer is None:
             return False, False, 0
         self.vocab_size = len(tokenizer)
+        self.added_tokens = {text: int(i) for text, i in tokenizer.get_added_vocab().items()}
+        self.special_texts = {str(t.content) for t in tokenizer.added_tokens_decoder.values() if t.special}
+        self.special_texts |= {str(t) for t in tokenizer.all_special_tokens}
+        self.chat_template_takes_tools = _template_reads(getattr(tokenizer, "chat_template", None), "tools")
         longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
         return True, bool(getattr(tokenizer, "chat_template", None)), max(1, longest)
 
@@ -102,12 +117,13 @@ class TokenizerWorker:
                 for i, text in enumerate(texts)]
 
     def _encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False) -> list[int]:
+                     add_special_tokens: bool = False, tools: list[dict] | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
         from jinja2 import TemplateError
 
         try:
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=False)
+                                                       tokenize=False, tools=tools, **(template_kwargs or {}))
         except TemplateError as exc:
             raise APIError(400, f"the chat template refused these messages: {_short(exc)}", param="messages") from None
         except (TypeError, UnicodeError) as exc:
@@ -117,7 +133,24 @@ class TokenizerWorker:
             raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
         self._check_length(text, "the chat, rendered by its template,", "messages")
         # what apply_chat_template(tokenize=True) does: the template writes the special tokens itself
-        return self._encode(text, "the rendered chat", "messages", add_special_tokens=add_special_tokens)
+        return self._encode(text, "the rendered chat", "messages", add_special_tokens=add_special_tokens), text
+
+
+def _template_reads(template: Any, name: str) -> bool:
+    """Whether a chat template (a Jinja source, or a dict of named ones) reads the variable ``name``."""
+    if not template:
+        return False
+    import re
+
+    from jinja2 import Environment, meta
+
+    sources = [src for src in (template.values() if isinstance(template, dict) else [template])
+               if isinstance(src, str)]
+    env = Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return any(name in meta.find_undeclared_variables(env.parse(src)) for src in sources)
+    except Exception:  # noqa: BLE001 - a tag only transformers' environment knows: look for the name itself
+        return any(re.search(rf"\b{name}\b", src) for src in sources)
 
 
 def _short(exc: BaseException, limit: int = 500) -> str:
