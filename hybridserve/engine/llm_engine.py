@@ -108,7 +108,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer.from_path(tokenizer_path)
         # every id that ends a sequence: config.json's, generation_config.json's and the tokenizer's (first: the
         # one the grammar engine knows as EOS)
-        self.eos_token_ids = end_of_sequence_ids(self.hf_config, config.model, self._generation_eos_ids,
+        self.eos_token_ids = end_of_sequence_ids(self.hf_config, str(config.model), self._generation_eos_ids,
                                                  self.detokenizer.tokenizer)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,

@@ -21,10 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=None,
                    help="0 is greedy (default: the model's, else 0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the most likely tokens up to "
-                                                              "this probability mass (default: the model's, else 1: "
-                                                              "all)")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: the model's, "
-                                                            "else 0: all)")
+                                                              "this probability mass, 1: all (default: the model's, "
+                                                              "else 1)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0: all (default: the "
+                                                            "model's, else 0)")
     p.add_argument("--min-p", type=float, default=None,
                    help="drop tokens below min-p times the top probability (default: the model's, else 0)")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (reproducible sampling)")
@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--logprobs", type=int, default=None, help="print top-k logprobs of each generated token")
     p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="> 1 discourages tokens already in the prompt or the output (default: the model's, else 1: "
-                        "off)")
+                   help="> 1 discourages tokens already in the prompt or the output, 1: off (default: the model's, "
+                        "else 1)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtracted once from every token already generated, in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0,

@@ -116,6 +116,25 @@ def test_the_openai_no_op_fields_are_accepted_and_the_others_refused(client):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+#: what vllm-router 0.1.17 adds to every request it forwards (captured from it), at its values
+ROUTER_COMPLETION_FIELDS = {"echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                            "return_hidden_states": False}
+ROUTER_CHAT_FIELDS = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                      "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+                      "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_what_vllm_router_forwards_is_accepted(client):
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, **ROUTER_COMPLETION_FIELDS})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                                                  **ROUTER_CHAT_FIELDS})
+    assert r.status_code == 200, r.text
+    for field in ("no_stop_trim", "return_hidden_states"):
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, field: True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_the_openai_sdk_sends_only_accepted_fields(client):
     """Every parameter of the SDK's completions.create, and the no-op ones of chat.completions.create, pass."""
     from openai import OpenAI

@@ -121,11 +121,17 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: CacheSalt | None = None  # the prefix-cache tenant (docs/server.md, "Isolation")
+    # SGLang's fields, which vllm-router adds to every request it forwards: accepted at their neutral value
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     def unsupported(self) -> str | None:
         """The name of a field set to a value this server does not implement, if any."""
         if self.stream_options is not None and self.stream_options.include_obfuscation:
             return "stream_options.include_obfuscation"
+        for name in ("no_stop_trim", "return_hidden_states"):
+            if getattr(self, name):
+                return name
         return None
 
 
@@ -182,8 +188,16 @@ class ChatCompletionRequest(_SamplingFields):
     store: bool | None = None  # only false: nothing is stored
     service_tier: str | None = None  # only auto / default: one tier
     modalities: list[str] | None = None  # only ["text"]
+    # vllm-router's chat additions (SGLang's names): continue_final_message only false; the reasoning switches have
+    # nothing to do while no reasoning parser separates reasoning from content
+    continue_final_message: bool = False
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     def unsupported(self) -> str | None:
+        if self.continue_final_message:
+            return "continue_final_message"
         if self.store:
             return "store"
         if self.service_tier not in (None, "auto", "default"):
