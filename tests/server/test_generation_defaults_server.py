@@ -86,6 +86,30 @@ def test_generation_config_vllm_ignores_the_file(ckpt):
         assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens of a completion
 
 
+def test_a_second_eos_id_ends_a_reply_with_stop(tmp_path):
+    """generation_config.json lists an end-of-turn id beside end-of-text: a reply that reaches it ends there with
+    finish_reason "stop", streamed or not, and its text never shows it."""
+    path = make_checkpoint(str(tmp_path / "bamba"))
+    llm = LLM(path, cache_memory="8MiB", enable_progress_bar=False)
+    eos, tok = llm.engine.eos_token_id, llm.get_tokenizer()
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    pos = next(i for i, t in enumerate(greedy.token_ids) if i >= 1 and t != eos and t not in greedy.token_ids[:i])
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos, greedy.token_ids[pos]]}, f)
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    with _client(path) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and r.json()["usage"]["completion_tokens"] == pos + 1
+        assert choice["text"] == tok.decode(greedy.token_ids[:pos])
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("route, body, field", [
     ("/v1/completions", {"prompt": "x", "max_tokens": 1, "frobnicate": 1}, "frobnicate"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1, "stream": True, "stream_options": {"bogus": True}},
