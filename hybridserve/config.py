@@ -22,6 +22,7 @@ import torch
 
 from hybridserve.cache.dtypes import dtype_name
 from hybridserve.cache.spec import ResolvedDtypes
+from hybridserve.generation_config import check_generation_config_setting
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import check_thread_options, check_wait_policy
 from hybridserve.options import (
@@ -125,6 +126,9 @@ class EngineConfig:
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     max_grammar_compile_seconds: float = DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS
     grammar_cache_bytes: int | str = DEFAULT_GRAMMAR_CACHE_BYTES
+    # where requests' sampling defaults come from: auto (the model's generation_config.json), vllm (none) or a
+    # folder (hybridserve/generation_config.py)
+    generation_config: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -149,6 +153,7 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed={self.seed!r} must be an integer")
         self.cache_memory = parse_size(self.cache_memory)
+        self.generation_config = check_generation_config_setting(self.generation_config)
         parse_speculative_config(self.speculative_config)  # ValueError naming the bad key or value
         self.grammar_cache_bytes = parse_cache_bytes(self.grammar_cache_bytes)
         self.grammar_limits()  # ValueError naming a bad limit

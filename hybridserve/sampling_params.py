@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from hybridserve.cache.salt import check_cache_salt
 from hybridserve.structured_output.params import StructuredOutputsParams
@@ -17,6 +19,9 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1
 MAX_TEMPERATURE = 100.0
 #: ``repetition_penalty`` bounds: a penalty that float32 rounds to 0 or to inf turns logits into inf or NaN
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+#: the fields a checkpoint's generation_config.json may give defaults for (hybridserve/generation_config.py):
+#: a request that leaves one unset gets the model's default, one that sets it keeps its own value
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
 @dataclass
@@ -64,9 +69,32 @@ class SamplingParams:
     cache_salt: str | None = None  # the prefix-cache tenant: None shares with every unsalted request
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     _adjusts_logits: bool = field(default=False, init=False, repr=False)
+    _set_fields: frozenset[str] = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in MODEL_DEFAULT_FIELDS and "_set_fields" in self.__dict__:  # assigned after construction
+            object.__setattr__(self, "_set_fields", self._set_fields | {name})
+        object.__setattr__(self, name, value)
+
+    def is_set(self, name: str) -> bool:
+        """Whether ``name`` (one of ``MODEL_DEFAULT_FIELDS``) was given a value, at construction or since; an
+        unset one takes the model's default."""
+        return name in self._set_fields
+
+    def with_defaults(self, defaults: dict[str, Any]) -> "SamplingParams":
+        """A validated copy with ``defaults`` in those of its fields that are unset (they stay unset: the copy
+        reports them as defaults, not as the caller's values)."""
+        params = copy.copy(self)
+        for name, value in defaults.items():
+            if name not in MODEL_DEFAULT_FIELDS:
+                raise ValueError(f"{name!r} cannot take a model default; allowed: {', '.join(MODEL_DEFAULT_FIELDS)}")
+            if not self.is_set(name):
+                object.__setattr__(params, name, value)
+        params.validate()
+        return params
 
     def validate(self) -> None:
         """Check every field (again: the engine calls this, as params may be changed after they are made);
@@ -160,6 +188,20 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+
+_POSITIONAL = tuple(f.name for f in fields(SamplingParams) if f.init)
+_dataclass_init = SamplingParams.__init__
+
+
+def _init_recording_set_fields(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    """The dataclass constructor, then the record of which model-defaultable fields the caller passed."""
+    _dataclass_init(self, *args, **kwargs)
+    passed = set(_POSITIONAL[:len(args)]) | set(kwargs)
+    object.__setattr__(self, "_set_fields", frozenset(passed & set(MODEL_DEFAULT_FIELDS)))
+
+
+SamplingParams.__init__ = _init_recording_set_fields  # type: ignore[method-assign]
 
 
 def _is_int(value: object) -> bool:

@@ -23,7 +23,7 @@ FLOORS = [
      "spec_decode.config", "cache.dtypes", "cache.salt", "tool_parsers", "reasoning"],
     ["kernels", "ops", "forward_batch", "cache.spec", "cache.capacity", "cache.layout",
      "cache.id_set", "cache.pool", "cache.slots", "structured_output.limits"],
-    ["config", "cache"],
+    ["config", "generation_config", "cache"],
     ["layers", "distributed", "distributed.group", "distributed.layers"],
     ["models", "distributed.sharding", "distributed.sharder", "distributed.shard_attention",
      "distributed.shard_dense", "distributed.shard_recurrent"],

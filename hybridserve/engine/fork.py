@@ -56,7 +56,7 @@ def make_children(parent: Sequence) -> list[Sequence]:
     children: list[Sequence] = []
     for index in range(1, parent.params.n):
         child = Sequence(parent.request_id, parent.prompt_token_ids, child_params(parent.params, index),
-                         parent.arrival, parent.prompt, parent.eos_token_id, index=index, origin=parent.origin)
+                         parent.arrival, parent.prompt, parent.eos_token_ids, index=index, origin=parent.origin)
         child.prompt_logprobs = list(parent.prompt_logprobs)  # the prompt is shared: computed once
         children.append(child)
     return children

@@ -24,6 +24,7 @@ from hybridserve.engine.request_registry import RequestRegistry
 from hybridserve.engine.scheduler import ScheduledSeq, Scheduler
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.worker import Worker
+from hybridserve.generation_config import generation_eos_ids, load_generation_defaults, token_id_list
 from hybridserve.kernels.threads import setup_threads
 from hybridserve.layers.weight_bytes import weight_bytes
 from hybridserve.models.loader import load_hf_config
@@ -53,6 +54,10 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.hf_config = load_hf_config(config.model)
         self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
+        # generation_config.json, read before the weights so that a broken file fails at once
+        self._generation_eos_ids = generation_eos_ids(config.model)
+        self.generation_defaults = load_generation_defaults(config.generation_config, config.model)
+        logger.info(self.generation_defaults.describe())
         torch.manual_seed(config.seed)
         # torch.set_num_threads, before tensor-parallel ranks split the count; logs the OpenMP wait policy in force
         self.thread_setup = setup_threads(config.cpu_threads, config.cpu_reserved_cores, config.cpu_wait_policy)
@@ -101,7 +106,11 @@ class LLMEngine:
         tokenizer_path = config.tokenizer or config.model
         assert tokenizer_path is not None, "the engine was built from a model directory"
         self.detokenizer = Detokenizer.from_path(tokenizer_path)
-        self.eos_token_id = _eos_token_id(self.hf_config, self.detokenizer)
+        # every id that ends a sequence: config.json's, generation_config.json's and the tokenizer's (first: the
+        # one the grammar engine knows as EOS)
+        self.eos_token_ids = end_of_sequence_ids(self.hf_config, str(config.model), self._generation_eos_ids,
+                                                 self.detokenizer.tokenizer)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.structured = StructuredOutputManager(self.detokenizer.tokenizer, self.hf_config.vocab_size,
                                                   self.eos_token_id, config.grammar_limits())
         self.fingerprint = config.fingerprint(self.dtypes)
@@ -154,6 +163,7 @@ class LLMEngine:
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: at least one token is required")
+        params = self._with_model_defaults(params, len(ids))
         vocab = self.hf_config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
@@ -171,7 +181,19 @@ class LLMEngine:
         self.structured.check(params)  # its grammar compiled (unless already), within the grammar limits
         if params.max_tokens is None:
             params = _with_max_tokens(params, max_tokens)
-        return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_id, origin=origin)
+        return Sequence(request_id, ids, params, next(self._arrivals), prompt, self.eos_token_ids,
+                        origin=origin)
+
+    def _with_model_defaults(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``params`` with the model's generation defaults in the fields it leaves unset; a default ``max_tokens``
+        (generation_config.json's ``max_new_tokens``) is cut to what fits after the prompt, as an explicit one is
+        not."""
+        params = self.generation_defaults.apply(params)
+        room = self.max_model_len - prompt_len
+        if (not params.is_set("max_tokens") and "max_tokens" in self.generation_defaults.sampling
+                and params.max_tokens is not None and params.max_tokens > room >= 1):
+            params = params.with_defaults({"max_tokens": room})
+        return params
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its cache now, every sequence of it (unknown or finished ids are ignored)."""
@@ -353,13 +375,16 @@ def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     return params
 
 
-def _eos_token_id(hf_config: Any, detok: "Detokenizer") -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    if eos is None and detok.tokenizer is not None:
-        eos = detok.tokenizer.eos_token_id
-    return eos
+def end_of_sequence_ids(hf_config: Any, model_folder: str, generation_ids: list[int],
+                        tokenizer: Any | None) -> tuple[int, ...]:
+    """Every end-of-sequence id, in order and without repeats: config.json's ``eos_token_id`` (an id or a list),
+    then generation_config.json's (``generation_ids``), then the tokenizer's."""
+    found = token_id_list(getattr(hf_config, "eos_token_id", None), f"{model_folder}/config.json")
+    found += generation_ids
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tokenizer_eos, int):
+        found.append(tokenizer_eos)
+    return tuple(dict.fromkeys(found))
 
 
 __all__ = ["LLMEngine", "SequenceStatus", "dtype_name"]

@@ -8,7 +8,7 @@ distribution, as vLLM's default ``raw_logprobs``). Order, as vLLM's: bias and ma
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,7 @@ class RowContext:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    eos_token_id: int | None = None
+    eos_token_ids: Collection[int] = ()
     token_mask: TokenMask | None = None  # structured output: the grammar's allowed next tokens
 
 
@@ -71,8 +71,8 @@ class LogitAdjuster:
                 out[i].index_add_(0, ids.to(out.device), bias.to(out.device))
             if len(ctx.output_token_ids) < p.min_tokens:
                 stops = [t for t in (p.stop_token_ids or []) if t < vocab]
-                if ctx.eos_token_id is not None and not p.ignore_eos and ctx.eos_token_id < vocab:
-                    stops.append(ctx.eos_token_id)
+                if not p.ignore_eos:
+                    stops += [t for t in ctx.eos_token_ids if t < vocab]
                 if stops:
                     out[i, stops] = float("-inf")
             if ctx.token_mask is not None and not hasattr(ctx.token_mask, "fill_bitmask"):

@@ -174,7 +174,7 @@ class OutputProcessor:
                 masks = torch.empty(m + 1, matcher.num_words, dtype=torch.int32)  # (m + 1, W)
                 matcher.draft_masks(it.drafts, masks)
             rows += [RowContext(seq.params, seq.prompt_token_ids, seq.output_token_ids + it.drafts[:j],
-                                seq.eos_token_id, FixedMask(masks[j]) if masks is not None else None)
+                                seq.eos_token_ids, FixedMask(masks[j]) if masks is not None else None)
                      for j in range(m + 1)]
         adjuster = LogitAdjuster(rows)
         return adjuster if adjuster else None
@@ -183,7 +183,7 @@ class OutputProcessor:
         """Penalties, biases and masks of the rows about to be sampled; None when no row has any."""
         if not any(s.params.adjusts_logits for s in seqs):
             return None
-        rows = [RowContext(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id,
+        rows = [RowContext(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids,
                            self.structured.matcher(s) if s.params.structured_outputs is not None else None)
                 for s in seqs]
         adjuster = LogitAdjuster(rows)
@@ -254,12 +254,14 @@ class OutputProcessor:
             seq.output_text, seq.text_final = seq.output_text[:stop.text_end], True
             self.end([seq], stop.reason, stop.stop_reason)
         else:
-            self._finish(seq, stop.reason, stop.stop_reason)
+            self._finish(seq, stop.reason, stop.stop_reason, stop.by_eos)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        """Finish ``seq`` (not at a stop string); its final text is the whole output decoded at once."""
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None, by_eos: bool = False) -> None:
+        """Finish ``seq`` (not at a stop string); its final text is the whole output decoded at once, less the
+        end-of-sequence token that ended it (never printed, special or not)."""
         if seq.params.detokenize:
-            seq.output_text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+            tokens = seq.output_token_ids[:-1] if by_eos else seq.output_token_ids
+            seq.output_text = self.detokenizer.decode(tokens, seq.params.skip_special_tokens)
             seq.text_final = True
         self.end([seq], reason, stop_reason)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 
 import torch
 
@@ -22,7 +22,7 @@ class Sequence:
     """A request being generated: prompt, output so far, and what it holds in the cache pool."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival: int, prompt: str | None = None, eos_token_id: int | None = None,
+                 arrival: int, prompt: str | None = None, eos_token_ids: Collection[int] = (),
                  index: int = 0, origin: Hashable | None = None) -> None:
         self.request_id = request_id
         self.index = index  # which of the request's n completions this is (0 for n == 1)
@@ -33,7 +33,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.arrival = arrival
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)  # every id that ends it (unless params.ignore_eos)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV / state is in the cache
         self.block_table: list[int] = []

@@ -11,11 +11,13 @@ from hybridserve.engine.sequence import Sequence
 class Stop:
     """Why a sequence ends: ``reason`` "stop" or "length"; ``stop_reason`` the stop token id or stop string
     that ended it (None for EOS, a complete grammar or a length); ``text_end`` where its output text is cut
-    (a stop string: the text is final there), None when the whole output is decoded as its text."""
+    (a stop string: the text is final there), None when the output's tokens are decoded as its text; ``by_eos``:
+    an end-of-sequence token ended it (that token is not part of the text)."""
 
     reason: str
     stop_reason: int | str | None = None
     text_end: int | None = None
+    by_eos: bool = False
 
 
 def check_stop(seq: Sequence, text_before: int, grammar_finished: bool, max_model_len: int) -> Stop | None:
@@ -29,8 +31,8 @@ def check_stop(seq: Sequence, text_before: int, grammar_finished: bool, max_mode
     num_out = len(seq.output_token_ids)
     token = seq.output_token_ids[-1]
     if num_out >= params.min_tokens:
-        if not params.ignore_eos and token == seq.eos_token_id:
-            return Stop("stop")
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return Stop("stop", by_eos=True)
         if params.stop_token_ids and token in params.stop_token_ids:
             return Stop("stop", token)
         for stop in params.stop_strings:

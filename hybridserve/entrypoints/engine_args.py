@@ -99,6 +99,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
                         help="tokens between the state snapshots of a long prefill (0: only at prompt ends, "
                              "generation ends and branch points)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="where the sampling defaults of requests that leave them unset come from: auto, the "
+                             "model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens as max_tokens); vllm, none (the engine's defaults); DIR, that folder's "
+                             "generation_config.json. A request's own values always win")
     add_grammar_limit_args(parser)
 
 
@@ -120,7 +125,8 @@ ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cach
                  "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "cpu_threads",
                  "cpu_reserved_cores", "cpu_wait_policy", "quantization",
                  "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
-                 "tensor_parallel_size", "max_grammar_bytes", "max_grammar_compile_seconds", "grammar_cache_bytes")
+                 "tensor_parallel_size", "max_grammar_bytes", "max_grammar_compile_seconds", "grammar_cache_bytes",
+                 "generation_config")
 
 
 def threads_arg(value: str) -> int | None:

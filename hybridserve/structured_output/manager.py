@@ -44,8 +44,11 @@ class StructuredOutputManager:
         found = self._matchers.get(seq)
         if found is None:
             params = seq.params
+            # the grammar engine knows one EOS id (the engine's first); the others end a complete output as the
+            # request's stop tokens do
+            ends = list(params.stop_token_ids or []) + sorted(t for t in seq.eos_token_ids if t != self.eos_token_id)
             found = SequenceMatcher(self.compiler.compile(params.structured_outputs).new_matcher(), self._mask_vocab,
-                                    params.stop_token_ids, seq.eos_token_id)
+                                    ends, self.eos_token_id)
             for token in seq.output_token_ids:  # none, unless the sequence already generated some
                 found.accept(token)
             self._matchers[seq] = found

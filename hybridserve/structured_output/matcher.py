@@ -17,8 +17,9 @@ class GrammarRefusedToken(ValueError):
 class SequenceMatcher:
     """The llguidance matcher of one sequence, as a logits row's token mask (see ``RowContext.token_mask``).
 
-    Once the grammar accepts, the request's ``stop_token_ids`` are allowed too (EOS is allowed by the grammar
-    itself); such a token ends the request without entering the grammar. :attr:`finished` is True when the
+    Once the grammar accepts, the request's ``stop_token_ids`` are allowed too (the model's end-of-sequence ids
+    other than ``eos_token_id`` are passed among them; ``eos_token_id`` is allowed by the grammar itself); such a
+    token ends the request without entering the grammar. :attr:`finished` is True when the
     grammar admits no further token: the request then ends with finish reason "stop".
     """
 

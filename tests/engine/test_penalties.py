@@ -56,7 +56,7 @@ def test_adjuster_matches_reference_row_by_row():
         params = SamplingParams(**kw)
         prompt = torch.randint(0, vocab, (6,), generator=gen).tolist()
         output = torch.randint(0, vocab, (i % 4 + 1,), generator=gen).tolist() + [3, 3]  # repeats
-        rows.append(RowContext(params, prompt, output, eos))
+        rows.append(RowContext(params, prompt, output, [eos]))
         expected.append(_reference_adjust(logits[i], params, prompt, output, eos))
     adjuster = LogitAdjuster(rows)
     got = adjuster(logits)
@@ -70,15 +70,15 @@ def test_adjuster_matches_reference_row_by_row():
 def test_min_tokens_mask_ends_when_reached():
     params = SamplingParams(min_tokens=2, stop_token_ids=[5])
     logits = torch.zeros(1, 8)
-    assert LogitAdjuster([RowContext(params, [1], [4], 2)])(logits)[0, [2, 5]].isneginf().all()
-    assert not LogitAdjuster([RowContext(params, [1], [4, 4], 2)])  # two tokens out: nothing to adjust
+    assert LogitAdjuster([RowContext(params, [1], [4], [2])])(logits)[0, [2, 5]].isneginf().all()
+    assert not LogitAdjuster([RowContext(params, [1], [4, 4], [2])])  # two tokens out: nothing to adjust
 
 
 def test_sampled_tokens_follow_the_penalized_distribution_and_report_raw_logprobs():
     raw = torch.log(torch.tensor([0.5, 0.3, 0.2]))
     n = 6000
     params = [SamplingParams(temperature=1.0, frequency_penalty=1.0, logprobs=1)] * n
-    rows = [RowContext(p, [0], [0], None) for p in params]  # token 0 was generated once
+    rows = [RowContext(p, [0], [0]) for p in params]  # token 0 was generated once
     res = sample(raw.repeat(n, 1), params, [None] * n, torch.Generator().manual_seed(1), adjust=LogitAdjuster(rows))
     penalized = torch.softmax(raw - torch.tensor([1.0, 0.0, 0.0]), -1)
     freq = torch.bincount(torch.tensor(res.token_ids), minlength=3).float() / n
@@ -90,8 +90,8 @@ def test_sampled_tokens_follow_the_penalized_distribution_and_report_raw_logprob
 
 def test_every_token_masked_fails_the_row_not_the_batch():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
-    rows = [RowContext(params[0], [0], [], None, token_mask=lambda lg, r: lg[r].fill_(float("-inf"))),
-            RowContext(params[1], [0], [], None)]
+    rows = [RowContext(params[0], [0], [], token_mask=lambda lg, r: lg[r].fill_(float("-inf"))),
+            RowContext(params[1], [0], [])]
     res = sample(torch.randn(2, 5), params, [None, None], torch.Generator(), adjust=LogitAdjuster(rows))
     assert list(res.errors) == [0] and "masked" in res.errors[0]
 

@@ -9,11 +9,13 @@ from hybridserve.engine.stop_check import Stop, check_stop
 from hybridserve.sampling_params import SamplingParams
 
 EOS = 2
+END_OF_TURN = 9  # a second end-of-sequence id (generation_config.json's list)
 
 
 def _seq(output: list[int], text: str = "", prompt_len: int = 3, **params) -> Sequence:
     params.setdefault("max_tokens", 16)
-    seq = Sequence("r", list(range(10, 10 + prompt_len)), SamplingParams(**params), arrival=0, eos_token_id=EOS)
+    seq = Sequence("r", list(range(10, 10 + prompt_len)), SamplingParams(**params), arrival=0,
+                   eos_token_ids=[EOS, END_OF_TURN])
     seq.output_token_ids = list(output)
     seq.output_text = text
     return seq
@@ -24,10 +26,15 @@ def test_goes_on_without_a_reason_to_stop():
 
 
 def test_eos_stops_unless_ignored_or_before_min_tokens():
-    assert check_stop(_seq([5, EOS]), 0, False, 64) == Stop("stop")
+    assert check_stop(_seq([5, EOS]), 0, False, 64) == Stop("stop", by_eos=True)
     assert check_stop(_seq([5, EOS], ignore_eos=True), 0, False, 64) is None
     assert check_stop(_seq([5, EOS], min_tokens=3), 0, False, 64) is None
-    assert check_stop(_seq([5, 6, EOS], min_tokens=3), 0, False, 64) == Stop("stop")
+    assert check_stop(_seq([5, 6, EOS], min_tokens=3), 0, False, 64) == Stop("stop", by_eos=True)
+
+
+def test_every_end_of_sequence_id_stops():
+    assert check_stop(_seq([5, END_OF_TURN]), 0, False, 64) == Stop("stop", by_eos=True)
+    assert check_stop(_seq([5, END_OF_TURN], ignore_eos=True), 0, False, 64) is None
 
 
 def test_a_stop_token_is_the_stop_reason():
@@ -61,5 +68,5 @@ def test_length_from_max_tokens_or_the_model_length():
 def test_it_changes_nothing():
     seq = _seq([5, EOS], text="hi stop there", stop=["stop"])
     before = copy.deepcopy(seq.__dict__)
-    assert check_stop(seq, 0, True, 64) == Stop("stop")
+    assert check_stop(seq, 0, True, 64) == Stop("stop", by_eos=True)
     assert seq.__dict__ == before

@@ -92,7 +92,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
+        unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+        first = unknown[0] if unknown else errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             where = first.get("loc", ("body", None))[-1]
             detail = (first.get("ctx") or {}).get("error", "JSON decode error")
@@ -100,6 +101,10 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         where = ".".join(loc)
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"{where} is not supported by this server: it is not a field of this "
+                                       "request (unknown fields are refused, not ignored; docs/server.md lists the "
+                                       "fields)", param=where, code="unsupported_field")
         message = f"{where}: {msg}" if where else msg
         return error_response(400, message, param=loc[0] if loc else None)
 

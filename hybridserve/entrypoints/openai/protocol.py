@@ -2,7 +2,10 @@
 
 Requests accept OpenAI's fields plus a few extensions (``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``skip_special_tokens``); fields we do not implement are accepted
-only at their neutral value, so a client never silently gets something other than it asked for.
+only at their neutral value, and a field the models do not declare is refused (a 400 naming it, see
+``errors.py``), so a client never silently gets something other than it asked for. A few OpenAI fields
+whose correct meaning here is "nothing to do" are accepted as no-ops (``user``, ``metadata``,
+``safety_identifier``, ``prompt_cache_key``; docs/server.md).
 
 Numbers are strict where JSON's types would otherwise blur: a boolean is never an integer or a
 number (``"prompt": [true, false]`` is not a list of token ids), and a float must be finite.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 
 from hybridserve.cache.salt import MAX_CACHE_SALT_CHARS, check_cache_salt
 from hybridserve.entrypoints.openai.tool_protocol import (
@@ -67,11 +70,18 @@ Prompt = Annotated[str | list, PlainValidator(_prompt), WithJsonSchema({"anyOf":
     {"type": "array", "items": _IDS_SCHEMA}]})]
 
 
-class StreamOptions(BaseModel):
+class _Request(BaseModel):
+    """A request body (or a part of one): a field it does not declare is refused, never dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # only false: chunks carry no obfuscation padding
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Request):
     """``response_format.json_schema``: the output is JSON valid under ``schema`` (enforced, ``strict`` or not)."""
 
     name: str | None = None
@@ -80,12 +90,12 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -101,9 +111,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
     logit_bias: dict[str, Float] | None = None  # {"token id": bias in [-100, 100]}
-    user: str | None = None
+    user: str | None = None  # accepted, no effect: an end-user id for the provider's abuse monitoring
     # extensions
-    repetition_penalty: Float = 1.0
+    repetition_penalty: Float | None = None
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     min_tokens: Int = 0
@@ -117,15 +127,23 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     cache_salt: CacheSalt | None = None  # the prefix-cache tenant (docs/server.md, "Isolation")
+    # SGLang's fields, which vllm-router adds to every request it forwards: accepted at their neutral value
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     def unsupported(self) -> str | None:
         """The name of a field set to a value this server does not implement, if any."""
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            return "stream_options.include_obfuscation"
+        for name in ("no_stop_trim", "return_hidden_states"):
+            if getattr(self, name):
+                return name
         return None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: Int | None = 16
+    max_tokens: Int | None = None  # unset: the model's generation_config max_new_tokens, else 16 (OpenAI's)
     logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -144,7 +162,7 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(ToolMessageFields):
+class ChatMessage(ToolMessageFields, _Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -169,6 +187,34 @@ class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
+    # OpenAI fields accepted with no effect, the correct meaning on a server that stores nothing and has one tier
+    metadata: dict[str, str] | None = None  # tags of a stored completion: nothing is stored
+    safety_identifier: str | None = None  # as ``user``
+    prompt_cache_key: str | None = None  # a cache-routing hint: the prefix cache needs none
+    store: bool | None = None  # only false: nothing is stored
+    service_tier: str | None = None  # only auto / default: one tier
+    modalities: list[str] | None = None  # only ["text"]
+    # vllm-router's chat additions (SGLang's names): continue_final_message only false; the reasoning switches only
+    # at what the server does (with --reasoning-parser, reasoning is separated, streamed and included; without one
+    # there is no reasoning to treat)
+    continue_final_message: bool = False
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
+
+    def unsupported(self) -> str | None:
+        if self.continue_final_message:
+            return "continue_final_message"
+        for name in ("separate_reasoning", "stream_reasoning", "include_reasoning"):
+            if getattr(self, name) is False:
+                return name
+        if self.store:
+            return "store"
+        if self.service_tier not in (None, "auto", "default"):
+            return "service_tier"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities"
+        return super().unsupported()
 
 
 # ------------------------------------------------------------------ responses

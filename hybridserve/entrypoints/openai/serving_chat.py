@@ -106,9 +106,10 @@ async def create_chat_completion(state: ServerState, request: ChatCompletionRequ
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     check_completions(state.limits, request.n, 1)
     params = sampling_params(request, max_tokens, logprobs, cache_salt=state.cache_salt_of(request, raw),
-                             vocab_size=state.vocab_size)
+                             vocab_size=state.vocab_size, model_sets_max_tokens=state.model_sets_max_tokens)
     prompt_ids, prompt_text, specs = await render_chat_prompt(state, request)
-    check_response_size(state.limits, params.n, [len(prompt_ids)], False, max_tokens, state.max_model_len, logprobs,
+    check_response_size(state.limits, params.n, [len(prompt_ids)], False, state.max_tokens_of(params),
+                        state.max_model_len, logprobs,
                         "top_logprobs")
     reasoning = state.reasoning_parser
     reader = ReplyReader(state.tool_parser if specs else None, reasoning,

@@ -68,6 +68,15 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                            param="model", code="model_not_found")
 
+    @property
+    def model_sets_max_tokens(self) -> bool:
+        """Whether the model's generation_config.json gives a default ``max_tokens`` (its ``max_new_tokens``)."""
+        return "max_tokens" in self.engine.engine.generation_defaults.sampling
+
+    def max_tokens_of(self, params: SamplingParams) -> int | None:
+        """The ``max_tokens`` the engine runs ``params`` with (before it cuts a model default to what fits)."""
+        return self.engine.engine.generation_defaults.apply(params).max_tokens
+
     def cache_salt_of(self, request: Any, raw: Request) -> str | None:
         """The prefix-cache salt ``request`` runs with (its ``cache_salt``, keyed by its API key in api-key mode)."""
         return request_cache_salt(self.prefix_cache_isolation, request.cache_salt,
@@ -80,9 +89,14 @@ def new_id(prefix: str) -> str:
 
 def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, cache_salt: str | None = None,
-                    vocab_size: int | None = None) -> SamplingParams:
+                    vocab_size: int | None = None, api_max_tokens: int | None = None,
+                    model_sets_max_tokens: bool = False) -> SamplingParams:
     """The engine's SamplingParams of an API request; a bad value is a 400 naming the field.
 
+    Only the sampling fields the request sets are set: the engine gives the others the model's
+    generation_config.json defaults (docs/server.md, "Generation defaults"). ``max_tokens`` is the request's
+    (None: not given); when not given it is left to the model's default if ``model_sets_max_tokens``, else it is
+    the endpoint's ``api_max_tokens`` (None: as many as fit).
     ``max_tokens=0`` (prefill only) is valid only with completions' ``echo=true``, as in vLLM: it returns
     the prompt and its logprobs, and nothing else."""
     name = request.unsupported()
@@ -93,18 +107,20 @@ def sampling_params(request: Any, max_tokens: int | None, logprobs: int | None,
         raise APIError(400, f"{param}=0 is not valid here: it must be >= 1 (0 is allowed only on /v1/completions "
                             "with echo=true, which returns the prompt and its logprobs alone)", param=param)
     fields: dict[str, Any] = dict(
-        n=request.n, max_tokens=max_tokens, seed=request.seed, stop=request.stop,
+        n=request.n, seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, cache_salt=cache_salt,
         min_tokens=request.min_tokens, skip_special_tokens=request.skip_special_tokens,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty, logit_bias=_logit_bias(request.logit_bias, vocab_size))
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        logit_bias=_logit_bias(request.logit_bias, vocab_size))
     try:
         fields["structured_outputs"] = structured_outputs_of(request)
     except StructuredOutputRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    if max_tokens is not None or not model_sets_max_tokens:
+        fields["max_tokens"] = max_tokens if max_tokens is not None else api_max_tokens
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(request, name)
         if value is not None:
             fields[name] = value

@@ -44,6 +44,10 @@ from hybridserve.entrypoints.openai.serving_common import (
 )
 from hybridserve.outputs import CompletionOutput, PositionLogprobs
 
+#: OpenAI's default ``max_tokens`` of a completion, when neither the request nor the model's generation config
+#: gives one
+OPENAI_DEFAULT_MAX_TOKENS = 16
+
 
 def prompt_items(prompt: str | list) -> list:
     """``prompt`` as a list of prompts: a string, strings, token ids, or lists of token ids."""
@@ -130,10 +134,13 @@ async def create_completion(state: ServerState, request: CompletionRequest, raw:
     check_completions(state.limits, request.n, len(items))
     params = sampling_params(request, request.max_tokens, request.logprobs,
                              prompt_logprobs=request.logprobs if request.echo else None,
-                             cache_salt=state.cache_salt_of(request, raw), vocab_size=state.vocab_size)
+                             cache_salt=state.cache_salt_of(request, raw), vocab_size=state.vocab_size,
+                             api_max_tokens=OPENAI_DEFAULT_MAX_TOKENS,
+                             model_sets_max_tokens=state.model_sets_max_tokens)
     prompts = await tokenized_prompts(state, items)
     check_token_ids(prompts, state.vocab_size)
-    check_response_size(state.limits, params.n, [len(ids) for ids, _ in prompts], request.echo, request.max_tokens,
+    check_response_size(state.limits, params.n, [len(ids) for ids, _ in prompts], request.echo,
+                        state.max_tokens_of(params),
                         state.max_model_len, request.logprobs)
     echoes = await _echoes(state, request, prompts)
     await compile_structured_output(state, request, params)

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
-class FunctionDefinition(BaseModel):
+class _Strict(BaseModel):
+    """A request part: an undeclared field is refused (a 400 naming it), never dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDefinition(_Strict):
     """``tools[i].function``: its name, what it does, its parameters' JSON schema, and OpenAI's ``strict``
     (accepted either way: with ``tool_choice`` required or named the arguments always match the schema)."""
 
@@ -18,28 +24,28 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(_Strict):
     type: str = "function"
     function: FunctionDefinition | None = None
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Strict):
     """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
 
     type: str = "function"
     function: NamedFunction
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(_Strict):
     name: str | None = None
     arguments: str | None = None  # a JSON object's text
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Strict):
     """A call in a reply, or in an assistant message of the history."""
 
     id: str | None = None
