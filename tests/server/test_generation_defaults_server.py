@@ -115,7 +115,8 @@ def test_a_second_eos_id_ends_a_reply_with_stop(tmp_path):
     ("/v1/completions", {"prompt": "x", "max_tokens": 1, "stream": True, "stream_options": {"bogus": True}},
      "stream_options.bogus"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f", "bogus": 1}}]},
+     "tools.0.function.bogus"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "extra_key": 1}], "max_tokens": 1},
      "messages.0.extra_key"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
@@ -135,7 +136,8 @@ def test_the_openai_no_op_fields_are_accepted_and_the_others_refused(client):
               "stream_options": {"include_usage": True, "include_obfuscation": False}}
     r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "stream": True, **no_ops})
     assert r.status_code == 200, r.text
-    for field, value in [("store", True), ("service_tier", "priority"), ("modalities", ["text", "audio"])]:
+    for field, value in [("store", True), ("service_tier", "priority"), ("modalities", ["text", "audio"]),
+                         ("separate_reasoning", False), ("stream_reasoning", False), ("include_reasoning", False)]:
         r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
