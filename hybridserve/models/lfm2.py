@@ -159,7 +159,7 @@ class Lfm2Model(nn.Module):
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-class Lfm2ForCausalLM(RopeDecoderLM):
+class Lfm2LMBase(RopeDecoderLM):
     final_norm = "embedding_norm"
     fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -172,3 +172,7 @@ class Lfm2ForCausalLM(RopeDecoderLM):
         super().__init__(config)
         self.model = Lfm2Model(config, dtypes)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class Lfm2ForCausalLM(Lfm2LMBase):
+    """LFM2 (HF weight names)."""

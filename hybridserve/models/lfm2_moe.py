@@ -18,7 +18,7 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.kernels import gemm
 from hybridserve.layers.moe import FusedExperts, stack_expert_weights
-from hybridserve.models.lfm2 import Lfm2ForCausalLM, Lfm2MLP, Lfm2Model
+from hybridserve.models.lfm2 import Lfm2LMBase, Lfm2MLP, Lfm2Model
 from hybridserve.ops.dispatch import call
 
 
@@ -89,7 +89,7 @@ def _feed_forward(config: Any, index: int) -> nn.Module:
     return Lfm2MoeSparseMoeBlock(config)
 
 
-class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+class Lfm2MoeForCausalLM(Lfm2LMBase):
     #: checkpoints store each expert's SwiGLU as w1 (gate), w3 (up) and w2 (down)
     expert_projections = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 

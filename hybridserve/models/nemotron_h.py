@@ -172,7 +172,7 @@ class NemotronHModel(nn.Module):
         self.norm_f = NemotronHRMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHLMBase(CausalLM):
     # HF never ties Nemotron-H's LM head to the embeddings (its ``_tied_weights_keys`` is empty).
     tied_weights: dict[str, str] = {}
     checkpoint_renames = [(r"^backbone\.", "model.")]
@@ -195,3 +195,7 @@ class NemotronHForCausalLM(CausalLM):
         for layer in self.model.layers:
             x, pending = layer(x, pending, batch)
         return self.model.norm_f(x) if pending is None else self.model.norm_f.add_and_norm(x, pending)[1]
+
+
+class NemotronHForCausalLM(NemotronHLMBase):
+    """Nemotron-H (HF weight names)."""

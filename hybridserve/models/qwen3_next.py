@@ -117,7 +117,7 @@ class Qwen3NextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim)  # partial rotary from rope_parameters
 
 
-class Qwen3NextForCausalLM(RopeDecoderLM):
+class Qwen3NextLMBase(RopeDecoderLM):
     fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -131,3 +131,7 @@ class Qwen3NextForCausalLM(RopeDecoderLM):
         ignores on load."""
         return stack_expert_weights({n: t for n, t in tensors.items() if not n.startswith("mtp.")},
                                     r".*\.mlp\.experts")
+
+
+class Qwen3NextForCausalLM(Qwen3NextLMBase):
+    """Qwen3-Next (HF weight names)."""

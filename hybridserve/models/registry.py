@@ -51,7 +51,8 @@ _QWEN_MTP = "mtp_num_hidden_layers"
 _FAMILIES = (
     ModelFamily("LlamaForCausalLM", "llama", ("llama",), fs.llama_specs, 2048),
     ModelFamily("MambaForCausalLM", "mamba", ("mamba",), fs.mamba_specs),
-    ModelFamily("FalconMambaForCausalLM", "falcon_mamba", ("falcon_mamba",), fs.mamba_specs),
+    ModelFamily("FalconMambaForCausalLM", "falcon_mamba", ("falcon_mamba",), fs.mamba_specs,
+                class_name="FalconMambaLM"),
     ModelFamily("Mamba2ForCausalLM", "mamba2", ("mamba2",), fs.mamba2_specs),
     ModelFamily("BambaForCausalLM", "bamba", ("bamba",), fs.bamba_specs, 262144),
     ModelFamily("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",), fs.granitemoehybrid_specs,
@@ -118,13 +119,13 @@ def model_class(architecture: str) -> type:
 
 
 def mtp_head_class(model_class: type) -> type | None:
-    """The MTP head class of a model class's family (looked up along its bases, so Qwen3.5's model finds
-    Qwen3-Next's head), or None for a family without one."""
+    """The MTP head class of a model class's family (looked up by the modules of its bases, so Qwen3.5's model
+    finds Qwen3-Next's head), or None for a family without one."""
     for cls in model_class.__mro__:
-        record = _MODELS.get(cls.__name__)
-        if record is not None and record.mtp_head is not None:
-            module, name = record.mtp_head.split(":")
-            return getattr(importlib.import_module(f"hybridserve.models.{module}"), name)
+        for record in _MODELS.values():
+            if record.mtp_head is not None and record.module_path == cls.__module__:
+                module, name = record.mtp_head.split(":")
+                return getattr(importlib.import_module(f"hybridserve.models.{module}"), name)
     return None
 
 
