@@ -23,29 +23,36 @@ def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Forwa
     """
     window = cache.window_group
     slot_mapping = batch.window_slot_mapping if window else batch.slot_mapping
+    k_pages, v_pages = cache.k, cache.v  # (num_pages, block_size, Hkv, Dh)
+    assert k_pages is not None and v_pages is not None and slot_mapping is not None, "an attention layer's cache"
     call("kv_write",
-         lambda: attention_kernels.kv_write(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale),
-         lambda: write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale),
-         k, cache.k)
+         lambda: attention_kernels.kv_write(k, v, k_pages, v_pages, slot_mapping, cache.k_scale, cache.v_scale),
+         lambda: write_kv_cache(k, v, k_pages, v_pages, slot_mapping, cache.k_scale, cache.v_scale),
+         k, k_pages)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, Dh)
     for group in batch.groups:
         tables = group.window_block_tables if window else group.block_tables
-        _attend_group(q, cache, tables, group, scale, sliding_window, out)
+        assert tables is not None, "a group of an attention step has block tables"
+        _attend_group(q, (k_pages, v_pages, cache.k_scale, cache.v_scale), tables, group, scale, sliding_window,
+                      out)
     return out
 
 
-def _attend_group(q: torch.Tensor, cache: LayerCache, tables: torch.Tensor, group: SeqGroup, scale: float,
-                  sliding_window: int | None, out: torch.Tensor) -> None:
-    """Attend one group's rows of q to their paged context, into the same rows of ``out``."""
+def _attend_group(q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor, float, float], tables: torch.Tensor,
+                  group: SeqGroup, scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """Attend one group's rows of q to their paged context (``pages``: K, V and their scales), into the
+    same rows of ``out``."""
+    k_pages, v_pages, k_scale, v_scale = pages
+
     def kernel() -> bool:
         return attention_kernels.paged_attention(
-            q[group.tokens], cache.k, cache.v, tables, group.seq_lens, group.cu_seqlens_q, scale,
-            cache.k_scale, cache.v_scale, sliding_window, out[group.tokens])
+            q[group.tokens], k_pages, v_pages, tables, group.seq_lens, group.cu_seqlens_q, scale,
+            k_scale, v_scale, sliding_window, out[group.tokens])
 
     def plain() -> bool:
         out[group.tokens] = paged_attention(
-            q[group.tokens], cache.k, cache.v, tables, group.seq_lens, group.cu_seqlens_q,
-            scale, cache.k_scale, cache.v_scale, sliding_window)
+            q[group.tokens], k_pages, v_pages, tables, group.seq_lens, group.cu_seqlens_q,
+            scale, k_scale, v_scale, sliding_window)
         return True
 
-    call("paged_attention", kernel, plain, q, cache.k)
+    call("paged_attention", kernel, plain, q, k_pages)
