@@ -158,3 +158,35 @@ def test_no_module_over_400_lines():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert set(long) <= LONG_IN_FLIGHT, long
+
+
+#: the fast/plain choice lives in ``ops/dispatch.py``: a layer calls an op entry and never reads a flag
+KERNEL_FLAG = "use_cpu_kernels"
+MAX_KERNEL_FLAG_MENTIONS = 0  # issue 34 allows 10; none are left
+KERNEL_FLAG_HOMES = ("ops", "kernels", "config.py")
+
+
+def test_the_kernel_choice_is_not_restated_in_the_layers():
+    mentions = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
+                if path.relative_to(PACKAGE).parts[0] not in KERNEL_FLAG_HOMES
+                and (n := path.read_text().count(KERNEL_FLAG))}
+    assert sum(mentions.values()) <= MAX_KERNEL_FLAG_MENTIONS, (
+        f"{KERNEL_FLAG} mentioned outside ops/, kernels/ and the config: {mentions}; call an op entry "
+        "(hybridserve/ops, chosen in ops/dispatch.py) instead")
+
+
+def registered_architectures() -> list[str]:
+    """The architecture names of ``models/registry.py``'s records (the first argument of ``ModelFamily(...)``)."""
+    tree = ast.parse((PACKAGE / "models" / "registry.py").read_text())
+    return [node.args[0].value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "ModelFamily"
+            and node.args and isinstance(node.args[0], ast.Constant)]
+
+
+def test_each_architecture_is_named_in_its_model_file_and_the_registry_only():
+    names = registered_architectures()
+    assert "MambaForCausalLM" in names and len(names) >= 20  # the registry is read at all
+    texts = {str(path.relative_to(PACKAGE)): path.read_text() for path in PACKAGE.rglob("*.py")}
+    spread = {name: files for name in names if len(files := sorted(p for p, t in texts.items() if name in t)) > 2}
+    assert spread == {}, ("an architecture class is named outside its model file and models/registry.py (import "
+                          f"a base class under a family name instead): {spread}")

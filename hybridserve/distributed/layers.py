@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from hybridserve.distributed.group import TPGroup
-from hybridserve.kernels import fallbacks
 from hybridserve.layers import dense
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.norms import RMSNorm
+from hybridserve.ops.dispatch import declined
 
 
 class VocabParallelEmbedding(Embedding):
@@ -55,8 +55,7 @@ class SpanningNormMamba2Mixer(Mamba2Mixer):
         """y: (T, inter) float32 scan output, gate: (T, inter) -> (T, inter) in ``dtype``."""
         if self.norm is None:
             return super()._gate_and_norm(y, gate, dtype)
-        if self.use_cpu_kernels:
-            fallbacks.record("gated_rms_norm", "the norm's groups span tensor-parallel ranks")
+        declined("gated_rms_norm", "the norm's groups span tensor-parallel ranks")
         x = y if self.norm_in_float32 or self.norm_before_gate else y.to(dtype)  # what the whole layer norms
         xf = x.float()  # (T, inter)
         if not self.norm_before_gate:
@@ -80,8 +79,7 @@ class SpanningRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, width / ranks) -> the same shape, in x's dtype."""
-        if self.use_cpu_kernels:
-            fallbacks.record("rms_norm", "the norm's width spans tensor-parallel ranks")
+        declined("rms_norm", "the norm's width spans tensor-parallel ranks")
         dtype = x.dtype
         xf = x.float()
         sums = self.group.all_reduce(xf.pow(2).sum(-1, keepdim=True))  # (T, 1)

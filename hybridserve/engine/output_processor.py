@@ -21,7 +21,8 @@ from hybridserve.engine.sampler import SampleResult, report, sample, sample_rows
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.sequence import Sequence
 from hybridserve.engine.stop_check import check_stop
-from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.ops.dispatch import use_kernels
+from hybridserve.ops.logits import fused_argmax_logsumexp
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.spec_decode.acceptance import Verification, verify
 from hybridserve.spec_decode.speculator import Speculator
@@ -99,12 +100,13 @@ class OutputProcessor:
         if regather:
             sample_logits = sample_logits[rows]  # (rows, V)
         args = (sample_logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator,
-                self.cpu_kernels, self._logit_adjuster(seqs))
-        try:
-            result = sample(*args)
-        except Exception:  # noqa: BLE001 - find the row that fails alone
-            logger.exception("batched sampling failed; sampling each row alone")
-            result = sample_rows_alone(*args)
+                self._logit_adjuster(seqs))
+        with use_kernels(self.cpu_kernels):
+            try:
+                result = sample(*args)
+            except Exception:  # noqa: BLE001 - find the row that fails alone
+                logger.exception("batched sampling failed; sampling each row alone")
+                result = sample_rows_alone(*args)
         for row, seq in enumerate(seqs):
             if seq.is_finished:
                 continue  # its request failed with a sibling's row
@@ -125,12 +127,12 @@ class OutputProcessor:
         items, verify_logits, speculator = logits.verify_seqs, logits.verify_logits, self.speculator
         assert verify_logits is not None and speculator is not None, "a verification step has its logits"
         adjust = self._verify_adjuster(items)
-        fused = (pointwise_kernels.argmax_logsumexp(verify_logits, with_max=True)
-                 if self.cpu_kernels and adjust is None else None)
-        draw_from = adjust(verify_logits.float()) if adjust is not None else verify_logits
-        verdicts = verify(draw_from, [Verification(it.drafts, it.seq.params, it.seq.generator, it.draft_probs)
-                                      for it in items],
-                          self.generator, self.cpu_kernels, fused[0] if fused is not None else None)
+        with use_kernels(self.cpu_kernels):
+            fused = fused_argmax_logsumexp(verify_logits, with_max=True) if adjust is None else None
+            draw_from = adjust(verify_logits.float()) if adjust is not None else verify_logits
+            verdicts = verify(draw_from, [Verification(it.drafts, it.seq.params, it.seq.generator, it.draft_probs)
+                                          for it in items],
+                              self.generator, fused[0] if fused is not None else None)
         rows = [row for v in verdicts for row in v.rows]
         chosen = [t for v in verdicts for t in v.tokens]
         params = [it.seq.params for it, v in zip(items, verdicts) for _ in v.tokens]

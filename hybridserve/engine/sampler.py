@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridserve.engine.logit_adjust import LogitAdjuster
-from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.ops.logits import fused_argmax_logsumexp
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -50,18 +50,16 @@ def _processed_logits(logits: torch.Tensor, params: list[SamplingParams]) -> tor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator, use_cpu_kernels: bool = False,
-           adjust: LogitAdjuster | None = None) -> SampleResult:
+           default_generator: torch.Generator, adjust: LogitAdjuster | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` (N, V) under each row's params: float32, or a lower precision
     whose exact float32 widening they are (the model dtype, before ``.float()``).
 
-    ``use_cpu_kernels``: take the argmax and logsumexp from one compiled pass over the logits (for
-    greedy rows without logprobs straight from lower-precision logits, with no float32 copy).
+    With the kernels on (``ops.dispatch.use_kernels``), the argmax and logsumexp come from one compiled pass
+    over the logits (greedy rows without logprobs straight from lower-precision logits, with no float32 copy).
     ``adjust``: penalties, biases and masks on the logits tokens are drawn from (not on reported logprobs)."""
     if adjust is not None and not adjust:
         adjust = None
-    fused = (pointwise_kernels.argmax_logsumexp(logits, with_max=True)
-             if use_cpu_kernels and adjust is None else None)
+    fused = fused_argmax_logsumexp(logits, with_max=True) if adjust is None else None
     only_greedy_ids = all(p.greedy and p.logprobs is None for p in params)
     if fused is not None and only_greedy_ids:  # the sampled logit is each row's maximum: no torch op needed
         idx, lse, mx = fused
@@ -118,15 +116,14 @@ def report(logits: torch.Tensor, chosen: torch.Tensor, params: list[SamplingPara
 
 
 def sample_rows_alone(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                      default_generator: torch.Generator, use_cpu_kernels: bool = False,
-                      adjust: LogitAdjuster | None = None) -> SampleResult:
+                      default_generator: torch.Generator, adjust: LogitAdjuster | None = None) -> SampleResult:
     """:func:`sample` row by row, after the batched call raised: a row that raises alone is reported in
     ``errors`` (token 0) and the others are sampled as usual."""
     merged = SampleResult([], [], [], [], [], {})
     for row in range(logits.shape[0]):
         try:
             one = sample(logits[row:row + 1], params[row:row + 1], generators[row:row + 1], default_generator,
-                         use_cpu_kernels, adjust.row(row) if adjust is not None else None)
+                         adjust.row(row) if adjust is not None else None)
         except Exception as exc:  # noqa: BLE001 - contained to this row's request
             one = SampleResult([0], [0.0], [0], [[]], [[]], {0: f"sampling failed: {type(exc).__name__}: {exc}"})
         merged.token_ids += one.token_ids

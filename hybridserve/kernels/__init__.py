@@ -21,16 +21,14 @@ def unavailable_reason() -> str | None:
 
 
 def enable_cpu_kernels(model: "nn.Module") -> bool:
-    """Switch every layer of ``model`` that has compiled CPU kernels (a ``use_cpu_kernels`` attribute) to
-    them, when they can be built here; returns whether they are on."""
+    """Run every call of ``model`` on the compiled CPU kernels (``ops.dispatch.run_on_kernels``), when they
+    can be built here; returns whether they are on."""
     from hybridserve.kernels import attention, build, pointwise, recurrent
+    from hybridserve.ops.dispatch import run_on_kernels
 
     # builds what is missing, in parallel
     build.load_libraries(LIBRARIES)
     if not (recurrent.available() and attention.available() and pointwise.available()):
         return False
-    for module in model.modules():
-        if hasattr(module, "use_cpu_kernels"):
-            # a plain bool attribute; torch types a module's attributes as Tensor | Module
-            module.use_cpu_kernels = True  # type: ignore[assignment]
+    run_on_kernels(model)
     return True

@@ -1,8 +1,8 @@
-"""Loud fallbacks: every call a layer sends to plain PyTorch while its CPU kernels are on, and every call
-a kernel's faster path declines (the Mamba2 scan's chunked form on the AMX tiles, ``mamba2_chunked_scan``),
-is counted here by op and reason, and the first of each kind is logged. ``hybridserve env --model`` and the
-server's ``/metrics`` (``hybridserve:kernel_fallbacks_total{op,reason}``) report the counts; tests
-assert that supported configurations have none."""
+"""Loud fallbacks: every call an op entry sends to its PyTorch body while the CPU kernels are on
+(``ops/dispatch.py``), and every call a kernel's faster path declines (the Mamba2 scan's chunked form on the
+AMX tiles, ``mamba2_chunked_scan``), is counted here by op and reason, and the first of each kind is logged.
+``hybridserve env --model`` and the server's ``/metrics`` (``hybridserve:kernel_fallbacks_total{op,reason}``)
+report the counts; tests assert that supported configurations have none."""
 
 from __future__ import annotations
 

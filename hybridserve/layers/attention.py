@@ -5,58 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.cache.pool import LayerCache
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import attention as attention_kernels
-from hybridserve.kernels import fallbacks
-from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.norms import RMSNorm
-from hybridserve.layers.rotary import apply_rotary
 from hybridserve.layers.state_shapes import attention_spec
-from hybridserve.ops.paged_attention import paged_attention, write_kv_cache
-
-
-def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], use_cpu_kernels: bool) -> torch.Tensor:
-    """RoPE on x (T, H, Dh) with (cos, sin): in place by the CPU kernel where it covers the call, else
-    ``apply_rotary`` (a new tensor)."""
-    t, heads, dh = x.shape
-    if use_cpu_kernels:
-        if x.is_contiguous() and pointwise_kernels.rotary(x.view(t, heads * dh), heads, dh, *rope):
-            return x
-        fallbacks.record("rotary", fallbacks.describe(x, rope[0]))
-    return apply_rotary(x, *rope)
-
-
-def paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, cache: LayerCache,
-                 scale: float, sliding_window: int | None = None, use_cpu_kernels: bool = False) -> torch.Tensor:
-    """Store this step's K/V in the cache, then attend each group (decode, prefill) to its context.
-
-    q: (T, Hq, Dh); k, v: (T, Hkv, Dh). Returns (T, Hq, Dh) in q's dtype. ``use_cpu_kernels``: use the
-    compiled CPU kernels where they cover the call. A layer of the window page group
-    (``cache.window_group``) reads and writes its pages through the window tables; their entries behind
-    the window are released (-1 in the sequence, any page here) and never read.
-    """
-    window = cache.window_group
-    slot_mapping = batch.window_slot_mapping if window else batch.slot_mapping
-    if not (use_cpu_kernels and attention_kernels.kv_write(k, v, cache.k, cache.v, slot_mapping,
-                                                            cache.k_scale, cache.v_scale)):
-        if use_cpu_kernels:
-            fallbacks.record("kv_write", fallbacks.describe(k, cache.k))
-        write_kv_cache(k, v, cache.k, cache.v, slot_mapping, cache.k_scale, cache.v_scale)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, Dh)
-    for group in batch.groups:
-        tables = group.window_block_tables if window else group.block_tables
-        if use_cpu_kernels and attention_kernels.paged_attention(
-                q[group.tokens], cache.k, cache.v, tables, group.seq_lens, group.cu_seqlens_q, scale,
-                cache.k_scale, cache.v_scale, sliding_window, out[group.tokens]):
-            continue
-        if use_cpu_kernels:
-            fallbacks.record("paged_attention", fallbacks.describe(q, cache.k))
-        out[group.tokens] = paged_attention(
-            q[group.tokens], cache.k, cache.v, tables, group.seq_lens, group.cu_seqlens_q,
-            scale, cache.k_scale, cache.v_scale, sliding_window)
-    return out
+from hybridserve.ops.attend import paged_attend
+from hybridserve.ops.elementwise import head_sigmoid_gate, rotate, sigmoid_mul
 
 
 class Attention(nn.Module):
@@ -69,8 +23,6 @@ class Attention(nn.Module):
     output is multiplied by ``sigmoid(gate)`` before ``o_proj``. With ``head_gate`` (LFM3), ``g_proj``
     maps the layer input to one gate per head, and each head's output is multiplied by its ``sigmoid``.
     """
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, layer_index: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtypes: CacheDtypes, *, bias: bool = False, o_bias: bool | None = None,
@@ -110,27 +62,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = rotate(q, rope, self.use_cpu_kernels), rotate(k, rope, self.use_cpu_kernels)
-        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window,
-                           self.use_cpu_kernels)
+            q, k = rotate(q, rope), rotate(k, rope)
+        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, self.sliding_window)
         if self.output_gate:
-            gated = pointwise_kernels.sigmoid_mul(gate, out) if self.use_cpu_kernels else None
-            if gated is None:
-                if self.use_cpu_kernels:
-                    fallbacks.record("sigmoid_mul", fallbacks.describe(gate, out))
-                gated = out * torch.sigmoid(gate)  # (T, Hq, Dh)
-            out = gated
+            out = sigmoid_mul(gate, out)  # (T, Hq, Dh)
         if self.head_gate:
-            out = self._gate_heads(self.g_proj(x), out)
+            out = head_sigmoid_gate(self.g_proj(x), out)  # each op rounded to out's dtype
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def _gate_heads(self, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """gate (T, Hq), out (T, Hq, Dh) -> ``out * sigmoid(gate)`` per head, each op rounded to out's dtype."""
-        t = out.shape[0]
-        if self.use_cpu_kernels:
-            gated = pointwise_kernels.row_sigmoid_gate(gate.reshape(t * self.num_heads, 1),
-                                                       out.reshape(t * self.num_heads, self.head_dim))
-            if gated is not None:
-                return gated.view(t, self.num_heads, self.head_dim)
-            fallbacks.record("row_sigmoid_gate", fallbacks.describe(gate, out))
-        return out * torch.sigmoid(gate)[..., None]  # (T, Hq, Dh)

@@ -9,11 +9,11 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.state_shapes import gated_delta_net_conv_dim, gated_delta_net_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.dispatch import call
 from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
 
 
@@ -106,17 +106,16 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(t, self.num_v_heads, Dv), b.reshape(t, self.num_v_heads),
                 a.reshape(t, self.num_v_heads))
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
         conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
-        if self.use_cpu_kernels:
-            y = self._forward_kernels(x, batch, conv_states, rec_states)
-            if y is not None:
-                return y
-            fallbacks.record("gated_delta_net", fallbacks.describe(x, rec_states))
+        return call("gated_delta_net", lambda: self._forward_kernels(x, batch, conv_states, rec_states),
+                    lambda: self._forward_plain(x, batch, conv_states, rec_states), x, rec_states)
+
+    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+                       rec_states: torch.Tensor) -> torch.Tensor:
+        """The PyTorch body."""
         t = x.shape[0]
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self._project(x)

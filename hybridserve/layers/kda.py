@@ -14,10 +14,10 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.state_shapes import kda_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.dispatch import call
 from hybridserve.ops.kda import kda_update, kda_varlen
 
 
@@ -85,17 +85,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(self.qkv_dim, hidden_size, bias=False)
         self.spec = kda_spec(layer_index, dtypes, num_heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
         conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
-        if self.use_cpu_kernels:
-            y = self._forward_kernels(x, batch, conv_states, rec_states)
-            if y is not None:
-                return y
-            fallbacks.record("kda", fallbacks.describe(x, rec_states))
+        return call("kda", lambda: self._forward_kernels(x, batch, conv_states, rec_states),
+                    lambda: self._forward_plain(x, batch, conv_states, rec_states), x, rec_states)
+
+    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+                       rec_states: torch.Tensor) -> torch.Tensor:
+        """The PyTorch body."""
         t, H, D = x.shape[0], self.num_heads, self.head_dim
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, 3 H D)
         g = self.forget_gate(x)  # (T, H, D) float32

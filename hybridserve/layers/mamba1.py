@@ -8,13 +8,14 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers import dense
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.state_shapes import mamba1_spec
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.dispatch import call
 from hybridserve.ops.selective_scan import selective_scan_varlen, selective_state_update
 
 #: How the dt, B and C inputs of the scan are normalized before use.
@@ -76,18 +77,17 @@ class Mamba1Mixer(nn.Module):
         dt = dense.linear(ts, self.dt_proj.weight)  # (T, inter); the bias is added in the op
         return dt, B, C
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
         conv_states, ssm_states = cache.state["conv"], cache.state["ssm"]
         xs, gate = self.in_proj(x).chunk(2, dim=-1)  # (T, inter) each
-        if self.use_cpu_kernels:
-            out = self._forward_kernels(x, xs, gate, batch, conv_states, ssm_states)
-            if out is not None:
-                return out
-            fallbacks.record("mamba1_conv_scan", fallbacks.describe(xs, ssm_states))
+        return call("mamba1_conv_scan", lambda: self._forward_kernels(x, xs, gate, batch, conv_states, ssm_states),
+                    lambda: self._forward_plain(x, xs, gate, batch, conv_states, ssm_states), xs, ssm_states)
+
+    def _forward_plain(self, x: torch.Tensor, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+                       conv_states: torch.Tensor, ssm_states: torch.Tensor) -> torch.Tensor:
+        """The PyTorch body."""
         weight = self.conv1d.weight.squeeze(1)  # (inter, K)
         conv_out = torch.empty_like(xs)  # (T, inter)
         if batch.decode is not None:

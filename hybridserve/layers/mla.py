@@ -25,19 +25,18 @@ from torch import nn
 from hybridserve.cache.pool import LayerCache
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.layers.attention import paged_attend
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.state_shapes import mla_spec
+from hybridserve.ops.attend import paged_attend
+from hybridserve.ops.dispatch import call
 
 
 class LatentAttention(nn.Module):
     """HF names: ``q_proj`` (or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj`` with ``q_lora_rank``),
     ``kv_a_proj_with_mqa`` (hidden -> rank + rope_dim), ``kv_a_layernorm``, ``kv_b_proj`` (rank -> heads
     * (nope + v)), ``o_proj``. Softmax scale ``(nope + rope_dim) ** -0.5``."""
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, layer_index: int, hidden_size: int, *, num_heads: int, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, dtypes: CacheDtypes,
@@ -73,11 +72,11 @@ class LatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        if self.use_cpu_kernels:
-            y = self._forward_kernels(x, batch)
-            if y is not None:
-                return y
-            fallbacks.record("latent_attention", fallbacks.describe(x, self.kv_b_proj.weight))
+        return call("latent_attention", lambda: self._forward_kernels(x, batch),
+                    lambda: self._forward_plain(x, batch), x, self.kv_b_proj.weight)
+
+    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The PyTorch body."""
         t, H = x.shape[0], self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(t, H, self.nope + self.rope)  # (T, H, nope + rope)
@@ -88,7 +87,7 @@ class LatentAttention(nn.Module):
         q_full = torch.cat([q_lat.to(x.dtype), q[..., self.nope:]], dim=-1)  # (T, H, rank + rope)
         cache = batch.caches[self.layer_index]
         pages = LayerCache(k=cache.latent, v=cache.latent, k_scale=cache.k_scale, v_scale=cache.k_scale)
-        out = paged_attend(q_full, latent, latent, batch, pages, self.scale, None, self.use_cpu_kernels)
+        out = paged_attend(q_full, latent, latent, batch, pages, self.scale)
         o = torch.einsum("thr,hvr->thv", out[..., :self.rank].float(), w_uv)  # (T, H, v)
         return self.o_proj(o.to(x.dtype).reshape(t, H * self.v_dim))
 
@@ -115,8 +114,8 @@ class LatentAttention(nn.Module):
         latent = latent.view(t, 1, self.rank + self.rope)
         cache = batch.caches[self.layer_index]
         pages = LayerCache(k=cache.latent, v=cache.latent, k_scale=cache.k_scale, v_scale=cache.k_scale)
-        out = paged_attend(q_full.view(t, H, self.rank + self.rope), latent, latent, batch, pages, self.scale, None,
-                           True)  # (T, H, rank + rope)
+        out = paged_attend(q_full.view(t, H, self.rank + self.rope), latent, latent, batch, pages,
+                           self.scale)  # (T, H, rank + rope)
         o = torch.empty(t, H, self.v_dim, dtype=x.dtype)  # (T, H, v)
         if not gemm.per_head_linear_f32(out[..., :self.rank], w_uv, o):
             raise RuntimeError("the absorbed value projection declined after attention ran")

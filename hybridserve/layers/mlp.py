@@ -5,17 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.activations import activation
+from hybridserve.ops.dispatch import call, declined
 
 ACT_MUL_KERNELS = {"silu": "silu_mul", "gelu": "gelu_mul"}  # activation -> its kernel in kernels/pointwise.py
 
 
 class ActAndMul(nn.Module):
     """``act(gate) * up``, each op rounded to the activation dtype as in PyTorch (silu and gelu have CPU kernels)."""
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, act: str) -> None:
         super().__init__()
@@ -24,14 +22,12 @@ class ActAndMul(nn.Module):
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up: (T, I) -> (T, I)."""
-        if self.use_cpu_kernels:
-            kernel = ACT_MUL_KERNELS.get(self.act)
-            out = getattr(pointwise_kernels, kernel)(gate, up) if kernel is not None else None
-            if out is not None:
-                return out
-            fallbacks.record("act_and_mul", f"{self.act}: no kernel" if kernel is None
-                             else fallbacks.describe(gate, up))
-        return self.act_fn(gate) * up
+        kernel = ACT_MUL_KERNELS.get(self.act)
+        if kernel is None:
+            declined("act_and_mul", f"{self.act}: no kernel")
+            return self.act_fn(gate) * up
+        return call("act_and_mul", lambda: getattr(pointwise_kernels, kernel)(gate, up),
+                    lambda: self.act_fn(gate) * up, gate, up)
 
 
 class GatedMLP(nn.Module):
@@ -51,8 +47,6 @@ class GatedMLP(nn.Module):
 class PlainMLP(nn.Module):
     """``down(act(up(x)))`` (Nemotron-H uses relu^2 here, which has a CPU kernel)."""
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
@@ -61,9 +55,7 @@ class PlainMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
-        if self.use_cpu_kernels:
-            out = pointwise_kernels.relu2(h) if self.act == "relu2" else None
-            if out is not None:
-                return self.down_proj(out)
-            fallbacks.record("activation", f"{self.act}: no kernel" if self.act != "relu2" else fallbacks.describe(h))
-        return self.down_proj(self.act_fn(h))
+        if self.act != "relu2":
+            declined("activation", f"{self.act}: no kernel")
+            return self.down_proj(self.act_fn(h))
+        return self.down_proj(call("activation", lambda: pointwise_kernels.relu2(h), lambda: self.act_fn(h), h))

@@ -17,9 +17,9 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.state_shapes import mlstm_spec
+from hybridserve.ops.dispatch import call
 from hybridserve.ops.mlstm import fit_max_state, mlstm_update, mlstm_varlen, soft_cap
 
 WEIGHT_MODES = ("single", "fused")
@@ -46,8 +46,6 @@ class MultiHeadLayerNorm(nn.Module):
 class MLSTMLayer(nn.Module):
     """HF's ``xLSTMLayer`` (``weight_mode`` single: q, k, v, ogate_preact, igate_preact, fgate_preact;
     fused: qkv_opreact, ifgate_preact), multihead_norm, out_proj."""
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any, layer_index: int, dtypes: CacheDtypes) -> None:
         super().__init__()
@@ -93,11 +91,14 @@ class MLSTMLayer(nn.Module):
         # (slots, H, Dk, Dv), (slots, H, Dk), (slots, H)
         states = (cache.state["C"], cache.state["n"], cache.state["m"])
         q, k, v, o, i, f = self._project(x)
-        if self.use_cpu_kernels:
-            y = self._forward_kernels(q, k, v, o, i, f, batch, states)
-            if y is not None:
-                return self.out_proj(y)
-            fallbacks.record("mlstm", fallbacks.describe(x, states[0]))
+        y = call("mlstm", lambda: self._forward_kernels(q, k, v, o, i, f, batch, states),
+                 lambda: self._forward_plain(x, q, k, v, o, i, f, batch, states), x, states[0])  # (T, H*Dv)
+        return self.out_proj(y)
+
+    def _forward_plain(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                       i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[torch.Tensor, ...]
+                       ) -> torch.Tensor:
+        """The PyTorch body: the gated output (T, H*Dv) before the out projection."""
         t, H, Dk, Dv = x.shape[0], self.num_heads, self.dk, self.dv
         q, k, v = q.reshape(t, H, Dk), k.reshape(t, H, Dk), v.reshape(t, H, Dv)
         i = soft_cap(i, self.gate_soft_cap).float()  # (T, H), capped in x's dtype as HF does
@@ -116,8 +117,7 @@ class MLSTMLayer(nn.Module):
             for s, value in zip(states, fit_max_state(*final, states[2].dtype)):
                 write_slots(s, idx, value)
             h[g.tokens] = h_p
-        y = torch.sigmoid(o) * self.multihead_norm(h.to(x.dtype))  # (T, H*Dv)
-        return self.out_proj(y)
+        return torch.sigmoid(o) * self.multihead_norm(h.to(x.dtype))  # (T, H*Dv)
 
     def _forward_kernels(self, q, k, v, o, i, f, batch: ForwardBatch, states) -> torch.Tensor | None:
         """The CPU-kernel path: the soft caps, the cell, the multi-head norm and the output gate in one

@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.ops.dispatch import call
 
 
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``; the normalization runs in float32, the result is cast back first."""
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
     weight_in_float32 = False  # the weight multiplies the float32 normalized value (a subclass's rounding)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
@@ -22,39 +21,37 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered  # weight stored as (gamma - 1), as in Qwen3-Next
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_cpu_kernels:
-            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered,
-                                             weight_in_float32=self.weight_in_float32)
-            if out is not None:
-                return out
-            fallbacks.record("rms_norm", fallbacks.describe(x, self.weight))
-        return self._forward_torch(x)
+        return call("rms_norm", lambda: pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered,
+                                                                   weight_in_float32=self.weight_in_float32),
+                    lambda: self._forward_torch(x), x, self.weight)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, scale: float = 1.0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x = x + residual * scale`` (in x's dtype), then the norm; returns (new x, normed)."""
-        if self.use_cpu_kernels:
-            out = pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered, residual, scale,
-                                             self.weight_in_float32)
-            if out is not None:
-                return out
-            fallbacks.record("rms_norm", fallbacks.describe(x, residual, self.weight))
-        x = x + residual * scale if scale != 1.0 else x + residual
-        return x, self._forward_torch(x)
+        def plain() -> tuple[torch.Tensor, torch.Tensor]:
+            new_x = x + residual * scale if scale != 1.0 else x + residual
+            return new_x, self._forward_torch(new_x)
+
+        return call("rms_norm", lambda: pointwise_kernels.rms_norm(x, self.weight, self.eps, self.zero_centered,
+                                                                   residual, scale, self.weight_in_float32),
+                    plain, x, residual, self.weight)
 
     def add_and_norm_float32(self, x: torch.Tensor, residual: torch.Tensor, norm_rounded: bool = True
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """A float32 residual stream: ``x = x.float() + residual``, then the norm of ``x.to(dtype)``
         (``norm_rounded``, a layer's norm) or of the float32 x cast to ``dtype`` after (a final norm),
         ``dtype`` the weight's. Returns (new x float32, normed in dtype)."""
-        if self.use_cpu_kernels and not self.zero_centered and not self.weight_in_float32:
-            out = pointwise_kernels.rms_norm_stream(x, self.weight, self.eps, residual, norm_rounded)
-            if out is not None:
-                return out
-            fallbacks.record("rms_norm_stream", fallbacks.describe(x, residual, self.weight))
-        dtype = self.weight.dtype
-        x = x.float() + residual
-        return x, (self._forward_torch(x.to(dtype)) if norm_rounded else self._forward_torch(x).to(dtype))
+        def plain() -> tuple[torch.Tensor, torch.Tensor]:
+            dtype = self.weight.dtype
+            new_x = x.float() + residual
+            return new_x, (self._forward_torch(new_x.to(dtype)) if norm_rounded
+                           else self._forward_torch(new_x).to(dtype))
+
+        if self.zero_centered or self.weight_in_float32:
+            return plain()
+        return call("rms_norm_stream", lambda: pointwise_kernels.rms_norm_stream(x, self.weight, self.eps, residual,
+                                                                                 norm_rounded),
+                    plain, x, residual, self.weight)
 
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -7,8 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.ops.dispatch import call, declined
+from hybridserve.ops.elementwise import apply_rotary
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "rope_parameters"]
 
 
 def rope_parameters(config: Any) -> dict:
@@ -30,8 +33,6 @@ class RotaryEmbedding(nn.Module):
     With the CPU kernels on and a table made (:meth:`make_table`), the rows are gathered from
     ``(cos, sin)`` precomputed for every position up to the engine's longest sequence.
     """
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any, head_dim: int) -> None:
         super().__init__()
@@ -68,31 +69,19 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: (T,) int64 -> (cos, sin), each (T, rotary_dim) in ``dtype``."""
-        if self.use_cpu_kernels:
-            table = getattr(self, "tables", {}).get(dtype)
-            if table is not None:
-                cos, sin = (pointwise_kernels.gather_rows(t, positions) for t in table)
-                if cos is not None and sin is not None:
-                    return cos, sin
-            fallbacks.record("rope_table", "no table for " + str(dtype).removeprefix("torch.") if table is None
-                             else fallbacks.describe(positions))
-        return self._compute(positions, dtype)
+        table = getattr(self, "tables", {}).get(dtype)
+        if table is None:
+            declined("rope_table", "no table for " + str(dtype).removeprefix("torch."))
+            return self._compute(positions, dtype)
+
+        def kernel() -> tuple[torch.Tensor, torch.Tensor] | None:
+            cos, sin = (pointwise_kernels.gather_rows(t, positions) for t in table)
+            return None if cos is None or sin is None else (cos, sin)
+
+        return call("rope_table", kernel, lambda: self._compute(positions, dtype), positions)
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, rotary_dim / 2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, rotary_dim)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` features of ``x`` (T, H, Dh) by per-token ``cos``/``sin`` (T, R)."""
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, R)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    out = x_rot * cos + _rotate_half(x_rot) * sin
-    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out

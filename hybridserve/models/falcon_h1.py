@@ -15,14 +15,14 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.layers.attention import paged_attend, rotate
-from hybridserve.layers.elementwise import add, scale
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import CausalLM
+from hybridserve.ops.attend import paged_attend
+from hybridserve.ops.elementwise import add, rotate, scale
 
 
 def head_dim_of(config: Any) -> int:
@@ -31,8 +31,6 @@ def head_dim_of(config: Any) -> int:
 
 class FalconH1Attention(nn.Module):
     """GQA attention with RoPE whose keys are scaled by ``key_multiplier`` (HF weight names)."""
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
         super().__init__()
@@ -52,11 +50,10 @@ class FalconH1Attention(nn.Module):
         """x: (T, hidden) -> (T, hidden)."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # (T, Hq, Dh)
-        k = scale(self.k_proj(x), self.key_multiplier, self.use_cpu_kernels).view(t, self.num_kv_heads, self.head_dim)
+        k = scale(self.k_proj(x), self.key_multiplier).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotate(q, rope, self.use_cpu_kernels), rotate(k, rope, self.use_cpu_kernels)
-        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale,
-                           use_cpu_kernels=self.use_cpu_kernels)
+        q, k = rotate(q, rope), rotate(k, rope)
+        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -64,16 +61,13 @@ class FalconH1Attention(nn.Module):
 class FalconH1MLP(GatedMLP):
     """``down(up(x) * act(gate(x) * m_gate)) * m_down``."""
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def __init__(self, config: Any) -> None:
         super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.gate_multiplier, self.down_multiplier = (float(m) for m in config.mlp_multipliers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernels = self.use_cpu_kernels
-        y = self.act_and_mul(scale(self.gate_proj(x), self.gate_multiplier, kernels), self.up_proj(x))
-        return scale(self.down_proj(y), self.down_multiplier, kernels)
+        y = self.act_and_mul(scale(self.gate_proj(x), self.gate_multiplier), self.up_proj(x))
+        return scale(self.down_proj(y), self.down_multiplier)
 
 
 def falcon_h1_mixer(config: Any, index: int, dtypes: CacheDtypes) -> Mamba2Mixer:
@@ -104,17 +98,14 @@ class FalconH1DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, batch: ForwardBatch
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden); pending: the previous MLP's output, not yet added (or None). Returns (x, this
         layer's MLP output), each residual add fused into the next norm (the same rounding)."""
-        k = self.use_cpu_kernels
         x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add_and_norm(x, pending)
-        m = scale(self.mamba(scale(h, self.ssm_in_multiplier, k), batch), self.ssm_out_multiplier, k)
-        a = scale(self.self_attn(scale(h, self.attention_in_multiplier, k), rope, batch), self.attn_out_multiplier, k)
-        x, h = self.pre_ff_layernorm.add_and_norm(x, add(m, a, k))  # x + (m + a)
+        m = scale(self.mamba(scale(h, self.ssm_in_multiplier), batch), self.ssm_out_multiplier)
+        a = scale(self.self_attn(scale(h, self.attention_in_multiplier), rope, batch), self.attn_out_multiplier)
+        x, h = self.pre_ff_layernorm.add_and_norm(x, add(m, a))  # x + (m + a)
         return x, self.feed_forward(h)
 
 

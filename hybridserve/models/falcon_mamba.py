@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from hybridserve.models.mamba import MambaForCausalLM
+from hybridserve.models.mamba import MambaLMBase
 
 
-class FalconMambaForCausalLM(MambaForCausalLM):
+class FalconMambaLM(MambaLMBase):
+    """FalconMamba (registered under its HF architecture name in ``models/registry.py``)."""
+
     checkpoint_renames: list[tuple[str, str]] = []
     bcdt_norm = "weightless"

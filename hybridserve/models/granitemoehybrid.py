@@ -18,7 +18,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.layers import dense
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
@@ -28,6 +28,7 @@ from hybridserve.layers.moe import FusedExperts
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import CausalLM
+from hybridserve.ops.dispatch import call
 
 MAMBA_KINDS = ("linear_attention", "mamba")
 
@@ -58,15 +59,13 @@ class GraniteMoeHybridRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.weight = nn.Parameter(torch.empty(config.num_local_experts, config.hidden_size))
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> topk_index (T, k), topk_weight (T, k) in x's dtype."""
-        if self.use_cpu_kernels:
-            routed = self._forward_kernels(x)
-            if routed is not None:
-                return routed
-            fallbacks.record("router_topk", fallbacks.describe(x, self.weight))
+        return call("router_topk", lambda: self._forward_kernels(x),
+                    lambda: self._forward_plain(x), x, self.weight)
+
+    def _forward_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The PyTorch body."""
         logits = dense.linear(x, self.weight).float()  # (T, E)
         top_logits, index = logits.topk(self.top_k, dim=-1)
         return index, top_logits.softmax(-1).to(x.dtype)

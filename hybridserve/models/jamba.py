@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba1 import Mamba1Mixer
@@ -18,6 +18,7 @@ from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.base import CausalLM
+from hybridserve.ops.dispatch import call
 
 
 class JambaSparseMoe(nn.Module):
@@ -31,19 +32,15 @@ class JambaSparseMoe(nn.Module):
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act, gated=True)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         logits = self.router(x)  # (T, E)
-        routed = None
-        if self.use_cpu_kernels:
-            routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", weight_dtype=x.dtype)
-            if routed is None:
-                fallbacks.record("router_topk", fallbacks.describe(logits))
-        if routed is None:
+        def plain() -> tuple[torch.Tensor, torch.Tensor]:
             index, weight = softmax_topk(logits, self.top_k, normalize=False)  # (T, k) each
-            routed = index, weight.to(x.dtype)
+            return index, weight.to(x.dtype)
+
+        routed = call("router_topk", lambda: gemm.router_topk(logits, self.top_k, "softmax_then_topk",
+                                                              weight_dtype=x.dtype), plain, logits)
         return self.experts(x, *routed)
 
 

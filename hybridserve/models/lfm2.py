@@ -17,7 +17,6 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.attention import Attention
@@ -28,6 +27,7 @@ from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.state_shapes import short_conv_spec
 from hybridserve.models.base import RopeDecoderLM
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.dispatch import call
 
 
 def head_dim_of(config: Any) -> int:
@@ -72,17 +72,16 @@ class Lfm2ShortConv(nn.Module):
         self.out_proj = nn.Linear(hidden, hidden, bias=config.conv_bias)
         self.spec = short_conv_spec(layer_index, dtypes, hidden=hidden, conv_kernel=kernel)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         conv_states = batch.caches[self.layer_index].state["conv"]  # (slots, hidden, K-1)
         b, c, h = self.in_proj(x).chunk(3, dim=-1)  # (T, hidden) each
-        if self.use_cpu_kernels:
-            out = self._forward_kernels(b, c, h, batch, conv_states)
-            if out is not None:
-                return out
-            fallbacks.record("short_conv", fallbacks.describe(b, conv_states))
+        return call("short_conv", lambda: self._forward_kernels(b, c, h, batch, conv_states),
+                    lambda: self._forward_plain(b, c, h, batch, conv_states), b, conv_states)
+
+    def _forward_plain(self, b: torch.Tensor, c: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
+                       conv_states: torch.Tensor) -> torch.Tensor:
+        """The PyTorch body."""
         bx = b * h  # (T, hidden)
         weight = self.conv.weight.squeeze(1)  # (hidden, K)
         y = torch.empty_like(bx)  # (T, hidden)
@@ -164,7 +163,7 @@ class Lfm2Model(nn.Module):
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)
 
 
-class Lfm2ForCausalLM(RopeDecoderLM):
+class Lfm2LMBase(RopeDecoderLM):
     final_norm = "embedding_norm"
     fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -177,3 +176,7 @@ class Lfm2ForCausalLM(RopeDecoderLM):
         super().__init__(config)
         self.model = Lfm2Model(config, dtypes)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class Lfm2ForCausalLM(Lfm2LMBase):
+    """LFM2 (HF weight names)."""

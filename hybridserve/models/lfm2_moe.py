@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.layers.moe import FusedExperts, stack_expert_weights
-from hybridserve.models.lfm2 import Lfm2ForCausalLM, Lfm2MLP, Lfm2Model
+from hybridserve.models.lfm2 import Lfm2LMBase, Lfm2MLP, Lfm2Model
+from hybridserve.ops.dispatch import call
 
 
 class Lfm2MoeRouter(nn.Module):
@@ -35,15 +36,14 @@ class Lfm2MoeRouter(nn.Module):
         self.scaling = float(config.routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden); expert_bias: (E,) float32 or None."""
-        if self.use_cpu_kernels:
-            routed = self._forward_kernels(x, expert_bias)
-            if routed is not None:
-                return routed
-            fallbacks.record("router_grouped_sigmoid", fallbacks.describe(x, self.weight))
+        return call("router_grouped_sigmoid", lambda: self._forward_kernels(x, expert_bias),
+                    lambda: self._forward_plain(x, expert_bias), x, self.weight)
+
+    def _forward_plain(self, x: torch.Tensor, expert_bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The PyTorch body."""
         scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
         choice = scores if expert_bias is None else scores + expert_bias
         index = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # (T, k)
@@ -89,7 +89,7 @@ def _feed_forward(config: Any, index: int) -> nn.Module:
     return Lfm2MoeSparseMoeBlock(config)
 
 
-class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+class Lfm2MoeForCausalLM(Lfm2LMBase):
     #: checkpoints store each expert's SwiGLU as w1 (gate), w3 (up) and w2 (down)
     expert_projections = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 

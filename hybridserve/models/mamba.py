@@ -40,7 +40,9 @@ class MambaBackbone(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
-class MambaForCausalLM(CausalLM):
+class MambaLMBase(CausalLM):
+    """The Mamba1 language model, shared by the Mamba and FalconMamba families."""
+
     tied_weights = {"lm_head.weight": "backbone.embeddings.weight"}
     checkpoint_renames = [(r"^backbone\.embedding\.", "backbone.embeddings.")]
     #: the mixer's norms on dt, B and C (see ``Mamba1Mixer``); Mamba has none
@@ -59,3 +61,7 @@ class MambaForCausalLM(CausalLM):
             x, pending = layer(x, pending, batch)
         norm = self.backbone.norm_f
         return norm_with_pending(norm, x, pending, self.backbone.layers[-1].residual_in_fp32, final=True)[1]
+
+
+class MambaForCausalLM(MambaLMBase):
+    """Mamba1 (HF weight names), no norms on dt, B and C."""

@@ -21,18 +21,19 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.activations import activation
 from hybridserve.layers.attention import Attention
-from hybridserve.layers.elementwise import scaled_sum
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.state_shapes import linear_attention_spec
 from hybridserve.models.base import RopeDecoderLM
+from hybridserve.ops.dispatch import call
+from hybridserve.ops.elementwise import scaled_sum
 from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
 
 LINEAR_KINDS = ("linear_attention",)
@@ -76,17 +77,15 @@ class LightningAttention(nn.Module):
         rate = slope_rates(self.num_heads, self.layer_index, self.num_layers)
         self.slope_rate = rate.to(self.slope_rate.device)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
-        t, H, D = x.shape[0], self.num_heads, self.head_dim
         states = batch.caches[self.layer_index].state["kv_state"]  # (slots, H, D, D)
-        if self.use_cpu_kernels:
-            out = self._forward_kernels(x, batch, states)
-            if out is not None:
-                return out
-            fallbacks.record("linear_attention", fallbacks.describe(x, states))
+        return call("linear_attention", lambda: self._forward_kernels(x, batch, states),
+                    lambda: self._forward_plain(x, batch, states), x, states)
+
+    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch, states: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (``ops/linear_attention.py``)."""
+        t, H, D = x.shape[0], self.num_heads, self.head_dim
         qkv = self.act_fn(self.qkv_proj(x)).view(t, H, 3 * D)  # per head: [q | k | v]
         q, k, v = torch.split(qkv, D, dim=-1)  # (T, H, D) each
         y = torch.empty(t, H, D, dtype=torch.float32, device=x.device)  # (T, H, D)
@@ -137,16 +136,10 @@ class MiniMaxSparseMoeBlock(nn.Module):
         self.experts = FusedExperts(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                     config.hidden_act)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # (T, E)
-        routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", normalize=True) \
-            if self.use_cpu_kernels else None
-        if routed is None:
-            if self.use_cpu_kernels:
-                fallbacks.record("router_topk", fallbacks.describe(logits))
-            routed = softmax_topk(logits, self.top_k, normalize=True)  # (T, k) each
+        routed = call("router_topk", lambda: gemm.router_topk(logits, self.top_k, "softmax_then_topk", normalize=True),
+                      lambda: softmax_topk(logits, self.top_k, normalize=True), logits)  # (T, k) each
         return self.experts(x, *routed)
 
 
@@ -168,14 +161,11 @@ class MiniMaxDecoderLayer(nn.Module):
         self.mlp_alpha, self.mlp_beta = config.mlp_alpha_factor, config.mlp_beta_factor
         self.mlp = MiniMaxSparseMoeBlock(config)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        k = self.use_cpu_kernels
         h = self.input_layernorm(x)  # the residual branch is the normalized input, as in HF
         a = self.self_attn(h, batch) if self.is_linear else self.self_attn(h, rope, batch)
-        h = self.post_attention_layernorm(scaled_sum(h, self.attn_alpha, a, self.attn_beta, k))
-        return scaled_sum(h, self.mlp_alpha, self.mlp(h), self.mlp_beta, k)
+        h = self.post_attention_layernorm(scaled_sum(h, self.attn_alpha, a, self.attn_beta))
+        return scaled_sum(h, self.mlp_alpha, self.mlp(h), self.mlp_beta)
 
 
 class MiniMaxModel(nn.Module):

@@ -13,9 +13,8 @@ from torch import nn
 
 from hybridserve.cache.spec import LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks
-from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.models.base import CausalLM, merge_specs
+from hybridserve.ops.elementwise import concat_cols
 
 #: a raw checkpoint name of an MTP weight: ``mtp.*``, also under a vision-language wrapper's language model
 MTP_NAME = r"^(?:model\.language_model\.|language_model\.)?mtp\."
@@ -31,7 +30,6 @@ class MTPHead(nn.Module):
     checkpoint_skip = rf"(?!{MTP_NAME[1:]})"
     checkpoint_renames = [(MTP_NAME, "")]
     tied_weights: dict[str, str] = {}
-    use_cpu_kernels = False  # set by enable_cpu_kernels (the concat before the fusing projection)
     target: CausalLM  # the model it drafts for, set by share() (not a submodule)
 
     def __init__(self, hf_config: Any, num_layers: int, first_layer_index: int) -> None:
@@ -76,13 +74,8 @@ class MTPHead(nn.Module):
         return step % self.num_layers
 
     def concat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a (T, Da), b (T, Db) -> (T, Da + Db), by the CPU kernel when it is on."""
-        if self.use_cpu_kernels:
-            joined = pointwise_kernels.concat_cols(a, b)
-            if joined is not None:
-                return joined
-            fallbacks.record("concat_cols", fallbacks.describe(a, b))
-        return torch.cat([a, b], dim=-1)
+        """a (T, Da), b (T, Db) -> (T, Da + Db)."""
+        return concat_cols(a, b)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 batch: ForwardBatch, step: int = 0) -> torch.Tensor:

@@ -26,13 +26,13 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.layers.moe import stack_expert_weights
 from hybridserve.models.mtp_base import MTPHead
 from hybridserve.models.mtp_config import nemotron_h_mtp_block_kinds
-from hybridserve.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM, NemotronHRMSNorm
+from hybridserve.models.nemotron_h import NemotronHBlock, NemotronHLMBase, NemotronHRMSNorm
 
 
 class NemotronHMTPHead(MTPHead):
     """``num_nextn_predict_layers`` modules of ``len(mtp_layers_block_type)`` Nemotron-H blocks each."""
 
-    def __init__(self, hf_config: Any, target: NemotronHForCausalLM, dtypes: CacheDtypes, num_layers: int,
+    def __init__(self, hf_config: Any, target: NemotronHLMBase, dtypes: CacheDtypes, num_layers: int,
                  first_layer_index: int) -> None:
         super().__init__(hf_config, num_layers, first_layer_index)
         config = hf_config
@@ -55,7 +55,7 @@ class NemotronHMTPHead(MTPHead):
                 blocks.append(block)
         self.layers = nn.ModuleList(blocks)
 
-    def shared_modules(self, target: NemotronHForCausalLM) -> dict[str, nn.Module]:
+    def shared_modules(self, target: NemotronHLMBase) -> dict[str, nn.Module]:
         return {"embeddings": target.model.embeddings}
 
     def transform_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -24,10 +24,10 @@ from hybridserve.layers.moe import stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.mtp_base import MTPHead
 from hybridserve.models.qwen3_5 import Qwen3NextView, text_config_of
-from hybridserve.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
+from hybridserve.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextLMBase
 
 
-def qwen3_next_config_of(hf_config: Any, target: Qwen3NextForCausalLM) -> Any:
+def qwen3_next_config_of(hf_config: Any, target: Qwen3NextLMBase) -> Any:
     """The config as the target's layers read it (Qwen3.5's through the view its class builds)."""
     keys = getattr(target, "qwen3_next_keys", None)
     return hf_config if keys is None else Qwen3NextView(text_config_of(hf_config), **keys)
@@ -36,7 +36,7 @@ def qwen3_next_config_of(hf_config: Any, target: Qwen3NextForCausalLM) -> Any:
 class Qwen3NextMTPHead(MTPHead):
     """``mtp_num_hidden_layers`` MTP modules sharing the fusing projection and the norms."""
 
-    def __init__(self, hf_config: Any, target: Qwen3NextForCausalLM, dtypes: CacheDtypes, num_layers: int,
+    def __init__(self, hf_config: Any, target: Qwen3NextLMBase, dtypes: CacheDtypes, num_layers: int,
                  first_layer_index: int) -> None:
         super().__init__(hf_config, num_layers, first_layer_index)
         config = qwen3_next_config_of(hf_config, target)
@@ -51,7 +51,7 @@ class Qwen3NextMTPHead(MTPHead):
             layer.layer_index = first_layer_index + i
         self.norm = RMSNorm(h, eps, zero_centered=True)
 
-    def shared_modules(self, target: Qwen3NextForCausalLM) -> dict[str, nn.Module]:
+    def shared_modules(self, target: Qwen3NextLMBase) -> dict[str, nn.Module]:
         return {"embed_tokens": target.model.embed_tokens, "rotary_emb": target.model.rotary_emb}
 
     def transform_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

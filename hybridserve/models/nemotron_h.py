@@ -15,8 +15,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
-from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.kernels import gemm
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
@@ -24,6 +23,8 @@ from hybridserve.layers.mlp import PlainMLP
 from hybridserve.layers.moe import FusedExperts, stack_expert_weights
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.models.base import CausalLM
+from hybridserve.ops.dispatch import call
+from hybridserve.ops.elementwise import add
 
 KIND_ALIASES = {"mamba": "linear_attention", "attention": "full_attention"}
 KINDS = ("linear_attention", "full_attention", "mlp", "moe")
@@ -58,15 +59,13 @@ class NemotronHTopkRouter(nn.Module):
         # A persistent buffer in HF; a (frozen) parameter here so the strict loader loads it.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: (T, hidden) -> topk_index (T, k), topk_weight (T, k) float32."""
-        if self.use_cpu_kernels:
-            routed = self._forward_kernels(x)
-            if routed is not None:
-                return routed
-            fallbacks.record("router_grouped_sigmoid", fallbacks.describe(x, self.weight))
+        return call("router_grouped_sigmoid", lambda: self._forward_kernels(x),
+                    lambda: self._forward_plain(x), x, self.weight)
+
+    def _forward_plain(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The PyTorch body."""
         t = x.shape[0]
         scores = nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
         choice = scores + self.e_score_correction_bias.float()
@@ -97,8 +96,6 @@ class NemotronHTopkRouter(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def __init__(self, config: Any) -> None:
         super().__init__()
         latent = getattr(config, "moe_latent_size", None)
@@ -119,12 +116,7 @@ class NemotronHMoE(nn.Module):
         if not self.has_latent:
             return self.experts(x, index, weight, shared)  # experts + shared, rounded as experts(x) + shared
         h = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), index, weight))  # through the latent
-        if self.use_cpu_kernels:
-            out = pointwise_kernels.add(h, shared)
-            if out is not None:
-                return out
-            fallbacks.record("add", fallbacks.describe(h, shared))
-        return h + shared
+        return add(h, shared)
 
 
 def _mixer(config: Any, index: int, kind: str, dtypes: CacheDtypes) -> nn.Module:
@@ -180,7 +172,7 @@ class NemotronHModel(nn.Module):
         self.norm_f = NemotronHRMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHLMBase(CausalLM):
     # HF never ties Nemotron-H's LM head to the embeddings (its ``_tied_weights_keys`` is empty).
     tied_weights: dict[str, str] = {}
     checkpoint_renames = [(r"^backbone\.", "model.")]
@@ -203,3 +195,7 @@ class NemotronHForCausalLM(CausalLM):
         for layer in self.model.layers:
             x, pending = layer(x, pending, batch)
         return self.model.norm_f(x) if pending is None else self.model.norm_f.add_and_norm(x, pending)[1]
+
+
+class NemotronHForCausalLM(NemotronHLMBase):
+    """Nemotron-H (HF weight names)."""

@@ -33,14 +33,15 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.layers import elementwise
-from hybridserve.layers.attention import Attention, paged_attend, rotate
+from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.gated_deltanet import GatedDeltaNet, grouped_projections
 from hybridserve.layers.mlp import GatedMLP
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import RopeDecoderLM
 from hybridserve.models.nemotron_h import NemotronHRMSNorm
+from hybridserve.ops.attend import paged_attend
+from hybridserve.ops.elementwise import add, rotate
 
 #: HF's output-norm eps of the gated delta net (FLA's default), whatever ``rms_norm_eps`` says
 GDN_NORM_EPS = 1e-5
@@ -87,8 +88,8 @@ class OlmoHybridAttention(Attention):
         k = self.k_norm(self.k_proj(x)).view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, Dh)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
-            q, k = rotate(q, rope, self.use_cpu_kernels), rotate(k, rope, self.use_cpu_kernels)
-        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale, None, self.use_cpu_kernels)
+            q, k = rotate(q, rope), rotate(k, rope)
+        out = paged_attend(q, k, v, batch, batch.caches[self.layer_index], self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -122,8 +123,6 @@ class OlmoHybridAttentionDecoderLayer(nn.Module):
     """Post-norm: ``x + post_attention_layernorm(self_attn(x))``, then ``x + post_feedforward_layernorm(mlp(x))``."""
 
     kind = "full_attention"
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def __init__(self, config: Any, index: int, dtypes: CacheDtypes) -> None:
         super().__init__()
         self.self_attn = OlmoHybridAttention(config, index, dtypes)
@@ -136,9 +135,9 @@ class OlmoHybridAttentionDecoderLayer(nn.Module):
         """x: (T, hidden); pending as for the linear-attention layer. Returns (x, the normed MLP output,
         left for the next layer's add)."""
         if pending is not None:
-            x = elementwise.add(x, pending, self.use_cpu_kernels)
+            x = add(x, pending)
         h = self.post_attention_layernorm(self.self_attn(x, rope, batch))
-        x = elementwise.add(x, h, self.use_cpu_kernels)
+        x = add(x, h)
         return x, self.post_feedforward_layernorm(self.mlp(x))
 
 

@@ -29,7 +29,7 @@ import torch
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.layers.gated_deltanet import grouped_projections
-from hybridserve.models.qwen3_next import Qwen3NextForCausalLM
+from hybridserve.models.qwen3_next import Qwen3NextLMBase
 
 #: Qwen3.5's separate gated-delta-net projections, in the order ``grouped_projections`` takes them
 _SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -53,7 +53,7 @@ class Qwen3NextView:
         return fixed[name] if name in fixed else getattr(self.__dict__["_config"], name)
 
 
-class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+class Qwen3_5ForCausalLM(Qwen3NextLMBase):
     """Qwen3.5, dense: a SwiGLU MLP on every layer."""
 
     #: raw checkpoint names not read at all

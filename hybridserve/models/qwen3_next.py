@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks, gemm
+from hybridserve.kernels import gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
@@ -20,6 +20,7 @@ from hybridserve.layers.moe import FusedExperts, softmax_topk, stack_expert_weig
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import RopeDecoderLM
+from hybridserve.ops.dispatch import call
 
 
 class Qwen3NextSparseMoeBlock(nn.Module):
@@ -35,17 +36,22 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, config.hidden_act)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         logits = self.gate(x)  # (T, E)
-        if self.use_cpu_kernels:
-            routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", self.norm_topk_prob)
-            shared = pointwise_kernels.row_sigmoid_gate(self.shared_expert_gate(x), self.shared_expert(x))
-            if routed is not None and shared is not None:
-                return self.experts(x, *routed, shared)  # routed + shared, each rounded
-            fallbacks.record("qwen3_next_moe", fallbacks.describe(logits, x))
+        return call("qwen3_next_moe", lambda: self._forward_kernels(x, logits), lambda: self._forward_plain(x, logits),
+                    logits, x)
+
+    def _forward_kernels(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+        """Routing and the shared expert's gate on kernels: routed + shared, each rounded (None: declined)."""
+        routed = gemm.router_topk(logits, self.top_k, "softmax_then_topk", self.norm_topk_prob)
+        shared = pointwise_kernels.row_sigmoid_gate(self.shared_expert_gate(x), self.shared_expert(x))
+        if routed is None or shared is None:
+            return None
+        return self.experts(x, *routed, shared)
+
+    def _forward_plain(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The PyTorch body."""
         index, weight = softmax_topk(logits, self.top_k, self.norm_topk_prob)  # (T, k)
         routed = self.experts(x, index, weight)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -111,7 +117,7 @@ class Qwen3NextModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config, head_dim)  # partial rotary from rope_parameters
 
 
-class Qwen3NextForCausalLM(RopeDecoderLM):
+class Qwen3NextLMBase(RopeDecoderLM):
     fused_residual = True
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -125,3 +131,7 @@ class Qwen3NextForCausalLM(RopeDecoderLM):
         ignores on load."""
         return stack_expert_weights({n: t for n, t in tensors.items() if not n.startswith("mtp.")},
                                     r".*\.mlp\.experts")
+
+
+class Qwen3NextForCausalLM(Qwen3NextLMBase):
+    """Qwen3-Next (HF weight names)."""

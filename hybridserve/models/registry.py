@@ -42,7 +42,7 @@ _QWEN_MTP = "mtp_num_hidden_layers"
 _FAMILIES = (
     ModelFamily("LlamaForCausalLM", "llama", ("llama",)),
     ModelFamily("MambaForCausalLM", "mamba", ("mamba",)),
-    ModelFamily("FalconMambaForCausalLM", "falcon_mamba", ("falcon_mamba",)),
+    ModelFamily("FalconMambaForCausalLM", "falcon_mamba", ("falcon_mamba",), class_name="FalconMambaLM"),
     ModelFamily("Mamba2ForCausalLM", "mamba2", ("mamba2",)),
     ModelFamily("BambaForCausalLM", "bamba", ("bamba",)),
     ModelFamily("GraniteMoeHybridForCausalLM", "granitemoehybrid", ("granitemoehybrid",)),
@@ -108,13 +108,13 @@ def model_class(architecture: str) -> type:
 
 
 def mtp_head_class(model_class: type) -> type | None:
-    """The MTP head class of a model class's family (looked up along its bases, so Qwen3.5's model finds
-    Qwen3-Next's head), or None for a family without one."""
+    """The MTP head class of a model class's family (looked up by the modules of its bases, so Qwen3.5's model
+    finds Qwen3-Next's head), or None for a family without one."""
     for cls in model_class.__mro__:
-        record = _MODELS.get(cls.__name__)
-        if record is not None and record.mtp_head is not None:
-            module, name = record.mtp_head.split(":")
-            return getattr(importlib.import_module(f"hybridserve.models.{module}"), name)
+        for record in _MODELS.values():
+            if record.mtp_head is not None and record.module_path == cls.__module__:
+                module, name = record.mtp_head.split(":")
+                return getattr(importlib.import_module(f"hybridserve.models.{module}"), name)
     return None
 
 

@@ -24,16 +24,14 @@ from torch import nn
 
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import fallbacks
-from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.layers.attention import paged_attend, rotate
-from hybridserve.layers.elementwise import add
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mamba2 import Mamba2Mixer
 from hybridserve.layers.mlp import ActAndMul
 from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.models.base import CausalLM
+from hybridserve.ops.attend import paged_attend
+from hybridserve.ops.elementwise import add, concat_cols, rotate
 
 HYBRID = "hybrid"
 MAMBA_KINDS = ("linear_attention", "mamba", "mamba2")
@@ -51,8 +49,6 @@ def _adapter_list(uses: int, block_id: int, num_blocks: int, d_in: int, rank: in
 class Zamba2Attention(nn.Module):
     """Attention over ``concat(hidden, embeddings)`` (2 * hidden wide), scale ``(head_dim / 2) ** -0.5``,
     optional per-use q/k/v adapters and RoPE. Its KV cache is the one of hybrid layer ``cache_index``."""
-
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
 
     def __init__(self, config: Any, cache_index: int, use: int, block_id: int, dtypes: CacheDtypes) -> None:
         super().__init__()
@@ -77,19 +73,18 @@ class Zamba2Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 batch: ForwardBatch) -> torch.Tensor:
         """x: (T, 2 * hidden) -> (T, hidden)."""
-        t, kernels = x.shape[0], self.use_cpu_kernels
+        t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_adapter:
-            q = add(q, self.linear_q_adapter_list[self.use](x), kernels)
-            k = add(k, self.linear_k_adapter_list[self.use](x), kernels)
-            v = add(v, self.linear_v_adapter_list[self.use](x), kernels)
+            q = add(q, self.linear_q_adapter_list[self.use](x))
+            k = add(k, self.linear_k_adapter_list[self.use](x))
+            v = add(v, self.linear_v_adapter_list[self.use](x))
         q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, Dh)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, Dh)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if rope is not None:
-            q, k = rotate(q, rope, self.use_cpu_kernels), rotate(k, rope, self.use_cpu_kernels)
-        out = paged_attend(q, k, v, batch, batch.caches[self.cache_index], self.scale,
-                           use_cpu_kernels=self.use_cpu_kernels)
+            q, k = rotate(q, rope), rotate(k, rope)
+        out = paged_attend(q, k, v, batch, batch.caches[self.cache_index], self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -107,11 +102,8 @@ class Zamba2MLP(nn.Module):
         self.gate_up_proj_adapter_list = _adapter_list(len(config.hybrid_layer_ids), block_id,
                                                        config.num_mem_blocks, hidden, config.adapter_rank, 2 * inter)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = add(self.gate_up_proj(x), self.gate_up_proj_adapter_list[self.use](x),
-                      self.use_cpu_kernels)  # (T, 2 * inter)
+        gate_up = add(self.gate_up_proj(x), self.gate_up_proj_adapter_list[self.use](x))  # (T, 2 * inter)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_and_mul(gate, up))
 
@@ -126,15 +118,8 @@ class Zamba2AttentionDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.attention_hidden_size, config.rms_norm_eps)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, original: torch.Tensor, rope, batch: ForwardBatch) -> torch.Tensor:
-        joined = pointwise_kernels.concat_cols(x, original) if self.use_cpu_kernels else None
-        if joined is None:
-            if self.use_cpu_kernels:
-                fallbacks.record("concat_cols", fallbacks.describe(x, original))
-            joined = torch.cat([x, original], dim=-1)
-        h = self.input_layernorm(joined)  # (T, 2 * hidden)
+        h = self.input_layernorm(concat_cols(x, original))  # (T, 2 * hidden)
         h = self.self_attn(h, rope, batch)
         return self.feed_forward(self.pre_ff_layernorm(h))
 
@@ -153,12 +138,9 @@ class Zamba2MambaDecoderLayer(nn.Module):
             norm_in_float32=True)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    use_cpu_kernels = False  # set by the engine when the compiled CPU kernels are on and available
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, shared: torch.Tensor | None = None) -> torch.Tensor:
-        kernels = self.use_cpu_kernels
-        h = x if shared is None else add(x, shared, kernels)
-        return add(x, self.mamba(self.input_layernorm(h), batch), kernels)
+        h = x if shared is None else add(x, shared)
+        return add(x, self.mamba(self.input_layernorm(h), batch))
 
 
 class Zamba2HybridLayer(nn.Module):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.engine.sampler import _processed_logits
-from hybridserve.kernels import pointwise as pointwise_kernels
+from hybridserve.ops.logits import fused_argmax_logsumexp
 from hybridserve.sampling_params import SamplingParams
 
 
@@ -45,14 +45,14 @@ class Verdict:
 
 
 def verify(logits: torch.Tensor, items: list[Verification], default_generator: torch.Generator,
-           use_cpu_kernels: bool = False, argmax: torch.Tensor | None = None) -> list[Verdict]:
+           argmax: torch.Tensor | None = None) -> list[Verdict]:
     """The verdict of each item; ``logits`` (sum of (m + 1), V) holds each item's rows in order, float32 or
     the model dtype exactly widened to it: the logits tokens are drawn from (penalties, biases and stop masks
     applied to row ``j`` as after the first ``j`` drafts); ``argmax`` (R,): each row's, when the caller has it."""
     greedy_argmax: list[int] | None = None
     if any(it.params.greedy for it in items):
         if argmax is None:
-            fused = pointwise_kernels.argmax_logsumexp(logits) if use_cpu_kernels else None
+            fused = fused_argmax_logsumexp(logits)
             argmax = fused[0] if fused is not None else logits.argmax(dim=-1)
         greedy_argmax = argmax.tolist()  # (R,)
     verdicts: list[Verdict] = []

@@ -134,7 +134,7 @@ def test_every_family_record_is_complete():
     assert len(claimed) == len(set(claimed)) == len(registry.model_types())
     for record in records:
         assert record.tensor_parallel and record.model_types, record
-        assert model_class(record.architecture).__name__ == record.architecture
+        assert model_class(record.architecture).__name__ == record.model_class_name
 
 
 def test_a_registered_architecture_plans_as_the_family_it_reuses(tmp_path, monkeypatch):

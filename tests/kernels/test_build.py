@@ -13,6 +13,7 @@ import torch
 
 from hybridserve.kernels import _abi, build, enable_cpu_kernels, isa, pointwise
 from hybridserve.layers.norms import RMSNorm
+from hybridserve.ops.dispatch import runs_on_kernels, use_kernels
 
 OK_SOURCE = '#include "isa_level.h"\nextern "C" int hs_answer(void) { return 42; }\n'
 
@@ -65,15 +66,15 @@ def test_no_compiler_means_no_library(fresh, monkeypatch, caplog):
     with torch.no_grad():
         norm.weight.copy_(w)
     expected = norm(x)
-    norm.use_cpu_kernels = True
-    assert torch.equal(norm(x), expected)
+    with use_kernels(True):
+        assert torch.equal(norm(x), expected)
 
 
 def test_no_compiler_leaves_the_model_on_pytorch_paths(fresh, monkeypatch):
     monkeypatch.setattr(build, "find_compiler", lambda: None)
     model = torch.nn.Sequential(RMSNorm(8), RMSNorm(8))
     assert enable_cpu_kernels(model) is False
-    assert all(m.use_cpu_kernels is False for m in model)
+    assert not runs_on_kernels(model)
 
 
 @needs_compiler

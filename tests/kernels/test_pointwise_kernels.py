@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from hybridserve.kernels import pointwise
 from hybridserve.layers.norms import GatedRMSNorm, RMSNorm
+from hybridserve.ops.dispatch import kernels_on, use_kernels
 from tests.kernels.helpers import DTYPES, assert_bits_equal, assert_within_ulps, dtype_id, needs_compiler, spacing
 
 pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]  # every ISA variant this CPU runs
@@ -82,7 +83,7 @@ def test_residual_fused_matches_torch(dtype, zero_centered, scale):
     assert out is not None and isinstance(out, tuple) and len(out) == 2
     new_x, normed = out
     # the module's own PyTorch path (the kernels are off on a fresh module)
-    assert norm.use_cpu_kernels is False
+    assert not kernels_on()
     exp_x, exp_normed = norm.add_and_norm(x, residual, scale)
     # the add is rounded like PyTorch's: bit-exact in bf16 / f16. In float32 the kernel's product and
     # sum are contracted into one FMA (the product is not rounded): off by at most half an ulp of the
@@ -285,8 +286,9 @@ def test_sampler_with_kernel_matches_torch_path():
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 4000, generator=g) * 3.0
     params = [SamplingParams(temperature=0, logprobs=3 if i % 2 else None) for i in range(6)]
-    plain = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0), use_cpu_kernels=False)
-    fused = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0), use_cpu_kernels=True)
+    plain = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0))
+    with use_kernels(True):
+        fused = sample(logits, params, [None] * 6, torch.Generator().manual_seed(0))
     assert fused.token_ids == plain.token_ids
     assert fused.sampled_ranks == plain.sampled_ranks
     assert fused.top_ids == plain.top_ids
@@ -304,8 +306,9 @@ def test_greedy_sampler_without_logprobs_reads_the_kernels_maximum(dtype):
 
     logits = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(4)) * 3.0).to(dtype)
     params = [SamplingParams(temperature=0)] * 5
-    fused = sample(logits, params, [None] * 5, torch.Generator(), use_cpu_kernels=True)
-    plain = sample(logits, params, [None] * 5, torch.Generator(), use_cpu_kernels=False)
+    with use_kernels(True):
+        fused = sample(logits, params, [None] * 5, torch.Generator())
+    plain = sample(logits, params, [None] * 5, torch.Generator())
     assert fused.token_ids == plain.token_ids == logits.float().argmax(-1).tolist()
     idx, lse = pointwise.argmax_logsumexp(logits)
     expected = (logits.float().gather(1, idx[:, None])[:, 0] - lse).tolist()
@@ -324,8 +327,9 @@ def test_sampler_takes_model_dtype_logits_as_their_float32(kernels, logprobs):
     g = torch.Generator().manual_seed(5)
     low = (torch.randn(4, 3000, generator=g) * 3.0).to(torch.bfloat16)
     params = [SamplingParams(temperature=0, logprobs=logprobs) for _ in range(4)]
-    a = sample(low, params, [None] * 4, torch.Generator().manual_seed(0), use_cpu_kernels=kernels)
-    b = sample(low.float(), params, [None] * 4, torch.Generator().manual_seed(0), use_cpu_kernels=kernels)
+    with use_kernels(kernels):
+        a = sample(low, params, [None] * 4, torch.Generator().manual_seed(0))
+        b = sample(low.float(), params, [None] * 4, torch.Generator().manual_seed(0))
     assert a == b
 
 

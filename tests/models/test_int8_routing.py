@@ -26,6 +26,7 @@ from hybridserve.kernels import gemm
 from hybridserve.models.lfm2_moe import Lfm2MoeRouter
 from hybridserve.models.nemotron_h import NemotronHTopkRouter
 from hybridserve.models.qwen3_next import Qwen3NextSparseMoeBlock
+from hybridserve.ops.dispatch import runs_on_kernels
 from tests.checkpoints import make
 from tests.kernels.helpers import needs_compiler
 from tests.layers.test_int8_weights import MEAN_DELTA_BOUND, PARAMS, _prompts, compare_near_tie
@@ -141,7 +142,7 @@ def _run_softmax_routed(path: str, quantization: str, monkeypatch, held: list | 
     llm = LLM(path, cache_memory="16MiB", max_num_seqs=2, enable_progress_bar=False, dtype="bfloat16",
               quantization=quantization, enforce_eager=True)
     blocks = [m for m in llm.engine.model.modules() if isinstance(m, Qwen3NextSparseMoeBlock)]
-    assert blocks and all(b.use_cpu_kernels for b in blocks)
+    assert blocks and runs_on_kernels(llm.engine.model)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(llm.engine.hf_config.vocab_size)], PARAMS)
     monkeypatch.setattr(gemm, "router_topk", plain_topk)
     return [o.outputs[0] for o in outs], calls, len(blocks)

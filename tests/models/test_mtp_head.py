@@ -331,6 +331,7 @@ def test_head_decode_runs_on_kernels_and_is_captured(ckpt_dir, family):
     from hybridserve.kernels.graph import capture, module_regions, tensor_region
     from hybridserve.layers.packed_linear import pack_kernel_linear_layers
     from hybridserve.layers.rotary import RotaryEmbedding
+    from hybridserve.ops.dispatch import runs_on_kernels
     from tests.kernels.helpers import find_compiler
 
     if find_compiler() is None:
@@ -344,7 +345,7 @@ def test_head_decode_runs_on_kernels_and_is_captured(ckpt_dir, family):
     head = build_mtp_head(path, cfg, target, bf16, dtypes, CPU, first)
     if not (enable_cpu_kernels(target) and enable_cpu_kernels(head) and gemm.available()):
         pytest.skip("the CPU kernels are not available here")
-    assert head.use_cpu_kernels
+    assert runs_on_kernels(head)
     pack_kernel_linear_layers(target)
     assert pack_kernel_linear_layers(head) > 0  # fc and the layer's projections and experts
     for module in target.modules():
