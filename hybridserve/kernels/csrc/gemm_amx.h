@@ -21,28 +21,14 @@
 
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "amx_tiles.h"
 
 constexpr int64_t kAmxMinRows = 1;  // rows from which a bf16 linear runs on tiles (fewer: dot products)
 constexpr int64_t kAmxChunkBytes = 512 * 1024;  // activations of one row chunk
 
-// The palette-1 tile configuration: tmm0-3 C (16 x 16 float32), tmm4-5 A (16 x 32 bf16), tmm6-7 B (16 k-pairs x 16
-// columns x 2).
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  AmxConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
+// Tiles: tmm0-3 C (16 x 16 float32), tmm4-5 A (16 x 32 bf16), tmm6-7 B (16 k-pairs x 16 columns x 2).
+constexpr int kAmxLinearTiles = 8;
 
 // The B tiles of one column block (one or two panels) whose bf16 panels lie in memory: panel j at w + j * pe.
 struct PanelTiles {
@@ -85,12 +71,7 @@ struct TileAhead {
 template <int MT, int NP, typename Tiles>
 inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const Tiles& b,
                       TileAhead& ahead) {
-  _tile_zero(0);
-  if constexpr (NP > 1) _tile_zero(1);
-  if constexpr (MT > 1) {
-    _tile_zero(2);
-    if constexpr (NP > 1) _tile_zero(3);
-  }
+  amx_zero_sums<MT, NP>();
   for (int64_t s = 0; s < steps; ++s) {
     ahead.step();
     _tile_loadd(6, b.tile(0, s), 64);
@@ -116,12 +97,7 @@ template <int MT, int NP>
 inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64_t k2_done, int64_t K2,
                       const uint16_t* tail, int64_t tail_pe, const uint16_t* bias, const float* scale, uint16_t* out,
                       int64_t os, int64_t n0, int64_t N) {
-  _tile_stored(0, &c[0][0], 128);
-  if constexpr (NP > 1) _tile_stored(1, &c[0][16], 128);
-  if constexpr (MT > 1) {
-    _tile_stored(2, &c[16][0], 128);
-    if constexpr (NP > 1) _tile_stored(3, &c[16][16], 128);
-  }
+  amx_store_sums<MT, NP>(c);
   for (int j = 0; j < NP; ++j) {
     const int64_t col = n0 + j * kPanel;
     const int64_t valid = N - col < kPanel ? N - col : kPanel;
@@ -180,14 +156,8 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
 #pragma omp parallel if (parallel)
   {
     static thread_local std::vector<uint16_t> tail;  // the partial last 16-row group, zero-padded
-    const AmxConfig config;
-    _tile_loadconfig(&config);
-    int threads = 1, me = 0;
-#ifdef _OPENMP
-    threads = omp_get_num_threads();
-    me = omp_get_thread_num();
-#endif
-    const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    const AmxTileScope tiles(AmxTileConfig{kAmxLinearTiles});
+    const auto [b_begin, b_end] = thread_share(blocks);
     weights.begin(2 * b_begin, std::min(panels, 2 * b_end));
     if (groups > full_groups && b_begin < b_end) {
       const int64_t valid = M - full_groups * 16;
@@ -228,7 +198,6 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
         }
       }
     }
-    _tile_release();
   }
   return 0;
 }

@@ -167,12 +167,7 @@ inline void w8a8_tile_layout(const uint8_t* codes, int64_t pe, int np, int64_t K
 // bytes apart): the int32 sums into c (32 x 32).
 template <int MT, int NP>
 inline void w8a8_amx_block(int64_t steps, const int8_t* a, int64_t Kq, const int8_t* b, int32_t (*c)[32]) {
-  _tile_zero(0);
-  if constexpr (NP > 1) _tile_zero(1);
-  if constexpr (MT > 1) {
-    _tile_zero(2);
-    if constexpr (NP > 1) _tile_zero(3);
-  }
+  amx_zero_sums<MT, NP>();
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(6, b + s * 1024, 64);
     _tile_loadd(4, a + s * 64, Kq);
@@ -187,12 +182,7 @@ inline void w8a8_amx_block(int64_t steps, const int8_t* a, int64_t Kq, const int
       if constexpr (NP > 1) _tile_dpbssd(3, 5, 7);
     }
   }
-  _tile_stored(0, &c[0][0], 128);
-  if constexpr (NP > 1) _tile_stored(1, &c[0][16], 128);
-  if constexpr (MT > 1) {
-    _tile_stored(2, &c[16][0], 128);
-    if constexpr (NP > 1) _tile_stored(3, &c[16][16], 128);
-  }
+  amx_store_sums<MT, NP>(c);
 }
 
 // The tile path: threads split the 32-column blocks; rows go in chunks whose quantized activations fit in
@@ -211,14 +201,8 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
   {
     constexpr int64_t kWholeBytes = 64 << 20;
     static thread_local std::vector<int8_t> layout;
-    const AmxConfig config;
-    _tile_loadconfig(&config);
-    int threads = 1, me = 0;
-#ifdef _OPENMP
-    threads = omp_get_num_threads();
-    me = omp_get_thread_num();
-#endif
-    const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    const AmxTileScope tiles(AmxTileConfig{kAmxLinearTiles});
+    const auto [b_begin, b_end] = thread_share(blocks);
     const int64_t block_bytes = 2 * Kq * kPanel;  // the layout of one 32-column block
     const bool whole = groups > chunk_groups && (b_end - b_begin) * block_bytes <= kWholeBytes;
     const int64_t need = (whole ? b_end - b_begin : 1) * block_bytes + 64;
@@ -250,7 +234,6 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
         }
       }
     }
-    _tile_release();
   }
 }
 #endif
