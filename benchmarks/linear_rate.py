@@ -1,7 +1,8 @@
 """GFLOP/s of one linear layer per row count, side by side: hybridserve's bf16 kernel at each ISA level of
 ``--levels`` this CPU runs (the AMX tiles at ``amx``, AVX-512 BF16 dot products at avx512_bf16), its 8-bit
 weights (int8 codes, weight-only and W8A8) likewise, torch's bf16 ``linear`` (oneDNN; AMX brgemm where the
-CPU has it) and torch's float32 ``linear``. The engines take turns within each repeat; the median of the repeats is printed.
+CPU has it) and torch's float32 ``linear``. The engines take turns within each repeat; the median of the
+repeats is printed.
 
     python benchmarks/linear_rate.py --threads 2 --k 2048 --n 2048
 """
