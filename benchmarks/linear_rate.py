@@ -1,7 +1,8 @@
-"""GFLOP/s of one linear layer per row count, side by side: hybridserve's bf16 kernel at each ISA level this
-CPU runs from avx512_bf16 up (the AMX tiles at ``amx``, AVX-512 BF16 dot products below), its 8-bit
-weights (int8 codes) likewise, torch's bf16 ``linear`` (oneDNN; AMX brgemm where the CPU has it) and
-torch's float32 ``linear``. The engines take turns within each repeat; the median of the repeats is printed.
+"""GFLOP/s of one linear layer per row count, side by side: hybridserve's bf16 kernel at each ISA level of
+``--levels`` this CPU runs (the AMX tiles at ``amx``, AVX-512 BF16 dot products at avx512_bf16), its 8-bit
+weights (int8 codes, weight-only and W8A8) likewise, torch's bf16 ``linear`` (oneDNN; AMX brgemm where the
+CPU has it) and torch's float32 ``linear``. The engines take turns within each repeat; the median of the
+repeats is printed.
 
     python benchmarks/linear_rate.py --threads 2 --k 2048 --n 2048
 """
@@ -25,6 +26,9 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=1,
                         help="cycle through this many distinct weights (enough to exceed the last-level cache: "
                              "each call reads its weight from memory, as a model's layers do)")
+    parser.add_argument("--levels", default="avx512_bf16,amx",
+                        help="the ISA levels to time the kernels at (those this CPU runs; W8A8 sums on integer "
+                             "vectors below avx512_bf16, on AVX-512 VNNI there, on AMX-INT8 tiles at amx)")
     parser.add_argument("--json", help="write the medians here")
     a = parser.parse_args()
     import torch
@@ -43,7 +47,7 @@ def main() -> None:
     def nxt(items):  # the next of the distinct weights, in turn
         turn[0] += 1
         return items[turn[0] % len(items)]
-    levels = [lv for lv in ("avx512_bf16", "amx") if isa.cpu_info().supports(lv)]
+    levels = [isa.check_level(lv) for lv in a.levels.split(",") if isa.cpu_info().supports(lv)]
     if not levels:
         levels = [isa.level_in_force()]
 

@@ -138,10 +138,10 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.w8_linears = _count_w8_linears(model)
         report.quantization = (config.quantization if config.quantization in INT8_QUANTIZATIONS
                                else "fp8" if report.w8_linears else "none")
-        if config.quantization == "w8a8" and not linear_w8.w8a8_on_tiles():
-            logger.warning("quantization='w8a8' at ISA %s sums on integer vectors (no AMX-INT8 tiles here), about "
-                           "100 GFLOP/s on 2 cores: slower than 'int8' or bf16 for batched steps "
-                           "(docs/quantization.md)", report.isa)
+        if config.quantization == "w8a8" and linear_w8.w8a8_sums() == "integer vectors":
+            logger.warning("quantization='w8a8' at ISA %s sums on integer vectors (no AVX-512 VNNI or AMX-INT8 "
+                           "below avx512_bf16), about 100 GFLOP/s on 2 cores: slower than 'int8' or bf16 for "
+                           "batched steps (docs/quantization.md)", report.isa)
     _dequantize_unpacked_fp8(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take

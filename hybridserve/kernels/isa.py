@@ -5,7 +5,8 @@ Levels, each a superset of the one before:
 * ``generic``: no x86 extension assumed; the kernels' portable paths (also every non-x86 CPU).
 * ``avx2``: AVX2, FMA and F16C (x86-64-v3 machines: Haswell, Zen 1-3 and later).
 * ``avx512``: AVX-512 F, BW, VL and DQ (Skylake-SP, Zen 4 and later).
-* ``avx512_bf16``: ``avx512`` plus AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later).
+* ``avx512_bf16``: ``avx512`` plus AVX-512 BF16 and AVX-512 VNNI (Cooper Lake, Sapphire Rapids, Zen 4 and
+  later: every CPU with AVX-512 BF16 has VNNI, whose ``vpdpbusd`` sums W8A8's int8 products).
 * ``amx``: ``avx512_bf16`` plus the AMX matrix units, AMX-TILE and AMX-BF16 (Sapphire Rapids and later
   Xeons), with the tile-data permission granted to this process (Linux: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``,
   requested by :func:`amx_permission`). A kernel using AMX-INT8 checks ``amx_int8`` itself.
@@ -37,7 +38,7 @@ _LEVEL_FLAGS = {
     "generic": (),
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
-    "avx512_bf16": ("avx512_bf16",),
+    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
     "amx": ("amx_tile", "amx_bf16"),
 }
 #: compiler flags each level adds (on top of the level below); generic passes none
@@ -45,7 +46,7 @@ _COMPILER_FLAGS = {
     "generic": (),
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"),
-    "avx512_bf16": ("-mavx512bf16",),
+    "avx512_bf16": ("-mavx512bf16", "-mavx512vnni"),
     "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 #: the features reported by ``hybridserve env`` (level features plus AMX and AVX-NE-CONVERT)
@@ -163,6 +164,8 @@ def _torch_features() -> set[str]:
         found |= {"fma", "f16c"}  # every AVX2 CPU has them
     if "avx512f" in found:
         found |= {"avx512bw", "avx512vl", "avx512dq"}  # torch's AVX-512 check requires them
+    if "avx512_bf16" in found:
+        found.add("avx512_vnni")  # every AVX-512 BF16 CPU so far has VNNI
     if "amx_tile" in found:
         found.add("amx_bf16")  # every AMX CPU so far has AMX-BF16
     return found

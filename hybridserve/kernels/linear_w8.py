@@ -9,8 +9,8 @@ when the call is one the kernel does not cover; :func:`unpack` gives the codes a
 plain-PyTorch path of a declined call, and the tests).
 
 :func:`linear_w8a8` is W8A8 over the same packed int8 weights (one scale per output channel): each row of
-x quantized to int8 with its own scale, the products summed exactly in int32 (AMX-INT8 tiles where the
-amx level runs on a CPU with AMX-INT8, integer vectors elsewhere), ``ops/linear_w8.py: linear_w8a8_ref``.
+x quantized to int8 with its own scale, the products summed exactly in int32 (:func:`w8a8_sums` says where),
+``ops/linear_w8.py: linear_w8a8_ref``.
 """
 
 from __future__ import annotations
@@ -75,10 +75,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, fmt: torch.
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-def w8a8_on_tiles() -> bool:
-    """Whether :func:`linear_w8a8` runs on AMX-INT8 tiles here (else integer vectors)."""
+#: where :func:`linear_w8a8` sums, by ``hs_w8a8_sums``' code
+W8A8_SUMS = ("integer vectors", "AVX-512 VNNI", "AMX-INT8 tiles")
+
+
+def w8a8_sums() -> str | None:
+    """Where :func:`linear_w8a8` sums its int8 products here (one of :data:`W8A8_SUMS`: AMX-INT8 tiles at the amx
+    level on a CPU with AMX-INT8, AVX-512 VNNI at avx512_bf16 and at amx without AMX-INT8, integer vectors at the
+    levels below); None without the kernels."""
     lib = _library()
-    return lib is not None and bool(lib.hs_w8a8_on_tiles())
+    return None if lib is None else W8A8_SUMS[lib.hs_w8a8_sums()]
+
+
+def w8a8_on_tiles() -> bool:
+    """Whether :func:`linear_w8a8` runs on AMX-INT8 tiles here."""
+    return w8a8_sums() == W8A8_SUMS[2]
 
 
 def linear_w8a8(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None

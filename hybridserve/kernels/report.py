@@ -49,7 +49,7 @@ def _variant(op: str, level: str) -> str:
     if op == "linear_w8a8":
         from hybridserve.kernels import linear_w8
 
-        sums = "AMX-INT8 tiles" if linear_w8.w8a8_on_tiles() else "integer vectors"
+        sums = linear_w8.w8a8_sums() or "integer vectors"
         return f"{level}: activations quantized per row, exact int32 sums on {sums}, every row count"
     if op == "mamba2_scan":
         return mamba2_scan_variant(level)

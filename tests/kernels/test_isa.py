@@ -16,6 +16,7 @@ needs_compiler = pytest.mark.skipif(build.find_compiler() is None, reason="no C+
 
 AVX2 = {"avx2", "fma", "f16c"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+BF16 = {"avx512_bf16", "avx512_vnni"}  # the avx512_bf16 level's features on top of AVX512
 
 
 def cpu(features, arch="x86_64"):
@@ -28,8 +29,11 @@ def cpu(features, arch="x86_64"):
     (AVX2, "avx2"),
     (AVX2 | {"avx512f"}, "avx2"),  # AVX-512 F alone is not the avx512 level
     (AVX512, "avx512"),
-    (AVX512 | {"avx512_bf16", "amx_bf16"}, "avx512_bf16"),  # AMX-BF16 without AMX-TILE
-    (AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "amx"),
+    (AVX512 | BF16, "avx512_bf16"),
+    (AVX512 | {"avx512_bf16"}, "avx512"),  # AVX-512 BF16 without VNNI (W8A8's vpdpbusd): not the level
+    (AVX512 | {"avx512_vnni"}, "avx512"),  # VNNI alone (Cascade Lake, Ice Lake)
+    (AVX512 | BF16 | {"amx_bf16"}, "avx512_bf16"),  # AMX-BF16 without AMX-TILE
+    (AVX512 | BF16 | {"amx_tile", "amx_bf16"}, "amx"),
     (AVX512 | {"amx_tile", "amx_bf16"}, "avx512"),  # AMX without AVX-512 BF16: the levels are nested
     (AVX2 | {"avx512_bf16"}, "avx2"),  # BF16 without the AVX-512 base
 ])
@@ -39,8 +43,8 @@ def test_best_level_of_a_feature_set(features, best):
 
 
 def test_amx_needs_the_tile_data_permission():
-    refused = isa.CpuInfo(arch="x86_64", model="test", features=frozenset(AVX512 | {"avx512_bf16", "amx_tile",
-                                                                                    "amx_bf16"}), amx_granted=False)
+    refused = isa.CpuInfo(arch="x86_64", model="test", features=frozenset(AVX512 | BF16 | {"amx_tile", "amx_bf16"}),
+                          amx_granted=False)
     assert refused.best_level == "avx512_bf16"
     assert any("permission" in m for m in refused.missing("amx"))
 
@@ -62,6 +66,7 @@ def test_compiler_flags_are_explicit_per_level():
     avx2, avx512, bf16, amx = (isa.compiler_flags(lv) for lv in ("avx2", "avx512", "avx512_bf16", "amx"))
     assert {"-mavx2", "-mfma", "-mf16c"} <= set(avx2) and not any("avx512" in f for f in avx2)
     assert set(avx2) < set(avx512) < set(bf16) < set(amx) and "-mavx512bf16" in bf16 and "-mavx512bf16" not in avx512
+    assert "-mavx512vnni" in bf16 and "-mavx512vnni" not in avx512
     assert {"-mamx-tile", "-mamx-bf16"} <= set(amx) and not any("amx" in f for f in bf16)
     for level in isa.LEVELS:
         assert not any(f.startswith("-march") for f in build.flags("pointwise", level))  # never -march=native

@@ -97,6 +97,28 @@ def test_linear_w8_at_the_amx_tile_shape_classes(M, N, K, fmt):
                        what="kernel vs reference")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_row_calls_equal_few_row_calls_bit_for_bit(threads):
+    """A call of 300 rows over 4 column blocks (two row chunks at K = 1090: codes widened per block, the next
+    block's widened while one computes, the copies read again by the second chunk) gives each row the bits
+    that calls of 16 rows give it (codes widened per k-step at amx; every level's rows are independent)."""
+    g = torch.Generator().manual_seed(11)
+    N, K = 100, 1090
+    q, s = _codes(N, K, torch.int8, 0, g)
+    x = torch.randn(300, K, generator=g).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16)
+    packed = linear_w8.pack(q, s)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = linear_w8.linear(x, packed, N, torch.int8, 0, b)
+        parts = torch.cat([linear_w8.linear(x[m:m + 16], packed, N, torch.int8, 0, b) for m in range(0, 300, 16)])
+    finally:
+        torch.set_num_threads(before)
+    _assert_within_bound(y, x, q, s, 0, b)
+    assert_bits_equal(y, parts, "300 rows vs 16-row calls")
+
+
 def test_prefill_sized_batch_and_threads():
     """More rows than one L2-sized row block, and one or two threads give the same bits."""
     g = torch.Generator().manual_seed(3)

@@ -1,7 +1,7 @@
 """W8A8 linears (``csrc/gemm_w8a8.h``): int8 weights with a scale per output channel times activations
 quantized to int8 per row, at every ISA level this CPU runs (the ``isa_level`` fixture: AMX-INT8 tiles at the
-amx level on a CPU with AMX-INT8, integer vectors at the others), against the plain-PyTorch reference
-(``ops/linear_w8.py: linear_w8a8_ref``).
+amx level on a CPU with AMX-INT8, AVX-512 VNNI at avx512_bf16 (and amx without AMX-INT8), integer vectors below),
+against the plain-PyTorch reference (``ops/linear_w8.py: linear_w8a8_ref``).
 
 The stated bound is bit equality: the kernel quantizes with the reference's float32 operations
 (x * (127 / max|x|), ties to even), its integer sums are exact, and its epilogue rounds
@@ -30,14 +30,16 @@ def _weight(N, K, g):
 
 
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
-@pytest.mark.parametrize("M", [1, 5, 16, 17, 33, 100])
-@pytest.mark.parametrize("N,K", [(16, 64), (40, 130), (129, 96), (33, 7), (48, 2050)])
+@pytest.mark.parametrize("M", [1, 5, 8, 9, 16, 17, 33, 100])
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 130), (129, 96), (33, 7), (48, 2050), (80, 13), (1, 3)])
 def test_linear_w8a8_matches_the_reference_bit_for_bit(M, N, K, act):
-    """Partial 16-row groups, odd column counts (a partial panel, a partial 32-column block), K below one
-    k-quad, K not a multiple of 64 (zero-padded tile steps), with and without a bias."""
+    """Partial 16-row groups and 8-row VNNI tiles, odd column counts (a partial panel, a partial 32-column block,
+    a partial 3-panel VNNI group), K below one k-quad or not a multiple of 4 (the last quad's missing k) or 64
+    (zero-padded tile steps), with and without a bias, a row of zeros."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     q, s = _weight(N, K, g)
     x = (torch.randn(M, K, generator=g) * 3).to(act)
+    x[M // 2] = 0  # a row of zeros: scale 1, codes 0, the bias alone
     b = torch.randn(N, generator=g).to(act) if N != 129 else None
     y = linear_w8.linear_w8a8(x, linear_w8.pack(q, s), N, b)
     assert y is not None and y.shape == (M, N) and y.dtype == act
@@ -57,17 +59,20 @@ def test_linear_w8a8_at_the_chunked_shapes(M, N, K):
     assert_bits_equal(y, linear_w8a8_ref(x, q, s, b), "w8a8 kernel vs reference")
 
 
-def test_extreme_codes_sum_exactly():
-    """Every product at +-127 x 127 over K = 8192: sums of +-132 million, exact in int32."""
-    N, K = 16, 8192
+@pytest.mark.parametrize("K", [8192, (1 << 17) - 1])
+def test_extreme_codes_sum_exactly(K):
+    """Every product at +-127 x 127: sums of +-132 million (K = 8192) and of 2.11e9 (K = 2^17 - 1, just inside
+    int32; the VNNI path's unsigned operand, code + 128, makes its running sums wrap past 2^31 before the row
+    term is subtracted), exact."""
+    N = 16
     q = torch.full((N, K), 127, dtype=torch.int8)
     q[1::2] = -127
     s = torch.ones(N, 1)
     x = torch.ones(3, K, dtype=torch.float32)
     x[1] = -2.0
     y = linear_w8.linear_w8a8(x, linear_w8.pack(q, s), N, None)
-    expected = torch.tensor([127.0 * 127 * K / 127, -2.0 * 127 * 127 * K / 127, 127.0 * 127 * K / 127])
-    assert torch.equal(y[:, 0], expected) and torch.equal(y[:, 1], -expected)
+    assert_bits_equal(y, linear_w8a8_ref(x, q, s), "w8a8 kernel vs reference (exact int64 sums)")
+    assert torch.equal(y[:, 1], -y[:, 0]) and torch.equal(y[0], y[2]) and bool((y[1, 0] < 0) & (y[0, 0] > 0))
 
 
 def test_a_row_does_not_depend_on_the_other_rows_or_threads():
@@ -108,8 +113,14 @@ def test_declined_calls():
     assert linear_w8.linear_w8a8(x, grouped, 20, None) is None  # scales per group
 
 
-def test_tiles_exactly_where_the_amx_level_has_amx_int8():
-    on_tiles = isa.level_in_force() == "amx" and "amx_int8" in isa.cpu_info().features
+def test_the_sums_run_where_the_level_has_the_instructions():
+    """AMX-INT8 tiles at amx with AMX-INT8, AVX-512 VNNI at avx512_bf16 (a feature of that level) and at amx
+    without AMX-INT8, integer vectors below avx512_bf16."""
+    level = isa.level_in_force()
+    on_tiles = level == "amx" and "amx_int8" in isa.cpu_info().features
+    expected = ("AMX-INT8 tiles" if on_tiles else "AVX-512 VNNI" if isa.at_least("avx512_bf16")
+                else "integer vectors")
+    assert linear_w8.w8a8_sums() == expected
     assert linear_w8.w8a8_on_tiles() == on_tiles
 
 

@@ -111,8 +111,8 @@ def test_w8a8_option_is_validated_and_on_the_cli():
 @needs_compiler
 @needs_kernels
 def test_w8a8_below_the_tiles_says_it_is_slow(ckpt_dir, caplog):
-    """At a level without AMX-INT8 tiles (avx2 here) the engine warns that W8A8 sums on integer vectors; on
-    the tiles it does not."""
+    """Below avx512_bf16 (avx2 here) the engine warns that W8A8 sums on integer vectors; on AVX-512 VNNI
+    (avx512_bf16) and on the AMX-INT8 tiles it does not."""
     from hybridserve.kernels import isa
 
     path = make(ckpt_dir, "granitemoehybrid", dtype=torch.bfloat16)
@@ -122,10 +122,12 @@ def test_w8a8_below_the_tiles_says_it_is_slow(ckpt_dir, caplog):
         with caplog.at_level("WARNING", logger="hybridserve.engine.cpu_fast_paths"):
             LLM(path, cache_memory="16MiB", enable_progress_bar=False, quantization="w8a8", cpu_isa=level)
         assert "sums on integer vectors" in caplog.text
-        if not isa.cpu_info().missing("amx") and "amx_int8" in isa.cpu_info().features:
+        for fast in ("avx512_bf16", "amx"):
+            if isa.cpu_info().missing(fast):
+                continue
             caplog.clear()
             with caplog.at_level("WARNING", logger="hybridserve.engine.cpu_fast_paths"):
-                LLM(path, cache_memory="16MiB", enable_progress_bar=False, quantization="w8a8", cpu_isa="amx")
-            assert "sums on integer vectors" not in caplog.text
+                LLM(path, cache_memory="16MiB", enable_progress_bar=False, quantization="w8a8", cpu_isa=fast)
+            assert "sums on integer vectors" not in caplog.text, fast
     finally:
         isa.set_cap(previous)

@@ -803,4 +803,4 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_gemm_amx_rows) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
             HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
             HS_KERNEL(hs_router_grouped_sigmoid) HS_KERNEL(hs_pack_w8) HS_KERNEL(hs_linear_w8)
-            HS_KERNEL(hs_w8a8_on_tiles) HS_KERNEL(hs_linear_w8a8))
+            HS_KERNEL(hs_w8a8_sums) HS_KERNEL(hs_linear_w8a8))

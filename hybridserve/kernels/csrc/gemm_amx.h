@@ -21,28 +21,14 @@
 
 #include <cstring>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "amx_tiles.h"
 
 constexpr int64_t kAmxMinRows = 1;  // rows from which a bf16 linear runs on tiles (fewer: dot products)
 constexpr int64_t kAmxChunkBytes = 512 * 1024;  // activations of one row chunk
 
-// The palette-1 tile configuration: tmm0-3 C (16 x 16 float32), tmm4-5 A (16 x 32 bf16), tmm6-7 B (16 k-pairs x 16
-// columns x 2).
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  AmxConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
+// Tiles: tmm0-3 C (16 x 16 float32), tmm4-5 A (16 x 32 bf16), tmm6-7 B (16 k-pairs x 16 columns x 2).
+constexpr int kAmxLinearTiles = 8;
 
 // The B tiles of one column block (one or two panels) whose bf16 panels lie in memory: panel j at w + j * pe.
 struct PanelTiles {
@@ -54,43 +40,45 @@ struct PanelTiles {
   int64_t tail_stride() const { return pe; }
 };
 
-// Weights already in the bf16 panel layout (hs_pack_bf16): a column block's tiles are read where they are.
-struct PackedPanels {
-  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
-  using Block = PanelTiles;
-  const uint16_t* panels;
-  int64_t pe;
-  void begin(int64_t, int64_t) const {}
-  PanelTiles block(int64_t p, int /*np*/, int64_t /*chunk*/) const { return PanelTiles{panels + p * pe, pe}; }
-  // the bytes of panels [p, p + np)
-  void bytes(int64_t p, int np, int64_t /*chunk*/, const char*& begin, const char*& end) const {
-    begin = reinterpret_cast<const char*>(panels + p * pe);
-    end = reinterpret_cast<const char*>(panels + (p + np) * pe);
-  }
-};
-
-// C (+)= A x B over `steps` k-steps of 32: MT A tiles (16-row groups at a0, a1, row strides in bytes) by NP
-// panels of `b` (its tile(j, step)).
 // Lines of the next column block's weights requested into L2 while a block computes, `per_step` lines per
-// k-step from `ahead` on (advanced), up to its end.
+// k-step from `next` on (advanced), up to `end`. Default: none.
 struct TileAhead {
-  const char* next;
-  const char* end;
-  int64_t per_step;
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t per_step = 0;
   inline void step() {
     for (int64_t l = 0; l < per_step && next < end; ++l, next += 64) _mm_prefetch(next, _MM_HINT_T1);
   }
 };
 
-template <int MT, int NP, typename Tiles>
-inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const Tiles& b,
-                      TileAhead& ahead) {
-  _tile_zero(0);
-  if constexpr (NP > 1) _tile_zero(1);
-  if constexpr (MT > 1) {
-    _tile_zero(2);
-    if constexpr (NP > 1) _tile_zero(3);
+// The bytes [begin, end) requested evenly over the `row_steps` k-steps of a block's row blocks.
+inline TileAhead lines_ahead(const char* begin, const char* end, int64_t row_steps) {
+  const int64_t lines = (end - begin + 63) / 64, n = std::max<int64_t>(row_steps, 1);
+  return TileAhead{begin, end, (lines + n - 1) / n};
+}
+
+// Weights already in the bf16 panel layout (hs_pack_bf16): a column block's tiles are read where they are.
+struct PackedPanels {
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  using Block = PanelTiles;
+  using Ahead = TileAhead;
+  const uint16_t* panels;
+  int64_t pe;
+  void begin(int64_t, int64_t) const {}
+  PanelTiles block(int64_t p, int /*np*/, int64_t /*chunk*/) const { return PanelTiles{panels + p * pe, pe}; }
+  // panels [p, p + np) requested while the block before them computes its row_steps k-steps
+  TileAhead ahead(int64_t p, int np, int64_t /*chunk*/, int64_t row_steps) const {
+    return lines_ahead(reinterpret_cast<const char*>(panels + p * pe), reinterpret_cast<const char*>(panels + (p + np) * pe),
+                       row_steps);
   }
+};
+
+// C (+)= A x B over `steps` k-steps of 32: MT A tiles (16-row groups at a0, a1, row strides in bytes) by NP
+// panels of `b` (its tile(j, step)); ahead.step() once per k-step (the next block's weights).
+template <int MT, int NP, typename Tiles, typename Ahead>
+inline void amx_block(int64_t steps, const uint16_t* a0, const uint16_t* a1, int64_t a_stride, const Tiles& b,
+                      Ahead& ahead) {
+  amx_zero_sums<MT, NP>();
   for (int64_t s = 0; s < steps; ++s) {
     ahead.step();
     _tile_loadd(6, b.tile(0, s), 64);
@@ -116,12 +104,7 @@ template <int MT, int NP>
 inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64_t k2_done, int64_t K2,
                       const uint16_t* tail, int64_t tail_pe, const uint16_t* bias, const float* scale, uint16_t* out,
                       int64_t os, int64_t n0, int64_t N) {
-  _tile_stored(0, &c[0][0], 128);
-  if constexpr (NP > 1) _tile_stored(1, &c[0][16], 128);
-  if constexpr (MT > 1) {
-    _tile_stored(2, &c[16][0], 128);
-    if constexpr (NP > 1) _tile_stored(3, &c[16][16], 128);
-  }
+  amx_store_sums<MT, NP>(c);
   for (int j = 0; j < NP; ++j) {
     const int64_t col = n0 + j * kPanel;
     const int64_t valid = N - col < kPanel ? N - col : kPanel;
@@ -144,19 +127,19 @@ inline void amx_store(float (*c)[32], int mr, const uint16_t* const* rows, int64
 
 // One block of MT 16-row groups (a0, a1 with row stride a_stride bytes) by NP panels: tiles, then the store
 // of its mr valid rows (rows[r]: row r of x) to out.
-template <int MT, int NP, typename Tiles>
+template <int MT, int NP, typename Tiles, typename Ahead>
 inline void amx_rows(int64_t steps, int64_t K2, const uint16_t* a0, const uint16_t* a1, int64_t a_stride,
                      const Tiles& b, float (*c)[32], int mr, const uint16_t* const* rows, const uint16_t* bias,
-                     const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, TileAhead& ahead) {
+                     const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead& ahead) {
   amx_block<MT, NP>(steps, a0, a1, a_stride, b, ahead);
   amx_store<MT, NP>(c, mr, rows, steps * 16, K2, b.tail(steps * 16), b.tail_stride(), bias, scale, out, os, n0, N);
 }
 
-template <typename Tiles>
+template <typename Tiles, typename Ahead>
 inline void amx_rows_any(int mt, int np, int64_t steps, int64_t K2, const uint16_t* a0, const uint16_t* a1,
                          int64_t a_stride, const Tiles& b, float (*c)[32], int mr, const uint16_t* const* rows,
                          const uint16_t* bias, const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N,
-                         TileAhead& ahead) {
+                         Ahead& ahead) {
   if (mt == 2 && np == 2) amx_rows<2, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
   else if (mt == 2) amx_rows<2, 1>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
   else if (np == 2) amx_rows<1, 2>(steps, K2, a0, a1, a_stride, b, c, mr, rows, bias, scale, out, os, n0, N, ahead);
@@ -165,8 +148,9 @@ inline void amx_rows_any(int mt, int np, int64_t steps, int64_t K2, const uint16
 
 // out (M, N) = x (M, K) @ W.T (* scale) + bias on tiles, K even. W comes through `weights` (PackedPanels, or
 // gemm_w8.h's 8-bit codes widened to bf16): begin(p_begin, p_end) once per thread with its panels,
-// block(p, np, chunk) for the tiles of panels [p, p + np) in row chunk `chunk`, bytes(...) for the memory
-// to request ahead. Returns 0.
+// block(p, np, chunk) for the tiles of panels [p, p + np) in row chunk `chunk`, ahead(p, np, chunk, row_steps)
+// for the work on panels [p, p + np) done while the block before them computes (its row_steps k-steps call
+// step()). Returns 0.
 template <typename Weights>
 int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const Weights& weights,
                const uint16_t* bias, const float* scale, uint16_t* out, int64_t os) {
@@ -180,14 +164,8 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
 #pragma omp parallel if (parallel)
   {
     static thread_local std::vector<uint16_t> tail;  // the partial last 16-row group, zero-padded
-    const AmxConfig config;
-    _tile_loadconfig(&config);
-    int threads = 1, me = 0;
-#ifdef _OPENMP
-    threads = omp_get_num_threads();
-    me = omp_get_thread_num();
-#endif
-    const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    const AmxTileScope tiles(AmxTileConfig{kAmxLinearTiles});
+    const auto [b_begin, b_end] = thread_share(blocks);
     weights.begin(2 * b_begin, std::min(panels, 2 * b_end));
     if (groups > full_groups && b_begin < b_end) {
       const int64_t valid = M - full_groups * 16;
@@ -208,13 +186,11 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
         const int np = panels - p >= 2 ? 2 : 1;
         const int64_t chunk = g0 / chunk_groups;
         const typename Weights::Block b = weights.block(p, np, chunk);
-        // while this block computes, its row blocks request the next block's weights into L2
-        TileAhead ahead{nullptr, nullptr, 0};
+        // while this block computes, its row blocks prepare the next block (request its weights into L2)
+        typename Weights::Ahead ahead{};
         if (blk + 1 < b_end) {
           const int np_next = panels - (p + 2) >= 2 ? 2 : 1;
-          weights.bytes(p + 2, np_next, chunk, ahead.next, ahead.end);
-          const int64_t row_blocks = (g1 - g0 + 1) / 2, lines = (ahead.end - ahead.next + 63) / 64;
-          ahead.per_step = (lines + row_blocks * std::max<int64_t>(steps, 1) - 1) / (row_blocks * std::max<int64_t>(steps, 1));
+          ahead = weights.ahead(p + 2, np_next, chunk, (g1 - g0 + 1) / 2 * std::max<int64_t>(steps, 1));
         }
         for (int64_t g = g0; g < g1;) {
           // two groups share one A stride unless the second is the padded one: then one group at a time
@@ -228,7 +204,6 @@ int amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, c
         }
       }
     }
-    _tile_release();
   }
   return 0;
 }

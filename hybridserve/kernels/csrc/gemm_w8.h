@@ -273,10 +273,12 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
 // The amx path's weight sources for 8-bit codes ([K][16] per panel, pe bytes apart), widened exactly to the
 // bf16 k-pair layout (as above); the tiles sum x * codes and amx_store multiplies by the column scales.
 //
-// Calls of many rows: each column block's codes are widened whole when the first row chunk reaches it, into
-// the thread's scratch, which holds a copy of every block the thread owns (up to kWholeBytes; past that, one
-// block's copy, widened again for every chunk); the chunks' row blocks all read those copies (PanelTiles).
-// The scratch is kept between calls (the largest layer's share per thread: 17 MB for a 2048 x 8512 weight).
+// Calls of many rows: the thread's scratch holds a widened copy of every column block the thread owns (up to
+// kWholeBytes; past that, one block's copy, widened again for every row chunk), kept between calls (the largest
+// layer's share per thread: 17 MB for a 2048 x 8512 weight). In the first row chunk, while a block's row blocks
+// compute on the tiles, each k-step widens a share of the next block's codes into its copy (WidenAhead): the
+// vector work overlaps the tile products, and only a thread's first block is widened before its tiles start.
+// The later chunks' row blocks read the copies (PanelTiles), requesting the next block's into L2.
 template <int F>
 struct WidenedPanels {
   static constexpr int64_t kChunkBytes = kAmxChunkBytes;
@@ -288,38 +290,75 @@ struct WidenedPanels {
     std::vector<uint16_t> data;
     int64_t first = 0;   // the first panel the copies start at
     bool whole = false;  // a copy per block (else one block's, rewritten)
+    int64_t ahead_panel = -1;  // the block being widened ahead (its first panel), and its k-pairs done so far
+    int64_t ahead_done = 0;
   };
   static Scratch& scratch() {
     static thread_local Scratch s;
     return s;
   }
+  // Widens k-pairs of one panel range [from, to) (counted over the block: panel j's pair kk is j * K/2 + kk)
+  static void widen(const uint8_t* first, int64_t K, int64_t from, int64_t to, uint16_t* dst) {
+    const int64_t pairs = K / 2, pe = K * kPanel;
+    for (int64_t i = from; i < to; ++i) {
+      const int64_t j = i / pairs, kk = i - j * pairs;
+      _mm512_storeu_si512(dst + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
+    }
+  }
+  // The next block's work while a block computes: in the first row chunk (whole copies), widening its codes,
+  // per_step k-pairs a k-step; otherwise requesting its bytes into L2.
+  struct Ahead {
+    TileAhead lines{};
+    const uint8_t* first = nullptr;  // the next block's codes, its copy, its k-pairs (over its panels)
+    uint16_t* dst = nullptr;
+    int64_t K = 0, total = 0, per_step = 0;
+    int64_t* done = nullptr;  // Scratch::ahead_done
+    inline void step() {
+      lines.step();
+      if (done == nullptr || *done >= total) return;
+      const int64_t to = std::min(total, *done + per_step);
+      widen(first, K, *done, to, dst);
+      *done = to;
+    }
+  };
   void begin(int64_t p_begin, int64_t p_end) const {  // this thread's panels for this call
     Scratch& s = scratch();
     const int64_t pe = K * kPanel;
     s.first = p_begin;
     s.whole = (p_end - p_begin) * pe * 2 <= kWholeBytes;
+    s.ahead_panel = -1;
     const int64_t need = (s.whole ? p_end - p_begin : 2) * pe;
     if (static_cast<int64_t>(s.data.size()) < need) s.data.resize(need);
   }
-  void bytes(int64_t p, int np, int64_t chunk, const char*& begin, const char*& end) const {
-    const Scratch& s = scratch();
-    if (chunk > 0 && s.whole) {  // the widened copies, read again
-      begin = reinterpret_cast<const char*>(s.data.data() + (p - s.first) * K * kPanel);
-      end = begin + np * K * kPanel * 2;
+  Ahead ahead(int64_t p, int np, int64_t chunk, int64_t row_steps) const {
+    Scratch& s = scratch();
+    const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
+    Ahead a;
+    if (chunk == 0 && s.whole) {
+      s.ahead_panel = p;
+      s.ahead_done = 0;
+      a.first = codes + p * pe;
+      a.dst = s.data.data() + (p - s.first) * pe;
+      a.K = K;
+      a.total = np * (K / 2);
+      a.per_step = (a.total + std::max<int64_t>(row_steps, 1) - 1) / std::max<int64_t>(row_steps, 1);
+      a.done = &s.ahead_done;
+    } else if (s.whole) {  // the widened copies, read again
+      const char* begin = reinterpret_cast<const char*>(s.data.data() + (p - s.first) * pe);
+      a.lines = lines_ahead(begin, begin + np * pe * 2, row_steps);
     } else {  // the codes
-      begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
-      end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
+      a.lines = lines_ahead(reinterpret_cast<const char*>(codes + p * pe),
+                            reinterpret_cast<const char*>(codes + (p + np) * pe), row_steps);
     }
+    return a;
   }
   PanelTiles block(int64_t p, int np, int64_t chunk) const {
     Scratch& s = scratch();
-    const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
+    const int64_t pe = K * kPanel;
     uint16_t* dst = s.whole ? s.data.data() + (p - s.first) * pe : s.data.data();
-    if (chunk == 0 || !s.whole) {
-      const uint8_t* first = codes + p * pe;
-      for (int j = 0; j < np; ++j)
-        for (int64_t kk = 0; kk < K / 2; ++kk)
-          _mm512_storeu_si512(dst + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
+    if (chunk == 0 || !s.whole) {  // widen what the block before did not
+      const int64_t from = chunk == 0 && s.ahead_panel == p ? s.ahead_done : 0;
+      widen(codes + p * pe, K, from, np * (K / 2), dst);
     }
     return PanelTiles{dst, pe};
   }
@@ -349,12 +388,13 @@ template <int F>
 struct StepWidened {
   static constexpr int64_t kChunkBytes = kAmxChunkBytes;
   using Block = StepWidenedTiles<F>;
+  using Ahead = TileAhead;
   const uint8_t* codes;
   int64_t K;
   void begin(int64_t, int64_t) const {}
-  void bytes(int64_t p, int np, int64_t /*chunk*/, const char*& begin, const char*& end) const {  // the codes
-    begin = reinterpret_cast<const char*>(codes + p * K * kPanel);
-    end = reinterpret_cast<const char*>(codes + (p + np) * K * kPanel);
+  TileAhead ahead(int64_t p, int np, int64_t /*chunk*/, int64_t row_steps) const {  // the codes
+    return lines_ahead(reinterpret_cast<const char*>(codes + p * K * kPanel),
+                       reinterpret_cast<const char*>(codes + (p + np) * K * kPanel), row_steps);
   }
   StepWidenedTiles<F> block(int64_t p, int np, int64_t /*chunk*/) const {
     static thread_local std::vector<uint16_t> buffers;

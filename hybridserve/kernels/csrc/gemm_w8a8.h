@@ -28,9 +28,10 @@ inline __m512 load16(const uint16_t* p) {
 inline __m512 load16(const _Float16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 
-// x (M, K) quantized into q (rows of Kq >= K bytes, zeros past K) and s (M,), one scale per row.
+// x (M, K) quantized into q (rows of Kq >= K bytes, zeros past K) and s (M,), one scale per row; sums (M,)
+// the sum of each row's codes.
 template <typename A>
-void quantize_rows(int64_t M, int64_t K, int64_t Kq, const A* x, int64_t xs, int8_t* q, float* s) {
+void quantize_rows(int64_t M, int64_t K, int64_t Kq, const A* x, int64_t xs, int8_t* q, float* s, int32_t* sums) {
   const bool parallel = M > 1 && M * K >= (1 << 16);
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t m = 0; m < M; ++m) {
@@ -51,18 +52,24 @@ void quantize_rows(int64_t M, int64_t K, int64_t Kq, const A* x, int64_t xs, int
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;  // codes are x * (127 / max|x|)
     s[m] = scale;
     k = 0;
+    int32_t sum = 0;
 #if defined(__AVX512F__)
     const __m512 iv = _mm512_set1_ps(inv);
+    __m512i vsum = _mm512_setzero_si512();
     for (; k + 16 <= K; k += 16) {
       const __m512i n = _mm512_cvtps_epi32(_mm512_mul_ps(load16(xr + k), iv));  // nearest even
       const __m512i c = _mm512_max_epi32(_mm512_min_epi32(n, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + k), _mm512_cvtepi32_epi8(c));
+      vsum = _mm512_add_epi32(vsum, c);
     }
+    sum = _mm512_reduce_add_epi32(vsum);
 #endif
     for (; k < K; ++k) {
       const float v = std::nearbyint(widen_scalar(xr[k]) * inv);  // the default rounding: nearest even
       qr[k] = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f)));
+      sum += qr[k];
     }
+    sums[m] = sum;
     for (k = K; k < Kq; ++k) qr[k] = 0;
   }
 }
@@ -130,6 +137,8 @@ void w8a8_vector(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, 
   }
 }
 
+#include "gemm_w8a8_vnni.h"  // the sums on AVX-512 VNNI
+
 #if HS_HAVE_AMX && defined(__AMX_INT8__)
 // Whether this CPU has AMX-INT8 (CPUID leaf 7, EDX bit 25); the amx level itself needs AMX-TILE and AMX-BF16.
 inline bool amx_int8_present() {
@@ -167,12 +176,7 @@ inline void w8a8_tile_layout(const uint8_t* codes, int64_t pe, int np, int64_t K
 // bytes apart): the int32 sums into c (32 x 32).
 template <int MT, int NP>
 inline void w8a8_amx_block(int64_t steps, const int8_t* a, int64_t Kq, const int8_t* b, int32_t (*c)[32]) {
-  _tile_zero(0);
-  if constexpr (NP > 1) _tile_zero(1);
-  if constexpr (MT > 1) {
-    _tile_zero(2);
-    if constexpr (NP > 1) _tile_zero(3);
-  }
+  amx_zero_sums<MT, NP>();
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(6, b + s * 1024, 64);
     _tile_loadd(4, a + s * 64, Kq);
@@ -187,12 +191,7 @@ inline void w8a8_amx_block(int64_t steps, const int8_t* a, int64_t Kq, const int
       if constexpr (NP > 1) _tile_dpbssd(3, 5, 7);
     }
   }
-  _tile_stored(0, &c[0][0], 128);
-  if constexpr (NP > 1) _tile_stored(1, &c[0][16], 128);
-  if constexpr (MT > 1) {
-    _tile_stored(2, &c[16][0], 128);
-    if constexpr (NP > 1) _tile_stored(3, &c[16][16], 128);
-  }
+  amx_store_sums<MT, NP>(c);
 }
 
 // The tile path: threads split the 32-column blocks; rows go in chunks whose quantized activations fit in
@@ -211,14 +210,8 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
   {
     constexpr int64_t kWholeBytes = 64 << 20;
     static thread_local std::vector<int8_t> layout;
-    const AmxConfig config;
-    _tile_loadconfig(&config);
-    int threads = 1, me = 0;
-#ifdef _OPENMP
-    threads = omp_get_num_threads();
-    me = omp_get_thread_num();
-#endif
-    const int64_t b_begin = blocks * me / threads, b_end = blocks * (me + 1) / threads;
+    const AmxTileScope tiles(AmxTileConfig{kAmxLinearTiles});
+    const auto [b_begin, b_end] = thread_share(blocks);
     const int64_t block_bytes = 2 * Kq * kPanel;  // the layout of one 32-column block
     const bool whole = groups > chunk_groups && (b_end - b_begin) * block_bytes <= kWholeBytes;
     const int64_t need = (whole ? b_end - b_begin : 1) * block_bytes + 64;
@@ -250,17 +243,21 @@ void w8a8_amx(int64_t M, int64_t N, int64_t K, const int8_t* xq, int64_t Kq, con
         }
       }
     }
-    _tile_release();
   }
 }
 #endif
 
-// Whether W8A8 calls run on AMX-INT8 tiles here (built for amx, on a CPU with AMX-INT8).
-inline bool w8a8_on_tiles() {
+// Where W8A8 calls sum here: AMX-INT8 tiles (built for amx, on a CPU with AMX-INT8), AVX-512 VNNI (built for
+// avx512_bf16 or amx) or integer vectors (the other levels).
+enum W8a8Sums : int { kW8a8Vectors = 0, kW8a8Vnni = 1, kW8a8Tiles = 2 };
+inline W8a8Sums w8a8_sums() {
 #if HS_HAVE_AMX && defined(__AMX_INT8__)
-  return amx_int8_present();
+  if (amx_int8_present()) return kW8a8Tiles;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return kW8a8Vnni;
 #else
-  return false;
+  return kW8a8Vectors;
 #endif
 }
 
@@ -272,27 +269,36 @@ int w8a8_linear(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, const u
   const int64_t Kq = (K + kW8a8K - 1) / kW8a8K * kW8a8K, Mp = (M + 15) / 16 * 16;
   static thread_local std::vector<int8_t> xq;
   static thread_local std::vector<float> sx;
+  static thread_local std::vector<int32_t> row_sums;
   if (static_cast<int64_t>(xq.size()) < Mp * Kq + 64) xq.resize(Mp * Kq + 64);
   if (static_cast<int64_t>(sx.size()) < Mp) sx.resize(Mp);
+  if (static_cast<int64_t>(row_sums.size()) < Mp) row_sums.resize(Mp);
   int8_t* q = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(xq.data()) + 63) & ~uintptr_t(63));
-  quantize_rows(M, K, Kq, x, xs, q, sx.data());
+  quantize_rows(M, K, Kq, x, xs, q, sx.data(), row_sums.data());
   std::memset(q + M * Kq, 0, (Mp - M) * Kq);  // the padded rows of the last 16-row group
+  switch (w8a8_sums()) {
 #if HS_HAVE_AMX && defined(__AMX_INT8__)
-  if (amx_int8_present()) {
-    w8a8_amx(M, N, K, q, Kq, sx.data(), packed, bias, out, os);
-    return 0;
-  }
+    case kW8a8Tiles:
+      w8a8_amx(M, N, K, q, Kq, sx.data(), packed, bias, out, os);
+      return 0;
 #endif
-  w8a8_vector(M, N, K, q, Kq, sx.data(), packed, bias, out, os);
-  return 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case kW8a8Vnni:
+      w8a8_vnni(M, N, K, q, Kq, row_sums.data(), sx.data(), packed, bias, out, os);
+      return 0;
+#endif
+    default:
+      w8a8_vector(M, N, K, q, Kq, sx.data(), packed, bias, out, os);
+      return 0;
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-// 1 when hs_linear_w8a8 runs on AMX-INT8 tiles here, else 0 (integer vectors).
-int hs_w8a8_on_tiles() { return w8a8_on_tiles() ? 1 : 0; }
+// Where hs_linear_w8a8 sums here: 2 AMX-INT8 tiles, 1 AVX-512 VNNI, 0 integer vectors.
+int hs_w8a8_sums() { return w8a8_sums(); }
 
 // out (M, N) = (quantized x (M, K)) @ q.T * s_w * s_x + bias, in the activation dtype (act_dtype: 0 float32,
 // 1 bf16, 2 fp16); packed by hs_pack_w8 from int8 codes with one scale per output channel. Returns 1 for bad

@@ -118,7 +118,7 @@ int hs_linear_w8(int act_dtype, int wfmt, int64_t M, int64_t N, int64_t K, int64
                  const uint8_t* packed, const void* bias, void* out, int64_t os);
 
 // ---- gemm.cpp (gemm_w8a8.h): int8 weights (a scale per output channel) times int8 activations (a scale per row)
-int hs_w8a8_on_tiles();
+int hs_w8a8_sums();
 int hs_linear_w8a8(int act_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs, const uint8_t* packed,
                    const void* bias, void* out, int64_t os);
 

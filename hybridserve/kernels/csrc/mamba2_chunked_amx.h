@@ -33,26 +33,16 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
+
 constexpr int64_t kSsdChunk = 64;      // L: tokens per chunk (a multiple of 32: a k-step of the tiles)
 constexpr int64_t kSsdMinTokens = 64;  // sequences this long or longer take the chunked path
 
 // Whether head_dim P and d_state N fit the tiles: P a multiple of 16 (output columns), N of 32 (a k-step).
 inline bool ssd_shape_ok(int64_t P, int64_t N) { return P > 0 && N > 0 && P % 16 == 0 && N % 32 == 0; }
 
-// Palette 1, tiles 0-4 of 16 rows x 64 bytes: tmm0, tmm3 float32 sums, tmm1 an A tile, tmm2, tmm4 B tiles.
-struct alignas(64) SsdTileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  SsdTileConfig() {
-    for (int t = 0; t < 5; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
+// Tiles: tmm0, tmm3 float32 sums, tmm1 an A tile, tmm2, tmm4 B tiles.
+constexpr int kSsdTiles = 5;
 
 // c (M x Nc float32, row stride ldc) = a (M x K bf16, row stride lda) . b (pair layout, Nc columns), plus
 // a . b2 when b2 is given (a second B operand of the same shape, sharing a's tiles). M and Nc multiples of

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -393,10 +394,10 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
     std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N);
 #if defined(HS_MAMBA2_CHUNKED)
     std::unique_ptr<SsdScratch> scratch;
+    std::optional<AmxTileScope> tiles;  // configured while the chunked form runs, released at the region's end
     if (plan.chunks > 0) {  // the same on every thread
       scratch = std::make_unique<SsdScratch>(P, N);
-      static const SsdTileConfig config;
-      _tile_loadconfig(&config);
+      tiles.emplace(AmxTileConfig{kSsdTiles});
       if constexpr (std::is_same_v<AT, BF16>) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < plan.chunks * p.G; ++i)
@@ -442,9 +443,6 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
                               hbuf.data(), wbuf.data());
       }
     }
-#if defined(HS_MAMBA2_CHUNKED)
-    if (scratch) _tile_release();
-#endif
   }
 }
 
