@@ -41,6 +41,9 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "dtypes.h"
 #include "vecmath.h"
@@ -550,6 +553,14 @@ int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packe
 template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v)); }
 
 constexpr int64_t kExpertRows = 16;  // mean rows per active expert up to which the experts run in parallel
+constexpr int64_t kParallelSums = 1 << 14;  // (rows, columns) products from which the token sums use every thread
+
+// dst[d] += float(y[d]) * w for d < n: the product rounded to float32 on its own, then added, as PyTorch's
+// product and index_add_ do (no fused multiply-add, which this file's -ffp-contract=fast would allow).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void add_weighted(float* dst, const T* y, float w, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] += to_f32(y[d]) * w;
+}
 
 // Each expert's tokens (in token order), through up (gated: [gate, up] rows) -> activation -> down,
 // each linear rounded to T; every token then sums, in float32 and in expert order, its experts'
@@ -564,7 +575,22 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
   const int64_t up_rows = gated ? 2 * I : I;
   std::vector<std::vector<int64_t>> assigned(E);  // per expert: flat (token * k + j), in order
   for (int64_t a = 0; a < T_ * k; ++a) assigned[index[a]].push_back(a);
-  std::vector<float> acc(T_ * H, 0.0f);
+  std::vector<float> acc(T_ * H);
+  // fn(d0, d1) over column ranges [d0, d1) covering [0, H), one contiguous range per thread when `work` (rows x
+  // columns) is large (each thread then reads whole stretches of every row, which the prefetchers follow).
+  // Each token's sum of a column still goes in expert order, so the bits do not depend on the threads.
+  auto by_columns = [&](int64_t work, auto&& fn) {
+    int64_t threads = 1;
+#ifdef _OPENMP
+    if (work >= kParallelSums && !omp_in_parallel()) threads = omp_get_max_threads();
+#endif
+    const int64_t width = ((H + threads - 1) / threads + 15) / 16 * 16, chunks = (H + width - 1) / width;
+#pragma omp parallel for schedule(static) num_threads(chunks) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) fn(c * width, std::min(H, (c + 1) * width));
+  };
+  by_columns(T_ * H, [&](int64_t d0, int64_t d1) {
+    for (int64_t t = 0; t < T_; ++t) std::fill(&acc[t * H + d0], &acc[t * H + d1], 0.0f);
+  });
   // expert e's rows through up -> activation -> down into y (n x H); xb, hb, ab: the caller's scratch
   auto expert = [&](int64_t e, T* y, std::vector<T>& xb, std::vector<T>& hb, std::vector<T>& ab) -> int {
     const auto& rows = assigned[e];
@@ -588,19 +614,27 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
     }
     return packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), y, wfmt, group);
   };
-  // expert e's outputs y (n x H) times their routing weights, added to their tokens' sums
-  auto accumulate = [&](int64_t e, const T* y) {
+  // expert e's outputs y (n x H) times their routing weights, added to their tokens' sums: columns [d0, d1)
+  auto accumulate = [&](int64_t e, const T* y, int64_t d0, int64_t d1) {
     const auto& rows = assigned[e];
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const float w = to_f32(weight[rows[r]]);
-      float* dst = &acc[(rows[r] / k) * H];
-      const T* yr = y + r * H;
-      for (int64_t d = 0; d < H; ++d) {
-        float product = to_f32(yr[d]) * w;
-        asm("" : "+x"(product));  // rounded on its own, as PyTorch's product: no fused multiply-add
-        dst[d] += product;
+    for (size_t r = 0; r < rows.size(); ++r)
+      add_weighted(&acc[(rows[r] / k) * H + d0], y + r * H + d0, to_f32(weight[rows[r]]), d1 - d0);
+  };
+  // the sums of columns [d0, d1) rounded to T (plus `shared`, rounded again) into out
+  auto round_sums = [&](int64_t d0, int64_t d1) {
+    for (int64_t t = 0; t < T_; ++t)
+      for (int64_t d = d0; d < d1; ++d) {
+        const float v = acc[t * H + d];
+        out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(v) + to_f32(shared[t * ss + d]) : v);
       }
-    }
+  };
+  // every expert's outputs (expert e's at row offset[e] of y) into the sums, in expert order, then rounded
+  auto finish = [&](const T* y, const std::vector<int64_t>& offset) {
+    by_columns(T_ * k * H, [&](int64_t d0, int64_t d1) {
+      for (int64_t e = 0; e < E; ++e) accumulate(e, y + offset[e] * H, d0, d1);
+      round_sums(d0, d1);
+    });
+    return 0;
   };
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += assigned[e].empty() ? 0 : 1;
@@ -620,21 +654,18 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
         if (!assigned[e].empty()) failed |= expert(e, &y[offset[e] * H], xb, hb, ab);
     }
     if (failed) return 1;
-    for (int64_t e = 0; e < E; ++e) accumulate(e, &y[offset[e] * H]);
-  } else {  // many rows per expert (prefill): one expert at a time, each linear on every thread
-    std::vector<T> xb, hb, ab, y;
-    for (int64_t e = 0; e < E; ++e) {
-      if (assigned[e].empty()) continue;
-      y.resize(assigned[e].size() * H);
-      if (expert(e, y.data(), xb, hb, ab) != 0) return 1;
-      accumulate(e, y.data());
-    }
+    return finish(y.data(), offset);
   }
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t d = 0; d < H; ++d) {
-      const float v = acc[t * H + d];
-      out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(v) + to_f32(shared[t * ss + d]) : v);
-    }
+  // many rows per expert (prefill): one expert at a time, each linear on every thread
+  std::vector<T> xb, hb, ab, y;
+  for (int64_t e = 0; e < E; ++e) {
+    if (assigned[e].empty()) continue;
+    const int64_t n = static_cast<int64_t>(assigned[e].size());
+    y.resize(n * H);
+    if (expert(e, y.data(), xb, hb, ab) != 0) return 1;
+    by_columns(n * H, [&](int64_t d0, int64_t d1) { accumulate(e, y.data(), d0, d1); });
+  }
+  by_columns(T_ * H, round_sums);
   return 0;
 }
 
