@@ -575,7 +575,7 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
   const int64_t up_rows = gated ? 2 * I : I;
   std::vector<std::vector<int64_t>> assigned(E);  // per expert: flat (token * k + j), in order
   for (int64_t a = 0; a < T_ * k; ++a) assigned[index[a]].push_back(a);
-  std::vector<float> acc(T_ * H);
+  std::vector<float> acc(T_ * H, 0.0f);
   // fn(d0, d1) over column ranges [d0, d1) covering [0, H), one contiguous range per thread when `work` (rows x
   // columns) is large (each thread then reads whole stretches of every row, which the prefetchers follow).
   // Each token's sum of a column still goes in expert order, so the bits do not depend on the threads.
@@ -588,9 +588,6 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
 #pragma omp parallel for schedule(static) num_threads(chunks) if (chunks > 1)
     for (int64_t c = 0; c < chunks; ++c) fn(c * width, std::min(H, (c + 1) * width));
   };
-  by_columns(T_ * H, [&](int64_t d0, int64_t d1) {
-    for (int64_t t = 0; t < T_; ++t) std::fill(&acc[t * H + d0], &acc[t * H + d1], 0.0f);
-  });
   // expert e's rows through up -> activation -> down into y (n x H); xb, hb, ab: the caller's scratch
   auto expert = [&](int64_t e, T* y, std::vector<T>& xb, std::vector<T>& hb, std::vector<T>& ab) -> int {
     const auto& rows = assigned[e];
