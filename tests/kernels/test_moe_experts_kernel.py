@@ -1,7 +1,7 @@
 """The MoE experts kernel (``hs_moe_experts``) on the routings that pick its paths: decode-sized calls (experts
 in parallel, one thread each), one of them with an expert of more than two 16-row tile groups, and
-prefill-sized calls (one expert at a time); the token sums weighted and rounded on every thread, split by
-columns. The same bits as the per-expert loop over the same packed linears, whatever the thread count."""
+prefill-sized calls (one expert at a time), each with its vectorized weighted token sums: the same bits as
+the per-expert loop over the same packed linears, whatever the thread count."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _kernel(block, x, index, weight, shared):
 def test_moe_experts_kernel_matches_the_expert_loop_on_every_path(T, crowded, gated):
     """relu2 bit for bit against the per-expert loop (the same roundings in the same order); silu within 2
     bf16 ulps (the kernel's exp differs from PyTorch's by an ulp, mostly hidden by the rounding)."""
-    E, H, I, k = 8, 100, 36, 2  # H: the token sums' per-thread column ranges end in a partial vector
+    E, H, I, k = 8, 100, 36, 2  # H: the vectorized token sums end in a partial vector
     block = _block(E, H, I, gated, seed=T)
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
@@ -66,7 +66,7 @@ def test_moe_experts_kernel_matches_the_expert_loop_on_every_path(T, crowded, ga
 
 @pytest.mark.parametrize("T, crowded", [(40, True), (400, False)], ids=["decode", "prefill"])
 def test_moe_experts_kernel_bits_do_not_depend_on_threads(T, crowded):
-    """One thread and two give the same bits: experts claimed by either thread, token sums split by columns."""
+    """One thread and two give the same bits, whichever thread runs which expert or linear block."""
     E, H, I, k = 8, 96, 32, 2
     block = _block(E, H, I, True, seed=1)
     g = torch.Generator().manual_seed(2)

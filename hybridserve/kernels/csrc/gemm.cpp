@@ -41,9 +41,6 @@
 #include <cstdint>
 #include <utility>
 #include <vector>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "dtypes.h"
 #include "vecmath.h"
@@ -553,7 +550,6 @@ int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packe
 template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v)); }
 
 constexpr int64_t kExpertRows = 16;  // mean rows per active expert up to which the experts run in parallel
-constexpr int64_t kParallelSums = 1 << 14;  // (rows, columns) products from which the token sums use every thread
 
 // dst[d] += float(y[d]) * w for d < n: the product rounded to float32 on its own, then added, as PyTorch's
 // product and index_add_ do (no fused multiply-add, which this file's -ffp-contract=fast would allow).
@@ -576,18 +572,6 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
   std::vector<std::vector<int64_t>> assigned(E);  // per expert: flat (token * k + j), in order
   for (int64_t a = 0; a < T_ * k; ++a) assigned[index[a]].push_back(a);
   std::vector<float> acc(T_ * H, 0.0f);
-  // fn(d0, d1) over column ranges [d0, d1) covering [0, H), one contiguous range per thread when `work` (rows x
-  // columns) is large (each thread then reads whole stretches of every row, which the prefetchers follow).
-  // Each token's sum of a column still goes in expert order, so the bits do not depend on the threads.
-  auto by_columns = [&](int64_t work, auto&& fn) {
-    int64_t threads = 1;
-#ifdef _OPENMP
-    if (work >= kParallelSums && !omp_in_parallel()) threads = omp_get_max_threads();
-#endif
-    const int64_t width = ((H + threads - 1) / threads + 15) / 16 * 16, chunks = (H + width - 1) / width;
-#pragma omp parallel for schedule(static) num_threads(chunks) if (chunks > 1)
-    for (int64_t c = 0; c < chunks; ++c) fn(c * width, std::min(H, (c + 1) * width));
-  };
   // expert e's rows through up -> activation -> down into y (n x H); xb, hb, ab: the caller's scratch
   auto expert = [&](int64_t e, T* y, std::vector<T>& xb, std::vector<T>& hb, std::vector<T>& ab) -> int {
     const auto& rows = assigned[e];
@@ -611,26 +595,18 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
     }
     return packed_linear<T>(n, H, I, ab.data(), reinterpret_cast<const void*>(down[e]), y, wfmt, group);
   };
-  // expert e's outputs y (n x H) times their routing weights, added to their tokens' sums: columns [d0, d1)
-  auto accumulate = [&](int64_t e, const T* y, int64_t d0, int64_t d1) {
+  // expert e's outputs y (n x H) times their routing weights, added to their tokens' sums
+  auto accumulate = [&](int64_t e, const T* y) {
     const auto& rows = assigned[e];
-    for (size_t r = 0; r < rows.size(); ++r)
-      add_weighted(&acc[(rows[r] / k) * H + d0], y + r * H + d0, to_f32(weight[rows[r]]), d1 - d0);
+    for (size_t r = 0; r < rows.size(); ++r) add_weighted(&acc[(rows[r] / k) * H], y + r * H, to_f32(weight[rows[r]]), H);
   };
-  // the sums of columns [d0, d1) rounded to T (plus `shared`, rounded again) into out
-  auto round_sums = [&](int64_t d0, int64_t d1) {
+  // the sums rounded to T (plus `shared`, rounded again) into out
+  auto round_sums = [&]() {
     for (int64_t t = 0; t < T_; ++t)
-      for (int64_t d = d0; d < d1; ++d) {
+      for (int64_t d = 0; d < H; ++d) {
         const float v = acc[t * H + d];
         out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(v) + to_f32(shared[t * ss + d]) : v);
       }
-  };
-  // every expert's outputs (expert e's at row offset[e] of y) into the sums, in expert order, then rounded
-  auto finish = [&](const T* y, const std::vector<int64_t>& offset) {
-    by_columns(T_ * k * H, [&](int64_t d0, int64_t d1) {
-      for (int64_t e = 0; e < E; ++e) accumulate(e, y + offset[e] * H, d0, d1);
-      round_sums(d0, d1);
-    });
     return 0;
   };
   int64_t active = 0;
@@ -651,7 +627,8 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
         if (!assigned[e].empty()) failed |= expert(e, &y[offset[e] * H], xb, hb, ab);
     }
     if (failed) return 1;
-    return finish(y.data(), offset);
+    for (int64_t e = 0; e < E; ++e) accumulate(e, &y[offset[e] * H]);
+    return round_sums();
   }
   // many rows per expert (prefill): one expert at a time, each linear on every thread
   std::vector<T> xb, hb, ab, y;
@@ -660,10 +637,9 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
     const int64_t n = static_cast<int64_t>(assigned[e].size());
     y.resize(n * H);
     if (expert(e, y.data(), xb, hb, ab) != 0) return 1;
-    by_columns(n * H, [&](int64_t d0, int64_t d1) { accumulate(e, y.data(), d0, d1); });
+    accumulate(e, y.data());
   }
-  by_columns(T_ * H, round_sums);
-  return 0;
+  return round_sums();
 }
 
 // The k largest of v[0, n) as torch.topk picks them on the CPU (ATen's topk loop: std::partial_sort
