@@ -551,6 +551,13 @@ template <typename T> inline float rnd(float v) { return to_f32(from_f32<T>(v));
 
 constexpr int64_t kExpertRows = 16;  // mean rows per active expert up to which the experts run in parallel
 
+// dst[d] += float(y[d]) * w for d < n: the product rounded to float32 on its own, then added, as PyTorch's
+// product and index_add_ do (no fused multiply-add, which this file's -ffp-contract=fast would allow).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void add_weighted(float* dst, const T* y, float w, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] += to_f32(y[d]) * w;
+}
+
 // Each expert's tokens (in token order), through up (gated: [gate, up] rows) -> activation -> down,
 // each linear rounded to T; every token then sums, in float32 and in expert order, its experts'
 // outputs times their weights, as FusedExperts.forward's index_add_ does, rounded to T at the end (plus
@@ -591,16 +598,16 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
   // expert e's outputs y (n x H) times their routing weights, added to their tokens' sums
   auto accumulate = [&](int64_t e, const T* y) {
     const auto& rows = assigned[e];
-    for (size_t r = 0; r < rows.size(); ++r) {
-      const float w = to_f32(weight[rows[r]]);
-      float* dst = &acc[(rows[r] / k) * H];
-      const T* yr = y + r * H;
+    for (size_t r = 0; r < rows.size(); ++r) add_weighted(&acc[(rows[r] / k) * H], y + r * H, to_f32(weight[rows[r]]), H);
+  };
+  // the sums rounded to T (plus `shared`, rounded again) into out
+  auto round_sums = [&]() {
+    for (int64_t t = 0; t < T_; ++t)
       for (int64_t d = 0; d < H; ++d) {
-        float product = to_f32(yr[d]) * w;
-        asm("" : "+x"(product));  // rounded on its own, as PyTorch's product: no fused multiply-add
-        dst[d] += product;
+        const float v = acc[t * H + d];
+        out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(v) + to_f32(shared[t * ss + d]) : v);
       }
-    }
+    return 0;
   };
   int64_t active = 0;
   for (int64_t e = 0; e < E; ++e) active += assigned[e].empty() ? 0 : 1;
@@ -621,21 +628,18 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
     }
     if (failed) return 1;
     for (int64_t e = 0; e < E; ++e) accumulate(e, &y[offset[e] * H]);
-  } else {  // many rows per expert (prefill): one expert at a time, each linear on every thread
-    std::vector<T> xb, hb, ab, y;
-    for (int64_t e = 0; e < E; ++e) {
-      if (assigned[e].empty()) continue;
-      y.resize(assigned[e].size() * H);
-      if (expert(e, y.data(), xb, hb, ab) != 0) return 1;
-      accumulate(e, y.data());
-    }
+    return round_sums();
   }
-  for (int64_t t = 0; t < T_; ++t)
-    for (int64_t d = 0; d < H; ++d) {
-      const float v = acc[t * H + d];
-      out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(v) + to_f32(shared[t * ss + d]) : v);
-    }
-  return 0;
+  // many rows per expert (prefill): one expert at a time, each linear on every thread
+  std::vector<T> xb, hb, ab, y;
+  for (int64_t e = 0; e < E; ++e) {
+    if (assigned[e].empty()) continue;
+    const int64_t n = static_cast<int64_t>(assigned[e].size());
+    y.resize(n * H);
+    if (expert(e, y.data(), xb, hb, ab) != 0) return 1;
+    accumulate(e, y.data());
+  }
+  return round_sums();
 }
 
 // The k largest of v[0, n) as torch.topk picks them on the CPU (ATen's topk loop: std::partial_sort
