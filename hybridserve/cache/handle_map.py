@@ -8,9 +8,13 @@ The code that builds a step (the model runner, the captured decode steps, the MT
 handles to positions with one gather from :attr:`HandleMap.position_of`, in the forward's own integer
 dtype, so a compaction costs the other holders nothing.
 
-A new item gets the handle equal to its position when that handle is free (always so until the first
-compaction: the map starts as the identity), else the lowest free handle. The maps are a torch ``int64``
-tensor and numpy views of the same memory (one object each for the garbage collector, whatever the size).
+A new item gets the handle equal to its position when that handle is free, else the lowest free handle. The
+map counts the live items whose handle is not their position (moved ones, and those bound beside them); while
+there are none, every live handle is its position (a free position's handle is then free too, so a new item
+gets it) and translating returns its input. So a step pays for the gather only while an item a compaction
+moved is still held: a pool that never compacts never pays, and one that did stops paying once those go.
+The maps are a torch ``int64`` tensor and numpy views of the same memory (one object each for the garbage
+collector, whatever the size).
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ class HandleMap:
         self._position = self.position_of.numpy()  # the same memory, for scalar reads and numpy gathers
         self._handle_at = np.arange(capacity, dtype=np.int64)  # position -> the handle of its live item
         self._free = IdSet(capacity, range(capacity))
+        self._displaced = 0  # live items whose handle is not their position
 
     def bind(self, position: int) -> int:
         """A handle for a new item at ``position``."""
         handle = position if position in self._free else self._free.peek()
         assert handle is not None, "more live items than positions"
         self._free.remove(handle)
+        self._displaced += handle != position
         self._position[handle] = position
         self._handle_at[position] = handle
         return handle
@@ -45,7 +51,9 @@ class HandleMap:
         """Forget ``handle`` (its item goes back to the pool); returns the position it was at."""
         self.check(handle)
         self._free.push(handle)
-        return int(self._position[handle])
+        position = int(self._position[handle])
+        self._displaced -= handle != position
+        return position
 
     def check(self, handle: int) -> None:
         """Raise ``ValueError`` unless ``handle`` is held."""
@@ -55,8 +63,14 @@ class HandleMap:
     def move(self, src: int, dst: int) -> None:
         """The live item at position ``src`` is now at ``dst`` (its handle stays)."""
         handle = int(self._handle_at[src])
+        self._displaced += (handle != dst) - (handle != src)
         self._position[handle] = dst
         self._handle_at[dst] = handle
+
+    @property
+    def identity(self) -> bool:
+        """Whether every live handle is its own position (translating is then a no-op)."""
+        return self._displaced == 0
 
     def position(self, handle: int) -> int:
         """Where the item of ``handle`` is now."""
@@ -67,19 +81,26 @@ class HandleMap:
         return int(self._handle_at[position])
 
     def positions(self, handles: torch.Tensor) -> torch.Tensor:
-        """handles: int64 tensor of any shape -> the positions (same shape, on ``handles``' device)."""
-        table = self.position_of if handles.device == self.position_of.device else self.position_of.to(handles.device)
-        return table[handles]
+        """handles: int64 CPU tensor of any shape -> the positions (same shape, on the CPU: the map stays in
+        host memory, so a step on an accelerator gathers here and moves the result); ``handles`` itself while
+        the map is the identity."""
+        return handles if self.identity else self.position_of[handles]
 
     def kv_rows(self, rows: torch.Tensor, block_size: int) -> torch.Tensor:
         """rows: (T,) int64 KV rows in handle space (``page handle * block_size + offset``) -> the rows in the
         pool's views (``page position * block_size + offset``)."""
-        return self.positions(rows // block_size) * block_size + rows % block_size
+        if self.identity:
+            return rows
+        return self.position_of[rows // block_size] * block_size + rows % block_size
 
-    def positions_np(self, handles) -> np.ndarray:
-        """handles: a list or int64 array -> the positions, as an int64 numpy array (a gather, no torch call)."""
-        return self._position[np.asarray(handles, dtype=np.int64)]
+    def positions_np(self, handles: list[int] | np.ndarray) -> list[int] | np.ndarray:
+        """handles: a list or int64 array -> the positions as an int64 numpy array (a gather, no torch call);
+        ``handles`` itself while the map is the identity."""
+        return handles if self.identity else self._position[np.asarray(handles, dtype=np.int64)]
 
-    def kv_rows_np(self, rows: np.ndarray, block_size: int) -> np.ndarray:
-        """:meth:`kv_rows` on a numpy int64 array."""
-        return self._position[rows // block_size] * block_size + rows % block_size
+    def kv_rows_np(self, rows: list[int], block_size: int) -> list[int] | np.ndarray:
+        """:meth:`kv_rows` of a list, as an int64 numpy array; ``rows`` itself while the map is the identity."""
+        if self.identity:
+            return rows
+        array = np.asarray(rows, dtype=np.int64)
+        return self._position[array // block_size] * block_size + array % block_size

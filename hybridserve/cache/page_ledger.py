@@ -60,10 +60,6 @@ class PageLedger:
         """Return ``slot`` to the pool (slots have one holder each: no count)."""
         self.pool.free_slot(slot)
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy the page ``src`` onto ``dst`` (copy on write of a partly filled page)."""
-        self.pool.copy_page(src, dst)
-
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy the state slot ``src`` onto ``dst``."""
         self.pool.copy_slot(src, dst)

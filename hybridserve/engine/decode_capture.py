@@ -156,14 +156,13 @@ class CapturedDecode:
         if self.has_kv:
             np_["seq_lens"][:rows] = seq_lens
             np_["seq_lens"][rows:size] = q
-            np_["slot_mapping"][:t] = pool.pages.kv_rows_np(np.asarray(slot_mapping, dtype=np.int64), self.block_size)
+            np_["slot_mapping"][:t] = pool.pages.kv_rows_np(slot_mapping, self.block_size)
             if padded:
                 np_["slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(block_tables, rows, size)
         if self.has_window:
             window_slots, window_tables = window
-            np_["window_slot_mapping"][:t] = pool.pages.kv_rows_np(np.asarray(window_slots, dtype=np.int64),
-                                                                   self.block_size)
+            np_["window_slot_mapping"][:t] = pool.pages.kv_rows_np(window_slots, self.block_size)
             if padded:
                 np_["window_slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(window_tables, rows, size, "window_block_tables", self._window_written)
@@ -182,14 +181,14 @@ class CapturedDecode:
         pages = self._pool.pages
         for r, table in enumerate(block_tables):
             if written[r] != table:
-                handles = np.asarray(table, dtype=np.int64)
                 if table and table[0] < 0:  # released entries are a table's first ones
+                    handles = np.asarray(table, dtype=np.int64)
                     released = handles < 0
-                    row = pages.positions_np(np.where(released, 0, handles))
+                    row = np.asarray(pages.positions_np(np.where(released, 0, handles)))
                     row[released] = self.pad_page
                     tables[r, :len(table)] = row
                 else:
-                    tables[r, :len(table)] = pages.positions_np(handles)
+                    tables[r, :len(table)] = pages.positions_np(table)
                 written[r] = list(table)
         pad = [self.pad_page]
         for r in range(rows, size):

@@ -35,6 +35,9 @@ class StepLogits:
     offsets: list[int] = field(default_factory=list)  # per sequence of ``order``: its first row in ``hidden``
 
 
+_HOST = torch.device("cpu")  # where the pool's handle maps live (cache/handle_map.py)
+
+
 def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -88,16 +91,16 @@ class ModelRunner:
                         _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables, num_generated)
 
     def _tables(self, tables: list[list[int]]) -> torch.Tensor:
-        """(S, width) page positions of block tables of page handles."""
-        return self.pool.pages.positions(table_tensor(tables, self.device))
+        """(S, width) page positions of block tables of page handles (gathered on the host, then moved)."""
+        return self.pool.pages.positions(table_tensor(tables, _HOST)).to(self.device)
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
         """(T,) KV rows in the pool's views of KV rows in handle space (``kv_slot`` of a block table)."""
-        return self.pool.pages.kv_rows(_int_tensor(rows, self.device), self.block_size)
+        return self.pool.pages.kv_rows(_int_tensor(rows, _HOST), self.block_size).to(self.device)
 
     def _slots(self, slots: list) -> torch.Tensor:
         """(S,) slot positions of state slot handles."""
-        return self.pool.slots.positions(_int_tensor(slots, self.device))
+        return self.pool.slots.positions(_int_tensor(slots, _HOST)).to(self.device)
 
     def _replay(self, scheduled: list[ScheduledSeq]) -> StepLogits | None:
         """A decode-only step of sequences that sample now and want no prompt logprobs, replayed from

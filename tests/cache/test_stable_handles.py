@@ -22,13 +22,18 @@ SPECULATE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min"
 def test_handle_map_binds_moves_and_translates():
     handles = HandleMap(6, "KV page")
     assert [handles.bind(p) for p in (5, 4)] == [5, 4]  # the identity until something moves
-    handles.move(5, 1)  # compaction: the item of handle 5 now lives at position 1
+    rows = torch.tensor([5 * 8 + 3])
+    assert handles.identity and handles.positions(rows) is rows and handles.kv_rows(rows, 8) is rows  # no gather
+    handles.move(5, 1)
+    assert not handles.identity  # compaction: the item of handle 5 now lives at position 1
     assert handles.position(5) == 1 and handles.handle_at(1) == 5
     assert handles.bind(5) == 0  # handle 5 is held: a new item at position 5 gets the lowest free handle
     assert handles.positions(torch.tensor([[5, 4], [0, 5]])).tolist() == [[1, 4], [5, 1]]
     assert handles.kv_rows(torch.tensor([5 * 8 + 3, 4 * 8]), 8).tolist() == [1 * 8 + 3, 4 * 8]
     assert handles.positions_np([0, 5]).tolist() == [5, 1]
     assert handles.unbind(5) == 1
+    assert not handles.identity  # handle 0 is still at position 5
+    assert handles.unbind(0) == 5 and handles.identity  # no displaced item left: translating is a no-op again
     with pytest.raises(ValueError, match="KV page 5 is not allocated"):
         handles.unbind(5)
     with pytest.raises(ValueError, match="KV page 9 is not allocated"):
