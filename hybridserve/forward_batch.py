@@ -22,8 +22,9 @@ class SeqGroup:
     token_end: int
     cu_seqlens_q: torch.Tensor  # (S+1,) int64, local to the group
     seq_lens: torch.Tensor  # (S,) int64 context length after this step
-    block_tables: torch.Tensor | None  # (S, max_blocks) int64, or None without attention
-    state_indices: torch.Tensor | None  # (S,) int64 slot ids, or None without state
+    # positions in the pool's views, translated from the handles sequences hold (cache/handle_map.py)
+    block_tables: torch.Tensor | None  # (S, max_blocks) int64 page positions, or None without attention
+    state_indices: torch.Tensor | None  # (S,) int64 slot positions, or None without state
     window_block_tables: torch.Tensor | None = None  # (S, max_blocks) the window page group's, or None
     # leading sequences whose tokens are all generated ones (speculative verifications, reruns after a rejected
     # draft): a layer whose prefill and decode rules differ (Mamba2's dt clamp) gives them the decode rule, as
@@ -63,7 +64,7 @@ class SeqGroup:
 class ForwardBatch:
     """Everything a model forward needs beyond token ids and positions."""
 
-    slot_mapping: torch.Tensor | None  # (T,) int64 KV write positions: page * block_size + offset
+    slot_mapping: torch.Tensor | None  # (T,) int64 KV write rows: page position * block_size + offset
     decode: SeqGroup | None
     prefill: SeqGroup | None
     caches: dict[int, LayerCache] = field(default_factory=dict)

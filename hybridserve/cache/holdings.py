@@ -1,5 +1,5 @@
-"""What a sequence holds of the pool (:class:`CacheHolder`) and the manager's helpers over holdings: page
-reference counts (:func:`decrement_ref`) and the window pages a prefix hit resumes with (:func:`window_hit`)."""
+"""What a sequence holds of the pool (:class:`CacheHolder`: page and slot handles) and the window pages a
+prefix hit resumes with (:func:`window_hit`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hybridserve.cache.prefix_hit import PrefixHit
 
 
 class CacheHolder(Protocol):
-    """What the manager needs of a sequence: its block table, its state slot and how many of its
-    tokens are in the cache (``engine.Sequence`` is one)."""
+    """What the manager needs of a sequence: its block table, its state slot (handles, stable while held)
+    and how many of its tokens are in the cache (``engine.Sequence`` is one)."""
 
     block_table: list[int]
     window_table: list[int]  # read and written only with a window page group
@@ -21,20 +21,10 @@ class CacheHolder(Protocol):
 
 def window_hit(hit: PrefixHit, window: int, block_size: int) -> tuple[int, list[int], int | None]:
     """(first block, full pages to share, partly filled page to copy or None) of the window layers' pages a
-    hit at ``hit.tokens`` resumes with: its snapshot's (``Snapshot.window_pages``), read now (compaction
-    may have moved them)."""
+    hit at ``hit.tokens`` resumes with: its snapshot's (``Snapshot.window_pages``)."""
     snap = hit.snapshot
     assert snap is not None, "a window page group resumes from snapshots only"
     pages = list(snap.window_pages)
     partial = pages.pop() if hit.tokens % block_size else None
     return max(0, hit.tokens - window + 1) // block_size, pages, partial
 
-
-def decrement_ref(refs: dict[int, int], page: int) -> bool:
-    """One reference fewer to ``page`` in ``refs``; True (and the entry gone) when that was the last."""
-    count = refs[page] - 1
-    if count:
-        refs[page] = count
-        return False
-    del refs[page]
-    return True

@@ -1,11 +1,12 @@
 """Per-sequence cache holdings: a KV block table and one state slot, drawn from the pool.
 
-The manager is the owner the pool reports compaction moves to: it knows every sequence that holds
-pages or a slot and rewrites their block tables and slot ids when the pool moves them.
+Every page and slot a sequence holds is a handle of the pool (:mod:`hybridserve.cache.handle_map`): it
+stays valid while held, whatever the pool compacts, so nothing here follows the pool's moves.
 
-Pages are reference-counted (``page_refs``): a sequence holds one reference to each page of its block
-table, and the prefix cache (:mod:`hybridserve.cache.prefix_cache`) one to each page it has indexed
-or keeps as a snapshot's tail. A page goes back to the pool when its last reference goes. Pages are
+Pages are reference-counted in one :class:`~hybridserve.cache.page_ledger.PageLedger` (``page_refs``): a
+sequence holds one reference to each page of its block table, and the prefix cache
+(:mod:`hybridserve.cache.prefix_cache`, which holds the ledger, not the manager) one to each page it has
+indexed or keeps as a snapshot's tail. A page goes back to the pool when its last reference goes. Pages are
 only ever shared when full (every position written, never written again); a partly filled page is
 copied (copy on write), so a sequence never writes into a page anyone else reads.
 
@@ -18,9 +19,10 @@ pages wholly behind the window of its next token go back to the pool after every
 from __future__ import annotations
 
 from hybridserve.cache.capacity import fits, pages_for
-from hybridserve.cache.holdings import CacheHolder, decrement_ref, window_hit
+from hybridserve.cache.holdings import CacheHolder, window_hit
 from hybridserve.cache.kv_events import KVEventRecorder
-from hybridserve.cache.pool import Allocation, CachePool, Relocation
+from hybridserve.cache.page_ledger import PageLedger, decrement_ref
+from hybridserve.cache.pool import Allocation, CachePool
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixHit
 from hybridserve.cache.verification_slots import VerificationSlots
 from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
@@ -40,12 +42,13 @@ class CacheManager(VerificationSlots):
         self.pool = pool
         self.block_size = pool.layout.block_size
         self._holders: dict[int, CacheHolder] = {}  # id(seq) -> seq, for every sequence holding anything
-        self.page_refs: dict[int, int] = {}  # page -> references (sequences, and the prefix cache)
+        self.ledger = PageLedger(pool)  # page -> references (sequences, and the prefix cache)
+        self.page_refs = self.ledger.refs
         self.seq_page_refs: dict[int, int] = {}  # page -> references of sequences alone
         self.window = pool.layout.window  # tokens the window page group keeps, None without one
         self.window_pages_released = 0  # window-group pages given back behind running sequences' windows
         self._verifying: set[int] = set()  # id(seq) of the sequences verifying drafts on their speculative slot now
-        self.prefix = PrefixCache(self, snapshot_interval) if prefix_caching else None
+        self.prefix = PrefixCache(self.ledger, snapshot_interval) if prefix_caching else None
 
     def pages_for(self, num_tokens: int) -> int:
         """KV pages needed to hold ``num_tokens`` tokens (0 for a model without attention)."""
@@ -98,8 +101,7 @@ class CacheManager(VerificationSlots):
     def grant(self, seq: CacheHolder, num_new_tokens: int) -> bool:
         """Grant what ``seq`` needs for ``num_new_tokens`` more tokens; False (nothing granted) if it does not fit.
 
-        Cached prefixes are evicted first if they must; the pool may compact to make room, and the
-        moved holdings of other sequences are rewritten here.
+        Cached prefixes are evicted first if they must; the pool may compact to make room (no handle changes).
         """
         self.release_behind_window(seq)
         full, window = self._page_needs(seq, num_new_tokens)
@@ -135,17 +137,19 @@ class CacheManager(VerificationSlots):
         prefix = self.prefix
         assert prefix is not None  # (a hit comes from the prefix cache)
         start = hit.tokens
-        pages = [node.page for node in hit.shared if node.page is not None]
+        shared = [node.page for node in hit.shared if node.page is not None]
+        pages = list(shared)  # every page it shares, of both groups
         for page in pages:  # the sequence's own references; they also keep eviction off them
             self._seq_ref(page)
         tail = hit.tail_page()
         if tail is not None:
-            self.ref_page(tail)  # pinned while the room is made
+            self.ref_page(tail)  # kept from eviction while the room is made
         n = self.chunk(seq, min(seq.num_tokens - start, budget), start)
         need_pages = self.pages_for(start + n) - len(pages)
         need_slots = 1 if self.pool.layout.has_state else 0
         first, need_window = 0, 0
         window_shared: list[int] = []
+        partial: int | None = None
         if self.window is not None:  # the window layers' pages come from the snapshot (prefix_cache.PrefixHit)
             first, window_shared, partial = window_hit(hit, self.window, self.block_size)
             for page in window_shared:
@@ -158,23 +162,23 @@ class CacheManager(VerificationSlots):
                 for page in pages:
                     self._seq_unref(page)
                 return 0
-            got = self.allocate_raw(need_pages + need_window, need_slots)  # may compact: ids are read after it
-            seq.block_table = [node.page for node in hit.shared if node.page is not None] + got.pages[:need_pages]
+            got = self.allocate_raw(need_pages + need_window, need_slots)
+            seq.block_table = shared + got.pages[:need_pages]
             seq.state_slot = got.slots[0] if got.slots else None
             self._holders[id(seq)] = seq
             if self.window is not None:
-                _, window_shared, partial = window_hit(hit, self.window, self.block_size)  # moved ids
                 seq.window_table = [-1] * first + window_shared + got.pages[need_pages:]
                 if partial is not None:
                     self.copy_page(partial, got.pages[need_pages])
             if tail is not None:
-                self.copy_page(_held(hit.tail_page()), got.pages[0])
+                self.copy_page(tail, got.pages[0])
             if hit.snapshot is not None:
-                self.copy_slot(_held(hit.snapshot.slot), _held(seq.state_slot))
+                assert hit.snapshot.slot is not None and seq.state_slot is not None  # (a state snapshot's)
+                self.copy_slot(hit.snapshot.slot, seq.state_slot)
         finally:
             if tail is not None:
-                self.unref_page(_held(hit.tail_page()))
-            prefix.let_go(hit)
+                self.unref_page(tail)
+            prefix.let_go(hit, tail)
         seq.num_computed_tokens = start
         prefix.attached(seq, hit)
         return n
@@ -204,7 +208,7 @@ class CacheManager(VerificationSlots):
             for page in shared:
                 self._seq_unref(page)
             return False
-        got = self.allocate_raw(partial + window_partial, slots)  # may compact: the parent's ids are read after it
+        got = self.allocate_raw(partial + window_partial, slots)
         child.block_table = parent.block_table[:full] + got.pages[:partial]
         if partial:
             self.copy_page(parent.block_table[full], got.pages[0])
@@ -214,7 +218,8 @@ class CacheManager(VerificationSlots):
                 self.copy_page(parent.window_table[full], got.pages[partial])
         if slots:
             child.state_slot = got.slots[0]
-            self.copy_slot(_held(parent.state_slot), child.state_slot)
+            assert parent.state_slot is not None  # (a model with state: the parent holds its slot)
+            self.copy_slot(parent.state_slot, child.state_slot)
         child.num_computed_tokens = done
         self._holders[id(child)] = child
         if self.prefix is not None:
@@ -225,9 +230,9 @@ class CacheManager(VerificationSlots):
         """Give ``seq`` ``pages`` more KV pages, ``window_pages`` more window-group pages and, with ``slots=1``,
         its state slot.
 
-        Every allocation for a sequence goes through here or :meth:`allocate_raw` (never ``pool.allocate*``
-        directly): the pool may compact to make room, and the holdings it moved are rewritten here.
-        Raises :class:`~hybridserve.cache.pool.OutOfCacheError` (nothing changed) when they do not fit.
+        Every allocation for a sequence goes through here or :meth:`allocate_raw` (never ``pool.allocate``
+        directly), which count its pages' references. Raises
+        :class:`~hybridserve.cache.pool.OutOfCacheError` (nothing changed) when they do not fit.
         """
         got = self.allocate_raw(pages + window_pages, slots)
         if got.slots:
@@ -239,34 +244,11 @@ class CacheManager(VerificationSlots):
         return got
 
     def allocate_raw(self, pages: int, slots: int) -> Allocation:
-        """Pages (one reference each) and slots from the pool, for their caller to hold; moves applied."""
-        got = self.pool.allocate(pages, slots)
-        if got.relocation:
-            self._apply(got.relocation)
+        """Pages (one reference each, a sequence's) and slots from the pool, for their caller to hold."""
+        got = self.ledger.allocate(pages, slots)
         for page in got.pages:
-            self.page_refs[page] = 1
             self.seq_page_refs[page] = 1
         return got
-
-    def _apply(self, moves: Relocation) -> None:
-        """Point every holder at its items' new ids."""
-        for seq in self._holders.values():
-            if moves.pages and seq.block_table:
-                seq.block_table[:] = [moves.pages.get(b, b) for b in seq.block_table]
-            if moves.pages and self.window is not None and seq.window_table:
-                seq.window_table[:] = [moves.pages.get(b, b) for b in seq.window_table]
-            if seq.state_slot is not None and seq.state_slot in moves.slots:
-                seq.state_slot = moves.slots[seq.state_slot]
-            spec_slot = getattr(seq, "spec_slot", None)
-            if spec_slot is not None and spec_slot in moves.slots:
-                seq.spec_slot = moves.slots[spec_slot]
-        if moves.pages:
-            for refs in (self.page_refs, self.seq_page_refs):
-                moved = {old: refs.pop(old) for old in moves.pages if old in refs}
-                for old, count in moved.items():
-                    refs[moves.pages[old]] = count
-        if self.prefix is not None:
-            self.prefix.relocate(moves)
 
     def _seq_ref(self, page: int) -> None:
         self.page_refs[page] += 1
@@ -291,21 +273,24 @@ class CacheManager(VerificationSlots):
         return self.pool.used_bytes() - self.held_bytes()
 
     def ref_page(self, page: int) -> None:
-        self.page_refs[page] += 1
+        """One more reference to ``page``."""
+        self.ledger.ref(page)
 
     def unref_page(self, page: int) -> None:
         """Drop one reference to ``page``; the last one returns it to the pool."""
-        if decrement_ref(self.page_refs, page):
-            self.pool.free_pages([page])
+        self.ledger.unref(page)
 
     def free_slot(self, slot: int) -> None:
+        """Return ``slot`` to the pool."""
         self.pool.free_slot(slot)
 
     def copy_page(self, src: int, dst: int) -> None:
-        self.pool.copy_row(src, dst, self.pool.layout.page_bytes)
+        """Copy page ``src`` onto ``dst``."""
+        self.pool.copy_page(src, dst)
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self.pool.copy_row(src, dst, self.pool.layout.slot_bytes)
+        """Copy state slot ``src`` onto ``dst``."""
+        self.pool.copy_slot(src, dst)
 
     def after_step(self, seqs: list) -> None:
         """A step over ``seqs`` succeeded: index their filled pages and take their due snapshots."""
@@ -377,8 +362,3 @@ class CacheManager(VerificationSlots):
         return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens) + pad_pages,
                     (1 if pool.layout.has_state else 0) + pad_slots)
 
-
-def _held(item: int | None) -> int:
-    """The page or slot id of something the caller knows is held (a snapshot's slot, a hit's tail page)."""
-    assert item is not None, "a page or slot that must be held is not"
-    return item

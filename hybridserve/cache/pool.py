@@ -27,9 +27,10 @@ state slot still live high up pins the state region's top, and the freed slots b
 unusable for KV; a KV page live low down pins the KV region's bottom the same way. Instead of
 failing (which makes the scheduler preempt and recompute a whole sequence), an allocation that
 fits the *total* free bytes compacts: :meth:`CachePool.make_room` moves just the live slots or pages
-in the way (a ``copy_`` inside the buffer) and returns a :class:`Relocation`; the owner of the
-moved items (:class:`~hybridserve.cache.manager.CacheManager`) rewrites their block tables and
-slot ids. Views never change, so moving costs nothing beyond the copy. Hence the rule the
+in the way (a ``copy_`` inside the buffer). Holders never see it: the pool hands out stable handles and
+rewrites only its own handle -> position map (:mod:`hybridserve.cache.handle_map`, ``epoch`` counts the
+rewrites); whoever builds a step translates handles through it. Views never change, so moving costs
+nothing beyond the copy and the map entry. Hence the rule the
 allocator and the planner share (:func:`hybridserve.cache.capacity.fits`): slots and pages fit
 together exactly when ``slots * slot_bytes <= (num_pages - pages) * page_bytes``.
 
@@ -60,11 +61,12 @@ requests keeps shifting, about 2% of allocations move anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridserve.cache.capacity import fits, pool_geometry, reserved_bytes
+from hybridserve.cache.handle_map import HandleMap
 from hybridserve.cache.id_set import IdSet
 from hybridserve.cache.layout import PoolLayout, TensorPlacement
 from hybridserve.cache.spec import dtype_size
@@ -92,23 +94,11 @@ class LayerCache:
 
 
 @dataclass
-class Relocation:
-    """Live items moved by compaction: old id -> new id. The owners must rewrite their ids."""
-
-    pages: dict[int, int] = field(default_factory=dict)
-    slots: dict[int, int] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.pages or self.slots)
-
-
-@dataclass
 class Allocation:
-    """What :meth:`CachePool.allocate` handed out, and what it moved to make room."""
+    """What :meth:`CachePool.allocate` handed out: page and slot handles (stable while held)."""
 
     pages: list[int]
     slots: list[int]
-    relocation: Relocation
 
 
 class CachePool:
@@ -128,9 +118,13 @@ class CachePool:
         self._free_slots = IdSet(self.num_slots, range(self.num_slots))
         self._live_pages = IdSet(self.num_pages)  # min live page id = KV region bottom
         self._live_slots = IdSet(self.num_slots, largest_first=True)  # max live slot id = state region top
+        # the four sets above are over positions; everyone outside the pool holds handles (handle_map.py)
+        self.pages = HandleMap(self.num_pages, "KV page")
+        self.slots = HandleMap(self.num_slots, "state slot")
+        self.epoch = 0  # bumped whenever compaction moves anything (a capture re-translates its tables then)
         self.layer_caches: dict[int, LayerCache] = {}
         self.stats = {"compactions": 0, "moved_bytes": 0}
-        self.padding: tuple[int | None, int | None] = (None, None)  # (page, slot) for padded rows
+        self.padding: tuple[int | None, int | None] = (None, None)  # (page, slot) handles for padded rows
         # with tensor parallelism, rank 0 records every byte move made outside a forward here, as
         # ("zero", start, nbytes) and ("copy", src_start, dst_start, nbytes), for the other ranks to replay
         self.op_log: list[tuple] | None = None
@@ -189,21 +183,24 @@ class CachePool:
                     len(self._live_slots) + num_slots)
 
     def allocate(self, num_pages: int, num_slots: int) -> Allocation:
-        """Hand out pages (highest free ids first) and zeroed slots (lowest first), compacting if needed.
+        """Hand out page handles (at the highest free positions) and zeroed slot handles (at the lowest),
+        compacting if needed; no handle held before changes.
 
         Raises :class:`OutOfCacheError` (nothing changed) when they do not fit even after compaction.
         """
-        relocation = self.make_room(num_pages, num_slots)
+        self.make_room(num_pages, num_slots)
         slots = [self._take_slot() for _ in range(num_slots)]
-        pages = [self._free_pages.pop() for _ in range(num_pages)]
-        for b in pages:
+        pages = []
+        for _ in range(num_pages):
+            b = self._free_pages.pop()
             self._live_pages.push(b)
-        return Allocation(pages, slots, relocation)
+            pages.append(self.pages.bind(b))
+        return Allocation(pages, slots)
 
     def reserve_padding(self) -> tuple[int | None, int | None]:
         """Take one KV page and one state slot (None where the layout has none) for the padded rows of
         captured decode steps, on a pool nothing else has allocated from yet. They are the highest page
-        and the lowest slot, which compaction never moves, so their ids stay valid for the pool's life."""
+        and the lowest slot, which compaction never moves (a capture translates them again anyway)."""
         if self._live_pages or self._live_slots:
             raise RuntimeError("padding is reserved before any allocation")
         got = self.allocate(1 if self.layout.has_kv else 0, 1 if self.layout.has_state else 0)
@@ -229,26 +226,24 @@ class CachePool:
         self.buffer[s * size:(s + 1) * size].zero_()
         if self.op_log is not None:
             self.op_log.append(("zero", s * size, size))
-        return s
+        return self.slots.bind(s)
 
     def free_pages(self, pages: list[int]) -> None:
-        """Return KV pages to the pool."""
-        for b in pages:
-            if b not in self._live_pages:
-                raise ValueError(f"KV page {b} is not allocated")
+        """Return KV pages (handles) to the pool."""
+        for handle in pages:
+            b = self.pages.unbind(handle)
             self._live_pages.remove(b)
             self._free_pages.push(b)
 
-    def free_slot(self, s: int) -> None:
-        """Return a state slot to the pool."""
-        if s not in self._live_slots:
-            raise ValueError(f"state slot {s} is not allocated")
+    def free_slot(self, handle: int) -> None:
+        """Return a state slot (handle) to the pool."""
+        s = self.slots.unbind(handle)
         self._live_slots.remove(s)
         self._free_slots.push(s)
 
     # ------------------------------------------------------------ compaction
-    def make_room(self, num_pages: int, num_slots: int) -> Relocation:
-        """Move as few live bytes as needed for the request to fit in place; return the moves.
+    def make_room(self, num_pages: int, num_slots: int) -> None:
+        """Move as few live bytes as needed for the request to fit in place (handles stay; ``epoch`` counts it).
 
         With ``S``/``P`` live slots/pages, the request fits in place when the state top after it,
         ``T = max(S + num_slots, top live slot + 1) * slot_bytes``, is at most the KV bottom after
@@ -259,9 +254,8 @@ class CachePool:
         item moves at most once: a slot lands below ``S`` and a page at or above ``T``, out of reach
         of later moves.
         """
-        relocation = Relocation()
         if self.fits_in_place(num_pages, num_slots):
-            return relocation
+            return
         if not self.can_allocate(num_pages, num_slots):
             raise OutOfCacheError(f"cannot allocate {num_pages} KV pages and {num_slots} state slots: "
                                   f"{self.used_bytes()} of {self.num_bytes} bytes are live")
@@ -269,7 +263,7 @@ class CachePool:
         dense_bottom = (self.num_pages - len(self._live_pages) - num_pages) * pb
         # 1. slots above the densest KV bottom must move: no page move can help them
         while (top_slot := self._live_slots.peek()) is not None and (top_slot + 1) * sb > dense_bottom:
-            self._move_slot(relocation)
+            self._move_slot()
         if not self.fits_in_place(num_pages, num_slots):
             # 2. the state top is in the KV region: lower it, or lift the pages below it
             top = self._state_top_slots(num_slots) * sb
@@ -281,14 +275,14 @@ class CachePool:
             slot_cost = sb * sum(1 for s in self._live_slots if (s + 1) * sb > bottom) if slots_ok else None
             if slot_cost is not None and slot_cost < page_cost:
                 while not self.fits_in_place(num_pages, num_slots):
-                    self._move_slot(relocation)
+                    self._move_slot()
             else:
                 while not self.fits_in_place(num_pages, num_slots):
-                    self._move_page(relocation)
+                    self._move_page()
         self.stats["compactions"] += 1
-        return relocation
+        self.epoch += 1
 
-    def _move_slot(self, relocation: Relocation) -> None:
+    def _move_slot(self) -> None:
         """Move the highest live slot into the lowest free slot (always below it)."""
         src, dst = self._live_slots.peek(), self._free_slots.peek()
         assert src is not None and dst is not None and dst < src
@@ -297,9 +291,9 @@ class CachePool:
         self._free_slots.push(src)
         self._free_slots.remove(dst)
         self._live_slots.push(dst)
-        relocation.slots[src] = dst
+        self.slots.move(src, dst)
 
-    def _move_page(self, relocation: Relocation) -> None:
+    def _move_page(self) -> None:
         """Move the lowest live page into the highest free page (always above it)."""
         src, dst = self._live_pages.peek(), self._free_pages.peek()
         assert src is not None and dst is not None and dst > src
@@ -308,15 +302,24 @@ class CachePool:
         self._free_pages.push(src)
         self._free_pages.remove(dst)
         self._live_pages.push(dst)
-        relocation.pages[src] = dst
+        self.pages.move(src, dst)
 
     def _copy(self, src: int, dst: int, size: int) -> None:
         """A compaction move: row ``src`` to row ``dst`` of ``size`` bytes, counted in ``moved_bytes``."""
         self.copy_row(src, dst, size)
         self.stats["moved_bytes"] += size
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy the KV page of handle ``src`` onto that of ``dst``."""
+        self.copy_row(self.pages.position(src), self.pages.position(dst), self.layout.page_bytes)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy the state slot of handle ``src`` onto that of ``dst``."""
+        self.copy_row(self.slots.position(src), self.slots.position(dst), self.layout.slot_bytes)
+
     def copy_row(self, src: int, dst: int, size: int) -> None:
-        """Copy page or slot ``src`` onto ``dst`` (``size``: page_bytes or slot_bytes): one memcpy in the buffer."""
+        """Copy the page or slot at position ``src`` onto position ``dst`` (``size``: page_bytes or slot_bytes):
+        one memcpy in the buffer."""
         self.buffer[dst * size:(dst + 1) * size].copy_(self.buffer[src * size:(src + 1) * size])
         if self.op_log is not None:
             self.op_log.append(("copy", src * size, dst * size, size))
@@ -358,6 +361,11 @@ class CachePool:
     def usage(self) -> float:
         """Fraction of the pool held by live pages and slots."""
         return self.used_bytes() / self.num_bytes if self.num_bytes else 0.0
+
+    def live_handles(self) -> tuple[set[int], set[int]]:
+        """The handles of every live (page, slot), the padding reservation included (for checks)."""
+        return ({self.pages.handle_at(b) for b in self._live_pages},
+                {self.slots.handle_at(s) for s in self._live_slots})
 
     def live_extents(self) -> list[tuple[int, int, str]]:
         """Byte ranges ``(start, end, kind)`` of everything live (for checks and inspection)."""

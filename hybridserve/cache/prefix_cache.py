@@ -52,30 +52,25 @@ docs/data_parallel.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hybridserve.cache.kv_events import KVEventRecorder
+from hybridserve.cache.page_ledger import PageLedger
 from hybridserve.cache.prefix_eviction import PrefixEviction
 from hybridserve.cache.prefix_hit import PrefixHit, PrefixStats
 from hybridserve.cache.prefix_index import PageNode, PrefixIndex, Snapshot
-from hybridserve.cache.prefix_owner import PrefixCacheOwner
 from hybridserve.cache.prefix_sharing import follower_branch_points
 from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
-
-if TYPE_CHECKING:
-    from hybridserve.cache.pool import Relocation
 
 __all__ = ["PrefixCache", "PrefixHit", "PrefixStats"]
 
 
 class PrefixCache(PrefixEviction):
-    """The prefix index over one pool: lookups, indexing, snapshots, eviction (:class:`PrefixEviction`) and
-    compaction moves. ``manager`` is the owner of the pool's pages and slots (the ``CacheManager``), reached
-    only through :class:`~hybridserve.cache.prefix_owner.PrefixCacheOwner`."""
+    """The prefix index over one pool: lookups, indexing, snapshots and eviction (:class:`PrefixEviction`).
+    Its pages are counted in ``ledger``, the one the sequences' ``CacheManager`` counts theirs in; every page
+    and slot here is a handle, which no compaction changes."""
 
-    def __init__(self, manager: PrefixCacheOwner, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
-        self.manager = manager
-        layout = manager.pool.layout
+    def __init__(self, ledger: PageLedger, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL) -> None:
+        self.ledger = ledger
+        layout = ledger.pool.layout
         self.block_size = layout.block_size
         self.has_kv, self.has_state = layout.has_kv, layout.has_state
         self.window = layout.window  # the window page group's tokens, None without one
@@ -84,9 +79,7 @@ class PrefixCache(PrefixEviction):
         self.index = PrefixIndex(self.block_size)
         self.stats = PrefixStats()
         self._node_by_page: dict[int, PageNode] = {}
-        self._snapshot_by_slot: dict[int, Snapshot] = {}
         self._tails: dict[int, list[Snapshot]] = {}  # page -> snapshots holding it as their tail page
-        self._windows: dict[int, list[Snapshot]] = {}  # window-group page -> snapshots holding it
         #: the block events of the index's pages, for a router (None: not recorded; see enable_events)
         self.events: KVEventRecorder | None = None
 
@@ -159,22 +152,22 @@ class PrefixCache(PrefixEviction):
         self._move_cursor(seq, cursor, len(hit.shared))
 
     def hold(self, hit: PrefixHit) -> None:
-        """Keep the snapshots an attach of ``hit`` reads out of eviction while it makes room (an evicted KV tail's
-        page id would no longer follow a compaction); :meth:`let_go` ends it."""
-        for snapshot in hit.snapshots():
-            snapshot.pins += 1
+        """Keep the state snapshot an attach of ``hit`` copies out of eviction while it makes room (evicted, its
+        slot could be the very one the attach is handed); :meth:`let_go` ends it. (The KV pages it reads are
+        held by the attach's own references.)"""
+        if hit.snapshot is not None:
+            hit.snapshot.pins += 1
 
-    def let_go(self, hit: PrefixHit) -> None:
-        """An attach of ``hit`` ended, done or not: its snapshots are unpinned, and what it kept from eviction
-        meanwhile (also its pages' references) may be evictable again, while an eviction meanwhile may have
-        dropped it from the queue."""
-        for snapshot in hit.snapshots():
-            snapshot.pins -= 1
+    def let_go(self, hit: PrefixHit, tail_page: int | None) -> None:
+        """An attach of ``hit`` ended, done or not: its snapshot is unpinned, and what it kept from eviction
+        meanwhile (its pages' references, ``tail_page``'s too) may be evictable again, while an eviction
+        meanwhile may have dropped it from the queue."""
+        if hit.snapshot is not None:
+            hit.snapshot.pins -= 1
         for node in hit.shared:
             self._consider(node)
-        tail = hit.tail_page()
-        if tail is not None:
-            self.unheld([tail])  # the node holding it, if the page was filled and indexed since
+        if tail_page is not None:
+            self.unheld([tail_page])  # the node holding it, if the page was filled and indexed since
         for snapshot in hit.snapshots():
             self._consider(snapshot)
 
@@ -206,7 +199,7 @@ class PrefixCache(PrefixEviction):
                 page = seq.block_table[i] if self.has_kv else None
                 child = self.index.add_child(node, tokens, page)
                 if page is not None:
-                    self.manager.ref_page(page)
+                    self.ledger.ref(page)
                     self._node_by_page[page] = child
                 if self.events is not None:
                     self.events.stored(child)
@@ -261,12 +254,12 @@ class PrefixCache(PrefixEviction):
             return
         done = seq.num_computed_tokens
         value = done / (self.slot_bytes + self._window_blocks(done) * self.page_bytes)  # as value() will have it
-        if not self._evict_until(lambda: self.manager.pool.can_allocate(0, 1), below=value):
+        if not self._evict_until(lambda: self.ledger.can_allocate(0, 1), below=value):
             self.stats.snapshots_skipped += 1
             self._consider(node)  # a salt's root made for this snapshot alone is dropped again
             return
-        slot = self.manager.allocate_raw(0, 1).slots[0]  # compaction may move seq's slot: read it after
-        self.manager.copy_slot(seq.state_slot, slot)
+        slot = self.ledger.allocate(0, 1).slots[0]
+        self.ledger.copy_slot(seq.state_slot, slot)
         self._record(seq, slot)
 
     def _where(self, seq) -> tuple[PageNode | None, tuple[int, ...]]:
@@ -288,14 +281,12 @@ class PrefixCache(PrefixEviction):
             return None
         tail_page = seq.block_table[node.depth] if tail and self.has_kv else None
         if tail_page is not None:
-            self.manager.ref_page(tail_page)
+            self.ledger.ref(tail_page)
         snap = self.index.add_snapshot(node, tail, slot, tail_page)
         if tail_page is not None:
             self._tails.setdefault(tail_page, []).append(snap)
         if self.window is not None and slot is not None:
             self._hold_window(snap, seq)
-        if slot is not None:
-            self._snapshot_by_slot[slot] = snap
         if slot is not None:
             self.stats.snapshots_taken += 1
         self._consider(snap)
@@ -316,8 +307,7 @@ class PrefixCache(PrefixEviction):
         snap.window_pages = seq.window_table[first:-(-pos // bs)]
         for page in snap.window_pages:
             assert page >= 0, "a snapshot's window page was released"
-            self.manager.ref_page(page)
-            self._windows.setdefault(page, []).append(snap)
+            self.ledger.ref(page)
 
     def drop_all(self, seqs) -> None:
         """Give back everything the cache holds, whoever else holds it too (``seqs``: every sequence with a
@@ -328,46 +318,19 @@ class PrefixCache(PrefixEviction):
         for item in list(self.index.items()):
             if isinstance(item, Snapshot):
                 if item.slot is not None:
-                    self.manager.free_slot(item.slot)
+                    self.ledger.free_slot(item.slot)
                 if item.tail_page is not None:
-                    self.manager.unref_page(item.tail_page)
+                    self.ledger.unref(item.tail_page)
                 for page in item.window_pages:
-                    self.manager.unref_page(page)
+                    self.ledger.unref(page)
             elif item.page is not None:
-                self.manager.unref_page(item.page)
+                self.ledger.unref(item.page)
             item.removed = True
         self.index = PrefixIndex(self.block_size)
         if self.events is not None:
             self.events.cleared()
         self._node_by_page.clear()
-        self._snapshot_by_slot.clear()
         self._tails.clear()
-        self._windows.clear()
-
-    # ------------------------------------------------------------ compaction
-    def relocate(self, moves: "Relocation") -> None:
-        """Point cached pages and snapshots at their new ids after the pool moved them."""
-        if moves.pages:
-            nodes = {old: self._node_by_page.pop(old) for old in moves.pages if old in self._node_by_page}
-            tails = {old: self._tails.pop(old) for old in moves.pages if old in self._tails}
-            for old, node in nodes.items():
-                node.page = moves.pages[old]
-                self._node_by_page[node.page] = node
-            for old, snaps in tails.items():
-                new = moves.pages[old]
-                for snap in snaps:
-                    snap.tail_page = new
-                self._tails[new] = snaps
-            windows = {old: self._windows.pop(old) for old in moves.pages if old in self._windows}
-            for snap in {id(snap): snap for snaps in windows.values() for snap in snaps}.values():
-                snap.window_pages = [moves.pages.get(page, page) for page in snap.window_pages]  # once each
-            for old, snaps in windows.items():
-                self._windows[moves.pages[old]] = snaps
-        if moves.slots:
-            moved = {old: self._snapshot_by_slot.pop(old) for old in moves.slots if old in self._snapshot_by_slot}
-            for old, snap in moved.items():
-                snap.slot = moves.slots[old]
-                self._snapshot_by_slot[snap.slot] = snap
 
     # ----------------------------------------------------------------- stats
     @property

@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import Callable
 
 from hybridserve.cache.kv_events import KVEventRecorder
+from hybridserve.cache.page_ledger import PageLedger
 from hybridserve.cache.prefix_hit import PrefixStats
 from hybridserve.cache.prefix_index import PageNode, PrefixIndex, Snapshot
-from hybridserve.cache.prefix_owner import PrefixCacheOwner
 
 
 class PrefixEviction:
     """Eviction of cached pages and snapshots, lowest value first (a base of ``PrefixCache``, which sets the
     attributes declared here)."""
 
-    manager: PrefixCacheOwner
+    ledger: PageLedger
     index: PrefixIndex
     stats: PrefixStats
     events: KVEventRecorder | None
@@ -28,9 +28,7 @@ class PrefixEviction:
     page_bytes: int
     slot_bytes: int
     _node_by_page: dict[int, PageNode]
-    _snapshot_by_slot: dict[int, Snapshot]
     _tails: dict[int, list[Snapshot]]
-    _windows: dict[int, list[Snapshot]]
 
     def evictable(self, item: PageNode | Snapshot) -> bool:
         """Whether nothing but the cache holds ``item``."""
@@ -42,7 +40,7 @@ class PrefixEviction:
             return False
         if item.page is None:
             return True
-        return self.manager.page_refs[item.page] == 1 + len(self._tails.get(item.page, ()))
+        return self.ledger.count(item.page) == 1 + len(self._tails.get(item.page, ()))
 
     def value(self, item: PageNode | Snapshot) -> float:
         """Tokens of recompute ``item`` saves per byte, times (1 + its hits): lower is evicted first."""
@@ -71,7 +69,7 @@ class PrefixEviction:
 
     def evict_for(self, num_pages: int, num_slots: int) -> bool:
         """Evict cached items, lowest value first, until ``num_pages`` pages and ``num_slots`` slots fit."""
-        return self._evict_until(lambda: self.manager.pool.can_allocate(num_pages, num_slots))
+        return self._evict_until(lambda: self.ledger.can_allocate(num_pages, num_slots))
 
     def _evict_until(self, done: Callable[[], bool], below: float | None = None) -> bool:
         while not done():
@@ -85,8 +83,7 @@ class PrefixEviction:
         if isinstance(item, Snapshot):
             self.index.remove_snapshot(item)
             if item.slot is not None:
-                del self._snapshot_by_slot[item.slot]
-                self.manager.free_slot(item.slot)
+                self.ledger.free_slot(item.slot)
                 self.stats.evicted_snapshots += 1
             else:
                 self.stats.evicted_pages += 1
@@ -97,7 +94,7 @@ class PrefixEviction:
                 if not holders:
                     del self._tails[item.tail_page]
                 node = self._node_by_page.get(item.tail_page)
-                self.manager.unref_page(item.tail_page)
+                self.ledger.unref(item.tail_page)
                 if node is not None:
                     self._consider(node)
             self._consider(item.node)
@@ -107,7 +104,7 @@ class PrefixEviction:
             self.events.removed(item)
         if item.page is not None:
             del self._node_by_page[item.page]
-            self.manager.unref_page(item.page)
+            self.ledger.unref(item.page)
             self.stats.evicted_pages += 1
         assert item.parent is not None  # (remove_leaf takes no root)
         self._consider(item.parent)
@@ -125,9 +122,5 @@ class PrefixEviction:
 
     def _drop_window(self, snap: Snapshot) -> None:
         for page in snap.window_pages:
-            holders = self._windows[page]
-            holders.remove(snap)
-            if not holders:
-                del self._windows[page]
-            self.manager.unref_page(page)
+            self.ledger.unref(page)
         snap.window_pages = []

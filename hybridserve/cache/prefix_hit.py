@@ -19,7 +19,7 @@ class PrefixHit:
     num_tokens: int = 0  # tokens looked up
 
     def tail_page(self) -> int | None:
-        """The page to copy on write, read at attach time (compaction may have moved it)."""
+        """The page to copy on write (a handle), or None."""
         if self.tail is None:
             return None
         return self.tail.tail_page if isinstance(self.tail, Snapshot) else self.tail.page

@@ -24,7 +24,7 @@ class VerificationSlots(ABC):
 
     @abstractmethod
     def allocate_raw(self, pages: int, slots: int) -> Allocation:
-        """Pages and slots from the pool, compaction moves applied (``CacheManager``'s)."""
+        """Pages and slots from the pool, their pages counted (``CacheManager``'s)."""
 
     @abstractmethod
     def copy_slot(self, src: int, dst: int) -> None:

@@ -7,6 +7,11 @@ state slots, block tables, context lengths, KV write slots) and is recorded as a
 points the rest of its bucket at a reserved padding page and slot, and replays the bucket's graph:
 the kernel calls the eager forward makes, without the Python between them. A model whose forward
 runs anything but kernels is not captured; the reason names the operators, and it runs eagerly.
+
+:meth:`CapturedDecode.run` takes page and slot handles (what sequences hold) and writes positions into the
+buffers, through the pool's handle maps (:mod:`hybridserve.cache.handle_map`): the write rows and state
+slots every step (a numpy gather), a block table when it changed or when the pool's ``epoch`` says a
+compaction moved something since it was written.
 """
 
 from __future__ import annotations
@@ -54,7 +59,10 @@ class CapturedDecode:
             raise ValueError(f"a captured step takes at most block_size={self.block_size} tokens per sequence, got {q}")
         self.has_kv, self.has_state = pool.layout.has_kv, pool.layout.has_state
         reserved = pool.padding != (None, None)
-        self.pad_page, self.pad_slot = pool.padding if reserved else pool.reserve_padding()
+        pad_page, pad_slot = pool.padding if reserved else pool.reserve_padding()
+        # positions of the padding (the highest page and the lowest slot, which compaction never moves)
+        self.pad_page = None if pad_page is None else pool.pages.position(pad_page)
+        self.pad_slot = None if pad_slot is None else pool.slots.position(pad_slot)
         width = -(-(max_model_len + q) // self.block_size) if self.has_kv else 1
         i64 = dict(dtype=torch.int64)
         self.input_ids = torch.zeros(max_rows * q, **i64)  # (rows * q,)
@@ -76,6 +84,7 @@ class CapturedDecode:
                      "window_block_tables", "window_slot_mapping")}
         self._tables_written: list[list[int] | None] = [None] * max_rows  # each row's block table as written
         self._window_written: list[list[int] | None] = [None] * max_rows  # each row's window table as written
+        self._epoch = pool.epoch  # the pool's epoch the written tables were translated at
         self._pool = pool
         self.graphs: dict[int, Graph] = {}
         self.arena: torch.Tensor | None = None
@@ -131,6 +140,11 @@ class CapturedDecode:
             raise ValueError(f"a captured step takes 1 to {self.max_rows} sequences, got {len(input_ids) / q:g} "
                              f"({q} tokens each)")
         np_ = self._np
+        pool = self._pool
+        if pool.epoch != self._epoch:  # a compaction moved pages since the tables were written: translate again
+            self._tables_written = [None] * self.max_rows
+            self._window_written = [None] * self.max_rows
+            self._epoch = pool.epoch
         t, pad_t = rows * q, size * q
         padded = size > rows
         np_["input_ids"][:t] = input_ids
@@ -142,34 +156,39 @@ class CapturedDecode:
         if self.has_kv:
             np_["seq_lens"][:rows] = seq_lens
             np_["seq_lens"][rows:size] = q
-            np_["slot_mapping"][:t] = slot_mapping
+            np_["slot_mapping"][:t] = pool.pages.kv_rows_np(slot_mapping, self.block_size)
             if padded:
                 np_["slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(block_tables, rows, size)
         if self.has_window:
             window_slots, window_tables = window
-            np_["window_slot_mapping"][:t] = window_slots
+            np_["window_slot_mapping"][:t] = pool.pages.kv_rows_np(window_slots, self.block_size)
             if padded:
                 np_["window_slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
             self._write_block_tables(window_tables, rows, size, "window_block_tables", self._window_written)
         if self.has_state:
-            np_["state_indices"][:rows] = state_slots
+            np_["state_indices"][:rows] = pool.slots.positions_np(state_slots)
             np_["state_indices"][rows:size] = self.pad_slot
         return self.graphs[size].replay()[:t]
 
     def _write_block_tables(self, block_tables: list[list[int]], rows: int, size: int, name: str = "block_tables",
                             written: list[list[int] | None] | None = None) -> None:
-        """Rows [0, rows) get their sequences' tables (only those that changed since written: a table
-        grows a page every block_size tokens); padded rows [rows, size) the padding page. Entries past
-        a table's length are never read (the kernels stop at the context length), nor are a window
-        table's released ones (-1, written as the padding page)."""
+        """Rows [0, rows) get the page positions of their sequences' tables of handles (only those that
+        changed since written: a table grows a page every block_size tokens); padded rows [rows, size) the
+        padding page. Entries past a table's length are never read (the kernels stop at the context length),
+        nor are a window table's released ones (-1, written as the padding page)."""
         tables, written = self._np[name], self._tables_written if written is None else written
+        pages = self._pool.pages
         for r, table in enumerate(block_tables):
             if written[r] != table:
-                tables[r, :len(table)] = table
                 if table and table[0] < 0:  # released entries are a table's first ones
-                    row = tables[r, :len(table)]
-                    row[row < 0] = self.pad_page
+                    handles = np.asarray(table, dtype=np.int64)
+                    released = handles < 0
+                    row = np.asarray(pages.positions_np(np.where(released, 0, handles)))
+                    row[released] = self.pad_page
+                    tables[r, :len(table)] = row
+                else:
+                    tables[r, :len(table)] = pages.positions_np(table)
                 written[r] = list(table)
         pad = [self.pad_page]
         for r in range(rows, size):

@@ -1,4 +1,9 @@
-"""Builds each step's batch metadata and runs one batched forward for all scheduled sequences."""
+"""Builds each step's batch metadata and runs one batched forward for all scheduled sequences.
+
+Sequences hold page and slot handles (:mod:`hybridserve.cache.handle_map`); the batch a forward reads holds
+positions in the pool's views. The step is built in handles and translated here, with one gather each for
+the block tables, the KV write rows and the state slots (a captured step translates its own buffers).
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ class StepLogits:
     hidden: torch.Tensor | None = None  # (T, hidden) final hidden states of every row (valid until the next step)
     starts: list[int] = field(default_factory=list)  # per sequence of ``order``: its first row's position
     offsets: list[int] = field(default_factory=list)  # per sequence of ``order``: its first row in ``hidden``
+
+
+_HOST = torch.device("cpu")  # where the pool's handle maps live (cache/handle_map.py)
 
 
 def _int_tensor(values: list[int], device: torch.device) -> torch.Tensor:
@@ -76,11 +84,23 @@ class ModelRunner:
                 cu.append(cu[-1] + it.num_run)
             cu_seqlens = _int_tensor(cu, self.device)
         seq_lens = [it.seq.num_computed_tokens + it.num_run for it in items]
-        block_tables = table_tensor([it.seq.block_table for it in items], self.device) if self.has_kv else None
-        window_tables = table_tensor([it.seq.window_table for it in items], self.device) if self.has_window else None
-        state_indices = _int_tensor(_state_slots(items), self.device) if self.has_state else None
+        block_tables = self._tables([it.seq.block_table for it in items]) if self.has_kv else None
+        window_tables = self._tables([it.seq.window_table for it in items]) if self.has_window else None
+        state_indices = self._slots(_state_slots(items)) if self.has_state else None
         return SeqGroup(token_start, token_start + sum(it.num_run for it in items), cu_seqlens,
                         _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables, num_generated)
+
+    def _tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """(S, width) page positions of block tables of page handles (gathered on the host, then moved)."""
+        return self.pool.pages.positions(table_tensor(tables, _HOST)).to(self.device)
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        """(T,) KV rows in the pool's views of KV rows in handle space (``kv_slot`` of a block table)."""
+        return self.pool.pages.kv_rows(_int_tensor(rows, _HOST), self.block_size).to(self.device)
+
+    def _slots(self, slots: list) -> torch.Tensor:
+        """(S,) slot positions of state slot handles."""
+        return self.pool.slots.positions(_int_tensor(slots, _HOST)).to(self.device)
 
     def _replay(self, scheduled: list[ScheduledSeq]) -> StepLogits | None:
         """A decode-only step of sequences that sample now and want no prompt logprobs, replayed from
@@ -168,11 +188,11 @@ class ModelRunner:
             hidden = self._replay_groups(groups, order, input_ids, positions, slot_mapping, window_slots)
         else:  # prompt chunks, prompt logprobs, or more sequences than the captures take
             batch = ForwardBatch(
-                slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
+                slot_mapping=self._rows(slot_mapping) if self.has_kv else None,
                 decode=self._group(decodes, 0),
                 prefill=self._group(prefills, len(decodes), len(generated)),
                 caches=self.caches,
-                window_slot_mapping=_int_tensor(window_slots, self.device) if self.has_window else None,
+                window_slot_mapping=self._rows(window_slots) if self.has_window else None,
             )
             hidden = self.model(_int_tensor(input_ids, self.device), _int_tensor(positions, self.device), batch)
         sample_logits = self._logits_of(hidden, sample_rows)
@@ -255,12 +275,12 @@ class ModelRunner:
         else:
             n = len(seqs)
             group = SeqGroup(0, n, torch.arange(n + 1, dtype=torch.int64), _int_tensor(seq_lens, self.device),
-                             table_tensor([s.block_table for s in seqs], self.device) if self.has_kv else None,
-                             _int_tensor(slots, self.device) if self.has_state else None,
-                             table_tensor([s.window_table for s in seqs], self.device) if self.has_window else None)
-            batch = ForwardBatch(slot_mapping=_int_tensor(slot_mapping, self.device) if self.has_kv else None,
+                             self._tables([s.block_table for s in seqs]) if self.has_kv else None,
+                             self._slots(slots) if self.has_state else None,
+                             self._tables([s.window_table for s in seqs]) if self.has_window else None)
+            batch = ForwardBatch(slot_mapping=self._rows(slot_mapping) if self.has_kv else None,
                                  decode=group, prefill=None, caches=self.caches,
-                                 window_slot_mapping=_int_tensor(window[0], self.device) if window else None)
+                                 window_slot_mapping=self._rows(window[0]) if window else None)
             hidden = self.model(_int_tensor(token_ids, self.device), _int_tensor(positions, self.device), batch)
         return self.model.sampling_logits(hidden)
 

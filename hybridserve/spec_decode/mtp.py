@@ -107,7 +107,8 @@ class MTPDrafter:
 
     def _batch(self, seqs: list, slots: list[int], cu: list[int], seq_lens: list[int],
                decode: bool = False) -> ForwardBatch:
-        tables = table_tensor([s.block_table for s in seqs], torch.device("cpu"))  # (S, width)
+        pages = self.pool.pages  # handles -> positions in the pool's views
+        tables = pages.positions(table_tensor([s.block_table for s in seqs], torch.device("cpu")))  # (S, width)
         group = SeqGroup(0, cu[-1], _ints(cu), _ints(seq_lens), tables, None)
-        return ForwardBatch(slot_mapping=_ints(slots), decode=group if decode else None,
+        return ForwardBatch(slot_mapping=pages.kv_rows(_ints(slots), self.block_size), decode=group if decode else None,
                             prefill=None if decode else group, caches=self.pool.layer_caches)

@@ -1,8 +1,9 @@
 """Property tests of the both-ends pool: random interleavings of state and KV allocation and release.
 
 Invariants checked after every operation: live extents never overlap; what the owners hold is
-exactly what the pool has live (no leak, no double grant), and after compaction each owner finds
-its bytes at its items' new ids; a new slot starts at zero; typed views stay aligned, zero-copy
+exactly what the pool has live (no leak, no double grant), the handles an owner holds never change,
+and after compaction each owner finds its bytes where the pool's handle map says its items are now;
+a new slot starts at zero; typed views stay aligned, zero-copy
 views of the one buffer; an allocation is refused only when the total free bytes really cannot
 hold it (no stranded memory); usage returns to zero when everything is released.
 """
@@ -57,20 +58,20 @@ def _pattern(item: tuple) -> int:
 
 
 class Owners:
-    """The test's own record of who holds what, applying the pool's relocations like the manager."""
+    """The test's own record of who holds what: handles, never rewritten (the pool moves only its map)."""
 
     def __init__(self, pool: CachePool) -> None:
         self.pool = pool
-        self.pages: dict[int, list[int]] = {}  # owner -> page ids
-        self.slots: dict[int, int] = {}  # owner -> slot id
-        self.moved = False  # a compaction happened since the last full check
+        self.pages: dict[int, list[int]] = {}  # owner -> page handles
+        self.slots: dict[int, int] = {}  # owner -> slot handle
+        self.epoch = pool.epoch  # the pool's epoch at the last full check (it moves only with compaction)
 
-    def page_bytes(self, b: int) -> torch.Tensor:
-        pb = self.pool.layout.page_bytes
+    def page_bytes(self, handle: int) -> torch.Tensor:
+        pb, b = self.pool.layout.page_bytes, self.pool.pages.position(handle)
         return self.pool.buffer[b * pb:(b + 1) * pb]
 
-    def slot_bytes(self, s: int) -> torch.Tensor:
-        sb = self.pool.layout.slot_bytes
+    def slot_bytes(self, handle: int) -> torch.Tensor:
+        sb, s = self.pool.layout.slot_bytes, self.pool.slots.position(handle)
         return self.pool.buffer[s * sb:(s + 1) * sb]
 
     def allocate(self, owner: int, num_pages: int, num_slots: int) -> None:
@@ -84,14 +85,8 @@ class Owners:
             assert not feasible, "refused although the free bytes can hold it: memory stranded"
             return
         assert feasible
-        self.moved = self.moved or bool(got.relocation)
-        for old, new in got.relocation.pages.items():
-            for table in self.pages.values():
-                table[:] = [new if b == old else b for b in table]
-        for old, new in got.relocation.slots.items():
-            for o, s in self.slots.items():
-                if s == old:
-                    self.slots[o] = new
+        held = {h for t in self.pages.values() for h in t}
+        assert not held & set(got.pages) and not set(self.slots.values()) & set(got.slots), "a held handle reused"
         for s in got.slots:
             assert int(self.slot_bytes(s).count_nonzero()) == 0, "a new state slot must start at zero"
             self.slots[owner] = s
@@ -115,15 +110,17 @@ class Owners:
             assert end <= start, "live extents overlap"
         assert all(0 <= s and e <= pool.num_bytes for s, e, _ in extents)
         held_pages = sorted(b for t in self.pages.values() for b in t)
-        assert held_pages == sorted(b for s, e, k in extents if k == "kv" for b in [s // pool.layout.page_bytes])
-        assert sorted(self.slots.values()) == sorted(s // pool.layout.slot_bytes for s, e, k in extents
-                                                     if k == "state")
+        positions = sorted(pool.pages.position(b) for b in held_pages)  # where the held pages are now
+        assert positions == sorted(b for s, e, k in extents if k == "kv" for b in [s // pool.layout.page_bytes])
+        assert sorted(pool.slots.position(s) for s in self.slots.values()) == sorted(
+            s // pool.layout.slot_bytes for s, e, k in extents if k == "state")
+        assert pool.live_handles() == (set(held_pages), set(self.slots.values()))
         assert len(set(held_pages)) == len(held_pages)
         assert pool.used_bytes() == (len(held_pages) * pool.layout.page_bytes
                                      + len(self.slots) * pool.layout.slot_bytes)
-        if not (full or self.moved):
+        if not (full or pool.epoch != self.epoch):
             return
-        self.moved = False
+        self.epoch = pool.epoch
         for owner, table in self.pages.items():  # bytes follow their owner through compaction
             for i, b in enumerate(table):
                 assert bool((self.page_bytes(b) == _pattern(("page", owner, i))).all())
@@ -229,11 +226,13 @@ def _fill(pool: CachePool, seq: Sequence) -> dict:
     """Write a distinct byte into each of ``seq``'s pages and its slot; return what was written."""
     pb, sb = pool.layout.page_bytes, pool.layout.slot_bytes
     written = {}
-    for i, b in enumerate(seq.block_table):
+    for i, handle in enumerate(seq.block_table):
+        b = pool.pages.position(handle)
         pool.buffer[b * pb:(b + 1) * pb].fill_(10 + i)
         written[("page", i)] = 10 + i
     if seq.state_slot is not None:
-        pool.buffer[seq.state_slot * sb:(seq.state_slot + 1) * sb].fill_(7)
+        s = pool.slots.position(seq.state_slot)
+        pool.buffer[s * sb:(s + 1) * sb].fill_(7)
         written[("slot",)] = 7
     return written
 
@@ -242,10 +241,10 @@ def _check_bytes(pool: CachePool, seq: Sequence, written: dict) -> None:
     pb, sb = pool.layout.page_bytes, pool.layout.slot_bytes
     for key, value in written.items():
         if key[0] == "page":
-            b = seq.block_table[key[1]]
+            b = pool.pages.position(seq.block_table[key[1]])
             assert bool((pool.buffer[b * pb:(b + 1) * pb] == value).all()), "a page lost its bytes when moved"
         else:
-            s = seq.state_slot
+            s = pool.slots.position(seq.state_slot)
             assert bool((pool.buffer[s * sb:(s + 1) * sb] == value).all()), "a slot lost its bytes when moved"
 
 
@@ -258,7 +257,7 @@ def test_stranded_state_top_is_compacted_for_kv():
     for s in seqs:
         assert manager.grant(s, 1)  # 9 slots from the bottom, 9 pages from the top
     survivor = seqs[-1]
-    assert survivor.state_slot == 8
+    assert survivor.state_slot == 8 and pool.slots.position(8) == 8  # the map is the identity before a compaction
     written = _fill(pool, survivor)
     for s in seqs[:-1]:
         manager.release(s)
@@ -269,7 +268,8 @@ def test_stranded_state_top_is_compacted_for_kv():
     newcomer = _seq(99)
     assert manager.grant(newcomer, n * layout.block_size)
     assert len(newcomer.block_table) == n
-    assert survivor.state_slot == 0 and newcomer.state_slot == 1
+    assert survivor.state_slot == 8 and pool.slots.position(8) == 0  # its handle stays; the pool moved its bytes
+    assert pool.slots.position(newcomer.state_slot) == 1 and pool.epoch == 1
     _check_bytes(pool, survivor, written)
     assert pool.stats["compactions"] == 1 and pool.stats["moved_bytes"] == layout.slot_bytes  # one slot moved
     manager.release(newcomer)

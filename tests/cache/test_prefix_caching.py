@@ -280,10 +280,10 @@ def test_a_hit_that_does_not_fit_leaves_its_snapshot_evictable(ckpt_dir):
     assert_drained(engine)
 
 
-def test_an_attach_keeps_the_kv_tail_it_copies_out_of_eviction(ckpt_dir, monkeypatch):
+def test_an_attach_holds_the_kv_tail_it_copies_while_it_makes_room(ckpt_dir, monkeypatch):
     """Without recurrent state a hit's partly used page is held by a KV-only snapshot. While the attach makes
-    room, that snapshot is pinned: evicting it would unlink its page id from the index, which a compaction
-    then no longer updates, and the attach would copy and release a stale id."""
+    room, it holds that page by a reference of its own (the snapshot itself may be evicted meanwhile: the page
+    handle it copies from stays valid whatever the pool moves), and lets go of it afterwards."""
     llm = LLM(make(ckpt_dir, "llama"), cache_memory="64KiB", block_size=8, enable_progress_bar=False)
     engine = llm.engine
     prompt = list(range(3, 15))  # 12 tokens: page 0 indexed, the last 4 in a KV tail
@@ -294,7 +294,7 @@ def test_an_attach_keeps_the_kv_tail_it_copies_out_of_eviction(ckpt_dir, monkeyp
 
     def watched(num_pages, num_slots):
         tails = [snap for snaps in cache.prefix._tails.values() for snap in snaps]
-        seen.append([(snap.slot, cache.prefix.evictable(snap)) for snap in tails])
+        seen.append([(snap.slot, cache.page_refs[snap.tail_page]) for snap in tails])
         return make_room(num_pages, num_slots)
 
     monkeypatch.setattr(cache, "make_room", watched)
@@ -303,7 +303,7 @@ def test_an_attach_keeps_the_kv_tail_it_copies_out_of_eviction(ckpt_dir, monkeyp
         engine.step()
         check_cache_invariants(engine)
     assert engine.prefix_cache_stats()["hits"] == 12
-    assert seen[0] == [(None, False)]  # the attach's first room: the KV tail it resumes from is held
+    assert seen[0] == [(None, 2)]  # the attach's first room: the KV tail's page is the snapshot's and the attach's
     monkeypatch.undo()
     assert_drained(engine)
 
