@@ -207,7 +207,6 @@ KERNEL_IMPORTERS_ALLOWED = {
     "layers.mlstm": "not yet moved to an op entry (issue 34 part 4)",
     "layers.mla": "not yet moved to an op entry (issue 34 part 4)",
     "models.minimax": "not yet moved to an op entry (issue 34 part 4)",
-    "models.lfm2": "not yet moved to an op entry (issue 34 part 4)",
     "models.nemotron_h": "its router's two bodies are not yet an op entry (issue 34 part 4)",
     "models.jamba": "its router's two bodies are not yet an op entry (issue 34 part 4)",
     "models.qwen3_next": "its MoE block's two bodies are not yet an op entry (issue 34 part 4)",
