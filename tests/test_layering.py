@@ -203,7 +203,6 @@ KERNEL_IMPORTERS_ALLOWED = {
     "layers.rotary": "not yet moved to an op entry (issue 34 part 4)",
     "layers.embedding": "not yet moved to an op entry (issue 34 part 4)",
     "layers.mamba1": "not yet moved to an op entry (issue 34 part 4)",
-    "layers.mlstm": "not yet moved to an op entry (issue 34 part 4)",
     "layers.mla": "not yet moved to an op entry (issue 34 part 4)",
     "models.minimax": "not yet moved to an op entry (issue 34 part 4)",
     "models.nemotron_h": "its router's two bodies are not yet an op entry (issue 34 part 4)",
