@@ -202,7 +202,6 @@ KERNEL_IMPORTERS_ALLOWED = {
     "layers.norms": "not yet moved to an op entry (issue 34 part 4)",
     "layers.rotary": "not yet moved to an op entry (issue 34 part 4)",
     "layers.embedding": "not yet moved to an op entry (issue 34 part 4)",
-    "layers.mla": "not yet moved to an op entry (issue 34 part 4)",
     "models.minimax": "its router's two bodies are not yet an op entry (issue 34 part 4)",
     "models.nemotron_h": "its router's two bodies are not yet an op entry (issue 34 part 4)",
     "models.jamba": "its router's two bodies are not yet an op entry (issue 34 part 4)",
