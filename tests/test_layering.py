@@ -190,3 +190,46 @@ def test_each_architecture_is_named_in_its_model_file_and_the_registry_only():
     spread = {name: files for name in names if len(files := sorted(p for p, t in texts.items() if name in t)) > 2}
     assert spread == {}, ("an architecture class is named outside its model file and models/registry.py (import "
                           f"a base class under a family name instead): {spread}")
+
+
+#: layers/ and models/ call op entries (hybridserve/ops) and never import kernels/ themselves; the modules that
+#: still do, each with its reason (remove an entry once its module no longer imports kernels/)
+KERNEL_IMPORTERS_ALLOWED = {
+    "layers.moe": "its kernel is being changed in another branch; its op entry comes after",
+    "layers.packed_linear": "it packs weights into the kernels' own formats (a layer that owns a kernel layout)",
+    "layers.linear_w8": "the int8 linear's weight format is the kernel's (packed with layers.packed_linear)",
+    "layers.mlp": "not yet moved to an op entry (issue 34 part 4)",
+    "layers.norms": "not yet moved to an op entry (issue 34 part 4)",
+    "layers.rotary": "not yet moved to an op entry (issue 34 part 4)",
+    "layers.embedding": "not yet moved to an op entry (issue 34 part 4)",
+    "models.minimax": "its router's two bodies are not yet an op entry (issue 34 part 4)",
+    "models.nemotron_h": "its router's two bodies are not yet an op entry (issue 34 part 4)",
+    "models.jamba": "its router's two bodies are not yet an op entry (issue 34 part 4)",
+    "models.qwen3_next": "its MoE block's two bodies are not yet an op entry (issue 34 part 4)",
+    "models.granitemoehybrid": "its router's two bodies are not yet an op entry (issue 34 part 4)",
+    "models.lfm2_moe": "its router's two bodies are not yet an op entry (issue 34 part 4)",
+}
+
+
+def kernel_importers(packages: tuple[str, ...] = ("layers", "models")) -> set[str]:
+    """The modules of ``packages`` that import ``hybridserve.kernels`` anywhere (in functions too)."""
+    found = set()
+    for package in packages:
+        for path in (PACKAGE / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "hybridserve.kernels" or n.startswith("hybridserve.kernels.") for n in names) or (
+                        isinstance(node, ast.ImportFrom) and node.level and (node.module or "").startswith("kernels")):
+                    found.add(module_name(path).removeprefix("hybridserve."))
+    return found
+
+
+def test_layers_and_models_reach_the_kernels_through_op_entries_only():
+    importers = kernel_importers()
+    assert "layers.moe" in importers  # the imports are read at all
+    assert importers <= set(KERNEL_IMPORTERS_ALLOWED), (
+        f"{sorted(importers - set(KERNEL_IMPORTERS_ALLOWED))} import hybridserve.kernels: call an op entry "
+        "(hybridserve/ops, its kernel body chosen in ops/dispatch.py) instead")
+    stale = set(KERNEL_IMPORTERS_ALLOWED) - importers
+    assert not stale, f"{sorted(stale)} no longer import hybridserve.kernels: remove them from the list"

@@ -6,15 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.state_shapes import gated_delta_net_conv_dim, gated_delta_net_spec
-from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.dispatch import call
-from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
+from hybridserve.ops.gated_delta_net_mixer import gated_delta_net_mix
 
 
 class NormThenGateRMSNorm(nn.Module):
@@ -94,95 +89,9 @@ class GatedDeltaNet(nn.Module):
         self.spec = gated_delta_net_spec(layer_index, dtypes, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
                                          head_k_dim=head_k_dim, head_v_dim=head_v_dim, conv_kernel=conv_kernel)
 
-    def _project(self, x: torch.Tensor):
-        """x: (T, hidden) -> mixed qkv (T, conv_dim), z (T, Hv, Dv), b, a (T, Hv)."""
-        t = x.shape[0]
-        Hk, Dk, Dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
-        R = self.num_v_heads // Hk
-        qkvz = self.in_proj_qkvz(x).view(t, Hk, 2 * Dk + 2 * R * Dv)  # grouped per key head
-        q, k, v, z = torch.split(qkvz, [Dk, Dk, R * Dv, R * Dv], dim=-1)
-        b, a = torch.split(self.in_proj_ba(x).view(t, Hk, 2 * R), [R, R], dim=-1)
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # (T, conv_dim)
-        return (mixed, z.reshape(t, self.num_v_heads, Dv), b.reshape(t, self.num_v_heads),
-                a.reshape(t, self.num_v_heads))
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
-        conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
-        return call("gated_delta_net", lambda: self._forward_kernels(x, batch, conv_states, rec_states),
-                    lambda: self._forward_plain(x, batch, conv_states, rec_states), x, rec_states)
-
-    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
-                       rec_states: torch.Tensor) -> torch.Tensor:
-        """The PyTorch body."""
-        t = x.shape[0]
-        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        mixed, z, b, a = self._project(x)
-        beta = b.float().sigmoid()  # (T, Hv)
-        if self.beta_scale != 1.0:
-            beta = beta * self.beta_scale
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (T, Hv) log decay
-        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
-        out = torch.empty(t, Hv, Dv, dtype=torch.float32, device=x.device)  # (T, Hv, Dv)
-
-        def split(conv_out: torch.Tensor):
-            n = conv_out.shape[0]
-            q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            return q.reshape(n, Hk, Dk), k.reshape(n, Hk, Dk), v.reshape(n, Hv, Dv)
-
-        if batch.decode is not None:
-            grp = batch.decode
-            conv_out = causal_conv1d_update(mixed[grp.tokens], conv_states, weight, self.conv1d.bias,
-                                            grp.state_indices, self.activation)  # (B, conv_dim)
-            q, k, v = split(conv_out)
-            out[grp.tokens] = gated_delta_rule_update(rec_states, q, k, v, g[grp.tokens], beta[grp.tokens],
-                                                      grp.state_indices, use_qk_l2norm=True)
-        if batch.prefill is not None:
-            grp = batch.prefill
-            idx = grp.state_indices
-            conv_out, conv_final = causal_conv1d_varlen(mixed[grp.tokens], weight, self.conv1d.bias,
-                                                        grp.cu_seqlens_q, read_slots(conv_states, idx),
-                                                        self.activation)
-            write_slots(conv_states, idx, conv_final)
-            q, k, v = split(conv_out)
-            out_p, rec_final = gated_delta_rule_varlen(q, k, v, g[grp.tokens], beta[grp.tokens], grp.cu_seqlens_q,
-                                                       read_slots(rec_states, idx), use_qk_l2norm=True,
-                                                       chunk_size=self.chunk_size)
-            write_slots(rec_states, idx, rec_final)
-            out[grp.tokens] = out_p
-        y = self.norm(out.to(x.dtype).reshape(t * Hv, Dv), z.reshape(t * Hv, Dv))  # (T*Hv, Dv)
-        return self.out_proj(y.reshape(t, Hv * Dv))
-
-    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
-                         rec_states: torch.Tensor) -> torch.Tensor | None:
-        """The CPU-kernel path: the projections split into the conv input and z, the conv, the gated
-        delta rule per group into (T, Hv Dv) in x's dtype, the gated norm, out_proj; None when declined
-        before any state changed."""
-        t, Hk, Hv, Dk, Dv = x.shape[0], self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
-        key = (self.conv1d.weight.data_ptr(), self.A_log.data_ptr(), self.dt_bias.data_ptr())
-        if getattr(self, "_kernel_key", None) != key:  # float32 parameters the kernels take, made once
-            self._kernel_params = (recurrent_kernels.tap_major(self.conv1d.weight),
-                                   self.A_log.detach().float().contiguous(), self.dt_bias.detach().float().contiguous())
-            self._kernel_key = key
-        conv_w, A_log, dt_bias = self._kernel_params
-        split = recurrent_kernels.gdn_split(self.in_proj_qkvz(x), Hk, Dk, (Hv // Hk) * Dv)
-        if split is None or not recurrent_kernels.conv_supported(conv_states, conv_w, None, x.dtype, self.activation):
-            return None
-        mixed, z = split  # (T, conv_dim), (T, Hv Dv)
-        ba = self.in_proj_ba(x)  # (T, 2 Hv), per key head [b | a]
-        out = torch.empty(t, Hv * Dv, dtype=x.dtype)
-        for i, g in enumerate(batch.groups):
-            conv_out = recurrent_kernels.causal_conv1d(mixed[g.tokens], conv_states, conv_w, None, g.cu_seqlens_q,
-                                                       g.state_indices, self.activation)
-            if conv_out is None or not recurrent_kernels.gated_delta_rule(
-                    rec_states, conv_out, ba[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q, g.state_indices,
-                    out[g.tokens], Hk, self.beta_scale):
-                if i == 0 and conv_out is None:
-                    return None
-                raise RuntimeError("a gated delta net kernel declined after another ran")
-        y = pointwise_kernels.norm_then_gate(out.view(t * Hv, Dv), self.norm.weight, self.norm.eps,
-                                             z.view(t * Hv, Dv))
-        if y is None:
-            raise RuntimeError("the gated norm kernel declined after the recurrence ran")
-        return self.out_proj(y.view(t, Hv * Dv))
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)  # grouped per key head: [q|k|v|z], [b|a]
+        y = gated_delta_net_mix(self, qkvz, ba, batch, cache.state["conv"], cache.state["recurrent"], x.dtype)
+        return self.out_proj(y)  # (T, hidden)

@@ -11,14 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.state_shapes import kda_spec
-from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.dispatch import call
-from hybridserve.ops.kda import kda_update, kda_varlen
+from hybridserve.ops.kda_mixer import kda_mix
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -51,8 +47,16 @@ class KimiForgetGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) -> g (T, H, Dk) float32, <= 0."""
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()  # (T, H Dk)
-        f = f.view(x.shape[0], self.num_heads, self.head_dim)
+        return self.decay(self.project(x))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, hidden) -> the raw forget projection (T, H Dk)."""
+        return self.f_b_proj(self.f_a_proj(x))
+
+    def decay(self, f: torch.Tensor) -> torch.Tensor:
+        """The raw forget projection (T, H Dk) -> g (T, H, Dk) float32, <= 0."""
+        f = f.float() + self.dt_bias.float()  # (T, H Dk)
+        f = f.view(f.shape[0], self.num_heads, self.head_dim)
         return -self.A_log.float().view(self.num_heads, 1).exp() * F.softplus(f)  # softplus(y) = y past 20, as HF
 
 
@@ -88,86 +92,9 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         cache = batch.caches[self.layer_index]
-        conv_states, rec_states = cache.state["conv"], cache.state["recurrent"]
-        return call("kda", lambda: self._forward_kernels(x, batch, conv_states, rec_states),
-                    lambda: self._forward_plain(x, batch, conv_states, rec_states), x, rec_states)
-
-    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
-                       rec_states: torch.Tensor) -> torch.Tensor:
-        """The PyTorch body."""
-        t, H, D = x.shape[0], self.num_heads, self.head_dim
-        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # (T, 3 H D)
-        g = self.forget_gate(x)  # (T, H, D) float32
-        beta = self.b_proj(x).float().sigmoid()  # (T, H)
-        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
-        out = torch.empty(t, H, D, dtype=torch.float32, device=x.device)  # (T, H, Dv)
-
-        def split(conv_out: torch.Tensor):
-            n = conv_out.shape[0]
-            return [part.reshape(n, H, D) for part in torch.split(conv_out, self.qkv_dim, dim=-1)]
-
-        if batch.decode is not None:
-            grp = batch.decode
-            conv_out = causal_conv1d_update(mixed[grp.tokens], conv_states, weight, None, grp.state_indices,
-                                            self.activation)  # (B, conv_dim)
-            q, k, v = split(conv_out)
-            out[grp.tokens] = kda_update(rec_states, q, k, v, g[grp.tokens], beta[grp.tokens], grp.state_indices,
-                                         use_qk_l2norm=True)
-        if batch.prefill is not None:
-            grp = batch.prefill
-            idx = grp.state_indices
-            conv_out, conv_final = causal_conv1d_varlen(mixed[grp.tokens], weight, None, grp.cu_seqlens_q,
-                                                        read_slots(conv_states, idx), self.activation)
-            write_slots(conv_states, idx, conv_final)
-            q, k, v = split(conv_out)
-            out_p, rec_final = kda_varlen(q, k, v, g[grp.tokens], beta[grp.tokens], grp.cu_seqlens_q,
-                                          read_slots(rec_states, idx), use_qk_l2norm=True,
-                                          chunk_size=self.chunk_size)
-            write_slots(rec_states, idx, rec_final)
-            out[grp.tokens] = out_p
-        gate = self.g_b_proj(self.g_a_proj(x))  # (T, H D)
-        y = self.o_norm(out.to(x.dtype).reshape(t * H, D), gate.reshape(t * H, D))  # (T H, D)
-        return self.o_proj(y.reshape(t, H * D))
-
-    def _kernel_params(self) -> tuple:
-        """The float32 parameters the kernels take, made once per weight: the conv weight of q, k and v
-        apart, tap-major (K, H D) each; A_log (H,); dt_bias (H D,); the norm weight (D,)."""
-        fg = self.forget_gate
-        key = (self.conv1d.weight.data_ptr(), fg.A_log.data_ptr(), fg.dt_bias.data_ptr(), self.o_norm.weight.data_ptr())
-        if getattr(self, "_kernel_key", None) != key:
-            n = self.qkv_dim
-            convs = tuple(recurrent_kernels.tap_major(self.conv1d.weight[i * n:(i + 1) * n]) for i in range(3))
-            self._kernel_tensors = (convs, fg.A_log.detach().float().reshape(-1).contiguous(),
-                                    fg.dt_bias.detach().float().contiguous(),
-                                    self.o_norm.weight.detach().float().contiguous())
-            self._kernel_key = key
-        return self._kernel_tensors
-
-    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
-                         rec_states: torch.Tensor) -> torch.Tensor | None:
-        """The CPU-kernel path: the projections, the conv of q, k and v (each over its own channels of
-        the conv state), the KDA recurrence with the sigmoid-gated norm per group into (T, H D) in x's
-        dtype (``recurrent_kernels.kda``), o_proj; None when declined before any state changed."""
-        convs, A_log, dt_bias, norm_w = self._kernel_params()
-        n = self.qkv_dim
-        conv_parts = [conv_states[:, i * n:(i + 1) * n] for i in range(3)]  # (slots, H D, K-1) each
-        if not all(recurrent_kernels.conv_supported(st, w, None, x.dtype, self.activation)
-                   for st, w in zip(conv_parts, convs)):
-            return None
-        t = x.shape[0]
-        projected = (self.q_proj(x), self.k_proj(x), self.v_proj(x))  # (T, H D) each
-        f = self.forget_gate.f_b_proj(self.forget_gate.f_a_proj(x))  # (T, H D) raw forget projection
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (T, H D) each
+        f = self.forget_gate.project(x)  # (T, H D) raw forget projection
         b = self.b_proj(x)  # (T, H) raw beta projection
         gate = self.g_b_proj(self.g_a_proj(x))  # (T, H D)
-        out = torch.empty(t, n, dtype=x.dtype)  # (T, H D)
-        for i, g in enumerate(batch.groups):
-            q, k, v = (recurrent_kernels.causal_conv1d(p[g.tokens], st, w, None, g.cu_seqlens_q, g.state_indices,
-                                                       self.activation)
-                       for p, st, w in zip(projected, conv_parts, convs))
-            if i == 0 and q is None:
-                return None
-            if (q is None or k is None or v is None or not recurrent_kernels.kda(
-                    rec_states, q, k, v, f[g.tokens], b[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q,
-                    g.state_indices, out[g.tokens], gate[g.tokens], norm_w, self.o_norm.eps)):
-                raise RuntimeError("a Kimi delta attention kernel declined after another ran")
-        return self.o_proj(out)
+        y = kda_mix(self, q, k, v, f, b, gate, batch, cache.state["conv"], cache.state["recurrent"], x.dtype)
+        return self.o_proj(y)  # (T, hidden)

@@ -5,17 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.norms import GatedRMSNorm
 from hybridserve.layers.state_shapes import mamba2_conv_dim, mamba2_spec
-from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.dispatch import call
 from hybridserve.ops.elementwise import scale
-from hybridserve.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
+from hybridserve.ops.gated_norm import gate_and_norm
+from hybridserve.ops.mamba2_mixer import mamba2_conv_scan
 
 
 class Mamba2Mixer(nn.Module):
@@ -108,93 +104,12 @@ class Mamba2Mixer(nn.Module):
         else:
             decode_rule = decode
         dt_limit = self.decode_time_step_limit if decode_rule else self.time_step_limit
-        args = (g, xbc, dt, y, conv_states, ssm_states, decode, dt_limit)
-        call("mamba2_conv_scan", lambda: self._scan_kernels(*args), lambda: self._scan_plain(*args), xbc, ssm_states)
-
-    def _scan_kernels(self, g, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, conv_states: torch.Tensor,
-                      ssm_states: torch.Tensor, decode: bool, dt_limit: tuple[float, float]) -> bool:
-        """The CPU-kernel body of :meth:`_scan_group`; False when declined before any state changed."""
-        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
-        n, idx = g.num_tokens, g.state_indices
-        if not recurrent_kernels.scan_state_supported(ssm_states, xbc.dtype):
-            return False
-        conv_w, conv_b, A32, D32, dt_bias32 = self._kernel_params()
-        conv_out = recurrent_kernels.causal_conv1d(xbc[g.tokens], conv_states, conv_w, conv_b, g.cu_seqlens_q, idx,
-                                                   self.activation)  # (n, conv_dim)
-        if conv_out is None:
-            return False
-        xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
-        if recurrent_kernels.mamba2_scan(ssm_states, xs, dt[g.tokens], A32, B, C, D32, dt_bias32, True,
-                                         dt_limit, g.cu_seqlens_q, idx, y[g.tokens].view(n, H * P)):
-            return True
-        # the state was checked above and the other arguments are built here: a decline is a bug
-        raise RuntimeError("the CPU conv kernel ran but the scan kernel declined the same group")
-
-    def _scan_plain(self, g, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, conv_states: torch.Tensor,
-                    ssm_states: torch.Tensor, decode: bool, dt_limit: tuple[float, float]) -> bool:
-        """The PyTorch body of :meth:`_scan_group` (``ops/causal_conv1d.py``, ``ops/ssd.py``)."""
-        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.d_state
-        n, idx = g.num_tokens, g.state_indices
-        weight = self.conv1d.weight.squeeze(1)  # (conv_dim, K)
-        A = -torch.exp(self.A_log.float())  # (H,)
-        if decode:
-            conv_out = causal_conv1d_update(xbc[g.tokens], conv_states, weight, self.conv1d.bias, idx,
-                                            self.activation)  # (n, conv_dim)
-            xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
-            y[g.tokens] = mamba2_state_update(
-                ssm_states, xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N),
-                self.D, self.dt_bias, True, dt_limit, idx)
-            return True
-        conv_out, conv_final = causal_conv1d_varlen(xbc[g.tokens], weight, self.conv1d.bias, g.cu_seqlens_q,
-                                                    read_slots(conv_states, idx), self.activation)
-        write_slots(conv_states, idx, conv_final)
-        xs, B, C = torch.split(conv_out, [self.intermediate, G * N, G * N], dim=-1)
-        y_p, ssm_final = mamba2_chunk_scan_varlen(
-            xs.reshape(n, H, P), dt[g.tokens], A, B.reshape(n, G, N), C.reshape(n, G, N), self.chunk_size,
-            self.D, self.dt_bias, True, dt_limit, g.cu_seqlens_q, read_slots(ssm_states, idx))
-        write_slots(ssm_states, idx, ssm_final)
-        y[g.tokens] = y_p
-        return True
-
-    def _kernel_params(self) -> tuple[torch.Tensor, ...]:
-        """The float32 parameters the CPU kernels take: conv weight (K, conv_dim) tap-major, conv bias or
-        None, A = -exp(A_log), D, dt_bias (each (H,)); cached, rebuilt when a parameter's storage changes."""
-        params = (self.conv1d.weight, self.conv1d.bias, self.A_log, self.D, self.dt_bias)
-        key = tuple(None if p is None else p.data_ptr() for p in params)
-        if getattr(self, "_kernel_params_key", None) != key:
-            bias = self.conv1d.bias
-            self._kernel_params_cache = (
-                recurrent_kernels.tap_major(self.conv1d.weight),  # (K, conv_dim)
-                None if bias is None else bias.detach().float().contiguous(),
-                -torch.exp(self.A_log.detach().float()), self.D.detach().float().contiguous(),
-                self.dt_bias.detach().float().contiguous())
-            self._kernel_params_key = key
-        return self._kernel_params_cache
+        mamba2_conv_scan(self, g, xbc, dt, y, conv_states, ssm_states, decode=decode, dt_limit=dt_limit)
 
     def _gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """y: (T, inter) float32 scan output, gate: (T, inter) -> (T, inter) in ``dtype``."""
-        return call("silu_gate" if self.norm is None else "gated_rms_norm",
-                    lambda: self._gate_and_norm_kernels(y, gate, dtype),
-                    lambda: self._gate_and_norm_plain(y, gate, dtype), y, gate)
-
-    def _gate_and_norm_kernels(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """The CPU-kernel body of :meth:`_gate_and_norm` (None: declined)."""
-        if gate.dtype != dtype:
-            return None
-        if self.norm is None:
-            return pointwise_kernels.silu_gate(y, gate)
-        return pointwise_kernels.gated_rms_norm(y, gate, self.norm.weight, self.norm.group_size, self.norm.eps,
-                                                self.norm_in_float32, self.norm_before_gate)
-
-    def _gate_and_norm_plain(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The PyTorch body of :meth:`_gate_and_norm`."""
-        if self.norm is None:
-            return (y * nn.functional.silu(gate)).to(dtype)
-        if self.norm_before_gate:
-            return (self.norm(y, None) * nn.functional.silu(gate.float())).to(dtype)
-        if self.norm_in_float32:
-            return self.norm(y, gate).to(dtype)
-        return self.norm(y.to(dtype), gate)
+        return gate_and_norm(y, gate, self.norm, dtype, norm_before_gate=self.norm_before_gate,
+                             norm_in_float32=self.norm_in_float32)
 
     def reset_buffers(self) -> None:
         """Recompute the in_proj segment scales (gate, x, B, C, dt) after meta construction."""

@@ -14,13 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.state_shapes import mlstm_spec
-from hybridserve.ops.dispatch import call
-from hybridserve.ops.mlstm import fit_max_state, mlstm_update, mlstm_varlen, soft_cap
+from hybridserve.ops.mlstm_mixer import mlstm_mix
 
 WEIGHT_MODES = ("single", "fused")
 
@@ -91,45 +88,5 @@ class MLSTMLayer(nn.Module):
         # (slots, H, Dk, Dv), (slots, H, Dk), (slots, H)
         states = (cache.state["C"], cache.state["n"], cache.state["m"])
         q, k, v, o, i, f = self._project(x)
-        y = call("mlstm", lambda: self._forward_kernels(q, k, v, o, i, f, batch, states),
-                 lambda: self._forward_plain(x, q, k, v, o, i, f, batch, states), x, states[0])  # (T, H*Dv)
+        y = mlstm_mix(self, q, k, v, o, i, f, batch, states, x.dtype)  # (T, H*Dv)
         return self.out_proj(y)
-
-    def _forward_plain(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[torch.Tensor, ...]
-                       ) -> torch.Tensor:
-        """The PyTorch body: the gated output (T, H*Dv) before the out projection."""
-        t, H, Dk, Dv = x.shape[0], self.num_heads, self.dk, self.dv
-        q, k, v = q.reshape(t, H, Dk), k.reshape(t, H, Dk), v.reshape(t, H, Dv)
-        i = soft_cap(i, self.gate_soft_cap).float()  # (T, H), capped in x's dtype as HF does
-        f = soft_cap(f, self.gate_soft_cap).float()
-        h = torch.empty(t, H, Dv, dtype=torch.float32, device=x.device)  # (T, H, Dv)
-        if batch.decode is not None:
-            g = batch.decode
-            h[g.tokens] = mlstm_update(states, q[g.tokens], k[g.tokens], v[g.tokens], i[g.tokens], f[g.tokens],
-                                       g.state_indices, eps=self.eps)
-        if batch.prefill is not None:
-            g = batch.prefill
-            idx = g.state_indices
-            h_p, final = mlstm_varlen(q[g.tokens], k[g.tokens], v[g.tokens], i[g.tokens], f[g.tokens],
-                                      g.cu_seqlens_q, tuple(read_slots(s, idx) for s in states), eps=self.eps,
-                                      chunk_size=self.chunk_size)
-            for s, value in zip(states, fit_max_state(*final, states[2].dtype)):
-                write_slots(s, idx, value)
-            h[g.tokens] = h_p
-        return torch.sigmoid(o) * self.multihead_norm(h.to(x.dtype))  # (T, H*Dv)
-
-    def _forward_kernels(self, q, k, v, o, i, f, batch: ForwardBatch, states) -> torch.Tensor | None:
-        """The CPU-kernel path: the soft caps, the cell, the multi-head norm and the output gate in one
-        kernel per group, into (T, v_dim) in the activation dtype; None when declined before any state
-        changed."""
-        y = torch.empty(q.shape[0], self.v_dim, dtype=q.dtype)  # (T, H*Dv)
-        norm = self.multihead_norm
-        for n, g in enumerate(batch.groups):
-            if not recurrent_kernels.mlstm(states, q[g.tokens], k[g.tokens], v[g.tokens], o[g.tokens], i[g.tokens],
-                                           f[g.tokens], self.gate_soft_cap, norm.weight, norm.bias, norm.eps,
-                                           self.eps, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
-                if n == 0:
-                    return None
-                raise RuntimeError("the mLSTM kernel declined a group after another ran")
-        return y

@@ -14,11 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
 from hybridserve.layers.mlp import ActAndMul
@@ -26,8 +23,7 @@ from hybridserve.layers.norms import RMSNorm
 from hybridserve.layers.rotary import RotaryEmbedding
 from hybridserve.layers.state_shapes import short_conv_spec
 from hybridserve.models.base import RopeDecoderLM
-from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.dispatch import call
+from hybridserve.ops.short_conv import gated_short_conv
 
 
 def head_dim_of(config: Any) -> int:
@@ -76,51 +72,7 @@ class Lfm2ShortConv(nn.Module):
         """x: (T, hidden) -> (T, hidden)."""
         conv_states = batch.caches[self.layer_index].state["conv"]  # (slots, hidden, K-1)
         b, c, h = self.in_proj(x).chunk(3, dim=-1)  # (T, hidden) each
-        return call("short_conv", lambda: self._forward_kernels(b, c, h, batch, conv_states),
-                    lambda: self._forward_plain(b, c, h, batch, conv_states), b, conv_states)
-
-    def _forward_plain(self, b: torch.Tensor, c: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
-                       conv_states: torch.Tensor) -> torch.Tensor:
-        """The PyTorch body."""
-        bx = b * h  # (T, hidden)
-        weight = self.conv.weight.squeeze(1)  # (hidden, K)
-        y = torch.empty_like(bx)  # (T, hidden)
-        if batch.decode is not None:
-            g = batch.decode
-            y[g.tokens] = causal_conv1d_update(bx[g.tokens], conv_states, weight, self.conv.bias,
-                                               g.state_indices, None)
-        if batch.prefill is not None:
-            g = batch.prefill
-            idx = g.state_indices
-            y_p, final = causal_conv1d_varlen(bx[g.tokens], weight, self.conv.bias, g.cu_seqlens_q,
-                                              read_slots(conv_states, idx), None)
-            write_slots(conv_states, idx, final)
-            y[g.tokens] = y_p
-        return self.out_proj(c * y)
-
-    def _forward_kernels(self, b: torch.Tensor, c: torch.Tensor, h: torch.Tensor, batch: ForwardBatch,
-                         conv_states: torch.Tensor) -> torch.Tensor | None:
-        """``out_proj(c * conv(b * h))`` on the CPU kernels, per sequence group; None when declined
-        before any state changed."""
-        bias = self.conv.bias
-        key = (self.conv.weight.data_ptr(), None if bias is None else bias.data_ptr())
-        if getattr(self, "_conv_key", None) != key:  # float32 tap-major weight and bias, made once
-            self._conv_params = (recurrent_kernels.tap_major(self.conv.weight),
-                                 None if bias is None else bias.detach().float().contiguous())
-            self._conv_key = key
-        weight_t, bias32 = self._conv_params
-        bx = pointwise_kernels.mul(b, h)  # (T, hidden)
-        if bx is None or not recurrent_kernels.conv_supported(conv_states, weight_t, bias32, bx.dtype, None):
-            return None
-        y = torch.empty_like(bx)  # (T, hidden)
-        for g in batch.groups:
-            if recurrent_kernels.causal_conv1d(bx[g.tokens], conv_states, weight_t, bias32, g.cu_seqlens_q,
-                                               g.state_indices, None, out=y[g.tokens]) is None:
-                raise RuntimeError("the short conv kernel declined a group after another ran")
-        out = pointwise_kernels.mul(c, y)
-        if out is None:
-            raise RuntimeError("the short conv's gate kernel declined after the conv ran")
-        return self.out_proj(out)
+        return self.out_proj(gated_short_conv(self.conv, b, c, h, batch, conv_states))
 
 
 class Lfm2DecoderLayer(nn.Module):

@@ -18,12 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import gemm
-from hybridserve.kernels import pointwise as pointwise_kernels
-from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.layers.activations import activation
 from hybridserve.layers.attention import Attention
 from hybridserve.layers.embedding import Embedding
@@ -34,7 +31,7 @@ from hybridserve.layers.state_shapes import linear_attention_spec
 from hybridserve.models.base import RopeDecoderLM
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.elementwise import scaled_sum
-from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
+from hybridserve.ops.lightning_attention import lightning_attention_mix
 
 LINEAR_KINDS = ("linear_attention",)
 DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -80,49 +77,8 @@ class LightningAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden)."""
         states = batch.caches[self.layer_index].state["kv_state"]  # (slots, H, D, D)
-        return call("linear_attention", lambda: self._forward_kernels(x, batch, states),
-                    lambda: self._forward_plain(x, batch, states), x, states)
-
-    def _forward_plain(self, x: torch.Tensor, batch: ForwardBatch, states: torch.Tensor) -> torch.Tensor:
-        """The PyTorch path (``ops/linear_attention.py``)."""
-        t, H, D = x.shape[0], self.num_heads, self.head_dim
-        qkv = self.act_fn(self.qkv_proj(x)).view(t, H, 3 * D)  # per head: [q | k | v]
-        q, k, v = torch.split(qkv, D, dim=-1)  # (T, H, D) each
-        y = torch.empty(t, H, D, dtype=torch.float32, device=x.device)  # (T, H, D)
-        if batch.decode is not None:
-            g = batch.decode
-            y[g.tokens] = linear_attention_update(states, q[g.tokens], k[g.tokens], v[g.tokens],
-                                                  self.slope_rate, g.state_indices)
-        if batch.prefill is not None:
-            g = batch.prefill
-            idx = g.state_indices
-            y_p, final = linear_attention_varlen(q[g.tokens], k[g.tokens], v[g.tokens], self.slope_rate,
-                                                 g.cu_seqlens_q, read_slots(states, idx), chunk_size=self.block_size)
-            write_slots(states, idx, final)
-            y[g.tokens] = y_p
-        y = self.norm(y.reshape(t, H * D).to(x.dtype))  # (T, H*D)
-        y = torch.sigmoid(self.output_gate(x)) * y
-        return self.out_proj(y)
-
-    def _forward_kernels(self, x: torch.Tensor, batch: ForwardBatch, states: torch.Tensor) -> torch.Tensor | None:
-        """The CPU-kernel path: silu(qkv_proj(x)), the decayed recurrence per group into y in x's dtype,
-        the norm, the sigmoid gate, out_proj; None when declined before any state changed."""
-        if self.act != "silu":
-            return None
-        qkv = pointwise_kernels.silu(self.qkv_proj(x))  # (T, H * 3D), per head [q | k | v]
-        if qkv is None:
-            return None
-        y = torch.empty(x.shape[0], self.num_heads * self.head_dim, dtype=x.dtype)  # (T, H*D)
-        for i, g in enumerate(batch.groups):
-            if not recurrent_kernels.linear_attention(states, qkv[g.tokens], self.num_heads, self.head_dim,
-                                                      self.slope_rate, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
-                if i == 0:
-                    return None
-                raise RuntimeError("the linear attention kernel declined a group after another ran")
-        gated = pointwise_kernels.sigmoid_mul(self.output_gate(x), self.norm(y))
-        if gated is None:
-            raise RuntimeError("the sigmoid gate kernel declined after the recurrence ran")
-        return self.out_proj(gated)
+        y = lightning_attention_mix(self, self.qkv_proj(x), self.output_gate(x), batch, states, x.dtype)
+        return self.out_proj(y)  # (T, hidden)
 
 
 class MiniMaxSparseMoeBlock(nn.Module):

@@ -532,7 +532,7 @@ def test_linear_attention_matches_ref(act_dtype, state_dtype):
 @pytest.mark.parametrize("act_dtype", DTYPES, ids=dtype_id)
 def test_gated_delta_rule_matches_ref(act_dtype, state_dtype, beta_scale):
     """Qwen3-Next: two value heads per key head, l2-normalized q/k, varlen, strided pool slots; the
-    projection split into the conv input and z as ``GatedDeltaNet._project`` does."""
+    projection split into the conv input and z as ``ops/gated_delta_net_mixer.py`` does."""
     from hybridserve.ops.gated_delta import gated_delta_rule_varlen_ref
 
     g = torch.Generator().manual_seed(10)
