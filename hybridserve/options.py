@@ -44,6 +44,13 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
                "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
 
 
+def named_entry(flag: str, name: str, table: dict[str, Any]) -> Any:
+    """``table[name]`` for the option ``flag``; a ValueError naming the value and listing the choices otherwise."""
+    if name not in table:
+        raise ValueError(f"{flag}={name!r} is not a known parser: choose one of {', '.join(sorted(table))}")
+    return table[name]
+
+
 def parse_size(value: int | str) -> int:
     """A byte count given as an int or a string such as "2GiB", "512MB" (``config.parse_size`` is this function)."""
     if isinstance(value, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hybridserve.options import named_entry
 from hybridserve.reasoning.think_tags import ReasoningSplit, ThinkTagReasoningParser
 
 #: ``--reasoning-parser`` name -> parser class (``qwen3`` and ``deepseek_r1``: vLLM's names for the same format)
@@ -13,8 +14,4 @@ __all__ = ["REASONING_PARSERS", "ReasoningSplit", "ThinkTagReasoningParser", "re
 
 def reasoning_parser(name: str) -> ThinkTagReasoningParser:
     """The parser called ``name``; ValueError listing the names and the flag otherwise."""
-    cls = REASONING_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"--reasoning-parser={name!r} is not a known parser: choose one of "
-                         f"{', '.join(sorted(REASONING_PARSERS))}")
-    return cls()
+    return named_entry("--reasoning-parser", name, REASONING_PARSERS)()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hybridserve.options import named_entry
 from hybridserve.tool_parsers.base import ParsedOutput, TagRenderer, ToolCallDraft, ToolCallParser, ToolSpec
 from hybridserve.tool_parsers.granite import GraniteToolParser
 from hybridserve.tool_parsers.hermes import HermesToolParser
@@ -15,8 +16,4 @@ __all__ = ["TOOL_PARSERS", "ParsedOutput", "TagRenderer", "ToolCallDraft", "Tool
 
 def tool_parser(name: str) -> ToolCallParser:
     """The parser called ``name``; ValueError listing the names and the flag otherwise."""
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"--tool-call-parser={name!r} is not a known parser: choose one of "
-                         f"{', '.join(sorted(TOOL_PARSERS))}")
-    return cls()
+    return named_entry("--tool-call-parser", name, TOOL_PARSERS)()
