@@ -1,0 +1,105 @@
+"""8-bit recurrent state: the codes, their row scales and seeded stochastic rounding (plain PyTorch).
+
+A temporal state tensor of shape ``(*rows, n)`` stored in 8 bits is two tensors: ``codes`` ``(*rows, n)`` in
+the code dtype (``int8`` or ``float8_e4m3fn``) and ``scale`` ``(*rows,)`` float32, one per state row (the last
+axis is the row). A value is ``codes.float() * scale``. Encoding a row picks ``scale = max|x| / code_max``
+(``code_max`` 127 for int8, 448 for e4m3; a row of zeros gets scale 0 and zero codes) and rounds ``x / scale``
+to the code grid stochastically: down or up with the probability that keeps the mean exact.
+
+The rounding noise is a counter-based hash, not a random generator, so a run is reproducible and independent of
+batch composition and slot placement: the uniform number for element ``e`` (flat index within one sequence's
+state tensor) of layer ``layer`` of a sequence with rounding key ``key`` (the request's seed, 0 when unset) whose
+state has absorbed ``position`` tokens is :func:`uniform_noise`. The CPU kernels compute the same hash, so the
+kernel and this reference agree code for code given the same float values.
+
+This module is the reference every 8-bit state path (plain bodies and C++ kernels) is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["CODE_DTYPES", "CODE_MAX", "code_dtype", "decode_rows", "encode_rows", "hash32", "row_keys",
+           "uniform_noise"]
+
+#: option name -> the torch dtype of the codes
+CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+#: the largest code magnitude of each code dtype
+CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+_MASK32 = 0xFFFFFFFF
+_FP8_E4M3_MIN_NORMAL_EXP = -6  # 2**-6, the smallest normal e4m3 magnitude
+_FP8_E4M3_MANTISSA_BITS = 3
+
+
+def code_dtype(name: str) -> torch.dtype | None:
+    """The code dtype of an 8-bit state option name (``"int8"``, ``"fp8_e4m3"``), None for a float dtype name."""
+    return CODE_DTYPES.get(name)
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xor-shift-multiply, two rounds) of int64 values taken mod 2**32; int64 out in
+    [0, 2**32). The C++ kernels compute it in uint32 arithmetic."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """The per-sequence base of the noise hash: keys (S,) int64 rounding keys, positions (S,) int64 tokens
+    absorbed after this update, layer the layer index -> (S,) int64 in [0, 2**32)."""
+    h = hash32(keys.to(torch.int64))
+    h = hash32(h ^ (positions.to(torch.int64) & _MASK32))
+    return hash32(h ^ layer)
+
+
+def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Uniform numbers in [0, 1), float32 (S, *shape): element e of sequence s is
+    ``(hash32(row_keys[s] + e) >> 8) * 2**-24``, e the flat index within ``shape``."""
+    base = row_keys(keys, positions, layer)  # (S,)
+    numel = 1
+    for d in shape:
+        numel *= d
+    e = torch.arange(numel, dtype=torch.int64)
+    h = hash32(base[:, None] + e[None, :])  # (S, numel)
+    return ((h >> 8).to(torch.float32) * (2.0 ** -24)).reshape(base.shape[0], *shape)
+
+
+def _round_int8(v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    r = torch.floor(v + noise) if noise is not None else torch.round(v)
+    return r.clamp_(-127.0, 127.0).to(torch.int8)
+
+
+def _round_e4m3(v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+    """v float32 with |v| <= 448 -> float8_e4m3fn, rounded stochastically on the e4m3 grid (the spacing of
+    the binade |v| lies in; a fixed 2**-9 below the smallest normal)."""
+    mag = v.abs()
+    _, exp = torch.frexp(mag)  # mag = m * 2**exp, m in [0.5, 1)
+    binade = torch.clamp(exp - 1, min=_FP8_E4M3_MIN_NORMAL_EXP)
+    ulp = torch.pow(2.0, (binade - _FP8_E4M3_MANTISSA_BITS).to(torch.float32))
+    steps = torch.floor(mag / ulp + noise) if noise is not None else torch.round(mag / ulp)
+    rounded = torch.clamp(steps * ulp, max=448.0)
+    return torch.copysign(rounded, v).to(torch.float8_e4m3fn)
+
+
+def encode_rows(values: torch.Tensor, dtype: torch.dtype,
+                noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """values (*rows, n) float -> (codes (*rows, n) in ``dtype``, scale (*rows,) float32).
+
+    noise: uniform [0, 1) of values' shape (:func:`uniform_noise`) for stochastic rounding, or None for
+    round-to-nearest."""
+    x = values.to(torch.float32)
+    amax = x.abs().amax(dim=-1)  # (*rows,)
+    scale = amax / CODE_MAX[dtype]
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    v = x * inv[..., None]
+    codes = _round_int8(v, noise) if dtype == torch.int8 else _round_e4m3(v, noise)
+    return codes, scale
+
+
+def decode_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes (*rows, n), scale (*rows,) float32 -> float32 (*rows, n)."""
+    return codes.to(torch.float32) * scale[..., None]
