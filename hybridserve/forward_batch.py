@@ -30,6 +30,9 @@ class SeqGroup:
     # draft): a layer whose prefill and decode rules differ (Mamba2's dt clamp) gives them the decode rule, as
     # decoding them one by one would
     num_generated: int = 0
+    # (S,) int64 rounding keys of 8-bit recurrent state (cache/state_codec.py: the request's seed, 0 when unset);
+    # None: every key is 0
+    rounding_keys: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -53,10 +56,12 @@ class SeqGroup:
         head, tail = slice(0, n), slice(n, None)
         first = SeqGroup(self.token_start, self.token_start + cut, self.cu_seqlens_q[:n + 1], self.seq_lens[head],
                          rows(self.block_tables, head), rows(self.state_indices, head),
-                         rows(self.window_block_tables, head), min(self.num_generated, n))
+                         rows(self.window_block_tables, head), min(self.num_generated, n),
+                         rows(self.rounding_keys, head))
         rest = SeqGroup(self.token_start + cut, self.token_end, self.cu_seqlens_q[n:] - cut, self.seq_lens[tail],
                         rows(self.block_tables, tail), rows(self.state_indices, tail),
-                        rows(self.window_block_tables, tail), max(0, self.num_generated - n))
+                        rows(self.window_block_tables, tail), max(0, self.num_generated - n),
+                        rows(self.rounding_keys, tail))
         return first, rest
 
 

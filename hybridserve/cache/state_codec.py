@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CODE_DTYPES", "CODE_MAX", "code_dtype", "decode_rows", "encode_rows", "hash32", "row_keys",
+__all__ = ["CODE_DTYPES", "CODE_MAX", "CodedState", "code_dtype", "decode_rows", "encode_rows", "hash32", "row_keys",
            "uniform_noise"]
 
 #: option name -> the torch dtype of the codes
@@ -103,3 +103,37 @@ def encode_rows(values: torch.Tensor, dtype: torch.dtype,
 def decode_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """codes (*rows, n), scale (*rows,) float32 -> float32 (*rows, n)."""
     return codes.to(torch.float32) * scale[..., None]
+
+
+class CodedState:
+    """The pool's view of one layer's 8-bit temporal state tensor, handed to the ops in place of a float view.
+
+    codes: (slots, *shape) int8 or float8_e4m3fn; scale: (slots, *shape[:-1]) float32; layer: the layer
+    index the rounding hash takes. Both tensors are the pool's own storage: writing them writes the cache."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int) -> None:
+        if codes.dtype not in CODE_MAX or scale.dtype != torch.float32 or codes.shape[:-1] != scale.shape:
+            raise ValueError(f"8-bit state wants codes (slots, *rows, n) in {list(CODE_MAX)} and float32 scales "
+                             f"(slots, *rows); got {codes.dtype} {tuple(codes.shape)}, {scale.dtype} "
+                             f"{tuple(scale.shape)}")
+        self.codes, self.scale, self.layer = codes, scale, layer
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.codes.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def read(self, idx: torch.Tensor) -> torch.Tensor:
+        """The slots idx (B,) int64 decoded -> a new float32 (B, *shape)."""
+        return decode_rows(self.codes.index_select(0, idx), self.scale.index_select(0, idx))
+
+    def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
+        """Encode values (B, *shape) into the slots idx (B,) with the noise of rounding keys (B,) and
+        positions (B,) (tokens absorbed after this update)."""
+        noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]))
+        codes, scale = encode_rows(values, self.codes.dtype, noise)
+        self.codes.index_copy_(0, idx, codes)
+        self.scale.index_copy_(0, idx, scale)
