@@ -24,8 +24,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "of the actual next token against float32 state, and the top-1 agreement. The state is "
                     "rounded to its dtype whenever it is stored between steps: with --max-num-batched-tokens 1 "
                     "(the default here) after every token, as decoding does; a larger budget scores faster and "
-                    "rounds only at prefill chunk ends. With no --model, the shipped model; with no --text, a "
-                    "text shipped for this report (docs/state_precision.md).")
+                    "rounds only at prefill chunk ends. --seed seeds the engines and every request (the stochastic "
+                    "rounding of a quantized state keys on it). With no --model, the shipped model; with no "
+                    "--text, a text shipped for this report (docs/state_precision.md).")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--state-dtypes", default=DEFAULT_STATE_DTYPES, metavar="NAME[,NAME...]",
                    help="recurrent-state dtypes to compare with float32 state, comma-separated: any value "

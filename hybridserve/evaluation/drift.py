@@ -98,12 +98,15 @@ def run_options(engine_options: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def prompt_ids_from_text(tokenize: Callable[[str], list[int]], text: str, prompt_tokens: int) -> list[int]:
-    """The first ``prompt_tokens`` tokens of ``text`` (a long text: only a prefix is tokenized when that is
-    enough); ValueError when the text is shorter."""
-    head = text[:prompt_tokens * 16]
-    ids = tokenize(head)
-    if len(ids) < prompt_tokens + 8 and len(head) < len(text):  # the prefix may cut the last words: take it all
-        ids = tokenize(text)
+    """The first ``prompt_tokens`` tokens of ``text``; ValueError when the text is shorter. Only a prefix of a
+    long text is tokenized: one about twice as long as needed (doubled until it is), so that a tokenizer never
+    sees much more than the model's length."""
+    chars = prompt_tokens * 8  # English runs at ~4 characters per token
+    while True:
+        ids = tokenize(text[:chars])
+        if len(ids) >= prompt_tokens + 8 or chars >= len(text):  # a margin: the cut may split the last word
+            break
+        chars *= 2
     if len(ids) < prompt_tokens:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than --prompt-tokens {prompt_tokens}: give a "
                          "longer text (--text FILE) or fewer --prompt-tokens")

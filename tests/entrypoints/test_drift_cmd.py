@@ -10,6 +10,7 @@ with the install command named; bad settings fail before any engine starts, with
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -24,6 +25,7 @@ from hybridserve.evaluation.drift import (
     score_run,
 )
 from hybridserve.evaluation.drift_figures import figures, position_buckets
+from tests.checkpoints import make
 from tests.server.server_utils import make_checkpoint
 
 PROMPT, GENERATED, BUCKET = 40, 24, 16
@@ -162,6 +164,7 @@ def test_cli_without_matplotlib_still_writes_table_and_json(ckpt, text_file, tmp
     assert rc == 1 and not out_png.exists()
     assert "pip install 'hybridserve[plot]'" in captured.err
     assert "float16" in captured.out  # the table
+    assert "drift: float16 state: scoring: done" in captured.err  # a line per run
     written = json.loads(out_json.read_text())
     assert written["settings"]["generate_tokens"] == 0 and written["state_dtypes"]["float16"]["generated"] is None
 
@@ -201,6 +204,16 @@ def test_prompt_and_continuation_must_fit_the_model_length(ckpt, text_file, caps
     assert main(["drift", "--model", ckpt, "--text", text_file, *SMALL, "--max-model-len", "50"]) == 2
     err = capsys.readouterr().err
     assert "= 64 tokens exceed max_model_len=50 (--max-model-len" in err, err
+
+
+def test_a_model_without_temporal_state_shows_no_drift_and_says_why(ckpt_dir, caplog):
+    lfm2 = make(ckpt_dir, "lfm2")  # short convolutions only: no state --mamba-ssm-cache-dtype governs
+    prompt = [(7 * i) % 100 + 3 for i in range(16)]
+    with caplog.at_level(logging.WARNING, logger="hybridserve.evaluation.drift"):
+        report = measure_drift(lfm2, ["bfloat16"], prompt, DriftSettings(prompt_tokens=16, generate_tokens=8, bucket=8),
+                               {"cache_memory": "32MiB"})
+    assert report["state_dtypes"]["bfloat16"]["all"]["max"] == 0.0
+    assert "no temporal state" in caplog.text
 
 
 def test_state_dtype_names_are_the_engines_own():
