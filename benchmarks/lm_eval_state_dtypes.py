@@ -14,8 +14,9 @@ with four choices, the true last word and three last words of other sentences, d
         --serve-args "--dtype bfloat16"
 
 A loglikelihood task is a prefill: the state is stored in its dtype at the end of each prefill chunk only
-(``--max-num-batched-tokens``, 2048 by default), so add ``--serve-args "--max-num-batched-tokens 1"`` to
-round it after every token, as decoding does (slower). Needs ``pip install 'lm-eval[api]'``.
+(``--max-num-batched-tokens``, 2048 by default, is the most tokens of one step), so
+``--serve-args "--max-num-batched-tokens 16"`` rounds it at least every 16 tokens (slower); ``hybridserve drift``
+measures the per-token rounding of decoding. Needs ``pip install 'lm-eval[api]'``.
 
 This is a tool, not a test: it only measures (``tests/server/test_lm_eval.py`` checks the server against
 lm-eval's ``hf`` backend).

@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bars on stderr (a line per run is still printed)")
     add_engine_args(p)  # --seed: the engine's and every request's (the rounding of a quantized state keys on it)
+    for action in p._actions:
+        if action.dest == "mamba_ssm_cache_dtype":  # what --state-dtypes varies: refused if given, not shown
+            action.help = argparse.SUPPRESS
     from hybridserve.evaluation.drift import DRIFT_ENGINE_DEFAULTS
 
     p.set_defaults(handler=run, **DRIFT_ENGINE_DEFAULTS)

@@ -31,6 +31,8 @@ REFERENCE_STATE_DTYPE = "float32"
 #: the text scored when none is given: plain English prose written for this report (a few thousand words)
 DEFAULT_TEXT = Path(__file__).with_name("drift_text.txt")
 REPORT_SCHEMA = "hybridserve.drift/1"
+#: the report's name for the shipped model (``hybridserve/default_model``)
+SHIPPED_MODEL_NAME = "hybridserve/default_model"
 #: engine options of every run unless given: one token per step (the state stored after every token, as
 #: decoding does), one sequence at a time (one captured decode batch size), a pool one long sequence fits in
 DRIFT_ENGINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "cache_memory": "256MiB"}
@@ -248,7 +250,8 @@ def measure_drift(model: str | None, state_dtypes: Sequence[str], prompt: str | 
                 and runs[name].dtypes["mamba_ssm_cache_dtype"] != REFERENCE_STATE_DTYPE):
             logger.warning("%s state takes as many bytes as float32 state: this model has no temporal state, so "
                            "--mamba-ssm-cache-dtype changes nothing in it", name)
-    return build_report(model_path, model is None, architecture, settings, options, text_source, ids, reference, runs)
+    label = SHIPPED_MODEL_NAME if model is None else model_path  # the shipped one: the same name on every machine
+    return build_report(label, model is None, architecture, settings, options, text_source, ids, reference, runs)
 
 
 def build_report(model: str, shipped: bool, architecture: str, settings: DriftSettings, options: dict[str, Any],

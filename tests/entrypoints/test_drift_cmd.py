@@ -28,7 +28,7 @@ from hybridserve.evaluation.drift_figures import figures, position_buckets
 from tests.checkpoints import make
 from tests.server.server_utils import make_checkpoint
 
-PROMPT, GENERATED, BUCKET = 40, 24, 16
+PROMPT, GENERATED, BUCKET = 24, 16, 10
 SMALL = ["--prompt-tokens", str(PROMPT), "--generate-tokens", str(GENERATED), "--bucket", str(BUCKET),
          "--cache-memory", "32MiB", "--no-progress"]
 
@@ -102,14 +102,16 @@ def test_bfloat16_state_drifts_and_halves_the_state(report):
     rows = [row["figures"]["bfloat16"] for row in report["buckets"]]
     assert sum(r["positions"] for r in rows) == PROMPT + GENERATED - 1
     assert max(r["max"] for r in rows) == bf16["all"]["max"]
+    assert [r["start"] for r in report["buckets"] if r["phase"] == "generated"][0] == PROMPT
 
 
-def test_the_report_holds_to_its_schema(report):
+def test_the_report_holds_to_its_schema(report, ckpt):
     jsonschema = pytest.importorskip("jsonschema")
     decoded = json.loads(json.dumps(report))  # JSON-ready as it is
     jsonschema.validate(decoded, REPORT_SCHEMA)
     assert len(decoded["token_ids"]) == PROMPT + GENERATED
     assert decoded["settings"]["max_num_batched_tokens"] == 1  # the state rounded after every token
+    assert decoded["model"] == ckpt and decoded["shipped_model"] is False
 
 
 def test_scores_line_up_with_the_positions_generation_saw(ckpt, report):
@@ -197,13 +199,13 @@ def test_a_text_shorter_than_the_prompt_is_refused(ckpt, tmp_path, capsys):
     short.write_text("Only a few words here.", encoding="utf-8")
     assert main(["drift", "--model", ckpt, "--text", str(short), *SMALL]) == 2
     err = capsys.readouterr().err
-    assert "fewer than --prompt-tokens 40" in err and "--text FILE" in err
+    assert f"fewer than --prompt-tokens {PROMPT}" in err and "--text FILE" in err
 
 
 def test_prompt_and_continuation_must_fit_the_model_length(ckpt, text_file, capsys):
-    assert main(["drift", "--model", ckpt, "--text", text_file, *SMALL, "--max-model-len", "50"]) == 2
+    assert main(["drift", "--model", ckpt, "--text", text_file, *SMALL, "--max-model-len", "30"]) == 2
     err = capsys.readouterr().err
-    assert "= 64 tokens exceed max_model_len=50 (--max-model-len" in err, err
+    assert f"= {PROMPT + GENERATED} tokens exceed max_model_len=30 (--max-model-len" in err, err
 
 
 def test_a_model_without_temporal_state_shows_no_drift_and_says_why(ckpt_dir, caplog):
