@@ -29,7 +29,7 @@ FLOORS = [
      "distributed.shard_dense", "distributed.shard_recurrent"],
     ["planning", "structured_output"],
     ["engine", "spec_decode", "distributed.driver", "distributed.launch", "distributed.worker"],
-    ["entrypoints", "distributed.preload"],
+    ["entrypoints", "distributed.preload", "evaluation"],
 ]
 MAX_UPWARD_IMPORTS = 6
 

@@ -1,4 +1,4 @@
-"""The ``hybridserve`` command: ``generate``, ``serve``, ``plan``, ``env``, and ``--version``."""
+"""The ``hybridserve`` command: ``generate``, ``serve``, ``plan``, ``env``, ``drift``, and ``--version``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": "hybridserve.entrypoints.serve_cmd",
     "plan": "hybridserve.entrypoints.plan_cmd",
     "env": "hybridserve.entrypoints.env_cmd",
+    "drift": "hybridserve.entrypoints.drift_cmd",
 }
 SUBCOMMAND_MODULES = tuple(SUBCOMMANDS.values())
 
@@ -79,7 +80,7 @@ def cap_torch_isa_from_argv(argv: list[str]) -> None:
 
 
 #: the commands that run an engine (and have --cpu-wait-policy)
-ENGINE_COMMANDS = ("generate", "serve", "env")
+ENGINE_COMMANDS = ("generate", "serve", "env", "drift")
 
 
 def apply_cpu_wait_policy_from_argv(argv: list[str]) -> None:
