@@ -353,12 +353,10 @@ class CacheManager(VerificationSlots):
         return stats
 
     def fits_at_all(self, num_tokens: int) -> bool:
-        """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the
-        padding reservation of captured decode steps, which stays for the pool's life). A window page group
-        counts every page too: a prompt prefilled in one chunk holds them all at once."""
+        """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else. A window page
+        group counts every page too: a prompt prefilled in one chunk holds them all at once."""
         pool = self.pool
-        pad_pages, pad_slots = pool.reserved_counts()
         groups = 2 if self.window is not None else 1
-        return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens) + pad_pages,
-                    (1 if pool.layout.has_state else 0) + pad_slots)
+        return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens),
+                    1 if pool.layout.has_state else 0)
 
