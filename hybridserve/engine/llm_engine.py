@@ -50,9 +50,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        config = copy.copy(config)  # its own: max_num_seqs may be clamped to what the pool holds
         if config.model is None:
             raise ValueError("model is required: a checkpoint directory")
-        self.config = config = copy.copy(config)  # its own: max_num_seqs may be clamped to what the pool holds
+        self.config = config
         self.device = config.resolve_device()
         self.hf_config = load_hf_config(config.model)
         self.dtypes: ResolvedDtypes = config.resolve_dtypes(self.hf_config)
