@@ -104,11 +104,13 @@ class PrefixCache(PrefixEviction):
         salt = seq.params.cache_salt
         match = self.index.match(tokens, limit, salt)
         bs = self.block_size
+        ineligible = None  # why this lookup cannot hit whatever is cached
         if seq.params.prompt_logprobs is not None:
-            hit = PrefixHit(0, [], None, None, reason=PrefixCacheReason.PROMPT_LOGPROBS)
+            ineligible = PrefixCacheReason.PROMPT_LOGPROBS
         elif self.window is not None and not self.has_state:
-            # window pages are restored from state snapshots alone: such a model never resumes
-            hit = PrefixHit(0, [], None, None, reason=PrefixCacheReason.CACHING_OFF)
+            ineligible = PrefixCacheReason.CACHING_OFF  # window pages are restored from state snapshots alone
+        if ineligible is not None:
+            hit = PrefixHit(0, [], None, None)
         elif self.has_state:
             snap = match.snapshot
             n = snap.position if snap is not None else 0
@@ -120,8 +122,7 @@ class PrefixCache(PrefixEviction):
                 tail = match.path[n // bs] if n // bs < len(match.path) else match.partial
             hit = PrefixHit(n, match.path[:n // bs], tail, None)
         hit.kv_tokens, hit.num_tokens = min(match.kv_tokens, limit), len(tokens)
-        if hit.reason is PrefixCacheReason.NO_MATCH:  # not decided above
-            hit.reason = self._reason(tokens, limit, salt, match, hit)
+        hit.reason = ineligible or self._reason(tokens, limit, salt, match, hit)
         seq.snapshot_plan = self.plan(hit.tokens, hit.kv_tokens, len(seq.prompt_token_ids), len(tokens))
         if self.has_state and queued:
             seq.snapshot_plan = sorted({*seq.snapshot_plan, *follower_branch_points(seq, queued, hit.tokens)})

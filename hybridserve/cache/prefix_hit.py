@@ -18,7 +18,7 @@ class PrefixHit:
     snapshot: Snapshot | None  # the state to copy (models with recurrent state)
     kv_tokens: int = 0  # tokens whose KV matched (the divergence point)
     num_tokens: int = 0  # tokens looked up
-    reason: PrefixCacheReason = PrefixCacheReason.NO_MATCH  # why it hit or not (prefix_reason.py)
+    reason: PrefixCacheReason = PrefixCacheReason.NO_MATCH  # why it hit or not (set by the lookup)
 
     def tail_page(self) -> int | None:
         """The page to copy on write (a handle), or None."""
