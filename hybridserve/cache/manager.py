@@ -140,7 +140,7 @@ class CacheManager(VerificationSlots):
                 seq.num_cached_tokens = hit.tokens
             snapshot = hit.snapshot.position if hit.snapshot is not None else None
             self._answer(seq, hit.reason, hit.num_tokens,
-                         PrefixCacheInfo(hit.reason.told(), hit.tokens, hit.kv_tokens, snapshot))
+                         PrefixCacheInfo(hit.reason.told(), hit.tokens, hit.kv_tokens, snapshot, hit.snapshot_past))
         return n
 
     def _answer(self, seq, reason: PrefixCacheReason, num_tokens: int, info: PrefixCacheInfo) -> None:

@@ -123,6 +123,8 @@ class PrefixCache(PrefixEviction):
             hit = PrefixHit(n, match.path[:n // bs], tail, None)
         hit.kv_tokens, hit.num_tokens = min(match.kv_tokens, limit), len(tokens)
         hit.reason = ineligible or self._reason(tokens, limit, salt, match, hit)
+        if hit.reason is PrefixCacheReason.NO_SNAPSHOT:
+            hit.snapshot_past = self.index.snapshot_past(match, tokens)
         seq.snapshot_plan = self.plan(hit.tokens, hit.kv_tokens, len(seq.prompt_token_ids), len(tokens))
         if self.has_state and queued:
             seq.snapshot_plan = sorted({*seq.snapshot_plan, *follower_branch_points(seq, queued, hit.tokens)})

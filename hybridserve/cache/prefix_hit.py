@@ -19,6 +19,7 @@ class PrefixHit:
     kv_tokens: int = 0  # tokens whose KV matched (the divergence point)
     num_tokens: int = 0  # tokens looked up
     reason: PrefixCacheReason = PrefixCacheReason.NO_MATCH  # why it hit or not (set by the lookup)
+    snapshot_past: int | None = None  # no_snapshot: the nearest snapshot past the divergence point (PrefixIndex)
 
     def tail_page(self) -> int | None:
         """The page to copy on write (a handle), or None."""

@@ -33,6 +33,8 @@ from typing import Callable
 
 #: children compared token by token when locating a divergence point inside a page
 MAX_CHILDREN_SCANNED = 256
+#: nodes visited at most looking for the snapshot past a divergence point (:meth:`PrefixIndex.snapshot_past`)
+MAX_NODES_SEARCHED = 256
 
 
 def root_key(salt: str | None) -> int:
@@ -184,6 +186,27 @@ class PrefixIndex:
                     partial, longest = snap, n
         kv += longest
         return PrefixMatch(path, kv, partial, best)
+
+    def snapshot_past(self, match: PrefixMatch, tokens: list[int]) -> int | None:
+        """The position of the nearest snapshot on the cached branch ``tokens`` follow, past their divergence point
+        (``match.kv_tokens``): where the state was saved on the prefix they share (None if none is found among
+        :data:`MAX_NODES_SEARCHED` nodes). Reads only; nothing is touched."""
+        bs, kv = self.block_size, match.kv_tokens
+        found: list[int] = []
+        if match.path:  # snapshots on the last matched page whose tails agree with the prompt to the divergence
+            start = match.path[-1].depth * bs
+            found = [s.position for s in match.path[-1].snapshots
+                     if s.position > kv and list(s.tail[:kv - start]) == tokens[start:kv]]
+        if isinstance(match.partial, Snapshot):
+            found.append(match.partial.position)
+        elif match.partial is not None:  # the page the prompt leaves inside: every snapshot below it is past kv
+            stack, seen = [match.partial], 0
+            while stack and seen < MAX_NODES_SEARCHED:
+                node = stack.pop()
+                seen += 1
+                found.extend(s.position for s in node.snapshots)
+                stack.extend(node.children.values())
+        return min(found, default=None)
 
     # ----------------------------------------------------------------- update
     def add_child(self, node: PageNode, tokens: tuple[int, ...], page: int | None) -> PageNode:

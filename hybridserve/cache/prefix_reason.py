@@ -39,11 +39,15 @@ class PrefixCacheInfo:
     matched_tokens: int = 0  # prompt tokens whose KV the cache holds (the divergence point)
     #: the latest usable state snapshot at or before the divergence point (None: none, or a model without state)
     snapshot_tokens: int | None = None
+    #: ``no_snapshot``: the nearest snapshot past the divergence point on the cached branch the prompt follows
+    #: (where the state was saved; None if none was found)
+    snapshot_past_tokens: int | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready fields."""
         return {"reason": self.reason.value, "cached_tokens": self.cached_tokens,
-                "matched_tokens": self.matched_tokens, "snapshot_tokens": self.snapshot_tokens}
+                "matched_tokens": self.matched_tokens, "snapshot_tokens": self.snapshot_tokens,
+                "snapshot_past_tokens": self.snapshot_past_tokens}
 
 
 class ReasonCounts:

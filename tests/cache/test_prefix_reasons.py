@@ -58,9 +58,13 @@ def test_no_snapshot_says_how_far_it_matched(llm):
     diverging = first[:30] + _prompt(12, 4)  # KV matches 30 tokens; the only snapshot is at 40
     info = _answer(llm, diverging)
     assert info.reason is R.NO_SNAPSHOT and info.cached_tokens == 0
-    assert info.matched_tokens == 30 and info.snapshot_tokens is None
+    assert info.matched_tokens == 30 and info.snapshot_tokens is None and info.snapshot_past_tokens == 40
     # its prefill stopped at the divergence point to snapshot there: the next such prompt hits
     assert _answer(llm, first[:30] + _prompt(12, 5)).reason is R.HIT
+    other = _prompt(40, 13)
+    _answer(llm, other)
+    same = _answer(llm, other)  # the same prompt: its last token is always computed, the snapshot is past it
+    assert (same.reason, same.matched_tokens, same.snapshot_past_tokens) == (R.NO_SNAPSHOT, 39, 40)
 
 
 def test_too_short_and_prompt_logprobs(llm):
