@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.cache.prefix_reason import PrefixCacheInfo
+
 
 @dataclass
 class Logprob:
@@ -42,3 +44,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None  # why the request failed inside the engine (then finished, reason "error")
+    #: its prefix-cache answer: cached tokens and why it hit or not (None before its prompt was admitted)
+    prefix_cache: PrefixCacheInfo | None = None

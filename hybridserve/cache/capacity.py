@@ -87,43 +87,22 @@ def ideal_bytes_per_sequence(layout: PoolLayout, num_tokens: int) -> int:
     return layout.state_bytes_per_sequence + kv
 
 
-#: captured decode steps reserve their padding only where it costs at most 1/MIN_POOL_SHARE of the pool
-MIN_POOL_SHARE = 32
+def max_sequences(layout: PoolLayout, cache_memory: int, num_tokens: int) -> int:
+    """How many sequences of ``num_tokens`` tokens fit in a pool of ``cache_memory`` bytes at once (nothing
+    else holds any of it: captured decode steps pad their batches with rows that hold no page and no slot).
 
-
-def padding_reservation(layout: PoolLayout) -> tuple[int, int]:
-    """(pages, slots) that captured decode steps hold for their padded rows: one of each kind the layout has."""
-    return int(layout.has_kv), int(layout.has_state)
-
-
-def reserved_bytes(layout: PoolLayout, reserved: tuple[int, int]) -> int:
-    """Bytes of ``reserved`` (pages, slots)."""
-    return reserved[0] * layout.page_bytes + reserved[1] * layout.slot_bytes
-
-
-def padding_fits(layout: PoolLayout, cache_memory: int) -> bool:
-    """Whether a pool of ``cache_memory`` bytes is large enough to spare the padding reservation."""
-    return reserved_bytes(layout, padding_reservation(layout)) * MIN_POOL_SHARE <= cache_memory
-
-
-def max_sequences(layout: PoolLayout, cache_memory: int, num_tokens: int,
-                  reserved: tuple[int, int] = (0, 0)) -> int:
-    """How many sequences of ``num_tokens`` tokens fit in a pool of ``cache_memory`` bytes at once, beside
-    ``reserved`` (pages, slots) held for the pool's life (:func:`padding_reservation`).
-
-    The largest ``n`` with ``fits(n * pages_for(num_tokens) + reserved pages, n + reserved slots)``: without a
-    reservation, in closed form ``n * (slot_bytes + P * page_bytes) <= num_pages * page_bytes`` for a
-    hybrid model.
+    The largest ``n`` with ``fits(n * pages_for(num_tokens), n)``, in closed form
+    ``n * (slot_bytes + P * page_bytes) <= num_pages * page_bytes`` for a hybrid model.
     """
     geometry = pool_geometry(layout, cache_memory)
     if not layout.has_kv:
-        return max(0, geometry.num_slots - reserved[1])
+        return geometry.num_slots
     per_seq = bytes_per_sequence(layout, num_tokens)
     if per_seq == 0:
         return 0
     n = geometry.num_pages * layout.page_bytes // per_seq
     pages = sequence_pages(layout, num_tokens)
     slots = 1 if layout.has_state else 0
-    while n > 0 and not fits(layout, geometry, n * pages + reserved[0], n * slots + reserved[1]):
+    while n > 0 and not fits(layout, geometry, n * pages, n * slots):
         n -= 1
     return n

@@ -24,6 +24,7 @@ from hybridserve.cache.kv_events import KVEventRecorder
 from hybridserve.cache.page_ledger import PageLedger, decrement_ref
 from hybridserve.cache.pool import Allocation, CachePool
 from hybridserve.cache.prefix_cache import PrefixCache, PrefixHit
+from hybridserve.cache.prefix_reason import PrefixCacheInfo, PrefixCacheReason, ReasonCounts
 from hybridserve.cache.verification_slots import VerificationSlots
 from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
@@ -49,6 +50,7 @@ class CacheManager(VerificationSlots):
         self.window_pages_released = 0  # window-group pages given back behind running sequences' windows
         self._verifying: set[int] = set()  # id(seq) of the sequences verifying drafts on their speculative slot now
         self.prefix = PrefixCache(self.ledger, snapshot_interval) if prefix_caching else None
+        self.answers = ReasonCounts()  # admissions of sequences holding nothing, by prefix-cache reason
 
     def pages_for(self, num_tokens: int) -> int:
         """KV pages needed to hold ``num_tokens`` tokens (0 for a model without attention)."""
@@ -116,10 +118,16 @@ class CacheManager(VerificationSlots):
     def admit(self, seq, budget: int, queued=()) -> int:
         """Grant a waiting sequence its next chunk of at most ``budget`` tokens; the tokens to run (0: it does
         not fit, nothing granted). A sequence that holds nothing resumes from the longest cached prefix, and
-        plans snapshots where the ``queued`` prompts leave its own."""
-        if self.prefix is None or seq.block_table or seq.state_slot is not None or seq.num_computed_tokens:
+        plans snapshots where the ``queued`` prompts leave its own. Each admission of a sequence holding nothing
+        is answered (:meth:`_answer`)."""
+        fresh = not (seq.block_table or seq.state_slot is not None or seq.num_computed_tokens)
+        if self.prefix is None or not fresh:
             n = self.chunk(seq, min(seq.num_pending_tokens, budget))
-            return n if self.grant(seq, n) else 0
+            n = n if self.grant(seq, n) else 0
+            if n and fresh:
+                self._answer(seq, PrefixCacheReason.CACHING_OFF, seq.num_tokens, PrefixCacheInfo(
+                    PrefixCacheReason.CACHING_OFF, 0))
+            return n
         hit = self.prefix.lookup(seq, queued)
         if hit.tokens:
             n = self._attach(seq, hit, budget)
@@ -130,7 +138,17 @@ class CacheManager(VerificationSlots):
             self.prefix.count(hit)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = hit.tokens
+            snapshot = hit.snapshot.position if hit.snapshot is not None else None
+            self._answer(seq, hit.reason, hit.num_tokens,
+                         PrefixCacheInfo(hit.reason.told(), hit.tokens, hit.kv_tokens, snapshot, hit.snapshot_past))
         return n
+
+    def _answer(self, seq, reason: PrefixCacheReason, num_tokens: int, info: PrefixCacheInfo) -> None:
+        """Count an admission's lookup under its ``reason`` (``salted`` included), and keep the first ``info`` (what
+        the request is told: never ``salted``) on ``seq``."""
+        self.answers.add(reason, num_tokens)
+        if seq.prefix_cache is None:
+            seq.prefix_cache = info
 
     def _attach(self, seq, hit: PrefixHit, budget: int) -> int:
         """Give ``seq`` the hit's pages (shared), a copy of its partly used page and of its snapshot."""
@@ -341,24 +359,25 @@ class CacheManager(VerificationSlots):
 
     def prefix_stats(self) -> dict[str, int]:
         """The prefix cache's counters (``PrefixStats``) and sizes: snapshots and their bytes, cached pages and
-        the bytes held only by the cache; zeros when it is off."""
+        the bytes held only by the cache, zeros when it is off; and its answers by reason, ``lookups:REASON`` and
+        ``queries:REASON`` (prompt tokens), ``salted`` included (``ReasonCounts``)."""
         names = ("queries", "hits", "kv_beyond_snapshot", "snapshots_taken", "snapshots_skipped",
                  "evicted_pages", "evicted_snapshots")
         prefix = self.prefix
         if prefix is None:
-            return dict.fromkeys((*names, "snapshots", "snapshot_bytes", "cached_pages", "cached_bytes"), 0)
+            return {**dict.fromkeys((*names, "snapshots", "snapshot_bytes", "cached_pages", "cached_bytes"), 0),
+                    **self.answers.as_stats()}
         stats = {name: getattr(prefix.stats, name) for name in names}
+        stats.update(self.answers.as_stats())
         stats.update(snapshots=prefix.num_snapshots, snapshot_bytes=prefix.snapshot_bytes,
                      cached_pages=prefix.num_cached_pages, cached_bytes=self.cached_bytes())
         return stats
 
     def fits_at_all(self, num_tokens: int) -> bool:
-        """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else (but the
-        padding reservation of captured decode steps, which stays for the pool's life). A window page group
-        counts every page too: a prompt prefilled in one chunk holds them all at once."""
+        """Whether one sequence of ``num_tokens`` tokens fits in a pool holding nothing else. A window page
+        group counts every page too: a prompt prefilled in one chunk holds them all at once."""
         pool = self.pool
-        pad_pages, pad_slots = pool.reserved_counts()
         groups = 2 if self.window is not None else 1
-        return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens) + pad_pages,
-                    (1 if pool.layout.has_state else 0) + pad_slots)
+        return fits(pool.layout, pool.geometry, groups * self.pages_for(num_tokens),
+                    1 if pool.layout.has_state else 0)
 

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.cache.capacity import fits, pool_geometry, reserved_bytes
+from hybridserve.cache.capacity import fits, pool_geometry
 from hybridserve.cache.handle_map import HandleMap
 from hybridserve.cache.id_set import IdSet
 from hybridserve.cache.layout import PoolLayout, TensorPlacement
@@ -124,7 +124,6 @@ class CachePool:
         self.epoch = 0  # bumped whenever compaction moves anything (a capture re-translates its tables then)
         self.layer_caches: dict[int, LayerCache] = {}
         self.stats = {"compactions": 0, "moved_bytes": 0}
-        self.padding: tuple[int | None, int | None] = (None, None)  # (page, slot) handles for padded rows
         # with tensor parallelism, rank 0 records every byte move made outside a forward here, as
         # ("zero", start, nbytes) and ("copy", src_start, dst_start, nbytes), for the other ranks to replay
         self.op_log: list[tuple] | None = None
@@ -196,28 +195,6 @@ class CachePool:
             self._live_pages.push(b)
             pages.append(self.pages.bind(b))
         return Allocation(pages, slots)
-
-    def reserve_padding(self) -> tuple[int | None, int | None]:
-        """Take one KV page and one state slot (None where the layout has none) for the padded rows of
-        captured decode steps, on a pool nothing else has allocated from yet. They are the highest page
-        and the lowest slot, which compaction never moves (a capture translates them again anyway)."""
-        if self._live_pages or self._live_slots:
-            raise RuntimeError("padding is reserved before any allocation")
-        got = self.allocate(1 if self.layout.has_kv else 0, 1 if self.layout.has_state else 0)
-        page = got.pages[0] if got.pages else None
-        slot = got.slots[0] if got.slots else None
-        assert page in (None, self.num_pages - 1) and slot in (None, 0)
-        self.padding = (page, slot)
-        return page, slot
-
-    def release_padding(self) -> None:
-        """Return the padding reservation to the pool."""
-        page, slot = self.padding
-        if page is not None:
-            self.free_pages([page])
-        if slot is not None:
-            self.free_slot(slot)
-        self.padding = (None, None)
 
     def _take_slot(self) -> int:
         s = self._free_slots.pop()
@@ -337,33 +314,24 @@ class CachePool:
     # ----------------------------------------------------------------- stats
     @property
     def num_live_pages(self) -> int:
-        """Pages held by sequences (the padding reservation aside)."""
-        return len(self._live_pages) - self.reserved_counts()[0]
+        """Pages held by sequences."""
+        return len(self._live_pages)
 
     @property
     def num_live_slots(self) -> int:
-        """Slots held by sequences (the padding reservation aside)."""
-        return len(self._live_slots) - self.reserved_counts()[1]
+        """Slots held by sequences."""
+        return len(self._live_slots)
 
     def used_bytes(self) -> int:
-        """Bytes held by sequences' pages and slots (the padding reservation aside: :meth:`reserved_bytes`)."""
+        """Bytes held by sequences' pages and slots."""
         return self.num_live_pages * self.layout.page_bytes + self.num_live_slots * self.layout.slot_bytes
-
-    def reserved_bytes(self) -> int:
-        """Bytes of the page and slot reserved for padded rows (:meth:`reserve_padding`)."""
-        return reserved_bytes(self.layout, self.reserved_counts())
-
-    def reserved_counts(self) -> tuple[int, int]:
-        """(pages, slots) of the padding reservation."""
-        page, slot = self.padding
-        return int(page is not None), int(slot is not None)
 
     def usage(self) -> float:
         """Fraction of the pool held by live pages and slots."""
         return self.used_bytes() / self.num_bytes if self.num_bytes else 0.0
 
     def live_handles(self) -> tuple[set[int], set[int]]:
-        """The handles of every live (page, slot), the padding reservation included (for checks)."""
+        """The handles of every live (page, slot) (for checks)."""
         return ({self.pages.handle_at(b) for b in self._live_pages},
                 {self.slots.handle_at(s) for s in self._live_slots})
 

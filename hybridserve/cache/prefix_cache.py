@@ -52,11 +52,13 @@ docs/data_parallel.md).
 
 from __future__ import annotations
 
+from hybridserve.cache.evicted_prefixes import EvictedPrefixes
 from hybridserve.cache.kv_events import KVEventRecorder
 from hybridserve.cache.page_ledger import PageLedger
 from hybridserve.cache.prefix_eviction import PrefixEviction
 from hybridserve.cache.prefix_hit import PrefixHit, PrefixStats
-from hybridserve.cache.prefix_index import PageNode, PrefixIndex, Snapshot
+from hybridserve.cache.prefix_index import PageNode, PrefixIndex, PrefixMatch, Snapshot, chain_key, root_key
+from hybridserve.cache.prefix_reason import PrefixCacheReason
 from hybridserve.cache.prefix_sharing import follower_branch_points
 from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
 
@@ -80,6 +82,7 @@ class PrefixCache(PrefixEviction):
         self.stats = PrefixStats()
         self._node_by_page: dict[int, PageNode] = {}
         self._tails: dict[int, list[Snapshot]] = {}  # page -> snapshots holding it as their tail page
+        self.evicted = EvictedPrefixes()
         #: the block events of the index's pages, for a router (None: not recorded; see enable_events)
         self.events: KVEventRecorder | None = None
 
@@ -95,13 +98,19 @@ class PrefixCache(PrefixEviction):
         """The longest cached prefix ``seq`` (holding nothing yet) can resume from, and the snapshot
         positions to plan for it (``seq.snapshot_plan``), among them where the ``queued`` prompts leave its
         own (:mod:`hybridserve.cache.prefix_sharing`). A sequence that wants prompt logprobs gets no hit:
-        it must compute every prompt position."""
+        it must compute every prompt position. The hit's ``reason`` says why it hit or not."""
         tokens = seq.all_token_ids
         limit = len(tokens) - 1  # the last token is always run: its logits are sampled
-        match = self.index.match(tokens, limit, seq.params.cache_salt)
+        salt = seq.params.cache_salt
+        match = self.index.match(tokens, limit, salt)
         bs = self.block_size
-        if seq.params.prompt_logprobs is not None or (self.window is not None and not self.has_state):
-            hit = PrefixHit(0, [], None, None)  # (window pages are restored from state snapshots alone)
+        ineligible = None  # why this lookup cannot hit whatever is cached
+        if seq.params.prompt_logprobs is not None:
+            ineligible = PrefixCacheReason.PROMPT_LOGPROBS
+        elif self.window is not None and not self.has_state:
+            ineligible = PrefixCacheReason.CACHING_OFF  # window pages are restored from state snapshots alone
+        if ineligible is not None:
+            hit = PrefixHit(0, [], None, None)
         elif self.has_state:
             snap = match.snapshot
             n = snap.position if snap is not None else 0
@@ -113,10 +122,47 @@ class PrefixCache(PrefixEviction):
                 tail = match.path[n // bs] if n // bs < len(match.path) else match.partial
             hit = PrefixHit(n, match.path[:n // bs], tail, None)
         hit.kv_tokens, hit.num_tokens = min(match.kv_tokens, limit), len(tokens)
+        hit.reason = ineligible or self._reason(tokens, limit, salt, match, hit)
+        if hit.reason is PrefixCacheReason.NO_SNAPSHOT:
+            hit.snapshot_past = self.index.snapshot_past(match, tokens)
         seq.snapshot_plan = self.plan(hit.tokens, hit.kv_tokens, len(seq.prompt_token_ids), len(tokens))
         if self.has_state and queued:
             seq.snapshot_plan = sorted({*seq.snapshot_plan, *follower_branch_points(seq, queued, hit.tokens)})
         return hit
+
+    def _reason(self, tokens: list[int], limit: int, salt: str | None, match: PrefixMatch,
+                hit: PrefixHit) -> PrefixCacheReason:
+        """Why a lookup of ``tokens`` (``match`` in ``salt``'s tree) gave ``hit``. Reads other salts' trees for
+        ``salted`` without touching them: no hit count, no recency, no eviction order changes."""
+        if hit.tokens:
+            return PrefixCacheReason.HIT
+        if self._evicted_match(tokens, limit, salt, match):
+            return PrefixCacheReason.EVICTED
+        if hit.kv_tokens:
+            return PrefixCacheReason.NO_SNAPSHOT
+        if limit < self.block_size:
+            return PrefixCacheReason.TOO_SHORT
+        first = tuple(tokens[:self.block_size])
+        if any(first in root.children for root in self.index.other_roots(salt)):
+            return PrefixCacheReason.SALTED
+        return PrefixCacheReason.NO_MATCH
+
+    def _evicted_match(self, tokens: list[int], limit: int, salt: str | None, match: PrefixMatch) -> bool:
+        """Whether a snapshot usable for ``tokens``, or the page that continues the matched path, was evicted
+        lately (:mod:`hybridserve.cache.evicted_prefixes`; keys chained from ``salt``'s own root)."""
+        if not len(self.evicted):
+            return False
+        bs = self.block_size
+        root = self.index.root_of(salt)
+        keys = [root.key if root is not None else root_key(salt)] + [node.key for node in match.path]
+        matched = len(keys)
+        while len(keys) * bs <= len(tokens):  # the keys of the pages past the matched ones, which are not cached now
+            start = (len(keys) - 1) * bs
+            keys.append(chain_key(keys[-1], tuple(tokens[start:start + bs])))
+        if len(keys) > matched and self.evicted.has_page(keys[matched]):  # the page that continues the match
+            return True
+        return self.has_state and any(self.evicted.has_snapshot(key, tokens, depth * bs, limit, bs)
+                                      for depth, key in enumerate(keys))
 
     def plan(self, start: int, kv_tokens: int, prompt_len: int, num_tokens: int) -> list[int]:
         """Positions after ``start`` where a snapshot is to be taken: the branch point ``kv_tokens``

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from hybridserve.cache.evicted_prefixes import EvictedPrefixes
 from hybridserve.cache.kv_events import KVEventRecorder
 from hybridserve.cache.page_ledger import PageLedger
 from hybridserve.cache.prefix_hit import PrefixStats
@@ -29,6 +30,7 @@ class PrefixEviction:
     slot_bytes: int
     _node_by_page: dict[int, PageNode]
     _tails: dict[int, list[Snapshot]]
+    evicted: EvictedPrefixes  # what was evicted lately, to tell a lookup "evicted" from "never cached"
 
     def evictable(self, item: PageNode | Snapshot) -> bool:
         """Whether nothing but the cache holds ``item``."""
@@ -81,6 +83,7 @@ class PrefixEviction:
 
     def _evict(self, item: PageNode | Snapshot) -> None:
         if isinstance(item, Snapshot):
+            self.evicted.add(item.node.key, item.tail)
             self.index.remove_snapshot(item)
             if item.slot is not None:
                 self.ledger.free_slot(item.slot)
@@ -103,6 +106,7 @@ class PrefixEviction:
         if self.events is not None:
             self.events.removed(item)
         if item.page is not None:
+            self.evicted.add(item.key)
             del self._node_by_page[item.page]
             self.ledger.unref(item.page)
             self.stats.evicted_pages += 1

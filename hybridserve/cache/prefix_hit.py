@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridserve.cache.prefix_index import PageNode, Snapshot
+from hybridserve.cache.prefix_reason import PrefixCacheReason
 
 
 @dataclass
@@ -17,6 +18,8 @@ class PrefixHit:
     snapshot: Snapshot | None  # the state to copy (models with recurrent state)
     kv_tokens: int = 0  # tokens whose KV matched (the divergence point)
     num_tokens: int = 0  # tokens looked up
+    reason: PrefixCacheReason = PrefixCacheReason.NO_MATCH  # why it hit or not (set by the lookup)
+    snapshot_past: int | None = None  # no_snapshot: the nearest snapshot past the divergence point (PrefixIndex)
 
     def tail_page(self) -> int | None:
         """The page to copy on write (a handle), or None."""

@@ -33,6 +33,19 @@ from typing import Callable
 
 #: children compared token by token when locating a divergence point inside a page
 MAX_CHILDREN_SCANNED = 256
+#: nodes visited at most looking for the snapshot past a divergence point (:meth:`PrefixIndex.snapshot_past`)
+MAX_NODES_SEARCHED = 256
+
+
+def root_key(salt: str | None) -> int:
+    """The key of ``salt``'s root: every key below it is chained from it (:func:`chain_key`)."""
+    return hash(("cache_salt", salt))
+
+
+def chain_key(parent_key: int, tokens: tuple[int, ...]) -> int:
+    """The key of the page holding ``tokens`` under the page (or root) keyed ``parent_key``: a hash of the salt
+    and every token from the start, computed a page at a time (it names a prefix that may no longer be cached)."""
+    return hash((parent_key, tokens))
 
 
 @dataclass(eq=False)
@@ -51,6 +64,7 @@ class PageNode:
     version: int = 0
     removed: bool = False
     salt: str | None = None  # the cache salt of the tree it belongs to (None: the unsalted tree)
+    key: int = 0  # the salt and the tokens from the start through this page (chain_key; root_key for a root)
 
 
 @dataclass(eq=False)
@@ -100,7 +114,7 @@ class PrefixIndex:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.root = PageNode((), None, None, 0)  # the unsalted requests' tree
+        self.root = PageNode((), None, None, 0, key=root_key(None))  # the unsalted requests' tree
         self._salted_roots: dict[str, PageNode] = {}  # one tree per cache salt that holds something
         self.num_nodes = 0  # roots excluded
         self.num_snapshots = 0
@@ -115,7 +129,7 @@ class PrefixIndex:
             return self.root
         root = self._salted_roots.get(salt)
         if root is None and create:
-            root = self._salted_roots[salt] = PageNode((), None, None, 0, salt=salt)
+            root = self._salted_roots[salt] = PageNode((), None, None, 0, salt=salt, key=root_key(salt))
         return root
 
     def drop_root_if_empty(self, root: PageNode) -> None:
@@ -124,6 +138,11 @@ class PrefixIndex:
                 and self._salted_roots.get(root.salt) is root:
             del self._salted_roots[root.salt]
             root.removed = True
+
+    def other_roots(self, salt: str | None) -> list[PageNode]:
+        """The roots of every tree but ``salt``'s (the unsalted one included when ``salt`` is set)."""
+        roots = [root for key, root in self._salted_roots.items() if key != salt]
+        return roots + [self.root] if salt is not None else roots
 
     @property
     def num_salts(self) -> int:
@@ -168,11 +187,33 @@ class PrefixIndex:
         kv += longest
         return PrefixMatch(path, kv, partial, best)
 
+    def snapshot_past(self, match: PrefixMatch, tokens: list[int]) -> int | None:
+        """The position of the nearest snapshot on the cached branch ``tokens`` follow, past their divergence point
+        (``match.kv_tokens``): where the state was saved on the prefix they share (None if none is found among
+        :data:`MAX_NODES_SEARCHED` nodes). Reads only; nothing is touched."""
+        bs, kv = self.block_size, match.kv_tokens
+        found: list[int] = []
+        if match.path:  # snapshots on the last matched page whose tails agree with the prompt to the divergence
+            start = match.path[-1].depth * bs
+            found = [s.position for s in match.path[-1].snapshots
+                     if s.position > kv and list(s.tail[:kv - start]) == tokens[start:kv]]
+        if isinstance(match.partial, Snapshot):
+            found.append(match.partial.position)
+        elif match.partial is not None:  # the page the prompt leaves inside: every snapshot below it is past kv
+            stack, seen = [match.partial], 0
+            while stack and seen < MAX_NODES_SEARCHED:
+                node = stack.pop()
+                seen += 1
+                found.extend(s.position for s in node.snapshots)
+                stack.extend(node.children.values())
+        return min(found, default=None)
+
     # ----------------------------------------------------------------- update
     def add_child(self, node: PageNode, tokens: tuple[int, ...], page: int | None) -> PageNode:
         """A new node for ``tokens`` (``block_size`` of them) under ``node``, held in ``page``."""
         assert len(tokens) == self.block_size and tokens not in node.children
-        child = PageNode(tokens, page, node, node.depth + 1, last_used=self.tick(), salt=node.salt)
+        child = PageNode(tokens, page, node, node.depth + 1, last_used=self.tick(), salt=node.salt,
+                         key=chain_key(node.key, tokens))
         node.children[tokens] = child
         self.num_nodes += 1
         return child

@@ -4,6 +4,9 @@ Slots are handed out lowest id first, so the sequences of a batch often hold a r
 slots: then the slots are one slice of the pool's view and a read or write is a single pass that also
 converts the dtype. Otherwise ``index_select`` / ``index_copy_`` are used, which on the pool's strided
 views are several times faster on the CPU than advanced indexing (``cache[idx]``).
+
+A negative slot is a padding row of a captured step (``engine/decode_capture.py``), as in the kernels: it
+has no state, so it reads as zeros and its writes go nowhere.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ def _consecutive(idx: torch.Tensor) -> slice | None:
     if n == 0 or idx.device.type != "cpu":
         return None
     first = int(idx[0])
-    if int(idx[-1]) - first != n - 1 or (n > 2 and not bool((idx[1:] - idx[:-1] == 1).all())):
+    if first < 0 or int(idx[-1]) - first != n - 1 or (n > 2 and not bool((idx[1:] - idx[:-1] == 1).all())):
         return None
     return slice(first, first + n)
 
@@ -27,13 +30,35 @@ def read_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     run = _consecutive(idx)
     if run is not None:
         return cache[run].to(torch.float32, copy=True)
+    padding = idx < 0  # (B,)
+    if bool(padding.any()):
+        values = cache.index_select(0, idx.clamp(min=0)).float()
+        values[padding] = 0.0
+        return values
     return cache.index_select(0, idx).float()
 
 
 def write_slots(cache: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
-    """Store values (B, *shape) into cache[idx], cast to the cache dtype, in place (distinct idx)."""
+    """Store values (B, *shape) into cache[idx], cast to the cache dtype, in place (distinct idx; none for a
+    negative one)."""
     run = _consecutive(idx)
     if run is not None:
         cache[run].copy_(values)
-    else:
-        cache.index_copy_(0, idx, values.to(cache.dtype))
+        return
+    kept = idx >= 0  # (B,)
+    if not bool(kept.all()):
+        idx, values = idx[kept], values[kept]
+    cache.index_copy_(0, idx, values.to(cache.dtype))
+
+
+def read_slot(cache: torch.Tensor, slot: int) -> torch.Tensor:
+    """One sequence's state cache[slot] (*shape) as a new float32 tensor; zeros for a negative slot."""
+    if slot < 0:
+        return torch.zeros(cache.shape[1:], dtype=torch.float32, device=cache.device)
+    return cache[slot].float()
+
+
+def write_slot(cache: torch.Tensor, slot: int, value: torch.Tensor) -> None:
+    """Store one sequence's state ``value`` into cache[slot] in the cache dtype; nothing for a negative slot."""
+    if slot >= 0:
+        cache[slot] = value.to(cache.dtype)

@@ -4,8 +4,13 @@ At engine start the model's eager forward runs once per bucket (1, 2, 4, ... up 
 ``max_num_seqs`` sequences of one token each) over static input buffers (token ids, positions,
 state slots, block tables, context lengths, KV write slots) and is recorded as a kernel graph
 (``kernels/graph.py``). A decode step of ``n`` sequences then fills the buffers' first ``n`` rows,
-points the rest of its bucket at a reserved padding page and slot, and replays the bucket's graph:
-the kernel calls the eager forward makes, without the Python between them. A model whose forward
+marks the rest of its bucket as padding, and replays the bucket's graph: the kernel calls the eager
+forward makes, without the Python between them.
+
+A padding row holds nothing of the pool, so capture costs no sequence of capacity: its state slot is
+-1 and its KV write slots are -1 (the kernels read and write no state and no page for it), and its
+context length is 0 (attention reads no page for it); the kernels give it zero outputs, which the
+step drops. A model whose forward
 runs anything but kernels is not captured; the reason names the operators, and it runs eagerly.
 
 :meth:`CapturedDecode.run` takes page and slot handles (what sequences hold) and writes positions into the
@@ -21,12 +26,16 @@ import logging
 import numpy as np
 import torch
 
-from hybridserve.cache.capacity import MIN_POOL_SHARE, padding_fits, padding_reservation, reserved_bytes
 from hybridserve.cache.pool import CachePool
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
 from hybridserve.kernels.graph import CaptureError, Graph, capture, module_regions, tensor_region
 
 logger = logging.getLogger(__name__)
+
+#: a padding row's state slot and KV write slots: none (the kernels skip negative slots)
+PADDING_SLOT = -1
+#: a padding row's context length: empty (attention reads no page for it)
+PADDING_CONTEXT = 0
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -58,23 +67,18 @@ class CapturedDecode:
         if q > self.block_size:
             raise ValueError(f"a captured step takes at most block_size={self.block_size} tokens per sequence, got {q}")
         self.has_kv, self.has_state = pool.layout.has_kv, pool.layout.has_state
-        reserved = pool.padding != (None, None)
-        pad_page, pad_slot = pool.padding if reserved else pool.reserve_padding()
-        # positions of the padding (the highest page and the lowest slot, which compaction never moves)
-        self.pad_page = None if pad_page is None else pool.pages.position(pad_page)
-        self.pad_slot = None if pad_slot is None else pool.slots.position(pad_slot)
         width = -(-(max_model_len + q) // self.block_size) if self.has_kv else 1
         i64 = dict(dtype=torch.int64)
         self.input_ids = torch.zeros(max_rows * q, **i64)  # (rows * q,)
         self.positions = torch.arange(max_rows * q, **i64) % q
         self.cu_seqlens = torch.arange(max_rows + 1, **i64) * q  # q tokens per sequence
-        self.seq_lens = torch.full((max_rows,), q, **i64)  # context length after the step
-        self.block_tables = torch.full((max_rows, width), self.pad_page or 0, **i64)  # (rows, width)
-        self.state_indices = torch.full((max_rows,), self.pad_slot or 0, **i64)
-        self._pad_slots = (self.pad_page or 0) * self.block_size + torch.arange(q, **i64)  # (q,) a padded row's
-        self.slot_mapping = self._pad_slots.repeat(max_rows)  # (rows * q,)
+        # every row starts as padding: no context, no KV write slot, no state slot
+        self.seq_lens = torch.full((max_rows,), PADDING_CONTEXT, **i64)  # context length after the step
+        self.block_tables = torch.zeros(max_rows, width, **i64)  # (rows, width): a padding row's is never read
+        self.state_indices = torch.full((max_rows,), PADDING_SLOT, **i64)
+        self.slot_mapping = torch.full((max_rows * q,), PADDING_SLOT, **i64)  # (rows * q,)
         self.has_window = pool.layout.has_window  # the window page group's tables and write slots too
-        self.window_block_tables = torch.full((max_rows, width if self.has_window else 1), self.pad_page or 0, **i64)
+        self.window_block_tables = torch.zeros(max_rows, width if self.has_window else 1, **i64)
         self.window_slot_mapping = self.slot_mapping.clone()
         self._inputs = (self.input_ids, self.positions, self.cu_seqlens, self.seq_lens, self.block_tables,
                         self.state_indices, self.slot_mapping, self.window_block_tables, self.window_slot_mapping)
@@ -152,31 +156,28 @@ class CapturedDecode:
         if padded:
             np_["input_ids"][t:pad_t] = 0
             np_["positions"][t:pad_t] = np.tile(np.arange(q), size - rows)
-        pad_slots = self._pad_slots.numpy()
         if self.has_kv:
             np_["seq_lens"][:rows] = seq_lens
-            np_["seq_lens"][rows:size] = q
+            np_["seq_lens"][rows:size] = PADDING_CONTEXT
             np_["slot_mapping"][:t] = pool.pages.kv_rows_np(slot_mapping, self.block_size)
-            if padded:
-                np_["slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
-            self._write_block_tables(block_tables, rows, size)
+            np_["slot_mapping"][t:pad_t] = PADDING_SLOT
+            self._write_block_tables(block_tables)
         if self.has_window:
             window_slots, window_tables = window
             np_["window_slot_mapping"][:t] = pool.pages.kv_rows_np(window_slots, self.block_size)
-            if padded:
-                np_["window_slot_mapping"][t:pad_t] = np.tile(pad_slots, size - rows)
-            self._write_block_tables(window_tables, rows, size, "window_block_tables", self._window_written)
+            np_["window_slot_mapping"][t:pad_t] = PADDING_SLOT
+            self._write_block_tables(window_tables, "window_block_tables", self._window_written)
         if self.has_state:
             np_["state_indices"][:rows] = pool.slots.positions_np(state_slots)
-            np_["state_indices"][rows:size] = self.pad_slot
+            np_["state_indices"][rows:size] = PADDING_SLOT
         return self.graphs[size].replay()[:t]
 
-    def _write_block_tables(self, block_tables: list[list[int]], rows: int, size: int, name: str = "block_tables",
+    def _write_block_tables(self, block_tables: list[list[int]], name: str = "block_tables",
                             written: list[list[int] | None] | None = None) -> None:
-        """Rows [0, rows) get the page positions of their sequences' tables of handles (only those that
-        changed since written: a table grows a page every block_size tokens); padded rows [rows, size) the
-        padding page. Entries past a table's length are never read (the kernels stop at the context length),
-        nor are a window table's released ones (-1, written as the padding page)."""
+        """The first rows get the page positions of their sequences' tables of handles (only those that
+        changed since written: a table grows a page every block_size tokens); a padding row's table is never
+        read (its context is empty). Entries past a table's length are never read (the kernels stop at the
+        context length), nor are a window table's released ones (-1, written as page position 0)."""
         tables, written = self._np[name], self._tables_written if written is None else written
         pages = self._pool.pages
         for r, table in enumerate(block_tables):
@@ -185,41 +186,23 @@ class CapturedDecode:
                     handles = np.asarray(table, dtype=np.int64)
                     released = handles < 0
                     row = np.asarray(pages.positions_np(np.where(released, 0, handles)))
-                    row[released] = self.pad_page
+                    row[released] = 0
                     tables[r, :len(table)] = row
                 else:
                     tables[r, :len(table)] = pages.positions_np(table)
                 written[r] = list(table)
-        pad = [self.pad_page]
-        for r in range(rows, size):
-            if written[r] != pad:
-                tables[r, 0] = self.pad_page
-                written[r] = pad
 
 
 def try_capture(model: torch.nn.Module, pool: CachePool, max_rows: int, max_model_len: int,
                 tokens_per_row: int = 1, caches: dict | None = None) -> tuple[CapturedDecode | None, str | None]:
     """The model's captured steps of ``tokens_per_row`` tokens per sequence (1: decode) and None, or None
-    and the reason it cannot be captured.
-
-    Padded rows need a page and a slot of their own for the pool's life; a pool so small that they would
-    take more than ``1 / MIN_POOL_SHARE`` of it stays eager instead (the requests it can hold matter more)."""
-    layout = pool.layout
-    if not padding_fits(layout, pool.num_bytes):
-        padding = reserved_bytes(layout, padding_reservation(layout))
-        return None, (f"the cache pool ({pool.num_bytes} bytes) is too small to set aside a page and a slot for "
-                      f"padded rows ({padding} bytes, over 1/{MIN_POOL_SHARE} of it)")
-    reserved = pool.padding != (None, None)  # another capture's: it stays
+    and the reason it cannot be captured."""
     captured = CapturedDecode(model, pool, max_rows, max_model_len, tokens_per_row, caches)
     try:
         captured.capture_all()
     except CaptureError as exc:
-        if not reserved:
-            pool.release_padding()
         return None, str(exc)
     except (RuntimeError, ValueError) as exc:  # a kernel rejected the capture run's arguments
-        if not reserved:
-            pool.release_padding()
         logger.exception("decode capture failed")
         return None, f"the capture run failed: {exc}"
     return captured, None

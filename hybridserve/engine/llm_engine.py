@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from typing import Any
@@ -22,6 +23,7 @@ from hybridserve.engine.model_runner import StepLogits
 from hybridserve.engine.output_processor import OutputProcessor
 from hybridserve.engine.request_registry import RequestRegistry
 from hybridserve.engine.scheduler import ScheduledSeq, Scheduler
+from hybridserve.engine.seq_limit import fitted_max_num_seqs
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.worker import Worker
 from hybridserve.generation_config import generation_eos_ids, load_generation_defaults, token_id_list
@@ -48,6 +50,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        config = copy.copy(config)  # its own: max_num_seqs may be clamped to what the pool holds
         if config.model is None:
             raise ValueError("model is required: a checkpoint directory")
         self.config = config
@@ -84,6 +87,7 @@ class LLMEngine:
         self.cpu_fast_paths, self.cpu_kernels = worker.cpu_fast_paths, worker.cpu_kernels
         self.spec_config, self.draft_model, self.mtp_head = worker.spec_config, worker.draft_model, worker.mtp_head
         self.layout_specs, self.layout = worker.layout_specs, worker.layout
+        config.max_num_seqs = fitted_max_num_seqs(config.max_num_seqs, self.layout, self.pool.num_bytes)
         self.cache = CacheManager(self.pool, config.enable_prefix_caching, config.prefix_snapshot_interval)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.driver = DriverModel(self.model, self.pool, self.tp) if self.tp is not None else None
@@ -354,11 +358,9 @@ class LLMEngine:
             "num_pages": self.pool.num_pages,
             "num_slots": self.pool.num_slots,
             "max_model_len": self.max_model_len,
-            "padding_reserved_bytes": self.pool.reserved_bytes(),
             "prefix_caching": self.cache.prefix_caching,
             "prefix_snapshot_interval": self.config.prefix_snapshot_interval,
-            "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len,
-                                                      self.pool.reserved_counts()),
+            "max_concurrent_sequences": max_sequences(layout, self.pool.num_bytes, self.max_model_len),
             "speculation": speculation_summary(self.spec_config, layout, len(self.layout_specs) - len(self.specs)),
             "quantization": self.cpu_fast_paths.quantization if self.cpu_fast_paths is not None else "none",
             "weight_bytes": weight_bytes(self.model),

@@ -316,4 +316,4 @@ class OutputProcessor:
         return RequestOutput(request_id, parent.prompt, list(parent.prompt_token_ids),
                              list(parent.prompt_logprobs) if parent.params.prompt_logprobs is not None else None,
                              completions, finished, num_cached_tokens=parent.num_cached_tokens or 0,
-                             error=group.error)
+                             error=group.error, prefix_cache=parent.prefix_cache)

@@ -42,6 +42,7 @@ class Sequence:
         self.spec_slot: int | None = None  # speculative decoding: the slot a verification runs on
         self.spec = None  # speculative decoding: this sequence's drafting state (spec_decode.speculator)
         self.num_cached_tokens: int | None = None  # prompt tokens resumed from the prefix cache at admission
+        self.prefix_cache = None  # its prefix-cache answer at first admission (cache.prefix_reason.PrefixCacheInfo)
         self.snapshot_plan: list[int] = []  # positions where the prefix cache snapshots its state
         self.prefix_node = None  # the prefix index node of its last indexed page (prefix caching)
         self.num_indexed_pages = 0

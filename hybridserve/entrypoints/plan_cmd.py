@@ -29,12 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="tokens per sequence (default: the engine's, the model's max positions capped at 4096)")
     p.add_argument("--block-size", type=int, default=16, help="attention KV block size in tokens (1-64)")
-    p.add_argument("--device", default="auto", help="the engine's device (auto, cpu, cuda): captured decode steps "
-                                                    "on the CPU set a page and a slot aside for padded rows")
+    p.add_argument("--device", default="auto", help="the engine's device (auto, cpu, cuda)")
     p.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="plan for an engine without its CPU kernels (no captured decode, no padding reservation)")
+                   help="plan for an engine without its CPU kernels (captured decode or not, the pool's capacity "
+                        "is the same: padded rows hold no page and no slot)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="plan for an engine that does not capture decode steps (no padding reservation)")
+                   help="plan for an engine that does not capture decode steps (the same capacity)")
     p.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                    help="plan for an engine that caches prefixes: shows what a state snapshot costs")
     p.add_argument("--prefix-snapshot-interval", type=int, default=DEFAULT_SNAPSHOT_INTERVAL,
@@ -183,7 +183,6 @@ def print_plan(plan, alternatives) -> None:
                 if plan.tensor_parallel_size > 1 else "")),
             ("bytes per sequence", f"{s['bytes_per_sequence']:,} at {s['max_model_len']:,} tokens "
                                    f"(ideal {s['ideal_bytes_per_sequence']:,})"),
-            ("padding reserved (captured decode)", _size(s["padding_reserved_bytes"])),
             ("max concurrent sequences", f"{s['max_concurrent_sequences']:,} of {s['max_model_len']:,} tokens "
                                          f"(ideal {s['ideal_max_sequences']:,.2f})")):
         totals.add_row(label, value)

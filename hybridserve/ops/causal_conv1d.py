@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.slots import read_slot, read_slots, write_slot, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -121,12 +121,12 @@ def causal_conv1d_update_ref(x, conv_states, weight, bias, state_indices, activa
     y = torch.empty(B, D, dtype=torch.float32, device=x.device)  # (B, D)
     for b in range(B):
         slot = int(state_indices[b])
-        window = torch.cat([conv_states[slot].float(), x[b].float()[:, None]], dim=1)  # (D, K)
+        window = torch.cat([read_slot(conv_states, slot), x[b].float()[:, None]], dim=1)  # (D, K)
         out = (window * weight.float()).sum(dim=1)  # (D,)
         if bias is not None:
             out = out + bias.float()
         y[b] = _activate(out, activation)
-        conv_states[slot] = _last_cols(window, K - 1).to(conv_states.dtype)
+        write_slot(conv_states, slot, _last_cols(window, K - 1))
     return y.to(x.dtype)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.slots import read_slot, read_slots, write_slot, write_slots
 from hybridserve.ops._varlen import chunk_grid, packed_positions, pad_to_chunks
 
 
@@ -167,12 +167,12 @@ def delta_rule_update_loop(states, q, k, v, log_decay, beta, state_indices):
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # (B, H, Dv)
     for b in range(v.shape[0]):
         slot = int(state_indices[b])
-        state = states[slot].float() * log_decay[b].exp()[:, :, None]  # (H, Dk, Dv)
+        state = read_slot(states, slot) * log_decay[b].exp()[:, :, None]  # (H, Dk, Dv)
         kv_mem = (state * k[b][:, :, None]).sum(1)  # (H, Dv)
         u = beta[b][:, None] * (v[b] - kv_mem)
         state = state + k[b][:, :, None] * u[:, None, :]
         out[b] = (state * q[b][:, :, None]).sum(1)
-        states[slot] = state.to(states.dtype)
+        write_slot(states, slot, state)
     return out
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.slots import read_slot, read_slots, write_slot, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 # ----------------------------------------------------------------------------------------------
@@ -119,9 +119,9 @@ def linear_attention_update_ref(states, q, k, v, decay, state_indices):
     out = torch.empty(B, H, v.shape[-1], dtype=torch.float32, device=q.device)  # (B, H, Dv)
     for b in range(B):
         slot = int(state_indices[b])
-        state = factor * states[slot].float() + k[b].float()[:, :, None] * v[b].float()[:, None, :]
+        state = factor * read_slot(states, slot) + k[b].float()[:, :, None] * v[b].float()[:, None, :]
         out[b] = torch.einsum("hk,hkv->hv", q[b].float(), state)  # (H, Dv)
-        states[slot] = state.to(states.dtype)
+        write_slot(states, slot, state)
     return out
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.slots import read_slot, read_slots, write_slot, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -170,12 +170,13 @@ def mlstm_update_ref(states, q, k, v, i, f, state_indices, *, eps=1e-6):
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # (B, H, Dv)
     for b in range(v.shape[0]):
         slot = int(state_indices[b])
-        h, C, n, m = _step(Cs[slot:slot + 1].float(), ns[slot:slot + 1].float(), ms[slot:slot + 1].float(),
+        h, C, n, m = _step(*(read_slot(s, slot)[None] for s in states),
                            q[b:b + 1].float(), k[b:b + 1].float(), v[b:b + 1].float(), i[b:b + 1].float(),
                            f[b:b + 1].float(), eps)
         out[b] = h[0]
         C, n, m = fit_max_state(C, n, m, ms.dtype)
-        Cs[slot], ns[slot], ms[slot] = C[0].to(Cs.dtype), n[0].to(ns.dtype), m[0].to(ms.dtype)
+        for cache, value in zip(states, (C[0], n[0], m[0])):
+            write_slot(cache, slot, value)
     return out
 
 

@@ -29,11 +29,14 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> No
     """Write new K/V into their cache slots, in place.
 
     k, v: (T, Hkv, Dh); k_cache, v_cache: (num_blocks, block_size, Hkv, Dh) (any dtype, may be
-    strided views); slot_mapping: (T,) int64 = block_id * block_size + offset; k_scale, v_scale:
-    python floats.
+    strided views); slot_mapping: (T,) int64 = block_id * block_size + offset, negative for a token that has no
+    slot (a padding row of a captured step: not written); k_scale, v_scale: python floats.
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)  # (T,)
+    kept = slots >= 0  # (T,)
+    if not bool(kept.all()):
+        slots, k, v = slots[kept], k[kept], v[kept]
     blk, off = slots // block_size, slots % block_size  # (T,), (T,)
     k_cache[blk, off] = _quantize(k, k_scale, k_cache.dtype)  # (T, Hkv, Dh)
     v_cache[blk, off] = _quantize(v, v_scale, v_cache.dtype)  # (T, Hkv, Dh)

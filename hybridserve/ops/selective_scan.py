@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.slots import read_slot, read_slots, write_slot, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -181,10 +181,10 @@ def selective_state_update_ref(ssm_states, x, dt, A, B, C, D, z, dt_bias, dt_sof
     y = torch.empty(Bsz, Dm, dtype=torch.float32, device=x.device)  # (B, D)
     for b in range(Bsz):
         slot = int(state_indices[b])
-        h = ssm_states[slot].float()  # (D, N)
+        h = read_slot(ssm_states, slot)  # (D, N)
         h = torch.exp(dtp[b][:, None] * A.float()) * h + (dtp[b] * x[b].float())[:, None] * B[b].float()[None, :]
         y[b] = h @ C[b].float()
-        ssm_states[slot] = h.to(ssm_states.dtype)
+        write_slot(ssm_states, slot, h)
     return _output(y, x, D, z)
 
 

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.slots import read_slot, read_slots, write_slot, write_slots
 from hybridserve.ops._varlen import packed_positions
 
 
@@ -172,7 +172,7 @@ def mamba2_state_update_ref(ssm_states, x, dt, A, B, C, D, dt_bias, dt_softplus,
     y = torch.empty(Bsz, H, P, dtype=torch.float32, device=x.device)  # (B, H, P)
     for b in range(Bsz):
         slot = int(state_indices[b])
-        h = ssm_states[slot].float()  # (H, P, N)
+        h = read_slot(ssm_states, slot)  # (H, P, N)
         xb = x[b].float()  # (H, P)
         Bb = B[b].float().repeat_interleave(rep, dim=0)  # (H, N)
         Cb = C[b].float().repeat_interleave(rep, dim=0)  # (H, N)
@@ -182,7 +182,7 @@ def mamba2_state_update_ref(ssm_states, x, dt, A, B, C, D, dt_bias, dt_softplus,
         if D is not None:
             yb = yb + D.float()[:, None] * xb
         y[b] = yb
-        ssm_states[slot] = h.to(ssm_states.dtype)
+        write_slot(ssm_states, slot, h)
     return y
 
 

@@ -23,12 +23,8 @@ from hybridserve.cache.capacity import (
     bytes_per_sequence,
     ideal_bytes_per_sequence,
     max_sequences,
-    padding_fits,
-    padding_reservation,
     pool_geometry,
-    reserved_bytes,
 )
-from hybridserve.cache.dtypes import FP8_KV_DTYPE_NAMES, dtype_name
 from hybridserve.cache.layout import PoolLayout, compute_layout
 from hybridserve.cache.spec import CacheDtypes, LayerCacheSpec
 from hybridserve.models.registry import architecture_of
@@ -111,7 +107,6 @@ class CachePlan:
     layout: PoolLayout
     cache_memory_bytes: int
     max_model_len: int
-    reserved: tuple[int, int] = (0, 0)  # (pages, slots) the padded rows of captured decode steps hold
     prefix_caching: bool = True
     snapshot_interval: int = 0  # tokens between the state snapshots of a long prefill (0: none periodic)
     speculation: Any = None  # spec_decode.config.SpeculativeConfig, or None
@@ -121,9 +116,8 @@ class CachePlan:
 
     @property
     def max_concurrent_sequences(self) -> int:
-        """Sequences of ``max_model_len`` tokens that fit in the pool at once, beside the padding
-        reservation (the engine's arithmetic)."""
-        return max_sequences(self.layout, self.cache_memory_bytes, self.max_model_len, self.reserved)
+        """Sequences of ``max_model_len`` tokens that fit in the pool at once (the engine's arithmetic)."""
+        return max_sequences(self.layout, self.cache_memory_bytes, self.max_model_len)
 
     @property
     def bytes_per_sequence(self) -> int:
@@ -177,7 +171,6 @@ class CachePlan:
             "max_model_len": self.max_model_len,
             "bytes_per_sequence": self.bytes_per_sequence,
             "ideal_bytes_per_sequence": self.ideal_bytes_per_sequence,
-            "padding_reserved_bytes": reserved_bytes(layout, self.reserved),
             "max_concurrent_sequences": self.max_concurrent_sequences,
             "ideal_max_sequences": self.ideal_max_sequences,
             **self.snapshot_cost(),
@@ -213,9 +206,8 @@ def plan_cache(hf_config: Any, config: Any, max_model_len: int | None = None,
     layout = compute_layout(specs, config.block_size)
     length = max_model_len or config.max_model_len or default_max_model_len(hf_config)
     options = {name: getattr(config, name) for name in DTYPE_OPTIONS}
-    reserved = padding_reservation(layout) if _captures_decode(config, dtypes, layout) else (0, 0)
     return CachePlan(label, architecture_of(hf_config), options, dtypes, tuple(specs), layout,
-                     int(config.cache_memory), int(length), reserved, config.enable_prefix_caching,
+                     int(config.cache_memory), int(length), config.enable_prefix_caching,
                      config.prefix_snapshot_interval, speculation, len(drafter),
                      getattr(config, "tensor_parallel_size", 1))
 
@@ -252,16 +244,6 @@ def drafter_specs(hf_config: Any, specs: list[LayerCacheSpec], speculation: Any,
             raise ValueError(f"{architecture_of(hf_config)} declares no MTP layers to plan for")
         return [LayerCacheSpec(offset + i, "attention", attention) for i in range(count)]
     return []
-
-
-def _captures_decode(config: Any, dtypes: Any, layout) -> bool:
-    """Whether the engine would capture decode steps (and so reserve their padding) under ``config`` on
-    this machine: the CPU with its kernels on, not ``enforce_eager``, no fp8 KV cache (which stays
-    eager), and a pool large enough to spare the reservation."""
-    return (config.resolve_device().type == "cpu" and config.cpu_kernels and not config.enforce_eager
-            and getattr(config, "tensor_parallel_size", 1) == 1  # tensor-parallel steps run eagerly
-            and dtype_name(dtypes.kv_cache) not in FP8_KV_DTYPE_NAMES
-            and padding_fits(layout, int(config.cache_memory)))
 
 
 def plan_alternatives(hf_config: Any, config: Any, max_model_len: int | None = None) -> list[CachePlan]:

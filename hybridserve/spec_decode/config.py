@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
-#: drafts of one verification, plus its pending token, fit on one padding page of the captured steps
+#: drafts of one verification, plus its pending token, fit in one KV page (a captured step's most per sequence)
 MAX_SPECULATIVE_TOKENS = 15
 DEFAULT_NUM_SPECULATIVE_TOKENS = {"ngram": 5, "draft_model": 4, "mtp": 2}
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8

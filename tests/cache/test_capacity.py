@@ -92,3 +92,16 @@ def test_one_budget_for_many_short_or_few_long(family):
     for n, tokens in ((many, short), (few, long)):  # ... and fills it
         used = n * bytes_per_sequence(layout, tokens)
         assert used >= 0.99 * CACHE_MEMORY - bytes_per_sequence(layout, tokens)
+
+
+@pytest.mark.parametrize("family", list(REAL_CONFIGS))
+def test_captured_decode_costs_no_sequence(family):
+    """With the engine's defaults (CPU kernels on, so decode steps are captured), a plan holds the ideal count
+    of 4,096-token sequences: the padded rows of captured steps set no page and no slot aside (e.g.
+    Nemotron-H-8B with float32 state in 4 GiB: 25 sequences, not 24)."""
+    config = _config(family)
+    for options in ({}, {"mamba_ssm_cache_dtype": "float32"}):
+        for budget in (4 * 2**30, 6 * 2**30):
+            plan = plan_cache(config, EngineConfig(cache_memory=budget, max_model_len=4096, **options))
+            ideal = budget // ideal_bytes_per_sequence(plan.layout, 4096)
+            assert plan.max_concurrent_sequences == ideal, (options, budget)

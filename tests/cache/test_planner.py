@@ -80,9 +80,9 @@ def test_planned_capacity_is_what_fits_before_preemption(ckpt_dir, tmp_path, cap
     assert preemptions > 0 or peak <= capacity
 
 
-def test_planned_capacity_counts_the_padding_reservation(ckpt_dir, tmp_path, capsys):
-    """A pool large enough for captured decode steps: plan and engine both set the padded rows' page and slot
-    aside, agree on the capacity (one sequence fewer here), and that many run together without preemption."""
+def test_captured_decode_costs_no_sequence(ckpt_dir, tmp_path, capsys):
+    """A pool of 40 sequences and a page, with captured decode steps: their padded rows hold no page and no
+    slot, so plan and engine both count all 40, and 40 run together without preemption."""
     path = make(ckpt_dir, "bamba")
     config_only = tmp_path / "config-only"
     config_only.mkdir()
@@ -91,20 +91,18 @@ def test_planned_capacity_counts_the_padding_reservation(ckpt_dir, tmp_path, cap
     per_seq = probe["bytes_per_sequence"]
     cache_memory = 40 * per_seq + probe["page_bytes"]  # 40 sequences and a page: not room for a page and a slot more
     plan = _plan(capsys, str(config_only), cache_memory, {})
-    assert plan["padding_reserved_bytes"] == probe["page_bytes"] + probe["slot_bytes"]
-    assert plan["max_concurrent_sequences"] == 39
+    assert plan["max_concurrent_sequences"] == 40
     llm = LLM(path, cache_memory=cache_memory, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
     layout = llm.cache_layout()
     if llm.engine.runner.captured_decode is None:
         pytest.skip(f"decode not captured here ({llm.engine.cpu_fast_paths.decode_reason})")
-    assert layout["padding_reserved_bytes"] == plan["padding_reserved_bytes"]
     assert layout["max_concurrent_sequences"] == plan["max_concurrent_sequences"]
-    preemptions, peak = _run(llm, 39)
-    assert preemptions == 0 and peak == 39
+    preemptions, peak = _run(llm, 40)
+    assert preemptions == 0 and peak == 40
     assert main(["plan", str(config_only), "--json", f"--cache-memory={cache_memory}",
                  f"--max-model-len={MAX_MODEL_LEN}", "--enforce-eager"]) == 0
     no_capture = json.loads(capsys.readouterr().out)
-    assert no_capture["padding_reserved_bytes"] == 0 and no_capture["max_concurrent_sequences"] == 40
+    assert no_capture["max_concurrent_sequences"] == 40  # the same with or without capture
 
 
 def test_plan_human_output_and_alternatives(ckpt_dir, capsys):

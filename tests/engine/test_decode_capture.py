@@ -235,7 +235,6 @@ def test_uncovered_models_run_eagerly(ckpt_dir, caplog, family, dtype, options, 
         llm = LLM(path, cache_memory="16MiB", max_num_seqs=3, enable_progress_bar=False, **options)
     assert llm.engine.runner.captured_decode is None
     assert reason in llm.engine.cpu_fast_paths.decode_reason
-    assert llm.engine.pool.padding == (None, None)  # the padding reservation went back to the pool
     warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name.endswith("cpu_fast_paths")]
     assert len(warnings) == 1 and reason in warnings[0].getMessage(), caplog.text  # one line, the real reason
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4))[0]
@@ -249,17 +248,6 @@ def test_no_capture_with_kernels_off(ckpt_dir):
     llm = LLM(path, cpu_kernels=False, cache_memory="16MiB", enable_progress_bar=False)
     assert llm.engine.runner.captured_decode is None
     assert "kernels are off" in llm.engine.cpu_fast_paths.decode_reason
-
-
-@needs_compiler
-@needs_bf16_kernel
-def test_padding_is_reserved_and_not_counted_as_used(ckpt_dir):
-    path = make(ckpt_dir, "granitemoehybrid_dense", dtype=torch.bfloat16)
-    pool = _llm(path, True).engine.pool
-    page, slot = pool.padding
-    assert page == pool.num_pages - 1 and slot == 0  # the ids compaction never moves
-    assert pool.used_bytes() == 0 and pool.reserved_bytes() == pool.layout.page_bytes + pool.layout.slot_bytes
-    assert pool.allocate(1, 1).pages != [page]
 
 
 @needs_compiler

@@ -137,7 +137,8 @@ class ServerProcess:
         return log_tail(self._log, self.log_path)
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` as {name (labels dropped, but le kept for buckets): value}."""
+        """``/metrics`` as {name (labels dropped, but le kept for buckets): value, summed over the series a name
+        has (a counter by reason, say)}."""
         text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=5.0).text
         values = {}
         for line in text.splitlines():
@@ -147,7 +148,7 @@ class ServerProcess:
             base = name.split("{", 1)[0]
             if 'le="' in name:
                 base += "|" + name.split('le="', 1)[1].split('"', 1)[0]
-            values[base] = float(value)
+            values[base] = values.get(base, 0.0) + float(value)
         return values
 
     def stop(self) -> int:

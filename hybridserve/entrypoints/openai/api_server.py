@@ -101,7 +101,8 @@ def build_app(state: ServerState, allowed_hosts: tuple[str, ...] | None = None) 
             raise APIError(503, getattr(state.engine, "down_reason", None) or "the server is shutting down")
         return JSONResponse({"status": "ok"})
 
-    registry = metrics_registry(state.engine, state.model_name)  # this server's own
+    # this server's own; ``salted`` lookups are shown only to holders of the key (entrypoints/openai/metrics.py)
+    registry = metrics_registry(state.engine, state.model_name, show_salted=state.protect_metrics_and_docs)
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: scrapers' reachability probe
     async def metrics(request: Request) -> Any:

@@ -8,6 +8,11 @@ metric is adding a row; a row whose reader returns ``None`` is left out of that 
 Each server has its own :class:`~prometheus_client.CollectorRegistry` (:func:`metrics_registry`), so several
 servers in one process never share or clash on series. :func:`render` writes Prometheus text (format 0.0.4), or
 OpenMetrics when the scraper's ``Accept`` header asks for it.
+
+The prefix cache's answers are counted by reason (``cache/prefix_reason.py``). ``salted`` (a prompt that only
+another ``cache_salt`` has cached) is shown only when ``/metrics`` needs the API key
+(``--protect-metrics-and-docs``); an open ``/metrics`` counts those lookups as ``no_match``, what the request
+itself was told, so that no client can learn from it what another salt has cached.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from hybridserve.cache.prefix_reason import PrefixCacheReason
 from hybridserve.engine.metrics import CountsHistogram
 from hybridserve.kernels import fallbacks
 
@@ -109,6 +115,22 @@ def _prefix_cache(*keys: str) -> Callable[[AsyncEngine], float | None]:
     return read
 
 
+def _by_reason(kind: str, show_salted: bool) -> Callable[[AsyncEngine], dict[tuple[str, ...], float]]:
+    """Reads the prefix cache's ``kind`` (``lookups`` or ``queries``) counts by reason; ``salted`` folded into
+    ``no_match`` unless ``show_salted`` (nothing before the engine's first snapshot)."""
+
+    def read(engine: AsyncEngine) -> dict[tuple[str, ...], float]:
+        stats = engine.snapshot.prefix_cache
+        if not stats:
+            return {}
+        counts = {reason.value: stats.get(f"{kind}:{reason.value}", 0) for reason in PrefixCacheReason}
+        if not show_salted:
+            counts[PrefixCacheReason.NO_MATCH.value] += counts.pop(PrefixCacheReason.SALTED.value)
+        return {(reason,): count for reason, count in counts.items()}
+
+    return read
+
+
 def _spec_decode(key: str) -> Callable[[AsyncEngine], float | None]:
     """Reads a counter of speculative decoding (None when it is off)."""
 
@@ -139,8 +161,6 @@ METRICS: tuple[Row, ...] = (
     Scalar("generation_tokens_total", "counter", "Tokens generated.", lambda e: e.snapshot.generation_tokens),
     Scalar("num_preemptions_total", "counter", "Sequences preempted (their cache freed, to be recomputed).",
            lambda e: e.snapshot.num_preemptions),
-    Scalar("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-           _prefix_cache("queries")),
     Scalar("prefix_cache_hits_total", "counter", "Prompt tokens resumed from the prefix cache instead of computed.",
            _prefix_cache("hits")),
     Scalar("prefix_cache_kv_beyond_snapshot_total", "counter",
@@ -172,11 +192,26 @@ METRICS: tuple[Row, ...] = (
 )
 
 
-class EngineCollector(Collector):
-    """Reads ``rows`` (default :data:`METRICS`) from ``engine`` on every scrape, labelled ``model_name``."""
+def prefix_reason_rows(show_salted: bool) -> tuple[Row, ...]:
+    """The prefix cache's counters by reason (``salted`` shown or folded into ``no_match``, see above)."""
+    return (
+        Labeled("prefix_cache_queries_total", "counter",
+                "Prompt tokens looked up in the prefix cache, by the lookup's outcome (hit, no_match, no_snapshot, "
+                "evicted, salted, caching_off, too_short, prompt_logprobs).", ("reason",),
+                _by_reason("queries", show_salted)),
+        Labeled("prefix_cache_lookups_total", "counter",
+                "Prompts looked up in the prefix cache (one per admission of a request's prompt), by outcome.",
+                ("reason",), _by_reason("lookups", show_salted)),
+    )
 
-    def __init__(self, engine: AsyncEngine, model_name: str, rows: tuple[Row, ...] = METRICS) -> None:
-        self.engine, self.model_name, self.rows = engine, model_name, rows
+
+class EngineCollector(Collector):
+    """Reads ``rows`` (default :data:`METRICS` and the prefix cache's counters by reason, ``salted`` folded) from
+    ``engine`` on every scrape, labelled ``model_name``."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, rows: tuple[Row, ...] | None = None) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.rows = rows if rows is not None else METRICS + prefix_reason_rows(False)
 
     def collect(self) -> Iterator[Metric]:
         for row in self.rows:
@@ -185,10 +220,11 @@ class EngineCollector(Collector):
                 yield family
 
 
-def metrics_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
-    """A registry of its own for one server, holding the engine's metrics."""
+def metrics_registry(engine: AsyncEngine, model_name: str, show_salted: bool = False) -> CollectorRegistry:
+    """A registry of its own for one server, holding the engine's metrics (``show_salted``: only for a
+    ``/metrics`` that needs the API key)."""
     registry = CollectorRegistry()
-    registry.register(EngineCollector(engine, model_name))
+    registry.register(EngineCollector(engine, model_name, METRICS + prefix_reason_rows(show_salted)))
     return registry
 
 

@@ -220,6 +220,9 @@ class ChatCompletionRequest(ToolRequestFields, _SamplingFields):
 # ------------------------------------------------------------------ responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
+    # why (cache/prefix_reason.py, never "salted"): one reason for one prompt, a list in prompt order for several;
+    # a key OpenAI-compatible clients ignore (docs/prefix_caching.md)
+    prefix_cache_reason: str | list[str | None] | None = None
 
 
 class UsageInfo(BaseModel):

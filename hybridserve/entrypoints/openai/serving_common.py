@@ -309,13 +309,19 @@ def top_entries(entry: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
 
 
 def usage_of(outputs: list[RequestOutput | None], prompts: list[tuple[list[int], str | None]]) -> dict:
-    """OpenAI ``usage``, with ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served."""
+    """OpenAI ``usage``, with ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache served,
+    and ``prompt_tokens_details.prefix_cache_reason``: why (a string for one prompt, a list in prompt order for
+    several; None where a prompt has no answer yet). A reason is what the request was told: never ``salted``."""
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     completion_tokens = sum(len(c.token_ids) for out in outputs if out is not None for c in out.outputs)
     cached = sum(out.num_cached_tokens for out in outputs if out is not None)
+    reasons = [out.prefix_cache.reason.value if out is not None and out.prefix_cache is not None else None
+               for out in outputs]
+    details: dict = {"cached_tokens": cached}
+    if any(reason is not None for reason in reasons):
+        details["prefix_cache_reason"] = reasons[0] if len(reasons) == 1 else reasons
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 #: characters valid unescaped in JSON that line-splitting clients (str.splitlines) take for line breaks

@@ -55,6 +55,7 @@ void kv_write_impl(int64_t T, const int64_t* slot_mapping, const AT* k, int64_t 
 #pragma omp parallel for schedule(static) if (T * Hkv * Dh > 65536)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = slot_mapping[t];
+    if (slot < 0) continue;  // a padding row of a captured step: it has no page
     const int64_t base = (slot / g.block_size) * g.block_stride + (slot % g.block_size) * g.token_stride;
     for (int64_t h = 0; h < Hkv; ++h) {
       CT* kd = k_cache + base + h * g.head_stride;
@@ -269,6 +270,11 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
       for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
         const int64_t L = seq_lens[s], q0 = cu_q[s], qlen = cu_q[s + 1] - cu_q[s];
         if (qlen <= 0) continue;
+        if (L <= 0) {  // no context (a padding row of a captured step): no page is read, its heads get zeros
+          for (int64_t t = q0; t < q0 + qlen; ++t)
+            std::memset(out + t * out_stride + kvh * R * Dh, 0, R * Dh * sizeof(AT));
+          continue;
+        }
         if (qlen == 1) {  // all heads in the item of KV head 0
           if (kvh > 0) continue;
           if (static_cast<int64_t>(scores.size()) < p.Hq * L) scores.resize(p.Hq * L);
@@ -374,7 +380,8 @@ void attention_impl(int64_t num_seqs, const int64_t* cu_q, const int64_t* seq_le
 
 extern "C" {
 
-// Write T tokens' K and V ((T, Hkv*Dh) rows with their strides, act dtype) into their cache slots.
+// Write T tokens' K and V ((T, Hkv*Dh) rows with their strides, act dtype) into their cache slots (none for a
+// negative slot: a padding row).
 int hs_kv_write(int act_dtype, int cache_dtype, int64_t T, const int64_t* slot_mapping, const void* k,
                 int64_t k_stride, const void* v, int64_t v_stride, void* k_cache, void* v_cache, int64_t block_size,
                 int64_t block_stride, int64_t token_stride, int64_t head_stride, int64_t Hkv, int64_t Dh,
@@ -389,7 +396,8 @@ int hs_kv_write(int act_dtype, int cache_dtype, int64_t T, const int64_t* slot_m
 }
 
 // Causal attention of packed queries q ((T, Hq*Dh) rows, act dtype) over each sequence's first
-// seq_lens[s] cached tokens (the queries are the last ones); out: (T, Hq*Dh) rows, act dtype.
+// seq_lens[s] cached tokens (the queries are the last ones); out: (T, Hq*Dh) rows, act dtype. A sequence with
+// no cached tokens (a padding row) reads nothing and gets zeros.
 int hs_paged_attention(int act_dtype, int cache_dtype, int64_t num_seqs, const int64_t* cu_q,
                        const int64_t* seq_lens, const int64_t* block_tables, int64_t bt_stride, const void* q,
                        int64_t q_stride, const void* k_cache, const void* v_cache, int64_t block_size,

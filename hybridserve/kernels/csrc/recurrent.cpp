@@ -1,7 +1,8 @@
 // CPU kernels for the recurrent layers: varlen causal depthwise conv and the Mamba2 (SSD) scan.
 //
 // Both read and write the pooled per-sequence state in place, through slot ids, in the state's own
-// dtype (float32, bfloat16 or float16), and compute in float32. One call covers a whole group of
+// dtype (float32, bfloat16 or float16), and compute in float32. A negative slot id is a padding row
+// (zero_rows): nothing of the pool is read or written for it. One call covers a whole group of
 // sequences: a decode group (one token each) or a prefill group (a chunk each), given by cu_seqlens.
 // The recurrence runs token by token: the (head_dim x d_state) state of one head stays in L1, so
 // this costs O(P*N) per token and head, with no padding and no chunk matrices. In the amx build, a
@@ -32,6 +33,13 @@ namespace {
 constexpr int64_t kMaxStateN = 256;  // the longest Mamba1 state row (d_state) hs_mamba1_scan takes
 
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch: beta 1, threshold 20
+
+// A negative slot marks a padding row of a captured step (engine/decode_capture.py): the row has no
+// state, so none is read or written for it, and its output rows [t0, t1), columns [c0, c0 + n), are zeros.
+template <typename T>
+inline void zero_rows(T* out, int64_t stride, int64_t t0, int64_t t1, int64_t c0, int64_t n) {
+  for (int64_t t = t0; t < t1; ++t) std::memset(out + t * stride + c0, 0, n * sizeof(T));
+}
 
 
 // ------------------------------------------------------------------------------------------
@@ -117,6 +125,10 @@ void causal_conv1d_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t c0 = blk * kConvBlock;
       const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
+      if (slots[s] < 0) {
+        zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], c0, nc);
+        continue;
+      }
       ST* st = states + slots[s] * slot_stride + c0 * W;  // (nc, W) of this block
 #if defined(__AVX512F__)
       if constexpr (KT == 4) {
@@ -408,8 +420,12 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
-        ST* st = states + slots[s] * slot_stride + h * P * N;
         const int64_t t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
+        if (slots[s] < 0) {
+          zero_rows(y, y_stride, t0, t1, h * P, P);
+          continue;
+        }
+        ST* st = states + slots[s] * slot_stride + h * P * N;
 #if defined(HS_MAMBA2_CHUNKED)
         if constexpr (std::is_same_v<AT, BF16>) {
           if (plan.chunks > 0 && plan.first_chunk[s] >= 0) {
@@ -422,7 +438,9 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 #if defined(__AVX512F__)
         if (t1 - t0 == 1 && (N == 64 || N == 128)) {
           // the state this thread takes next: the next head, or the first head of the next sequence
-          const ST* next = h + 1 < H ? st + P * N : (s + 1 < num_seqs ? states + slots[s + 1] * slot_stride : nullptr);
+          const ST* next = h + 1 < H ? st + P * N
+                                     : (s + 1 < num_seqs && slots[s + 1] >= 0 ? states + slots[s + 1] * slot_stride
+                                                                                : nullptr);
           if (N == 64)
             mamba2_step_head_v<4>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y,
                                   y_stride, p);
@@ -460,6 +478,10 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t d = 0; d < Dm; ++d) {
+        if (slots[s] < 0) {
+          zero_rows(y, ys, cu_seqlens[s], cu_seqlens[s + 1], d, 1);
+          continue;
+        }
         ST* st = states + slots[s] * slot_stride + d * N;
         const float* a = A + d * N;
         float h[kMaxStateN];
@@ -513,6 +535,10 @@ void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slot
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
+        if (slots[s] < 0) {
+          zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
+          continue;
+        }
         ST* cst = c_states + slots[s] * slot_stride + h * Dk * Dv;
         ST* nst = n_states + slots[s] * slot_stride + h * Dk;
         ST* mst = m_states + slots[s] * slot_stride + h;
@@ -582,6 +608,10 @@ void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const in
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
+        if (slots[s] < 0) {
+          zero_rows(y, ys, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
+          continue;
+        }
         ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
         const float f = std::exp(-decay[h]);
         for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
@@ -628,6 +658,10 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < Hv; ++h) {
         const int64_t kh = h / R, r = h % R;
+        if (slots[s] < 0) {
+          zero_rows(out, os, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
+          continue;
+        }
         ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
         for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
         const float A = std::exp(A_log[h]);
@@ -696,6 +730,10 @@ void kda_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
+        if (slots[s] < 0) {
+          zero_rows(out, os, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
+          continue;
+        }
         ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
         for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
         const float A = std::exp(A_log[h]);
