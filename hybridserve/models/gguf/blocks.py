@@ -49,7 +49,8 @@ FORMATS = {
 def _blocks(raw: np.ndarray, fmt: BlockFormat) -> tuple[np.ndarray, int]:
     """raw (rows, row bytes) uint8 -> (rows * blocks per row, block bytes) and the number of rows."""
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    rows = raw.shape[0] if raw.ndim > 1 else 1
+    raw = raw.reshape(-1, raw.shape[-1])  # (E, N, bytes) of stacked experts: E * N rows
+    rows = raw.shape[0]
     if raw.size % (rows * fmt.block_bytes):
         raise ValueError(f"{fmt.name}: {raw.size} bytes in {rows} rows is not a whole number of "
                          f"{fmt.block_bytes}-byte blocks per row")

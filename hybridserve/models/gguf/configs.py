@@ -1,0 +1,166 @@
+"""A GGUF file's metadata -> the transformers config of its model family, so the rest of the engine (plan, cache
+specs, models) runs as it does on a config.json. One builder per llama.cpp architecture (``general.architecture``);
+the keys are those llama.cpp's converter writes (``gguf.Keys``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class Meta:
+    """Metadata of one file, read by architecture-relative key (``block_count`` -> ``<arch>.block_count``)."""
+
+    def __init__(self, values: dict[str, Any], tensor_names: set[str], file: str) -> None:
+        self.values, self.tensor_names, self.file = values, tensor_names, file
+        self.arch = str(values.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.file}: metadata key {self.arch}.{key} is missing (a {self.arch} file needs it)")
+        return value
+
+    def per_layer(self, key: str, layers: int) -> list[int]:
+        """A value llama.cpp writes either once or per layer, as a list of ``layers`` ints."""
+        value = self.need(key)
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+
+    def has(self, tensor: str) -> bool:
+        return tensor in self.tensor_names
+
+    def common(self) -> dict[str, Any]:
+        """Keys every family shares: vocabulary, special tokens, tied embeddings (no ``output.weight``)."""
+        tokens = self.values.get("tokenizer.ggml.tokens")
+        vocab = self.get("vocab_size") or (len(tokens) if tokens else None)
+        if vocab is None:
+            raise ValueError(f"{self.file}: no {self.arch}.vocab_size and no tokenizer.ggml.tokens")
+        out: dict[str, Any] = {"vocab_size": int(vocab), "tie_word_embeddings": not self.has("output.weight")}
+        for key in ("bos", "eos", "pad"):
+            token_id = self.values.get(f"tokenizer.ggml.{key}_token_id")
+            if token_id is not None:
+                out[f"{key}_token_id"] = int(token_id)
+        return out
+
+    def rope(self) -> dict[str, Any]:
+        base = self.get("rope.freq_base")
+        return {} if base is None else {"rope_parameters": {"rope_type": "default", "rope_theta": float(base)}}
+
+
+def _ssm_sizes(m: Meta) -> tuple[int, int, int]:
+    """hidden size, SSM inner size and SSM heads (llama.cpp's ``ssm.time_step_rank`` for Mamba2 layers)."""
+    return int(m.need("embedding_length")), int(m.need("ssm.inner_size")), int(m.need("ssm.time_step_rank"))
+
+
+def _eps(m: Meta) -> float:
+    return float(m.get("attention.layer_norm_rms_epsilon", 1e-5))
+
+
+def _llama(m: Meta) -> Any:
+    from transformers import LlamaConfig
+
+    layers = int(m.need("block_count"))
+    heads = int(m.need("attention.head_count"))
+    hidden = int(m.need("embedding_length"))
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(m.per_layer("attention.head_count_kv", layers)),
+        head_dim=int(m.get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(m.get("context_length", 4096)), attention_bias=m.has("blk.0.attn_q.bias"),
+        mlp_bias=m.has("blk.0.ffn_up.bias"), **m.rope(), **m.common())
+
+
+def _mamba(m: Meta) -> Any:
+    from transformers import FalconMambaConfig, MambaConfig
+
+    hidden, inner = int(m.need("embedding_length")), int(m.need("ssm.inner_size"))
+    cls = FalconMambaConfig if m.get("ssm.dt_b_c_rms") else MambaConfig
+    return cls(hidden_size=hidden, state_size=int(m.need("ssm.state_size")),
+               num_hidden_layers=int(m.need("block_count")), conv_kernel=int(m.need("ssm.conv_kernel")),
+               expand=inner // hidden, time_step_rank=int(m.need("ssm.time_step_rank")),
+               layer_norm_epsilon=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+               use_bias=m.has("blk.0.ssm_in.bias"), use_conv_bias=m.has("blk.0.ssm_conv1d.bias"), **m.common())
+
+
+def _mamba2(m: Meta) -> Any:
+    from transformers import Mamba2Config
+
+    hidden, inner, heads = _ssm_sizes(m)
+    return Mamba2Config(hidden_size=hidden, num_hidden_layers=int(m.need("block_count")), num_heads=heads,
+                        head_dim=inner // heads, state_size=int(m.need("ssm.state_size")),
+                        n_groups=int(m.get("ssm.group_count", 1)), conv_kernel=int(m.need("ssm.conv_kernel")),
+                        expand=inner // hidden, layer_norm_epsilon=_eps(m),
+                        use_bias=m.has("blk.0.ssm_in.bias"), use_conv_bias=m.has("blk.0.ssm_conv1d.bias"),
+                        **m.common())
+
+
+def _granite_hybrid(m: Meta) -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, heads = _ssm_sizes(m)
+    kv = m.per_layer("attention.head_count_kv", layers)
+    experts = int(m.get("expert_count", 0) or 0)
+    ffn = int(m.get("feed_forward_length", 0) or 0)
+    shared = int(m.get("expert_shared_feed_forward_length", 0) or 0) or ffn
+    return GraniteMoeHybridConfig(
+        hidden_size=hidden, intermediate_size=int(m.get("expert_feed_forward_length", 0) or ffn),
+        shared_intermediate_size=shared, num_hidden_layers=layers,
+        layer_types=["attention" if k > 0 else "mamba" for k in kv],
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        num_local_experts=experts, num_experts_per_tok=int(m.get("expert_used_count", 0) or 0) if experts else 0,
+        mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_d_state=int(m.need("ssm.state_size")),
+        mamba_n_groups=int(m.get("ssm.group_count", 1)), mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_expand=inner // hidden, mamba_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
+        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")),
+        position_embedding_type="rope" if m.get("rope.scaling.finetuned") else None,
+        embedding_multiplier=float(m.get("embedding_scale", 1.0)),
+        residual_multiplier=float(m.get("residual_scale", 1.0)),
+        attention_multiplier=float(m.get("attention.scale", 1.0)), logits_scaling=float(m.get("logit_scale", 1.0)),
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
+
+
+def _first_ssm(m: Meta, kv: list[int], tensor: str) -> str:
+    index = next((i for i, k in enumerate(kv) if k == 0), 0)
+    return f"blk.{index}.{tensor}"
+
+
+#: llama.cpp architecture name -> config builder
+BUILDERS: dict[str, Callable[[Meta], Any]] = {
+    "llama": _llama,
+    "mamba": _mamba,
+    "mamba2": _mamba2,
+    "granitehybrid": _granite_hybrid,
+}
+
+
+def file_dtype(types: dict[str, str]) -> str:
+    """The model dtype ``dtype=auto`` gives a file of tensor ``types`` (name -> GGUF type): bfloat16 or float16
+    when its weights are, float32 for an all-F32 file, bfloat16 for a quantized one (its norms are F32)."""
+    kinds = set(types.values())
+    for kind, dtype in (("BF16", "bfloat16"), ("F16", "float16")):
+        if kind in kinds:
+            return dtype
+    return "float32" if kinds <= {"F32"} else "bfloat16"
+
+
+def hf_config(values: dict[str, Any], types: dict[str, str], file: str) -> Any:
+    """The transformers config a GGUF file's metadata describes (``types``: tensor name -> GGUF type); an
+    architecture without a builder is a ValueError naming it and those that load."""
+    m = Meta(values, set(types), file)
+    builder = BUILDERS.get(m.arch)
+    if builder is None:
+        raise ValueError(f"{file}: GGUF architecture {m.arch!r} is not supported (supported: "
+                         f"{', '.join(sorted(BUILDERS))})")
+    try:
+        config = builder(m)
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        if str(exc).startswith(file):
+            raise
+        raise ValueError(f"{file}: metadata does not describe a {m.arch} model ({type(exc).__name__}: {exc})") from None
+    config.dtype = file_dtype(types)
+    return config

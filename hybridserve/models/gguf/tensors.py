@@ -1,0 +1,186 @@
+"""A GGUF file's tensors under the names and in the layout of the transformers checkpoint they were converted from.
+
+Names: llama.cpp's own tables (``gguf.TensorNameMap``) map a checkpoint name to a GGUF name; read backwards they
+give, for a GGUF name, the checkpoint names of every family that writes it, and the one the transformers model of
+this config has is taken. What the tables do not cover (a projection llama.cpp splits in two, a tensor it files
+under another family's name) each architecture lists in :data:`RULES`.
+
+Values: llama.cpp's converter transforms some tensors; each is undone here:
+
+* Mamba's ``A_log`` is written as ``A = -exp(A_log)``: read back as ``log(-A)``;
+* squeezed, unsqueezed or regrouped tensors (conv1d weights, Mamba2's A, D and grouped norm): reshaped to the
+  checkpoint's shape when the element count is the same;
+* q and k rows permuted for llama.cpp's rope layout (llama-style attention): permuted back;
+* a projection split in two (Granite's fused gate and up): its parts stacked again.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridserve.models.gguf.coded import CodedWeight, cat_rows
+from hybridserve.models.gguf.reader import read_tensor
+
+Value = torch.Tensor | CodedWeight
+BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What llama.cpp's name tables leave out for one architecture. Names are relative to a layer: GGUF ones
+    without ``blk.N.``, checkpoint ones with ``{bid}`` for the layer index."""
+
+    gguf_arch: str  # the gguf.MODEL_ARCH member
+    renames: dict[str, str] = field(default_factory=dict)  # GGUF base name -> checkpoint name
+    merges: dict[str, tuple[str, ...]] = field(default_factory=dict)  # checkpoint name -> GGUF parts, stacked
+    permute_qk: bool = False  # q/k rows in llama.cpp's rope layout
+
+
+_GRANITE_MOE = {
+    "model.layers.{bid}.block_sparse_moe.input_linear.weight": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+    "model.layers.{bid}.shared_mlp.input_linear.weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+}
+_GRANITE_DENSE = {"model.layers.{bid}.shared_mlp.input_linear.weight": ("ffn_gate.weight", "ffn_up.weight")}
+
+RULES: dict[str, ArchRules] = {
+    "llama": ArchRules("LLAMA", permute_qk=True),
+    "mamba": ArchRules("MAMBA"),
+    "mamba2": ArchRules("MAMBA2"),
+    "granitehybrid": ArchRules(
+        "GRANITE_HYBRID", permute_qk=True,
+        renames={"ffn_down": "model.layers.{bid}.shared_mlp.output_linear",
+                 "ffn_down_shexp": "model.layers.{bid}.shared_mlp.output_linear",
+                 "ffn_down_exps": "model.layers.{bid}.block_sparse_moe.output_linear",
+                 "ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.router.layer"},
+        merges={**_GRANITE_MOE, **_GRANITE_DENSE}),
+}
+
+
+def checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the transformers model of ``hf_config`` (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def reverse_names(gguf_arch: str, layers: int) -> dict[str, list[str]]:
+    """GGUF base name (``blk.3.ssm_in``) -> the checkpoint base names llama.cpp's tables map to it."""
+    import gguf
+
+    table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, gguf_arch), layers)
+    out: dict[str, list[str]] = {}
+    for hf_name, (_, gguf_name) in table.mapping.items():
+        out.setdefault(gguf_name, []).append(hf_name)
+    return out
+
+
+def _candidates(name: str, reverse: dict[str, list[str]], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    base, dot, suffix = name.rpartition(".")
+    found: list[str] = []
+    for key, tail in ((base, "." + suffix), (name, "")) if dot else ((name, ""),):
+        for hf in reverse.get(key, ()):
+            for option in (hf + tail, re.sub(r"\.dt_proj\.bias$", ".dt_bias", hf + tail)):
+                if option in shapes and option not in found:
+                    found.append(option)
+    return found
+
+
+def _rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation (``permute`` in its llama converter) of a
+    (heads * head_dim, ...) weight: checkpoint row ``i`` is GGUF row ``order[i]``."""
+    forward = torch.arange(rows).reshape(heads, 2, rows // heads // 2).transpose(1, 2).reshape(-1)
+    return torch.argsort(forward)
+
+
+def _unpermute(value: Value, heads: int) -> Value:
+    if isinstance(value, CodedWeight):
+        return value.rows(_rope_rows(value.shape[0], heads))
+    return value[_rope_rows(value.shape[0], heads)]
+
+
+def _stack(parts: list[Value], shape: tuple[int, ...]) -> Value:
+    """Parts of one projection stacked along their output rows (dim -2 of ``shape``)."""
+    if len(shape) == 2 and all(isinstance(p, CodedWeight) for p in parts):
+        coded = [p for p in parts if isinstance(p, CodedWeight)]
+        if all(coded[0].matches(p) for p in coded[1:]):
+            return cat_rows(coded)
+    floats = [(p.dequantize() if isinstance(p, CodedWeight) else p.float()) for p in parts]
+    floats = [f.reshape(*shape[:-2], -1, shape[-1]) for f in floats]
+    return torch.cat(floats, dim=-2)
+
+
+def fit(name: str, value: Value, shape: tuple[int, ...], file: str) -> Value:
+    """``value`` in the checkpoint's ``shape``: a CodedWeight stays one when it is a 2-D weight of that shape, else
+    it is dequantized; a tensor of the same element count is reshaped. Anything else is a ValueError."""
+    if isinstance(value, CodedWeight):
+        if tuple(value.shape) == shape:
+            return value
+        value = value.dequantize()
+    if tuple(value.shape) != shape:
+        if value.numel() != torch.Size(shape).numel():
+            raise ValueError(f"{file}: tensor for {name} has shape {tuple(value.shape)}, the model needs {shape}")
+        value = value.reshape(shape)
+    return value
+
+
+def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dict[str, Value]:
+    """Every tensor of the file under its checkpoint name, transforms undone (module docstring)."""
+    rules = RULES[arch]
+    shapes = checkpoint_shapes(hf_config)
+    layers = int(hf_config.num_hidden_layers)
+    reverse = reverse_names(rules.gguf_arch, layers)
+    parts_of = {part: target for target, parts in rules.merges.items() for part in parts}
+    pending: dict[str, dict[str, Value]] = {}
+    out: dict[str, Value] = {}
+    unmatched: list[str] = []
+    for tensor in reader.tensors:
+        name = tensor.name
+        value = read_tensor(tensor)
+        block = BLOCK.match(name)
+        bid, local = (block.group(1), block.group(2)) if block else (None, name)
+        local_base, _, suffix = local.rpartition(".")
+        if bid is not None and local in parts_of and parts_of[local].format(bid=bid) in shapes:
+            pending.setdefault(parts_of[local].format(bid=bid), {})[local] = value
+            continue
+        target = None
+        if bid is not None and local_base in rules.renames:
+            candidate = rules.renames[local_base].format(bid=bid) + "." + suffix
+            target = candidate if candidate in shapes else None
+        if target is None:
+            found = _candidates(name, reverse, shapes)
+            if len(found) > 1:
+                raise ValueError(f"{file}: tensor {name} matches several {type(hf_config).__name__} weights {found}")
+            target = found[0] if found else None
+        if target is None:
+            unmatched.append(name)
+            continue
+        out[target] = value
+    for target, parts in pending.items():
+        local_parts = next(p for t, p in rules.merges.items() if re.fullmatch(_template(t), target))
+        if set(parts) != set(local_parts):
+            raise ValueError(f"{file}: {target} needs tensors {local_parts}, the file has {sorted(parts)}")
+        out[target] = _stack([parts[p] for p in local_parts], shapes[target])
+    if unmatched:
+        raise ValueError(f"{file}: tensors with no {type(hf_config).__name__} weight: {unmatched[:10]}")
+    return {name: _undo(name, value, rules, hf_config, shapes[name], file) for name, value in out.items()}
+
+
+def _template(target: str) -> str:
+    return re.escape(target).replace(re.escape("{bid}"), r"\d+")
+
+
+def _undo(name: str, value: Value, rules: ArchRules, hf_config: Any, shape: tuple[int, ...], file: str) -> Value:
+    """The value transforms of the module docstring, then :func:`fit`."""
+    if name.endswith("A_log"):
+        a = value.dequantize() if isinstance(value, CodedWeight) else value.float()
+        value = torch.log(-a)
+    if rules.permute_qk and re.search(r"\.(q_proj|k_proj)\.(weight|bias)$", name):
+        heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
+        value = _unpermute(value, heads)
+    return fit(name, value, shape, file)

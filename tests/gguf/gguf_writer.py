@@ -1,0 +1,191 @@
+"""A test fixture: write a tiny safetensors checkpoint (tests/checkpoints.py) as a GGUF file the way llama.cpp's
+converter does (its tensor names from gguf.TensorNameMap, its metadata keys and its tensor transforms), with the
+linear weights in a chosen GGUF type (blocks encoded here for Q4_K and Q6_K, which the gguf package cannot make)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import gguf
+import numpy as np
+import torch
+
+from hybridserve.models.gguf.blocks import FORMATS
+
+T = gguf.GGMLQuantizationType
+ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID"}
+GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid"}
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
+
+
+def encode_q6_k(w: np.ndarray) -> np.ndarray:
+    """(N, K) float32 -> Q6_K blocks (N, K / 256 * 210) uint8."""
+    N, K = w.shape
+    b = w.reshape(-1, 16, 16)  # (blocks, 16 groups, 16)
+    group_scale = np.abs(b).max(-1) / 31.0  # (n, 16)
+    d = (group_scale.max(-1) / 127.0).astype(np.float16).astype(np.float32)  # (n,)
+    d_safe = np.where(d == 0, 1.0, d)
+    sc = np.clip(np.round(group_scale / d_safe[:, None]), -128, 127).astype(np.int8)
+    step = d[:, None] * sc.astype(np.float32)
+    q = np.where(step[..., None] == 0, 0, np.round(b / np.where(step == 0, 1, step)[..., None]))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # (n, half, 128)
+    ql = (q[:, :, :64] & 0xF) | ((q[:, :, 64:] & 0xF) << 4)  # (n, 2, 64)
+    hi = q >> 4
+    qh = hi[:, :, :32] | (hi[:, :, 32:64] << 2) | (hi[:, :, 64:96] << 4) | (hi[:, :, 96:] << 6)  # (n, 2, 32)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), _f16(d)], axis=1)
+    return blocks.reshape(N, -1)
+
+
+def encode_q4_k(w: np.ndarray) -> np.ndarray:
+    """(N, K) float32 -> Q4_K blocks (N, K / 256 * 144) uint8."""
+    N, K = w.shape
+    b = w.reshape(-1, 8, 32)
+    low = np.minimum(b.min(-1), 0.0)  # (n, 8): the sub-block's min, at most 0
+    step_f = (b.max(-1) - low) / 15.0
+    d = (step_f.max(-1) / 63.0).astype(np.float16).astype(np.float32)
+    dmin = ((-low).max(-1) / 63.0).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(step_f / np.where(d == 0, 1, d)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-low / np.where(dmin == 0, 1, dmin)[:, None]), 0, 63).astype(np.uint8)
+    step, offset = d[:, None] * sc, -(dmin[:, None] * m)
+    q = np.round((b - offset[..., None]) / np.where(step == 0, 1, step)[..., None])
+    q = np.clip(np.where(step[..., None] == 0, 0, q), 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    packed = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)], axis=1)
+    blocks = np.concatenate([_f16(d), _f16(dmin), packed, qs], axis=1)
+    return blocks.reshape(N, -1)
+
+
+def encode(w: np.ndarray, kind: str) -> np.ndarray:
+    """A 2-D float32 weight in GGUF type ``kind`` (raw uint8 rows, or float32/float16 for those types)."""
+    if kind == "Q6_K":
+        return encode_q6_k(w)
+    if kind == "Q4_K":
+        return encode_q4_k(w)
+    return gguf.quants.quantize(w, T[kind])
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order for its rope (its llama converter's ``permute``)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, tensor_names: set) -> None:
+    layers = cfg["num_hidden_layers"]
+    w.add_block_count(layers)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5)))
+    for key in ("bos", "eos", "pad"):
+        if cfg.get(f"{key}_token_id") is not None:
+            getattr(w, f"add_{key}_token_id")(cfg[f"{key}_token_id"])
+    if family == "llama":
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
+    if family in ("mamba", "mamba2"):
+        w.add_ssm_conv_kernel(cfg["conv_kernel"])
+        w.add_ssm_state_size(cfg["state_size"])
+        w.add_ssm_inner_size(cfg["expand"] * cfg["hidden_size"])
+        w.add_ssm_time_step_rank(cfg["time_step_rank"] if family == "mamba" else cfg["num_heads"])
+        if family == "mamba2":
+            w.add_ssm_group_count(cfg["n_groups"])
+    if family == "granitemoehybrid":
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if t in ("attention", "full_attention") else 0
+                             for t in cfg["layer_types"]])
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_group_count(cfg["mamba_n_groups"])
+        w.add_ssm_inner_size(cfg["mamba_expand"] * cfg["hidden_size"])
+        w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+        w.add_rope_scaling_finetuned(cfg.get("position_embedding_type") == "rope")
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
+        if cfg.get("num_local_experts"):
+            w.add_expert_count(cfg["num_local_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+
+
+def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) -> llama.cpp's (GGUF-side HF-like name, tensor) after its transforms."""
+    if name.endswith("A_log"):
+        t = -torch.exp(t.float())
+        if family != "mamba":
+            t = t.reshape(-1, 1)
+    if family != "mamba" and name.endswith(".D"):
+        t = t.reshape(-1, 1)
+    if "conv1d.weight" in name:
+        t = t.squeeze()
+    if family in ("mamba2", "granitemoehybrid") and re.search(r"mixer\.norm\.weight$|mamba\.norm\.weight$", name):
+        t = t.reshape(cfg.get("n_groups", cfg.get("mamba_n_groups")), -1)
+    if family in ("llama", "granitemoehybrid") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
+        heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
+        t = _permute(t, heads)
+    if family == "granitemoehybrid" and name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = t.split(cfg["shared_intermediate_size"], dim=0)
+        return [(name.replace("shared_mlp.input_linear", "@ffn_gate"), gate),
+                (name.replace("shared_mlp.input_linear", "@ffn_up"), up)]
+    if family == "granitemoehybrid" and name.endswith("shared_mlp.output_linear.weight"):
+        return [(name.replace("shared_mlp.output_linear", "@ffn_down"), t)]
+    return [(name, t)]
+
+
+def _gguf_name(table: gguf.TensorNameMap, name: str) -> str:
+    if "@" in name:  # a name written directly: model.layers.N.@ffn_gate.weight
+        block = re.search(r"layers\.(\d+)\.@(\w+)\.(\w+)$", name)
+        return f"blk.{block.group(1)}.{block.group(2)}.{block.group(3)}"
+    hf = name.replace(".dt_bias", ".dt_proj.bias")
+    out = table.get_name(hf, try_suffixes=(".weight", ".bias"))
+    if out is None:
+        raise KeyError(f"no GGUF name for {name}")
+    return out
+
+
+def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings: bool = False) -> str:
+    """Write ``checkpoint`` (a folder from tests/checkpoints.py) as GGUF file ``out``: float tensors in F32 (or
+    BF16/F16 when ``kind`` is one of them), the linear weights (2-D, K a whole number of blocks) in ``kind``."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        cfg = json.load(f)
+    family = cfg["model_type"]
+    layers = cfg["num_hidden_layers"]
+    table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
+    state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    tensors = [(n2, t2) for n, t in state.items() for n2, t2 in _converted(family, cfg, n, t)]
+    w = gguf.GGUFWriter(out, GGUF_ARCH[family])
+    _metadata(w, family, cfg, {n for n, _ in tensors})
+    for name, t in tensors:
+        gname = _gguf_name(table, name)
+        x = t.float().numpy()
+        is_linear = x.ndim == 2 and gname.endswith(".weight") and "norm" not in gname and (
+            quantize_embeddings or "token_embd" not in gname)
+        if kind in FORMATS and is_linear and x.shape[1] % FORMATS[kind].block_elements == 0:
+            w.add_tensor(gname, encode(x, kind), raw_dtype=T[kind])
+        elif kind == "BF16" or (kind in FORMATS and t.dtype == torch.bfloat16):
+            w.add_tensor(gname, gguf.quants.quantize(x, T.BF16), raw_dtype=T.BF16)
+        elif kind == "F16":
+            w.add_tensor(gname, x.astype(np.float16))
+        else:
+            w.add_tensor(gname, x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+
