@@ -12,8 +12,6 @@ import gguf
 import numpy as np
 import torch
 
-from hybridserve.models.gguf.blocks import FORMATS
-
 T = gguf.GGMLQuantizationType
 ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID"}
 GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid"}
@@ -173,9 +171,10 @@ def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings
         x = t.float().numpy()
         is_linear = x.ndim == 2 and gname.endswith(".weight") and "norm" not in gname and (
             quantize_embeddings or "token_embd" not in gname)
-        if kind in FORMATS and is_linear and x.shape[1] % FORMATS[kind].block_elements == 0:
+        quantized = kind not in ("F32", "F16", "BF16")
+        if quantized and is_linear and x.shape[1] % gguf.GGML_QUANT_SIZES[T[kind]][0] == 0:
             w.add_tensor(gname, encode(x, kind), raw_dtype=T[kind])
-        elif kind == "BF16" or (kind in FORMATS and t.dtype == torch.bfloat16):
+        elif kind == "BF16" or (quantized and t.dtype == torch.bfloat16):
             w.add_tensor(gname, gguf.quants.quantize(x, T.BF16), raw_dtype=T.BF16)
         elif kind == "F16":
             w.add_tensor(gname, x.astype(np.float16))

@@ -62,7 +62,7 @@ def install_coded(owner: nn.Module, attr: str, parent: nn.Module, child: str, we
     ``weight_scale`` and ``weight_group`` (packed later for the 8-bit kernel, ``layers/packed_linear.py``), 4-bit
     by replacing the layer with a :class:`GGUFW4ReferenceLinear`."""
     if weight.bits == 8:
-        getattr(owner, attr).data = weight.codes.to(device)
+        setattr(owner, attr, nn.Parameter(weight.codes.to(device), requires_grad=False))  # int8: no gradient
         owner.weight_scale, owner.weight_group = weight.scales.to(device), weight.group
         return
     bias = None if owner.bias is None else owner.bias.data
