@@ -112,7 +112,8 @@ def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
             del m.weight_scale, m.weight_group
             count += 1
     if count:
-        report.notes.append(f"{count} 8-bit (fp8 or int8) linears dequantized to {dtype} (the 8-bit kernel is not available)")
+        report.notes.append(f"{count} 8-bit (fp8 or int8) linears dequantized to {dtype} "
+                            "(the 8-bit kernel is not available)")
 
 
 def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:

@@ -77,10 +77,10 @@ def decode_q6_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _fp16(b[:, 208:210])
     # each half of 128 elements: ql 64 bytes (low nibbles: elements 0..63, high: 64..127), qh 32 bytes
     # (2-bit pairs: elements l, l + 32, l + 64, l + 96)
-    low = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    low = (low & 0x0F).reshape(n, 2, 4, 32)
-    high = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    high = (high & 0x03).reshape(n, 2, 4, 32)
+    low_shifted = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low = (low_shifted & 0x0F).reshape(n, 2, 4, 32)
+    high_shifted = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high_shifted & 0x03).reshape(n, 2, 4, 32)
     codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, QK_K)
     scales = d[:, None] * sc.astype(np.float32)  # (n, 16): exact
     return torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(scales.reshape(rows, -1).copy())

@@ -56,7 +56,7 @@ def gguf_checkpoint_tensors(file: str, hf_config: Any, renames, skip: str | None
             yield source, raw, _rename(raw, renames)
 
 
-def install_coded(owner: nn.Module, attr: str, parent: nn.Module, child: str, weight: CodedWeight,
+def install_coded(owner: Any, attr: str, parent: nn.Module, child: str, weight: CodedWeight,
                   device: torch.device) -> None:
     """Put a coded weight into the ``nn.Linear`` ``owner`` (``parent.<child>``): 8-bit as int8 codes with
     ``weight_scale`` and ``weight_group`` (packed later for the 8-bit kernel, ``layers/packed_linear.py``), 4-bit

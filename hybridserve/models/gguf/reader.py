@@ -81,6 +81,6 @@ def read_tensor(tensor: Any) -> torch.Tensor | CodedWeight:
     if kind == "BF16":
         return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
     fmt = FORMATS[kind]
-    decoded = DECODERS[kind](data)
+    decoded: tuple[Any, ...] = DECODERS[kind](data)
     mins = decoded[2] if len(decoded) == 3 else None
     return CodedWeight(decoded[0], decoded[1], mins, fmt.group, fmt.bits, kind)

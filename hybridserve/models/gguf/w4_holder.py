@@ -13,6 +13,10 @@ from hybridserve.ops.linear_w4 import linear_w4_ref
 class GGUFW4ReferenceLinear(nn.Module):
     """``y = x @ W.T + b`` with W (out, in) in the 4-bit group format of ``ops/linear_w4.py``."""
 
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, codes: torch.Tensor, scales: torch.Tensor,
                  mins: torch.Tensor | None, group: int, bias: torch.Tensor | None) -> None:
         super().__init__()
