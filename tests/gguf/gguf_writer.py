@@ -13,8 +13,17 @@ import numpy as np
 import torch
 
 T = gguf.GGMLQuantizationType
-ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID"}
-GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid"}
+ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID",
+         "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2"}
+GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
+             "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2"}
+# Falcon-H1: the muP multiplier llama.cpp's converter folds into each tensor, by a part of its name (first match)
+FALCON_FOLDS = (("down_proj", lambda c: c["mlp_multipliers"][1]), ("gate_proj", lambda c: c["mlp_multipliers"][0]),
+                ("k_proj", lambda c: c["key_multiplier"] * c["attention_in_multiplier"]),
+                ("q_proj", lambda c: c["attention_in_multiplier"]), ("v_proj", lambda c: c["attention_in_multiplier"]),
+                ("o_proj", lambda c: c["attention_out_multiplier"]), ("out_proj", lambda c: c["ssm_out_multiplier"]),
+                ("in_proj", lambda c: c["ssm_in_multiplier"]), ("lm_head", lambda c: c["lm_head_multiplier"]),
+                ("embed_tokens", lambda c: c["embedding_multiplier"]))
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -73,12 +82,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, tensor_names: set) -> None:
-    layers = cfg["num_hidden_layers"]
-    w.add_block_count(layers)
+def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
+    w.add_block_count(cfg.get("num_hidden_layers") or len(cfg["layers_block_type"]))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-5)))
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", cfg.get("norm_eps", 1e-5))))
     for key in ("bos", "eos", "pad"):
         if cfg.get(f"{key}_token_id") is not None:
             getattr(w, f"add_{key}_token_id")(cfg[f"{key}_token_id"])
@@ -95,6 +103,34 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, tensor_names: set) -> 
         w.add_ssm_time_step_rank(cfg["time_step_rank"] if family == "mamba" else cfg["num_heads"])
         if family == "mamba2":
             w.add_ssm_group_count(cfg["n_groups"])
+    if family == "nemotron_h":
+        kinds = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*", "mlp": "-", "moe": "E"}
+        pattern = cfg.get("hybrid_override_pattern") or "".join(kinds[t] for t in cfg["layers_block_type"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if c == "*" else 0 for c in pattern])
+        w.add_feed_forward_length([cfg["intermediate_size"] if c == "-" else 0 for c in pattern])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        _ssm_metadata(w, cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["mamba_num_heads"], cfg["ssm_state_size"],
+                      cfg["n_groups"], cfg["conv_kernel"])
+    if family == "falcon_h1":
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
+        _ssm_metadata(w, cfg["mamba_d_ssm"], cfg["mamba_n_heads"], cfg["mamba_d_state"], cfg["mamba_n_groups"],
+                      cfg["mamba_d_conv"])
+    if family == "lfm2":
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+        w.add_feed_forward_length(state["model.layers.0.feed_forward.w1.weight"].shape[0])
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
     if family == "granitemoehybrid":
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
@@ -117,19 +153,30 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, tensor_names: set) -> 
             w.add_expert_used_count(cfg["num_experts_per_tok"])
 
 
+def _ssm_metadata(w: gguf.GGUFWriter, inner: int, heads: int, state: int, groups: int, conv: int) -> None:
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_conv_kernel(conv)
+
+
 def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) -> llama.cpp's (GGUF-side HF-like name, tensor) after its transforms."""
+    if family == "falcon_h1":
+        t = _falcon_fold(cfg, name, t)
     if name.endswith("A_log"):
         t = -torch.exp(t.float())
         if family != "mamba":
             t = t.reshape(-1, 1)
     if family != "mamba" and name.endswith(".D"):
         t = t.reshape(-1, 1)
-    if "conv1d.weight" in name:
+    if "conv1d.weight" in name or "conv.conv.weight" in name:
         t = t.squeeze()
-    if family in ("mamba2", "granitemoehybrid") and re.search(r"mixer\.norm\.weight$|mamba\.norm\.weight$", name):
+    if family in ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1") and re.search(
+            r"mixer\.norm\.weight$|mamba\.norm\.weight$", name):
         t = t.reshape(cfg.get("n_groups", cfg.get("mamba_n_groups")), -1)
-    if family in ("llama", "granitemoehybrid") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
+    if family in ("llama", "granitemoehybrid", "nemotron_h") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
         heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
         t = _permute(t, heads)
     if family == "granitemoehybrid" and name.endswith("shared_mlp.input_linear.weight"):
@@ -139,6 +186,23 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
     if family == "granitemoehybrid" and name.endswith("shared_mlp.output_linear.weight"):
         return [(name.replace("shared_mlp.output_linear", "@ffn_down"), t)]
     return [(name, t)]
+
+
+def _falcon_fold(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Falcon-H1's multipliers folded into the tensor, as llama.cpp's converter does."""
+    t = t.float()
+    for part, multiplier in FALCON_FOLDS:
+        if part in name:
+            t = t * multiplier(cfg)
+            break
+    if "in_proj" in name:  # the five parts of zxbcdt each have their own multiplier
+        inner, gs = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+        bounds = [0, inner, 2 * inner, 2 * inner + gs, 2 * inner + 2 * gs, t.shape[0]]
+        scale = torch.ones(t.shape[0])
+        for i, m in enumerate(cfg["ssm_multipliers"]):
+            scale[bounds[i]:bounds[i + 1]] = m
+        t = t * scale.reshape(-1, *([1] * (t.dim() - 1)))
+    return t
 
 
 def _gguf_name(table: gguf.TensorNameMap, name: str) -> str:
@@ -160,12 +224,12 @@ def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings
     with open(os.path.join(checkpoint, "config.json")) as f:
         cfg = json.load(f)
     family = cfg["model_type"]
-    layers = cfg["num_hidden_layers"]
+    layers = cfg.get("num_hidden_layers") or len(cfg["layers_block_type"])
     table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
     tensors = [(n2, t2) for n, t in state.items() for n2, t2 in _converted(family, cfg, n, t)]
     w = gguf.GGUFWriter(out, GGUF_ARCH[family])
-    _metadata(w, family, cfg, {n for n, _ in tensors})
+    _metadata(w, family, cfg, state)
     for name, t in tensors:
         gname = _gguf_name(table, name)
         x = t.float().numpy()

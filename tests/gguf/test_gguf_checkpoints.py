@@ -26,20 +26,31 @@ def _run(path: str, **options):
     return llm, [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
 
 
+#: Falcon-H1's muP multipliers are folded into its weights by llama.cpp's converter (and the fixture), which moves
+#: float32 logprobs by a few 1e-6; every other family's are bit-identical
+LOGPROB_TOLERANCE = {"falcon_h1": 1e-4}
+OVERRIDES = {"nemotron_h": {"hybrid_override_pattern": "M*-M-"}}  # no experts: MoE files are not covered yet
+
+
 @pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("mamba", torch.float32),
                                           ("mamba2", torch.float32), ("granitemoehybrid_dense", torch.float32),
-                                          ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16)])
+                                          ("nemotron_h", torch.float32), ("falcon_h1", torch.float32),
+                                          ("lfm2", torch.float32),
+                                          ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
+                                          ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
 def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):
-    path = checkpoints.make(str(tmp_path), family, dtype=dtype)
+    path = checkpoints.make(str(tmp_path), family, dtype=dtype, **OVERRIDES.get(family, {}))
     kind = "F32" if dtype == torch.float32 else "BF16"
     file = write_gguf(path, str(tmp_path / f"model-{kind}.gguf"), kind)
     assert str(load_hf_config(file).dtype).removeprefix("torch.") == str(dtype).removeprefix("torch.")
     _, reference = _run(path)
     _, run = _run(file)
+    tolerance = LOGPROB_TOLERANCE.get(family, 0.0)
     for a, b in zip(reference, run):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
-            assert {t: round(x.logprob, 4) for t, x in la.items()} == {t: round(x.logprob, 4) for t, x in lb.items()}
+            assert set(la) == set(lb)
+            assert all(abs(x.logprob - lb[t].logprob) <= tolerance for t, x in la.items())
 
 
 def _dequantized_twin(file: str, out: str) -> str:

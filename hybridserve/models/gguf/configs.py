@@ -124,6 +124,69 @@ def _granite_hybrid(m: Meta) -> Any:
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
 
 
+def _nemotron_h(m: Meta) -> Any:
+    """Nemotron-H without experts: the layer pattern from the per-layer head counts (attention ``*``) and
+    feed-forward lengths (MLP ``-``), the rest Mamba2 (``M``)."""
+    from transformers import NemotronHConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, heads = _ssm_sizes(m)
+    kv = m.per_layer("attention.head_count_kv", layers)
+    ffn = m.per_layer("feed_forward_length", layers)
+    pattern = "".join("*" if k > 0 else "-" if f > 0 else "M" for k, f in zip(kv, ffn))
+    attn_heads = int(m.need("attention.head_count"))
+    return NemotronHConfig(
+        hidden_size=hidden, hybrid_override_pattern=pattern, num_attention_heads=attn_heads,
+        num_key_value_heads=max(kv), head_dim=int(m.get("attention.key_length", hidden // attn_heads)),
+        intermediate_size=max(ffn), mamba_num_heads=heads, mamba_head_dim=inner // heads,
+        ssm_state_size=int(m.need("ssm.state_size")), n_groups=int(m.get("ssm.group_count", 1)),
+        conv_kernel=int(m.need("ssm.conv_kernel")), layer_norm_epsilon=_eps(m),
+        use_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
+        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+
+
+def _falcon_h1(m: Meta) -> Any:
+    """Falcon-H1. llama.cpp's converter folds every muP multiplier into the weights and writes none of them, so the
+    config keeps them all at 1."""
+    from transformers import FalconH1Config
+
+    hidden, inner, heads = _ssm_sizes(m)
+    attn_heads = int(m.need("attention.head_count"))
+    return FalconH1Config(
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")),
+        num_hidden_layers=int(m.need("block_count")), num_attention_heads=attn_heads,
+        num_key_value_heads=max(m.per_layer("attention.head_count_kv", 1)),
+        head_dim=int(m.get("attention.key_length", hidden // attn_heads)), mamba_d_ssm=inner, mamba_n_heads=heads,
+        mamba_d_head=inner // heads, mamba_n_groups=int(m.get("ssm.group_count", 1)),
+        mamba_d_state=int(m.need("ssm.state_size")), mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_conv_bias=m.has("blk.0.ssm_conv1d.bias"), mamba_proj_bias=m.has("blk.0.ssm_in.bias"),
+        mamba_rms_norm=m.has("blk.0.ssm_norm.weight"), mamba_norm_before_gate=False,  # llama.cpp: gate, then norm
+        projectors_bias=m.has("blk.0.ssm_out.bias"),
+        rms_norm_eps=_eps(m),
+        max_position_embeddings=int(m.get("context_length", 4096)) or 4096,
+        lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=[1.0, 1.0], key_multiplier=1.0,
+        attention_out_multiplier=1.0, attention_in_multiplier=1.0, ssm_multipliers=[1.0] * 5, ssm_in_multiplier=1.0,
+        ssm_out_multiplier=1.0, **m.rope(), **m.common())
+
+
+def _lfm2(m: Meta) -> Any:
+    """LFM2: short-conv layers where the per-layer KV head count is 0; the feed-forward size as written (llama.cpp
+    writes it already adjusted, so the config does not adjust it again)."""
+    from transformers import Lfm2Config
+
+    layers = int(m.need("block_count"))
+    kv = m.per_layer("attention.head_count_kv", layers)
+    return Lfm2Config(
+        hidden_size=int(m.need("embedding_length")), intermediate_size=int(m.need("feed_forward_length")),
+        block_auto_adjust_ff_dim=False, num_hidden_layers=layers,
+        layer_types=["full_attention" if k > 0 else "conv" for k in kv],
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=_eps(m),
+        conv_bias=m.has(_first_ssm(m, kv, "shortconv.conv.bias")),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
+
+
 def _first_ssm(m: Meta, kv: list[int], tensor: str) -> str:
     index = next((i for i, k in enumerate(kv) if k == 0), 0)
     return f"blk.{index}.{tensor}"
@@ -135,6 +198,9 @@ BUILDERS: dict[str, Callable[[Meta], Any]] = {
     "mamba": _mamba,
     "mamba2": _mamba2,
     "granitehybrid": _granite_hybrid,
+    "nemotron_h": _nemotron_h,
+    "falcon-h1": _falcon_h1,
+    "lfm2": _lfm2,
 }
 
 

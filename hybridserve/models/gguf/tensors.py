@@ -57,6 +57,9 @@ RULES: dict[str, ArchRules] = {
                  "ffn_down_exps": "model.layers.{bid}.block_sparse_moe.output_linear",
                  "ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.router.layer"},
         merges={**_GRANITE_MOE, **_GRANITE_DENSE}),
+    "nemotron_h": ArchRules("NEMOTRON_H", permute_qk=True),
+    "falcon-h1": ArchRules("FALCON_H1"),
+    "lfm2": ArchRules("LFM2"),
 }
 
 
@@ -80,12 +83,29 @@ def reverse_names(gguf_arch: str, layers: int) -> dict[str, list[str]]:
     return out
 
 
-def _candidates(name: str, reverse: dict[str, list[str]], shapes: dict[str, tuple[int, ...]]) -> list[str]:
+def checkpoint_renamings(model_type: str) -> list[tuple[str, str]]:
+    """transformers' renames of this family's checkpoint names to its model's (``backbone.`` -> ``model.`` for
+    Nemotron-H): llama.cpp's tables hold the checkpoint names, the shapes come from the model."""
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
+    except ImportError:
+        return []
+    out = []
+    for rule in get_checkpoint_conversion_mapping(model_type) or []:
+        if isinstance(rule, WeightRenaming):
+            out.extend(zip(rule.source_patterns, rule.target_patterns))
+    return out
+
+
+def _candidates(name: str, reverse: dict[str, list[str]], shapes: dict[str, tuple[int, ...]],
+                renamings: list[tuple[str, str]]) -> list[str]:
     base, dot, suffix = name.rpartition(".")
     found: list[str] = []
     for key, tail in ((base, "." + suffix), (name, "")) if dot else ((name, ""),):
         for hf in reverse.get(key, ()):
             for option in (hf + tail, re.sub(r"\.dt_proj\.bias$", ".dt_bias", hf + tail)):
+                for source, target in renamings:
+                    option = re.sub(rf"^{source}", target, option) if option not in shapes else option
                 if option in shapes and option not in found:
                     found.append(option)
     return found
@@ -133,8 +153,9 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
     """Every tensor of the file under its checkpoint name, transforms undone (module docstring)."""
     rules = RULES[arch]
     shapes = checkpoint_shapes(hf_config)
-    layers = int(hf_config.num_hidden_layers)
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or len(hf_config.layers_block_type))
     reverse = reverse_names(rules.gguf_arch, layers)
+    renamings = checkpoint_renamings(hf_config.model_type)
     parts_of = {part: target for target, parts in rules.merges.items() for part in parts}
     pending: dict[str, dict[str, Value]] = {}
     out: dict[str, Value] = {}
@@ -153,7 +174,7 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
             candidate = rules.renames[local_base].format(bid=bid) + "." + suffix
             target = candidate if candidate in shapes else None
         if target is None:
-            found = _candidates(name, reverse, shapes)
+            found = _candidates(name, reverse, shapes, renamings)
             if len(found) > 1:
                 raise ValueError(f"{file}: tensor {name} matches several {type(hf_config).__name__} weights {found}")
             target = found[0] if found else None
