@@ -11,7 +11,7 @@ from hybridserve.models.gguf.blocks import DECODERS, FORMATS  # noqa: E402
 from hybridserve.models.gguf.coded import CodedWeight, cat_rows  # noqa: E402
 
 # byte offsets of each block's fp16 fields, which random bytes could make NaN or infinite
-FP16_FIELDS = {"Q8_0": (0,), "Q6_K": (208,), "Q4_0": (0,), "Q4_K": (0, 2)}
+FP16_FIELDS = {"Q8_0": (0,), "Q6_K": (208,), "Q5_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2)}
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -85,14 +85,18 @@ def wide_llama(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kind,layer", [("Q8_0", W8Linear), ("Q6_K", W8Linear), ("Q4_0", GGUFW4ReferenceLinear),
-                                        ("Q4_K", GGUFW4ReferenceLinear)])
+@pytest.mark.parametrize("kind,layer", [("Q8_0", W8Linear), ("Q6_K", W8Linear), ("Q5_0", W8Linear),
+                                        ("Q4_0", GGUFW4ReferenceLinear), ("Q4_K", GGUFW4ReferenceLinear),
+                                        ("Q5_1", None)])
 def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_path, wide_llama, kind, layer):
     file = write_gguf(wide_llama, str(tmp_path / f"model-{kind}.gguf"), kind)
     twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
     llm, run = _run(file, dtype="float32")
     model = llm.engine.model
-    assert sum(isinstance(m, layer) for m in model.modules()) >= 3 * 4  # q, k, v, o (or more) of 3 layers
+    if layer is None:  # a type read dequantized: no quantized layer at all
+        assert not any(isinstance(m, (W8Linear, GGUFW4ReferenceLinear)) for m in model.modules())
+    else:
+        assert sum(isinstance(m, layer) for m in model.modules()) >= 3 * 4  # q, k, v, o (or more) of 3 layers
     _, reference = _run(twin, dtype="float32")
     for a, b in zip(reference, run):
         assert a.token_ids == b.token_ids
@@ -113,8 +117,9 @@ def _one_line_error(path: str, *needles: str) -> str:
 
 def test_unsupported_tensor_type_is_refused_naming_it(tmp_path):
     path = checkpoints.make(str(tmp_path), "llama")
-    file = write_gguf(path, str(tmp_path / "model.gguf"), "Q5_0")
-    _one_line_error(file, file, "Q5_0", "tensor output.weight", "supported: F32, F16, BF16, Q4_0, Q4_K, Q6_K, Q8_0")
+    file = write_gguf(path, str(tmp_path / "model.gguf"), "MXFP4")
+    _one_line_error(file, file, "MXFP4", "tensor output.weight",
+                    "supported: F32, F16, BF16, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, Q4_1, Q5_1, Q5_K")
 
 
 def test_unknown_architecture_is_refused_naming_it(tmp_path):

@@ -8,6 +8,7 @@ GGUF      block (llama.cpp's ggml-quants)                  engine format
 ========  ==============================================  ===================================================
 Q8_0      32 int8 codes, an fp16 scale d                   8-bit: int8 codes, scale d per 32 (group 32)
 Q6_K      256 6-bit codes, an int8 scale per 16, fp16 d    8-bit: int8 codes q - 32, scale d * sc (group 16)
+Q5_0      32 5-bit codes, an fp16 scale d                  8-bit: int8 codes q - 16, scale d (group 32)
 Q4_0      32 4-bit codes, an fp16 scale d                  4-bit centred: codes q, scale d, no mins (group 32)
 Q4_K      256 4-bit codes, 6-bit scale and min per 32,     4-bit with mins: codes q, scale d * sc,
           fp16 d and dmin                                  min -(dmin * m) (group 32)
@@ -41,6 +42,7 @@ class BlockFormat:
 FORMATS = {
     "Q8_0": BlockFormat("Q8_0", 32, 34, 8, 32),
     "Q6_K": BlockFormat("Q6_K", QK_K, 210, 8, 16),
+    "Q5_0": BlockFormat("Q5_0", 32, 22, 8, 32),
     "Q4_0": BlockFormat("Q4_0", 32, 18, 4, 32),
     "Q4_K": BlockFormat("Q4_K", QK_K, 144, 4, 32),
 }
@@ -86,6 +88,20 @@ def decode_q6_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(scales.reshape(rows, -1).copy())
 
 
+def decode_q5_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 rows -> codes (N, K) int8 in -16..15 and scales (N, K / 32) float32: an fp16 d, 32 high bits (a
+    little-endian uint32, bit j for element j), 16 bytes of low nibbles (elements 0..15 low, 16..31 high)."""
+    b, rows = _blocks(raw, FORMATS["Q5_0"])
+    n = b.shape[0]
+    d = _fp16(b[:, :2])
+    high_bits = np.ascontiguousarray(b[:, 2:6]).view("<u4").reshape(n, 1)
+    high = ((high_bits >> np.arange(32, dtype=np.uint32).reshape(1, 32)) & 1).astype(np.uint8)  # (n, 32)
+    low = b[:, 6:].reshape(n, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    codes = ((low & 0x0F).reshape(n, 32) | (high << 4)).astype(np.int16) - 16
+    return (torch.from_numpy(codes.astype(np.int8).reshape(rows, -1).copy()),
+            torch.from_numpy(d.reshape(rows, -1).copy()))
+
+
 def decode_q4_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, None]:
     """Q4_0 rows -> codes (N, K) uint8 0..15 (zero at 8), scales (N, K / 32) float32 and no mins."""
     b, rows = _blocks(raw, FORMATS["Q4_0"])
@@ -123,4 +139,5 @@ def decode_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             torch.from_numpy(mins.reshape(rows, -1).copy()))
 
 
-DECODERS = {"Q8_0": decode_q8_0, "Q6_K": decode_q6_k, "Q4_0": decode_q4_0, "Q4_K": decode_q4_k}
+DECODERS = {"Q8_0": decode_q8_0, "Q6_K": decode_q6_k, "Q5_0": decode_q5_0, "Q4_0": decode_q4_0,
+            "Q4_K": decode_q4_k}

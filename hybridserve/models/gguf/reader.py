@@ -14,8 +14,11 @@ from hybridserve.models.gguf.coded import CodedWeight
 
 #: GGUF tensor types read as floats (then cast to the model dtype)
 FLOAT_TYPES = ("F32", "F16", "BF16")
+#: GGUF block types read as floats (dequantized by the gguf package at load: no engine format holds them exactly);
+#: llama-quantize writes Q5_1 and Q4_1 for the tensors whose rows are not whole k-quant super-blocks
+DEQUANTIZED_TYPES = ("Q4_1", "Q5_1", "Q5_K")
 #: every GGUF tensor type the loader takes
-SUPPORTED_TYPES = FLOAT_TYPES + tuple(sorted(FORMATS))
+SUPPORTED_TYPES = FLOAT_TYPES + tuple(sorted(FORMATS)) + DEQUANTIZED_TYPES
 
 
 def gguf_file(model: str) -> str | None:
@@ -69,7 +72,7 @@ def check_types(reader: Any, file: str) -> None:
 
 def read_tensor(tensor: Any) -> torch.Tensor | CodedWeight:
     """One ``gguf.ReaderTensor`` in numpy/torch order (the reverse of GGUF's dimension order): a float tensor for
-    F32, F16 and BF16 (a view of the file's memory map, read only), a CodedWeight (N, K) for a block type (a
+    F32, F16, BF16 and :data:`DEQUANTIZED_TYPES`, a CodedWeight (N, K) for a block type of ``blocks.FORMATS`` (a
     tensor of more dimensions as rows of its last one)."""
     kind = tensor.tensor_type.name
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
@@ -80,6 +83,10 @@ def read_tensor(tensor: Any) -> torch.Tensor | CodedWeight:
         return torch.from_numpy(np.array(data, dtype=np.float16).reshape(shape))
     if kind == "BF16":
         return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    if kind in DEQUANTIZED_TYPES:
+        import gguf
+
+        return torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape).astype(np.float32))
     fmt = FORMATS[kind]
     decoded: tuple[Any, ...] = DECODERS[kind](data)
     mins = decoded[2] if len(decoded) == 3 else None
