@@ -108,7 +108,18 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         pattern = cfg.get("hybrid_override_pattern") or "".join(kinds[t] for t in cfg["layers_block_type"])
         w.add_head_count(cfg["num_attention_heads"])
         w.add_head_count_kv([cfg["num_key_value_heads"] if c == "*" else 0 for c in pattern])
-        w.add_feed_forward_length([cfg["intermediate_size"] if c == "-" else 0 for c in pattern])
+        moe = "num_experts_per_tok" in cfg  # what llama.cpp's converter takes for its nemotron_h_moe architecture
+        w.add_feed_forward_length([(cfg["moe_intermediate_size"] if c == "E" else 0) if moe else
+                                   (cfg["intermediate_size"] if c == "-" else 0) for c in pattern])
+        if moe:
+            w.add_expert_count(cfg["n_routed_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+            w.add_expert_shared_count(cfg["n_shared_experts"])
+            w.add_expert_weights_norm(cfg["norm_topk_prob"])
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+            w.add_expert_group_count(cfg["n_group"])
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
         _ssm_metadata(w, cfg["mamba_num_heads"] * cfg["mamba_head_dim"], cfg["mamba_num_heads"], cfg["ssm_state_size"],
@@ -151,6 +162,7 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         if cfg.get("num_local_experts"):
             w.add_expert_count(cfg["num_local_experts"])
             w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["intermediate_size"])
 
 
 def _ssm_metadata(w: gguf.GGUFWriter, inner: int, heads: int, state: int, groups: int, conv: int) -> None:
@@ -179,12 +191,22 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
     if family in ("llama", "granitemoehybrid", "nemotron_h") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
         heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
         t = _permute(t, heads)
+    shexp = "_shexp" if cfg.get("num_local_experts") else ""  # Granite's shared MLP beside experts, or alone
     if family == "granitemoehybrid" and name.endswith("shared_mlp.input_linear.weight"):
         gate, up = t.split(cfg["shared_intermediate_size"], dim=0)
-        return [(name.replace("shared_mlp.input_linear", "@ffn_gate"), gate),
-                (name.replace("shared_mlp.input_linear", "@ffn_up"), up)]
+        return [(name.replace("shared_mlp.input_linear", f"@ffn_gate{shexp}"), gate),
+                (name.replace("shared_mlp.input_linear", f"@ffn_up{shexp}"), up)]
     if family == "granitemoehybrid" and name.endswith("shared_mlp.output_linear.weight"):
-        return [(name.replace("shared_mlp.output_linear", "@ffn_down"), t)]
+        return [(name.replace("shared_mlp.output_linear", f"@ffn_down{shexp}"), t)]
+    if family == "granitemoehybrid" and name.endswith("block_sparse_moe.input_linear.weight"):
+        gate, up = t.split(cfg["intermediate_size"], dim=1)
+        return [(name.replace("block_sparse_moe.input_linear", "@ffn_gate_exps"), gate),
+                (name.replace("block_sparse_moe.input_linear", "@ffn_up_exps"), up)]
+    if family == "granitemoehybrid" and name.endswith("block_sparse_moe.output_linear.weight"):
+        return [(name.replace("block_sparse_moe.output_linear", "@ffn_down_exps"), t)]
+    if family == "nemotron_h" and name.endswith("gate.e_score_correction_bias"):
+        return [(name.replace("mixer.gate.e_score_correction_bias", "@exp_probs_b").replace(".weight", "") + ".bias",
+                 t)]
     return [(name, t)]
 
 
@@ -208,11 +230,27 @@ def _falcon_fold(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
 def _gguf_name(table: gguf.TensorNameMap, name: str) -> str:
     if "@" in name:  # a name written directly: model.layers.N.@ffn_gate.weight
         block = re.search(r"layers\.(\d+)\.@(\w+)\.(\w+)$", name)
+        assert block is not None, name
         return f"blk.{block.group(1)}.{block.group(2)}.{block.group(3)}"
     hf = name.replace(".dt_bias", ".dt_proj.bias")
     out = table.get_name(hf, try_suffixes=(".weight", ".bias"))
     if out is None:
         raise KeyError(f"no GGUF name for {name}")
+    return out
+
+
+def _stack_experts(state: dict) -> dict:
+    """Per-expert ``...experts.{e}.up_proj.weight`` stacked into ``...@ffn_up_exps.weight`` (E, I, H), as llama.cpp's
+    converter stacks Nemotron-H's experts."""
+    out, stacks = {}, {}
+    for name, t in state.items():
+        m = re.match(r"^(.*)\.mixer\.experts\.(\d+)\.(up_proj|down_proj)\.weight$", name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+    for (prefix, proj), parts in stacks.items():
+        out[f"{prefix}.@ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
     return out
 
 
@@ -227,17 +265,23 @@ def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings
     layers = cfg.get("num_hidden_layers") or len(cfg["layers_block_type"])
     table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
+    state = _stack_experts(state)
     tensors = [(n2, t2) for n, t in state.items() for n2, t2 in _converted(family, cfg, n, t)]
-    w = gguf.GGUFWriter(out, GGUF_ARCH[family])
+    arch = "nemotron_h_moe" if family == "nemotron_h" and "num_experts_per_tok" in cfg else GGUF_ARCH[family]
+    if arch != GGUF_ARCH[family]:
+        table = gguf.TensorNameMap(gguf.MODEL_ARCH.NEMOTRON_H_MOE, layers)
+    w = gguf.GGUFWriter(out, arch)
     _metadata(w, family, cfg, state)
     for name, t in tensors:
         gname = _gguf_name(table, name)
         x = t.float().numpy()
-        is_linear = x.ndim == 2 and gname.endswith(".weight") and "norm" not in gname and (
+        is_linear = x.ndim in (2, 3) and gname.endswith(".weight") and "norm" not in gname and (
             quantize_embeddings or "token_embd" not in gname)
         quantized = kind not in ("F32", "F16", "BF16")
-        if quantized and is_linear and x.shape[1] % gguf.GGML_QUANT_SIZES[T[kind]][0] == 0:
-            w.add_tensor(gname, encode(x, kind), raw_dtype=T[kind])
+        is_linear = is_linear and "ffn_gate_inp" not in gname  # llama-quantize keeps routers in float
+        if quantized and is_linear and x.shape[-1] % gguf.GGML_QUANT_SIZES[T[kind]][0] == 0:
+            raw = encode(x.reshape(-1, x.shape[-1]), kind)
+            w.add_tensor(gname, raw.reshape(*x.shape[:-1], raw.shape[-1]), raw_dtype=T[kind])
         elif kind == "BF16" or (quantized and t.dtype == torch.bfloat16):
             w.add_tensor(gname, gguf.quants.quantize(x, T.BF16), raw_dtype=T.BF16)
         elif kind == "F16":

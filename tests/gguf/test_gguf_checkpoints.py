@@ -29,17 +29,20 @@ def _run(path: str, **options):
 #: Falcon-H1's muP multipliers are folded into its weights by llama.cpp's converter (and the fixture), which moves
 #: float32 logprobs by a few 1e-6; every other family's are bit-identical
 LOGPROB_TOLERANCE = {"falcon_h1": 1e-4}
-OVERRIDES = {"nemotron_h": {"hybrid_override_pattern": "M*-M-"}}  # no experts: MoE files are not covered yet
+#: llama.cpp writes no ``topk_group`` (it routes over all groups): one group, so that HF's routing is the same
+OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1},
+             "nemotron_h_dense": {"hybrid_override_pattern": "M*-M-", "n_group": 1, "topk_group": 1}}
 
 
 @pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("mamba", torch.float32),
                                           ("mamba2", torch.float32), ("granitemoehybrid_dense", torch.float32),
-                                          ("nemotron_h", torch.float32), ("falcon_h1", torch.float32),
+                                          ("nemotron_h", torch.float32), ("nemotron_h_dense", torch.float32),
+                                          ("granitemoehybrid", torch.float32), ("falcon_h1", torch.float32),
                                           ("lfm2", torch.float32),
                                           ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
                                           ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
 def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):
-    path = checkpoints.make(str(tmp_path), family, dtype=dtype, **OVERRIDES.get(family, {}))
+    path = checkpoints.make(str(tmp_path), family.removesuffix("_dense"), dtype=dtype, **OVERRIDES.get(family, {}))
     kind = "F32" if dtype == torch.float32 else "BF16"
     file = write_gguf(path, str(tmp_path / f"model-{kind}.gguf"), kind)
     assert str(load_hf_config(file).dtype).removeprefix("torch.") == str(dtype).removeprefix("torch.")
@@ -103,6 +106,20 @@ def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_pa
         for la, lb in zip(a.logprobs, b.logprobs):
             for t, x in la.items():
                 assert abs(x.logprob - lb[t].logprob) < 2e-3
+
+
+def test_quantized_experts_are_read_dequantized(tmp_path):
+    """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit."""
+    path = checkpoints.make(str(tmp_path), "nemotron_h", **OVERRIDES["nemotron_h"])
+    file = write_gguf(path, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
+    twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
+    llm, run = _run(file, dtype="float32")
+    assert any(isinstance(m, W8Linear) for m in llm.engine.model.modules())
+    _, reference = _run(twin, dtype="float32")
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
 
 
 def _one_line_error(path: str, *needles: str) -> str:

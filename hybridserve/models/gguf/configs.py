@@ -10,8 +10,8 @@ from typing import Any, Callable
 class Meta:
     """Metadata of one file, read by architecture-relative key (``block_count`` -> ``<arch>.block_count``)."""
 
-    def __init__(self, values: dict[str, Any], tensor_names: set[str], file: str) -> None:
-        self.values, self.tensor_names, self.file = values, tensor_names, file
+    def __init__(self, values: dict[str, Any], shapes: dict[str, tuple[int, ...]], file: str) -> None:
+        self.values, self.shapes, self.tensor_names, self.file = values, shapes, set(shapes), file
         self.arch = str(values.get("general.architecture", ""))
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -124,21 +124,48 @@ def _granite_hybrid(m: Meta) -> Any:
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
 
 
+def _nemotron_pattern(m: Meta, layers: int) -> str:
+    """Nemotron-H's layer pattern from each layer's tensors: Mamba2 ``M``, attention ``*``, experts ``E``, MLP ``-``
+    (the MoE architecture's metadata does not tell a dense MLP layer from a Mamba2 one)."""
+    kinds = (("ssm_in.weight", "M"), ("attn_q.weight", "*"), ("ffn_up_exps.weight", "E"), ("ffn_up.weight", "-"))
+    pattern = ""
+    for i in range(layers):
+        kind = next((k for tensor, k in kinds if m.has(f"blk.{i}.{tensor}")), None)
+        if kind is None:
+            raise ValueError(f"{m.file}: layer {i} has none of the tensors of a Nemotron-H layer")
+        pattern += kind
+    return pattern
+
+
 def _nemotron_h(m: Meta) -> Any:
-    """Nemotron-H without experts: the layer pattern from the per-layer head counts (attention ``*``) and
-    feed-forward lengths (MLP ``-``), the rest Mamba2 (``M``)."""
+    """Nemotron-H, with or without experts (llama.cpp's ``nemotron_h`` and ``nemotron_h_moe``)."""
     from transformers import NemotronHConfig
 
     layers = int(m.need("block_count"))
     hidden, inner, heads = _ssm_sizes(m)
     kv = m.per_layer("attention.head_count_kv", layers)
     ffn = m.per_layer("feed_forward_length", layers)
-    pattern = "".join("*" if k > 0 else "-" if f > 0 else "M" for k, f in zip(kv, ffn))
+    pattern = _nemotron_pattern(m, layers)
     attn_heads = int(m.need("attention.head_count"))
-    return NemotronHConfig(
-        hidden_size=hidden, hybrid_override_pattern=pattern, num_attention_heads=attn_heads,
+    experts: dict[str, Any] = {}
+    if "E" in pattern:
+        groups = int(m.get("expert_group_count", 1) or 1)
+        experts = dict(
+            n_routed_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
+            moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+            moe_shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0) or 0),
+            n_shared_experts=int(m.get("expert_shared_count", 1) or 1),
+            norm_topk_prob=bool(m.get("expert_weights_norm")),
+            routed_scaling_factor=float(m.get("expert_weights_scale", 1.0)), n_group=groups,
+            # llama.cpp does not write the groups a token may pick from, nor restrict them: all of them
+            topk_group=int(m.get("expert_group_used_count", groups) or groups))
+    # a dense MLP layer's size: its feed_forward_length, or (MoE files write 0 there) its up projection's rows
+    dense = [f or m.shapes[f"blk.{i}.ffn_up.weight"][0] for i, (c, f) in enumerate(zip(pattern, ffn)) if c == "-"]
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    return NemotronHConfig(**experts,
+        hidden_size=hidden, layers_block_type=[kinds[c] for c in pattern], num_attention_heads=attn_heads,
         num_key_value_heads=max(kv), head_dim=int(m.get("attention.key_length", hidden // attn_heads)),
-        intermediate_size=max(ffn), mamba_num_heads=heads, mamba_head_dim=inner // heads,
+        intermediate_size=max(dense) if dense else max(ffn), mamba_num_heads=heads, mamba_head_dim=inner // heads,
         ssm_state_size=int(m.need("ssm.state_size")), n_groups=int(m.get("ssm.group_count", 1)),
         conv_kernel=int(m.need("ssm.conv_kernel")), layer_norm_epsilon=_eps(m),
         use_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
@@ -153,7 +180,7 @@ def _falcon_h1(m: Meta) -> Any:
 
     hidden, inner, heads = _ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
-    return FalconH1Config(
+    return FalconH1Config(  # type: ignore[call-arg]  # head_dim is a keyword the class takes through **kwargs
         hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")),
         num_hidden_layers=int(m.need("block_count")), num_attention_heads=attn_heads,
         num_key_value_heads=max(m.per_layer("attention.head_count_kv", 1)),
@@ -199,6 +226,7 @@ BUILDERS: dict[str, Callable[[Meta], Any]] = {
     "mamba2": _mamba2,
     "granitehybrid": _granite_hybrid,
     "nemotron_h": _nemotron_h,
+    "nemotron_h_moe": _nemotron_h,
     "falcon-h1": _falcon_h1,
     "lfm2": _lfm2,
 }
@@ -214,10 +242,11 @@ def file_dtype(types: dict[str, str]) -> str:
     return "float32" if kinds <= {"F32"} else "bfloat16"
 
 
-def hf_config(values: dict[str, Any], types: dict[str, str], file: str) -> Any:
-    """The transformers config a GGUF file's metadata describes (``types``: tensor name -> GGUF type); an
-    architecture without a builder is a ValueError naming it and those that load."""
-    m = Meta(values, set(types), file)
+def hf_config(values: dict[str, Any], types: dict[str, str], shapes: dict[str, tuple[int, ...]], file: str) -> Any:
+    """The transformers config a GGUF file's metadata describes (``types``: tensor name -> GGUF type; ``shapes``:
+    tensor name -> shape, numpy order); an architecture without a builder is a ValueError naming it and those
+    that load."""
+    m = Meta(values, shapes, file)
     builder = BUILDERS.get(m.arch)
     if builder is None:
         raise ValueError(f"{file}: GGUF architecture {m.arch!r} is not supported (supported: "

@@ -18,7 +18,7 @@ def gguf_config(file: str) -> Any:
     (``reader.check_types``); each problem is a one-line ValueError naming the file."""
     r = reader.open_gguf(file)
     reader.check_types(r, file)
-    config = configs.hf_config(reader.metadata(r), reader.tensor_types(r), file)
+    config = configs.hf_config(reader.metadata(r), reader.tensor_types(r), reader.tensor_shapes(r), file)
     config.architectures = [_architecture(config)]
     return config
 

@@ -62,6 +62,11 @@ def tensor_types(reader: Any) -> dict[str, str]:
     return {t.name: t.tensor_type.name for t in reader.tensors}
 
 
+def tensor_shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> its shape in numpy/torch order (the reverse of GGUF's)."""
+    return {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+
+
 def check_types(reader: Any, file: str) -> None:
     """A ValueError naming the file, the first tensor of an unsupported type, that type and the supported ones."""
     for name, kind in tensor_types(reader).items():

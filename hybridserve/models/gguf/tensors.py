@@ -35,16 +35,17 @@ class ArchRules:
     without ``blk.N.``, checkpoint ones with ``{bid}`` for the layer index."""
 
     gguf_arch: str  # the gguf.MODEL_ARCH member
-    renames: dict[str, str] = field(default_factory=dict)  # GGUF base name -> checkpoint name
-    merges: dict[str, tuple[str, ...]] = field(default_factory=dict)  # checkpoint name -> GGUF parts, stacked
+    # GGUF name (``ffn_down``: any suffix kept; ``ffn_up_exps.weight``: that tensor alone) -> checkpoint name
+    renames: dict[str, str] = field(default_factory=dict)
+    merges: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (checkpoint name, the GGUF parts stacked into it)
     permute_qk: bool = False  # q/k rows in llama.cpp's rope layout
 
 
-_GRANITE_MOE = {
-    "model.layers.{bid}.block_sparse_moe.input_linear.weight": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
-    "model.layers.{bid}.shared_mlp.input_linear.weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
-}
-_GRANITE_DENSE = {"model.layers.{bid}.shared_mlp.input_linear.weight": ("ffn_gate.weight", "ffn_up.weight")}
+_GRANITE_MERGES = (
+    ("model.layers.{bid}.block_sparse_moe.input_linear.weight", ("ffn_gate_exps.weight", "ffn_up_exps.weight")),
+    ("model.layers.{bid}.shared_mlp.input_linear.weight", ("ffn_gate_shexp.weight", "ffn_up_shexp.weight")),
+    ("model.layers.{bid}.shared_mlp.input_linear.weight", ("ffn_gate.weight", "ffn_up.weight")),  # no experts
+)
 
 RULES: dict[str, ArchRules] = {
     "llama": ArchRules("LLAMA", permute_qk=True),
@@ -56,8 +57,13 @@ RULES: dict[str, ArchRules] = {
                  "ffn_down_shexp": "model.layers.{bid}.shared_mlp.output_linear",
                  "ffn_down_exps": "model.layers.{bid}.block_sparse_moe.output_linear",
                  "ffn_gate_inp": "model.layers.{bid}.block_sparse_moe.router.layer"},
-        merges={**_GRANITE_MOE, **_GRANITE_DENSE}),
+        merges=_GRANITE_MERGES),
     "nemotron_h": ArchRules("NEMOTRON_H", permute_qk=True),
+    "nemotron_h_moe": ArchRules(
+        "NEMOTRON_H_MOE", permute_qk=True,
+        renames={"ffn_up_exps.weight": "model.layers.{bid}.mixer.experts.up_proj",
+                 "ffn_down_exps.weight": "model.layers.{bid}.mixer.experts.down_proj",
+                 "exp_probs_b.bias": "model.layers.{bid}.mixer.gate.e_score_correction_bias"}),
     "falcon-h1": ArchRules("FALCON_H1"),
     "lfm2": ArchRules("LFM2"),
 }
@@ -90,7 +96,7 @@ def checkpoint_renamings(model_type: str) -> list[tuple[str, str]]:
         from transformers.conversion_mapping import WeightRenaming, get_checkpoint_conversion_mapping
     except ImportError:
         return []
-    out = []
+    out: list[tuple[str, str]] = []
     for rule in get_checkpoint_conversion_mapping(model_type) or []:
         if isinstance(rule, WeightRenaming):
             out.extend(zip(rule.source_patterns, rule.target_patterns))
@@ -104,11 +110,19 @@ def _candidates(name: str, reverse: dict[str, list[str]], shapes: dict[str, tupl
     for key, tail in ((base, "." + suffix), (name, "")) if dot else ((name, ""),):
         for hf in reverse.get(key, ()):
             for option in (hf + tail, re.sub(r"\.dt_proj\.bias$", ".dt_bias", hf + tail)):
-                for source, target in renamings:
-                    option = re.sub(rf"^{source}", target, option) if option not in shapes else option
-                if option in shapes and option not in found:
-                    found.append(option)
+                named = _in_model(option, shapes, renamings)
+                if named is not None and named not in found:
+                    found.append(named)
     return found
+
+
+def _in_model(name: str, shapes: dict[str, tuple[int, ...]], renamings: list[tuple[str, str]]) -> str | None:
+    """``name`` as the model names it (itself, or through transformers' renames), None when it has no such tensor."""
+    if name in shapes:
+        return name
+    for source, target in renamings:
+        name = re.sub(source, target, name)
+    return name if name in shapes else None
 
 
 def _rope_rows(rows: int, heads: int) -> torch.Tensor:
@@ -156,7 +170,7 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or len(hf_config.layers_block_type))
     reverse = reverse_names(rules.gguf_arch, layers)
     renamings = checkpoint_renamings(hf_config.model_type)
-    parts_of = {part: target for target, parts in rules.merges.items() for part in parts}
+    parts_of = {part: target for target, parts in rules.merges for part in parts}
     pending: dict[str, dict[str, Value]] = {}
     out: dict[str, Value] = {}
     unmatched: list[str] = []
@@ -166,13 +180,16 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
         block = BLOCK.match(name)
         bid, local = (block.group(1), block.group(2)) if block else (None, name)
         local_base, _, suffix = local.rpartition(".")
-        if bid is not None and local in parts_of and parts_of[local].format(bid=bid) in shapes:
-            pending.setdefault(parts_of[local].format(bid=bid), {})[local] = value
+        merged = _in_model(parts_of[local].format(bid=bid), shapes, renamings) if bid is not None and (
+            local in parts_of) else None
+        if merged is not None:
+            pending.setdefault(merged, {})[local] = value
             continue
         target = None
-        if bid is not None and local_base in rules.renames:
-            candidate = rules.renames[local_base].format(bid=bid) + "." + suffix
-            target = candidate if candidate in shapes else None
+        if bid is not None and (local in rules.renames or local_base in rules.renames):
+            candidate = (rules.renames[local] if local in rules.renames
+                         else rules.renames[local_base] + "." + suffix).format(bid=bid)
+            target = _in_model(candidate, shapes, renamings)
         if target is None:
             found = _candidates(name, reverse, shapes, renamings)
             if len(found) > 1:
@@ -183,17 +200,13 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
             continue
         out[target] = value
     for target, parts in pending.items():
-        local_parts = next(p for t, p in rules.merges.items() if re.fullmatch(_template(t), target))
+        local_parts = next(p for _, p in rules.merges if set(parts) <= set(p))
         if set(parts) != set(local_parts):
             raise ValueError(f"{file}: {target} needs tensors {local_parts}, the file has {sorted(parts)}")
         out[target] = _stack([parts[p] for p in local_parts], shapes[target])
     if unmatched:
         raise ValueError(f"{file}: tensors with no {type(hf_config).__name__} weight: {unmatched[:10]}")
     return {name: _undo(name, value, rules, hf_config, shapes[name], file) for name, value in out.items()}
-
-
-def _template(target: str) -> str:
-    return re.escape(target).replace(re.escape("{bid}"), r"\d+")
 
 
 def _undo(name: str, value: Value, rules: ArchRules, hf_config: Any, shape: tuple[int, ...], file: str) -> Value:
