@@ -14,9 +14,9 @@ import torch
 
 T = gguf.GGMLQuantizationType
 ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID",
-         "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2"}
+         "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2", "jamba": "JAMBA"}
 GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
-             "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2"}
+             "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2", "jamba": "jamba"}
 # Falcon-H1: the muP multiplier llama.cpp's converter folds into each tensor, by a part of its name (first match)
 FALCON_FOLDS = (("down_proj", lambda c: c["mlp_multipliers"][1]), ("gate_proj", lambda c: c["mlp_multipliers"][0]),
                 ("k_proj", lambda c: c["key_multiplier"] * c["attention_in_multiplier"]),
@@ -142,6 +142,19 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         w.add_shortconv_l_cache(cfg["conv_L_cache"])
         w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
         w.add_context_length(cfg["max_position_embeddings"])
+    if family == "jamba":
+        layers = cfg["num_hidden_layers"]
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if i % cfg["attn_layer_period"] == cfg["attn_layer_offset"]
+                             else 0 for i in range(layers)])
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_inner_size(cfg["mamba_expand"] * cfg["hidden_size"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_time_step_rank(cfg["mamba_dt_rank"])
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_context_length(cfg["max_position_embeddings"])
     if family == "granitemoehybrid":
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
@@ -179,9 +192,9 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
         t = _falcon_fold(cfg, name, t)
     if name.endswith("A_log"):
         t = -torch.exp(t.float())
-        if family != "mamba":
+        if family not in ("mamba", "jamba"):
             t = t.reshape(-1, 1)
-    if family != "mamba" and name.endswith(".D"):
+    if family not in ("mamba", "jamba") and name.endswith(".D"):
         t = t.reshape(-1, 1)
     if "conv1d.weight" in name or "conv.conv.weight" in name:
         t = t.squeeze()
@@ -244,7 +257,7 @@ def _stack_experts(state: dict) -> dict:
     converter stacks Nemotron-H's experts."""
     out, stacks = {}, {}
     for name, t in state.items():
-        m = re.match(r"^(.*)\.mixer\.experts\.(\d+)\.(up_proj|down_proj)\.weight$", name)
+        m = re.match(r"^(.*)\.(?:mixer|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
         if m is None:
             out[name] = t
         else:

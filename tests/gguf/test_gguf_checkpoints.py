@@ -38,7 +38,7 @@ OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1},
                                           ("mamba2", torch.float32), ("granitemoehybrid_dense", torch.float32),
                                           ("nemotron_h", torch.float32), ("nemotron_h_dense", torch.float32),
                                           ("granitemoehybrid", torch.float32), ("falcon_h1", torch.float32),
-                                          ("lfm2", torch.float32),
+                                          ("lfm2", torch.float32), ("jamba", torch.float32),
                                           ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
                                           ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
 def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):

@@ -214,6 +214,40 @@ def _lfm2(m: Meta) -> Any:
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
 
 
+def _period(layers: list[int], count: int, what: str, m: Meta) -> tuple[int, int]:
+    """(offset, period) of transformers' ``i % period == offset`` rule that selects exactly ``layers``."""
+    if not layers:
+        return count, count + 1  # no such layer
+    offset = layers[0]
+    period = layers[1] - layers[0] if len(layers) > 1 else count
+    if [i for i in range(count) if i % period == offset] != layers:
+        raise ValueError(f"{m.file}: the {what} layers {layers} are not every {period}th from {offset}")
+    return offset, period
+
+
+def _jamba(m: Meta) -> Any:
+    """Jamba: attention where the per-layer KV head count is not 0, experts where the layer has ``ffn_*_exps``."""
+    from transformers import JambaConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner = int(m.need("embedding_length")), int(m.need("ssm.inner_size"))
+    kv = m.per_layer("attention.head_count_kv", layers)
+    attn_offset, attn_period = _period([i for i, k in enumerate(kv) if k > 0], layers, "attention", m)
+    moe = [i for i in range(layers) if m.has(f"blk.{i}.ffn_gate_exps.weight")]
+    expert_offset, expert_period = _period(moe, layers, "expert", m)
+    first_ssm = _first_ssm(m, kv, "")
+    return JambaConfig(
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")), num_hidden_layers=layers,
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        attn_layer_offset=attn_offset, attn_layer_period=attn_period, expert_layer_offset=expert_offset,
+        expert_layer_period=expert_period, num_experts=int(m.get("expert_count", 1) or 1) if moe else 1,
+        num_experts_per_tok=int(m.get("expert_used_count", 1) or 1) if moe else 1,
+        mamba_d_state=int(m.need("ssm.state_size")), mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_expand=inner // hidden, mamba_dt_rank=int(m.need("ssm.time_step_rank")),
+        mamba_conv_bias=m.has(first_ssm + "ssm_conv1d.bias"), mamba_proj_bias=m.has(first_ssm + "ssm_in.bias"),
+        rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+
+
 def _first_ssm(m: Meta, kv: list[int], tensor: str) -> str:
     index = next((i for i, k in enumerate(kv) if k == 0), 0)
     return f"blk.{index}.{tensor}"
@@ -229,6 +263,7 @@ BUILDERS: dict[str, Callable[[Meta], Any]] = {
     "nemotron_h_moe": _nemotron_h,
     "falcon-h1": _falcon_h1,
     "lfm2": _lfm2,
+    "jamba": _jamba,
 }
 
 

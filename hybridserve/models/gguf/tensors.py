@@ -65,6 +65,12 @@ RULES: dict[str, ArchRules] = {
                  "ffn_down_exps.weight": "model.layers.{bid}.mixer.experts.down_proj",
                  "exp_probs_b.bias": "model.layers.{bid}.mixer.gate.e_score_correction_bias"}),
     "falcon-h1": ArchRules("FALCON_H1"),
+    "jamba": ArchRules(
+        "JAMBA",
+        renames={"ffn_down_exps.weight": "model.layers.{bid}.feed_forward.experts.down_proj",
+                 "ffn_gate_inp.weight": "model.layers.{bid}.feed_forward.router.weight"},
+        merges=(("model.layers.{bid}.feed_forward.experts.gate_up_proj",
+                 ("ffn_gate_exps.weight", "ffn_up_exps.weight")),)),
     "lfm2": ArchRules("LFM2"),
 }
 
