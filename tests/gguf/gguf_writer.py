@@ -14,9 +14,11 @@ import torch
 
 T = gguf.GGMLQuantizationType
 ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID",
-         "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2", "jamba": "JAMBA"}
+         "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2", "jamba": "JAMBA",
+         "qwen3_next": "QWEN3NEXT"}
 GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
-             "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2", "jamba": "jamba"}
+             "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2", "jamba": "jamba",
+             "qwen3_next": "qwen3next"}
 # Falcon-H1: the muP multiplier llama.cpp's converter folds into each tensor, by a part of its name (first match)
 FALCON_FOLDS = (("down_proj", lambda c: c["mlp_multipliers"][1]), ("gate_proj", lambda c: c["mlp_multipliers"][0]),
                 ("k_proj", lambda c: c["key_multiplier"] * c["attention_in_multiplier"]),
@@ -155,6 +157,21 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_context_length(cfg["max_position_embeddings"])
+    if family == "qwen3_next":
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        _ssm_metadata(w, cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"], cfg["linear_num_value_heads"],
+                      cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_conv_kernel_dim"])
+        w.add_context_length(cfg["max_position_embeddings"])
     if family == "granitemoehybrid":
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
@@ -190,6 +207,8 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
     """(HF name, tensor) -> llama.cpp's (GGUF-side HF-like name, tensor) after its transforms."""
     if family == "falcon_h1":
         t = _falcon_fold(cfg, name, t)
+    if family == "qwen3_next":
+        return _qwen3_next(cfg, name, t)
     if name.endswith("A_log"):
         t = -torch.exp(t.float())
         if family not in ("mamba", "jamba"):
@@ -220,6 +239,25 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
     if family == "nemotron_h" and name.endswith("gate.e_score_correction_bias"):
         return [(name.replace("mixer.gate.e_score_correction_bias", "@exp_probs_b").replace(".weight", "") + ".bias",
                  t)]
+    return [(name, t)]
+
+
+def _qwen3_next(cfg: dict, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """llama.cpp's Qwen3-Next transforms: A = -exp(A_log), conv1d squeezed, RMS norms as 1 + w (not the gated
+    delta net's), in_proj_qkvz split into attn_qkv (all q, all k, all v) and attn_gate (z)."""
+    if name.endswith("A_log"):
+        t = -torch.exp(t.float())
+    if "conv1d" in name:
+        t = t.squeeze()
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        t = t.float() + 1
+    if name.endswith("in_proj_qkvz.weight"):
+        nk, hk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+        vz = cfg["linear_num_value_heads"] // nk * cfg["linear_value_head_dim"]
+        q, k, v, z = t.reshape(nk, 2 * hk + 2 * vz, -1).split([hk, hk, vz, vz], dim=1)
+        qkv = torch.cat([q.reshape(nk * hk, -1), k.reshape(nk * hk, -1), v.reshape(nk * vz, -1)])
+        return [(name.replace("linear_attn.in_proj_qkvz", "@attn_qkv"), qkv),
+                (name.replace("linear_attn.in_proj_qkvz", "@attn_gate"), z.reshape(nk * vz, -1))]
     return [(name, t)]
 
 
@@ -257,7 +295,7 @@ def _stack_experts(state: dict) -> dict:
     converter stacks Nemotron-H's experts."""
     out, stacks = {}, {}
     for name, t in state.items():
-        m = re.match(r"^(.*)\.(?:mixer|feed_forward)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
         if m is None:
             out[name] = t
         else:

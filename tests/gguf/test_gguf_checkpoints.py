@@ -30,7 +30,8 @@ def _run(path: str, **options):
 #: float32 logprobs by a few 1e-6; every other family's are bit-identical
 LOGPROB_TOLERANCE = {"falcon_h1": 1e-4}
 #: llama.cpp writes no ``topk_group`` (it routes over all groups): one group, so that HF's routing is the same
-OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1},
+#: llama.cpp's Qwen3-Next has no dense MLP layers (``mlp_only_layers``)
+OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1}, "qwen3_next": {"mlp_only_layers": []},
              "nemotron_h_dense": {"hybrid_override_pattern": "M*-M-", "n_group": 1, "topk_group": 1}}
 
 
@@ -39,6 +40,7 @@ OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1},
                                           ("nemotron_h", torch.float32), ("nemotron_h_dense", torch.float32),
                                           ("granitemoehybrid", torch.float32), ("falcon_h1", torch.float32),
                                           ("lfm2", torch.float32), ("jamba", torch.float32),
+                                          ("qwen3_next", torch.float32),
                                           ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
                                           ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
 def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):

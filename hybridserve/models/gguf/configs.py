@@ -248,6 +248,32 @@ def _jamba(m: Meta) -> Any:
         rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
+def _qwen3_next(m: Meta) -> Any:
+    """Qwen3-Next: attention layers where the layer has ``attn_q``, gated delta-net layers elsewhere; experts in
+    the layers with a router (``ffn_gate_inp``), a dense MLP in the others."""
+    from transformers import Qwen3NextConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, value_heads = _ssm_sizes(m)
+    attn_heads = int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // attn_heads))
+    rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    rope["partial_rotary_factor"] = int(m.get("rope.dimension_count", head_dim)) / head_dim
+    return Qwen3NextConfig(
+        hidden_size=hidden, intermediate_size=int(m.get("feed_forward_length", 0) or 0), num_hidden_layers=layers,
+        layer_types=["full_attention" if m.has(f"blk.{i}.attn_q.weight") else "linear_attention"
+                     for i in range(layers)],
+        num_attention_heads=attn_heads, num_key_value_heads=max(m.per_layer("attention.head_count_kv", layers)),
+        head_dim=head_dim, rope_parameters=rope, linear_conv_kernel_dim=int(m.need("ssm.conv_kernel")),
+        linear_key_head_dim=int(m.need("ssm.state_size")), linear_num_key_heads=int(m.need("ssm.group_count")),
+        linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads,
+        num_experts=int(m.get("expert_count", 0) or 0), num_experts_per_tok=int(m.get("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(m.get("expert_feed_forward_length", 0) or 0),
+        shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0) or 0),
+        decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if not m.has(f"blk.{i}.ffn_gate_inp.weight")],
+        rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+
+
 def _first_ssm(m: Meta, kv: list[int], tensor: str) -> str:
     index = next((i for i, k in enumerate(kv) if k == 0), 0)
     return f"blk.{index}.{tensor}"
@@ -264,6 +290,7 @@ BUILDERS: dict[str, Callable[[Meta], Any]] = {
     "falcon-h1": _falcon_h1,
     "lfm2": _lfm2,
     "jamba": _jamba,
+    "qwen3next": _qwen3_next,
 }
 
 

@@ -39,6 +39,7 @@ class ArchRules:
     renames: dict[str, str] = field(default_factory=dict)
     merges: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (checkpoint name, the GGUF parts stacked into it)
     permute_qk: bool = False  # q/k rows in llama.cpp's rope layout
+    norm_offset: bool = False  # RMS norm weights written as 1 + w (Qwen3-Next's, but the gated delta net's own)
 
 
 _GRANITE_MERGES = (
@@ -72,6 +73,11 @@ RULES: dict[str, ArchRules] = {
         merges=(("model.layers.{bid}.feed_forward.experts.gate_up_proj",
                  ("ffn_gate_exps.weight", "ffn_up_exps.weight")),)),
     "lfm2": ArchRules("LFM2"),
+    "qwen3next": ArchRules(
+        "QWEN3NEXT", norm_offset=True,
+        renames={"ffn_down_exps.weight": "model.layers.{bid}.mlp.experts.down_proj"},
+        merges=(("model.layers.{bid}.mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight")),
+                ("model.layers.{bid}.linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")))),
 }
 
 
@@ -139,9 +145,24 @@ def _rope_rows(rows: int, heads: int) -> torch.Tensor:
 
 
 def _unpermute(value: Value, heads: int) -> Value:
-    if isinstance(value, CodedWeight):
-        return value.rows(_rope_rows(value.shape[0], heads))
-    return value[_rope_rows(value.shape[0], heads)]
+    return _rows(value, _rope_rows(value.shape[0], heads))
+
+
+def _rows(value: Value, order: torch.Tensor) -> Value:
+    """``value``'s rows in ``order``."""
+    return value.rows(order) if isinstance(value, CodedWeight) else value[order]
+
+
+def _qkvz_rows(config: Any) -> torch.Tensor:
+    """The row order that rebuilds Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, v, z) from llama.cpp's
+    ``attn_qkv`` (all q, all k, all v) stacked over ``attn_gate`` (all z)."""
+    nk, hk = config.linear_num_key_heads, config.linear_key_head_dim
+    vz = config.linear_num_value_heads // nk * config.linear_value_head_dim  # v (and z) rows per key head
+    q = torch.arange(nk * hk).reshape(nk, hk)
+    k = q + nk * hk
+    v = torch.arange(nk * vz).reshape(nk, vz) + 2 * nk * hk
+    z = v + nk * vz
+    return torch.cat([q, k, v, z], dim=1).reshape(-1)
 
 
 def _stack(parts: list[Value], shape: tuple[int, ...]) -> Value:
@@ -220,6 +241,10 @@ def _undo(name: str, value: Value, rules: ArchRules, hf_config: Any, shape: tupl
     if name.endswith("A_log"):
         a = value.dequantize() if isinstance(value, CodedWeight) else value.float()
         value = torch.log(-a)
+    if rules.norm_offset and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        value = (value.dequantize() if isinstance(value, CodedWeight) else value.float()) - 1
+    if name.endswith("linear_attn.in_proj_qkvz.weight"):
+        value = _rows(value, _qkvz_rows(hf_config))
     if rules.permute_qk and re.search(r"\.(q_proj|k_proj)\.(weight|bias)$", name):
         heads = hf_config.num_attention_heads if ".q_proj." in name else hf_config.num_key_value_heads
         value = _unpermute(value, heads)
