@@ -110,6 +110,18 @@ def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_pa
                 assert abs(x.logprob - lb[t].logprob) < 2e-3
 
 
+def test_8bit_gguf_weights_are_dequantized_without_the_cpu_kernels(tmp_path, wide_llama):
+    """With --no-cpu-kernels the int8 codes of a Q8_0 file are dequantized at start (no W8Linear), same output."""
+    file = write_gguf(wide_llama, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
+    _, kernels = _run(file, dtype="float32")
+    llm, plain = _run(file, dtype="float32", cpu_kernels=False)
+    assert not any(isinstance(m, W8Linear) for m in llm.engine.model.modules())
+    for a, b in zip(kernels, plain):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
+
+
 def test_quantized_experts_are_read_dequantized(tmp_path):
     """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit."""
     path = checkpoints.make(str(tmp_path), "nemotron_h", **OVERRIDES["nemotron_h"])
