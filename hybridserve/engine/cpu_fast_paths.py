@@ -102,7 +102,7 @@ def _count_w8_linears(model: nn.Module) -> dict[str, int]:
 
 
 def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
-    """Give the fp8 linears the kernels did not pack (kernels unavailable) dequantized weights."""
+    """Give the 8-bit (fp8 or int8) linears the kernels did not pack (kernels unavailable) dequantized weights."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
                  torch.float32)
     count = 0
@@ -112,7 +112,8 @@ def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
             del m.weight_scale, m.weight_group
             count += 1
     if count:
-        report.notes.append(f"{count} fp8 linears dequantized to {dtype} (the 8-bit kernel is not available)")
+        report.notes.append(f"{count} 8-bit (fp8 or int8) linears dequantized to {dtype} "
+                            "(the 8-bit kernel is not available)")
 
 
 def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:

@@ -57,7 +57,15 @@ class Detokenizer:
 
     @classmethod
     def from_path(cls, path: str) -> "Detokenizer":
-        """Load the tokenizer in ``path`` if it has tokenizer files, else an id-only detokenizer."""
+        """Load the tokenizer in ``path`` if it has tokenizer files (or is a GGUF checkpoint with a vocabulary:
+        ``models/gguf/tokenizer.py``), else an id-only detokenizer."""
+        from hybridserve.models.gguf.reader import gguf_file
+
+        file = gguf_file(path)
+        if file is not None:
+            from hybridserve.models.gguf.tokenizer import gguf_tokenizer
+
+            return cls(gguf_tokenizer(file))
         if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
             return cls(None)
         from transformers import AutoTokenizer

@@ -85,9 +85,9 @@ def _packable_linears(model: nn.Module):
 
 
 def is_fp8_linear(linear: nn.Module) -> bool:
-    """An ``nn.Linear`` holding a checkpoint's fp8 e4m3 weight (with ``weight_scale`` (N, G) float32 and
-    ``weight_group``, set by the loader)."""
-    return linear.weight.dtype == torch.float8_e4m3fn and hasattr(linear, "weight_scale")
+    """An ``nn.Linear`` holding a checkpoint's 8-bit codes: fp8 e4m3 (an fp8 checkpoint) or int8 (a GGUF file's
+    Q8_0 or Q6_K weight), with ``weight_scale`` (N, G) float32 and ``weight_group``, set by the loader."""
+    return linear.weight.dtype in (torch.float8_e4m3fn, torch.int8) and hasattr(linear, "weight_scale")
 
 
 def _replace_linears(model: nn.Module, pack: Callable[[nn.Linear], torch.Tensor | None],
@@ -130,7 +130,7 @@ class _Arena:
 
 def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", group: int = 0) -> int:
     """Replace every CPU ``nn.Linear`` the CPU kernels cover by a :class:`KernelLinear` (16-bit and float32
-    weights) or a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's fp8 weights; with
+    weights) or a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's 8-bit codes; with
     ``quantization="int8"`` every linear, quantized per output channel, or per ``group`` in-features), and
     pack the experts of every ``FusedExperts`` block likewise; returns how many linears and experts were
     packed. Routers (``quantize = False`` on their linear: their logits pick experts, a discrete choice that
@@ -172,7 +172,7 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
 
     def make(lin: nn.Linear, packed: torch.Tensor) -> nn.Module:
         if is_fp8_linear(lin):
-            return W8Linear(lin, packed, torch.float8_e4m3fn, lin.weight_group)
+            return W8Linear(lin, packed, lin.weight.dtype, lin.weight_group)
         if packed.dtype == torch.uint8:
             return W8Linear(lin, packed, torch.int8, group, dynamic_activations=dynamic and group == 0)
         return KernelLinear(lin, packed)

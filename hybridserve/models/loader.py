@@ -14,6 +14,8 @@ from torch import nn
 from hybridserve.cache.spec import CacheDtypes
 from hybridserve.models import fp8_checkpoint, weight_checks
 from hybridserve.models.base import CausalLM
+from hybridserve.models.gguf.coded import CodedWeight
+from hybridserve.models.gguf.load import install_coded
 from hybridserve.models.registry import SERVED_AS_TEXT, architecture_of, model_class
 
 
@@ -26,7 +28,13 @@ def load_hf_config(path: str, check_memory: bool = True) -> Any:
 
     from hybridserve.models import config_checks
     from hybridserve.models.config_file import read_config_values
+    from hybridserve.models.gguf.reader import gguf_file
 
+    file = gguf_file(path)
+    if file is not None:  # a GGUF checkpoint: its config from the file's metadata (models/gguf/)
+        from hybridserve.models.gguf.load import gguf_config
+
+        return gguf_config(file)
     if not os.path.isdir(path):
         raise ValueError(f"model={path!r} is not a directory holding a checkpoint")
     file = os.path.join(path, "config.json")
@@ -57,10 +65,20 @@ def served_text_config(config: Any) -> Any:
     return text
 
 
-def checkpoint_tensors(path: str, renames, skip: str | None):
+def checkpoint_tensors(path: str, renames, skip: str | None, hf_config: Any = None):
     """``(open safetensors file, raw name, renamed name)`` of every checkpoint tensor whose raw name ``skip``
     (a regex, or None) does not match, file by file: read a tensor with ``f.get_tensor(raw)``, which refuses
-    one holding a NaN or an infinity (``models/weight_checks.py``: a ValueError naming it and its file)."""
+    one holding a NaN or an infinity (``models/weight_checks.py``: a ValueError naming it and its file). A GGUF
+    checkpoint (``models/gguf/``) gives its tensors under the checkpoint names of ``hf_config``'s model, some as
+    ``CodedWeight`` (quantized linear weights)."""
+    from hybridserve.models.gguf.reader import gguf_file
+
+    file = gguf_file(path)
+    if file is not None:
+        from hybridserve.models.gguf.load import gguf_checkpoint_tensors
+
+        yield from gguf_checkpoint_tensors(file, hf_config, renames, skip)
+        return
     for f in weight_checks.open_checked(weight_files(path)):
         for raw in f.keys():
             if skip is None or not re.match(skip, raw):
@@ -134,7 +152,8 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
     kv_scales: list[tuple[nn.Module, tuple[str, ...], torch.Tensor]] = []
     qc = fp8_checkpoint.fp8_config(model.hf_config)
     fp8_scales: dict[str, torch.Tensor] = {}
-    for f, raw, name in checkpoint_tensors(path, renames, skip):
+    coded: dict[str, CodedWeight] = {}  # a GGUF file's quantized linear weights, kept quantized
+    for f, raw, name in checkpoint_tensors(path, renames, skip, model.hf_config):
         target = kv_scale_target(model, name)
         if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight
             kv_scales.append((*target, f.get_tensor(raw)))
@@ -145,7 +164,13 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         if name not in expected and transform is None:
             unexpected.append(raw)
             continue
-        loaded[name] = f.get_tensor(raw)
+        tensor = f.get_tensor(raw)
+        if isinstance(tensor, CodedWeight):
+            if name in expected and _is_plain_linear_weight(model, name):
+                coded[name] = tensor
+                continue
+            tensor = tensor.dequantize()  # an embedding, an expert block, a layer that reads its own weight
+        loaded[name] = tensor
     fp8 = {} if qc is None else fp8_checkpoint.split_fp8(
         loaded, fp8_scales, qc, lambda n: keep_fp8 and n in expected and _is_plain_linear_weight(model, n))
     if transform is not None:
@@ -153,15 +178,18 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         unexpected = [n for n in loaded if n not in expected]
         loaded = {n: t for n, t in loaded.items() if n in expected}
     slicers = getattr(model, "tp_slicers", None)  # tensor parallelism: each rank's slice (distributed/sharding.py)
+    if slicers and coded:
+        raise ValueError(f"checkpoint {path!r} has quantized GGUF weights ({next(iter(coded))}, ...), which "
+                         "tensor parallelism does not split: use --tensor-parallel-size 1 or a BF16/F32 GGUF file")
     if slicers:
         loaded = {n: slicers[n](t) if n in slicers else t for n, t in loaded.items()}
-    missing = [n for n in expected if n not in loaded and n not in tied]
+    missing = [n for n in expected if n not in loaded and n not in tied and n not in coded]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match {type(model).__name__}: "
                          f"missing weights {missing[:20]}{'...' if len(missing) > 20 else ''}; "
                          f"unexpected weights {unexpected[:20]}{'...' if len(unexpected) > 20 else ''}")
     bad = [f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(expected[n].shape)}"
-           for n, t in loaded.items() if tuple(t.shape) != tuple(expected[n].shape)]
+           for n, t in [*loaded.items(), *coded.items()] if tuple(t.shape) != tuple(expected[n].shape)]
     if bad:
         raise ValueError(f"checkpoint {path!r} has weights of the wrong shape: " + "; ".join(bad[:20]))
     bad = weight_checks.wrong_dtype_classes(loaded, expected)
@@ -188,6 +216,10 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         owner, attr = _owner(model, name)
         getattr(owner, attr).data = codes.to(device)
         owner.weight_scale, owner.weight_group = scales.to(device), group
+    for name, weight in coded.items():
+        owner, attr = _owner(model, name)
+        parent, child = _owner(model, name.rsplit(".", 1)[0])
+        install_coded(owner, attr, parent, child, weight, device)
     model.tie_weights_if_needed()
     for module, attrs, tensor in kv_scales:
         for attr in attrs:

@@ -1,0 +1,56 @@
+"""A linear weight read from a GGUF file and kept in its quantized form: codes, scales and mins by group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybridserve.ops.linear_w4 import dequantize_w4
+from hybridserve.ops.linear_w8 import dequantize as dequantize_w8
+
+
+@dataclass(frozen=True)
+class CodedWeight:
+    """A weight (N, K) as ``codes`` (N, K) with ``scales`` (N, G) float32 and, 4-bit with mins, ``mins`` (N, G),
+    for G groups of ``group`` in-features. ``bits`` 8: int8 codes, ``W = codes * scale``
+    (``ops/linear_w8.py``); 4: codes 0..15, ``W = codes * scale + min`` or, without mins, ``(codes - 8) * scale``
+    (``ops/linear_w4.py``). ``source`` names the GGUF type it came from."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    group: int
+    bits: int
+    source: str
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (N, K)."""
+        if self.bits == 8:
+            return dequantize_w8(self.codes, self.scales, self.group)
+        return dequantize_w4(self.codes, self.scales, self.mins, self.group)
+
+    def rows(self, index: torch.Tensor | slice) -> CodedWeight:
+        """The output channels ``index`` selects (row-wise quantization makes this exact)."""
+        mins = None if self.mins is None else self.mins[index]
+        return replace(self, codes=self.codes[index].contiguous(), scales=self.scales[index].contiguous(),
+                       mins=None if mins is None else mins.contiguous())
+
+    def matches(self, other: CodedWeight) -> bool:
+        """Whether ``other`` is of the same format, so their rows can be stacked into one weight."""
+        return (self.bits, self.group, self.mins is None, self.source, self.shape[1]) == (
+            other.bits, other.group, other.mins is None, other.source, other.shape[1])
+
+
+def cat_rows(parts: list[CodedWeight]) -> CodedWeight:
+    """One weight stacking ``parts``' output channels (all of one format: :meth:`CodedWeight.matches`)."""
+    first = parts[0]
+    if not all(first.matches(p) for p in parts[1:]):
+        raise ValueError("cat_rows takes weights of one format")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    return replace(first, codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
+                   mins=mins)

@@ -1,0 +1,323 @@
+"""A GGUF file's metadata -> the transformers config of its model family, so the rest of the engine (plan, cache
+specs, models) runs as it does on a config.json. One builder per llama.cpp architecture (``general.architecture``);
+the keys are those llama.cpp's converter writes (``gguf.Keys``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+class Meta:
+    """Metadata of one file, read by architecture-relative key (``block_count`` -> ``<arch>.block_count``)."""
+
+    def __init__(self, values: dict[str, Any], shapes: dict[str, tuple[int, ...]], file: str) -> None:
+        self.values, self.shapes, self.tensor_names, self.file = values, shapes, set(shapes), file
+        self.arch = str(values.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(f"{self.arch}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.file}: metadata key {self.arch}.{key} is missing (a {self.arch} file needs it)")
+        return value
+
+    def per_layer(self, key: str, layers: int) -> list[int]:
+        """A value llama.cpp writes either once or per layer, as a list of ``layers`` ints."""
+        value = self.need(key)
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
+
+    def has(self, tensor: str) -> bool:
+        return tensor in self.tensor_names
+
+    def common(self) -> dict[str, Any]:
+        """Keys every family shares: vocabulary, special tokens, tied embeddings (no ``output.weight``)."""
+        tokens = self.values.get("tokenizer.ggml.tokens")
+        vocab = self.get("vocab_size") or (len(tokens) if tokens else None)
+        if vocab is None:
+            raise ValueError(f"{self.file}: no {self.arch}.vocab_size and no tokenizer.ggml.tokens")
+        out: dict[str, Any] = {"vocab_size": int(vocab), "tie_word_embeddings": not self.has("output.weight")}
+        for key in ("bos", "eos", "pad"):
+            token_id = self.values.get(f"tokenizer.ggml.{key}_token_id")
+            if token_id is not None:
+                out[f"{key}_token_id"] = int(token_id)
+        return out
+
+    def rope(self) -> dict[str, Any]:
+        base = self.get("rope.freq_base")
+        return {} if base is None else {"rope_parameters": {"rope_type": "default", "rope_theta": float(base)}}
+
+
+def _ssm_sizes(m: Meta) -> tuple[int, int, int]:
+    """hidden size, SSM inner size and SSM heads (llama.cpp's ``ssm.time_step_rank`` for Mamba2 layers)."""
+    return int(m.need("embedding_length")), int(m.need("ssm.inner_size")), int(m.need("ssm.time_step_rank"))
+
+
+def _eps(m: Meta) -> float:
+    return float(m.get("attention.layer_norm_rms_epsilon", 1e-5))
+
+
+def _llama(m: Meta) -> Any:
+    from transformers import LlamaConfig
+
+    layers = int(m.need("block_count"))
+    heads = int(m.need("attention.head_count"))
+    hidden = int(m.need("embedding_length"))
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(m.per_layer("attention.head_count_kv", layers)),
+        head_dim=int(m.get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(m.get("context_length", 4096)), attention_bias=m.has("blk.0.attn_q.bias"),
+        mlp_bias=m.has("blk.0.ffn_up.bias"), **m.rope(), **m.common())
+
+
+def _mamba(m: Meta) -> Any:
+    from transformers import FalconMambaConfig, MambaConfig
+
+    hidden, inner = int(m.need("embedding_length")), int(m.need("ssm.inner_size"))
+    cls = FalconMambaConfig if m.get("ssm.dt_b_c_rms") else MambaConfig
+    return cls(hidden_size=hidden, state_size=int(m.need("ssm.state_size")),
+               num_hidden_layers=int(m.need("block_count")), conv_kernel=int(m.need("ssm.conv_kernel")),
+               expand=inner // hidden, time_step_rank=int(m.need("ssm.time_step_rank")),
+               layer_norm_epsilon=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+               use_bias=m.has("blk.0.ssm_in.bias"), use_conv_bias=m.has("blk.0.ssm_conv1d.bias"), **m.common())
+
+
+def _mamba2(m: Meta) -> Any:
+    from transformers import Mamba2Config
+
+    hidden, inner, heads = _ssm_sizes(m)
+    return Mamba2Config(hidden_size=hidden, num_hidden_layers=int(m.need("block_count")), num_heads=heads,
+                        head_dim=inner // heads, state_size=int(m.need("ssm.state_size")),
+                        n_groups=int(m.get("ssm.group_count", 1)), conv_kernel=int(m.need("ssm.conv_kernel")),
+                        expand=inner // hidden, layer_norm_epsilon=_eps(m),
+                        use_bias=m.has("blk.0.ssm_in.bias"), use_conv_bias=m.has("blk.0.ssm_conv1d.bias"),
+                        **m.common())
+
+
+def _granite_hybrid(m: Meta) -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, heads = _ssm_sizes(m)
+    kv = m.per_layer("attention.head_count_kv", layers)
+    experts = int(m.get("expert_count", 0) or 0)
+    ffn = int(m.get("feed_forward_length", 0) or 0)
+    shared = int(m.get("expert_shared_feed_forward_length", 0) or 0) or ffn
+    return GraniteMoeHybridConfig(
+        hidden_size=hidden, intermediate_size=int(m.get("expert_feed_forward_length", 0) or ffn),
+        shared_intermediate_size=shared, num_hidden_layers=layers,
+        layer_types=["attention" if k > 0 else "mamba" for k in kv],
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        num_local_experts=experts, num_experts_per_tok=int(m.get("expert_used_count", 0) or 0) if experts else 0,
+        mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_d_state=int(m.need("ssm.state_size")),
+        mamba_n_groups=int(m.get("ssm.group_count", 1)), mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_expand=inner // hidden, mamba_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
+        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")),
+        position_embedding_type="rope" if m.get("rope.scaling.finetuned") else None,
+        embedding_multiplier=float(m.get("embedding_scale", 1.0)),
+        residual_multiplier=float(m.get("residual_scale", 1.0)),
+        attention_multiplier=float(m.get("attention.scale", 1.0)), logits_scaling=float(m.get("logit_scale", 1.0)),
+        rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
+
+
+def _nemotron_pattern(m: Meta, layers: int) -> str:
+    """Nemotron-H's layer pattern from each layer's tensors: Mamba2 ``M``, attention ``*``, experts ``E``, MLP ``-``
+    (the MoE architecture's metadata does not tell a dense MLP layer from a Mamba2 one)."""
+    kinds = (("ssm_in.weight", "M"), ("attn_q.weight", "*"), ("ffn_up_exps.weight", "E"), ("ffn_up.weight", "-"))
+    pattern = ""
+    for i in range(layers):
+        kind = next((k for tensor, k in kinds if m.has(f"blk.{i}.{tensor}")), None)
+        if kind is None:
+            raise ValueError(f"{m.file}: layer {i} has none of the tensors of a Nemotron-H layer")
+        pattern += kind
+    return pattern
+
+
+def _nemotron_h(m: Meta) -> Any:
+    """Nemotron-H, with or without experts (llama.cpp's ``nemotron_h`` and ``nemotron_h_moe``)."""
+    from transformers import NemotronHConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, heads = _ssm_sizes(m)
+    kv = m.per_layer("attention.head_count_kv", layers)
+    ffn = m.per_layer("feed_forward_length", layers)
+    pattern = _nemotron_pattern(m, layers)
+    attn_heads = int(m.need("attention.head_count"))
+    experts: dict[str, Any] = {}
+    if "E" in pattern:
+        groups = int(m.get("expert_group_count", 1) or 1)
+        experts = dict(
+            n_routed_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
+            moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+            moe_shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0) or 0),
+            n_shared_experts=int(m.get("expert_shared_count", 1) or 1),
+            norm_topk_prob=bool(m.get("expert_weights_norm")),
+            routed_scaling_factor=float(m.get("expert_weights_scale", 1.0)), n_group=groups,
+            # llama.cpp does not write the groups a token may pick from, nor restrict them: all of them
+            topk_group=int(m.get("expert_group_used_count", groups) or groups))
+    # a dense MLP layer's size: its feed_forward_length, or (MoE files write 0 there) its up projection's rows
+    dense = [f or m.shapes[f"blk.{i}.ffn_up.weight"][0] for i, (c, f) in enumerate(zip(pattern, ffn)) if c == "-"]
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+    return NemotronHConfig(**experts,
+        hidden_size=hidden, layers_block_type=[kinds[c] for c in pattern], num_attention_heads=attn_heads,
+        num_key_value_heads=max(kv), head_dim=int(m.get("attention.key_length", hidden // attn_heads)),
+        intermediate_size=max(dense) if dense else max(ffn), mamba_num_heads=heads, mamba_head_dim=inner // heads,
+        ssm_state_size=int(m.need("ssm.state_size")), n_groups=int(m.get("ssm.group_count", 1)),
+        conv_kernel=int(m.need("ssm.conv_kernel")), layer_norm_epsilon=_eps(m),
+        use_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
+        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+
+
+def _falcon_h1(m: Meta) -> Any:
+    """Falcon-H1. llama.cpp's converter folds every muP multiplier into the weights and writes none of them, so the
+    config keeps them all at 1."""
+    from transformers import FalconH1Config
+
+    hidden, inner, heads = _ssm_sizes(m)
+    attn_heads = int(m.need("attention.head_count"))
+    return FalconH1Config(  # type: ignore[call-arg]  # head_dim is a keyword the class takes through **kwargs
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")),
+        num_hidden_layers=int(m.need("block_count")), num_attention_heads=attn_heads,
+        num_key_value_heads=max(m.per_layer("attention.head_count_kv", 1)),
+        head_dim=int(m.get("attention.key_length", hidden // attn_heads)), mamba_d_ssm=inner, mamba_n_heads=heads,
+        mamba_d_head=inner // heads, mamba_n_groups=int(m.get("ssm.group_count", 1)),
+        mamba_d_state=int(m.need("ssm.state_size")), mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_conv_bias=m.has("blk.0.ssm_conv1d.bias"), mamba_proj_bias=m.has("blk.0.ssm_in.bias"),
+        mamba_rms_norm=m.has("blk.0.ssm_norm.weight"), mamba_norm_before_gate=False,  # llama.cpp: gate, then norm
+        projectors_bias=m.has("blk.0.ssm_out.bias"),
+        rms_norm_eps=_eps(m),
+        max_position_embeddings=int(m.get("context_length", 4096)) or 4096,
+        lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=[1.0, 1.0], key_multiplier=1.0,
+        attention_out_multiplier=1.0, attention_in_multiplier=1.0, ssm_multipliers=[1.0] * 5, ssm_in_multiplier=1.0,
+        ssm_out_multiplier=1.0, **m.rope(), **m.common())
+
+
+def _lfm2(m: Meta) -> Any:
+    """LFM2: short-conv layers where the per-layer KV head count is 0; the feed-forward size as written (llama.cpp
+    writes it already adjusted, so the config does not adjust it again)."""
+    from transformers import Lfm2Config
+
+    layers = int(m.need("block_count"))
+    kv = m.per_layer("attention.head_count_kv", layers)
+    return Lfm2Config(
+        hidden_size=int(m.need("embedding_length")), intermediate_size=int(m.need("feed_forward_length")),
+        block_auto_adjust_ff_dim=False, num_hidden_layers=layers,
+        layer_types=["full_attention" if k > 0 else "conv" for k in kv],
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=_eps(m),
+        conv_bias=m.has(_first_ssm(m, kv, "shortconv.conv.bias")),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
+
+
+def _period(layers: list[int], count: int, what: str, m: Meta) -> tuple[int, int]:
+    """(offset, period) of transformers' ``i % period == offset`` rule that selects exactly ``layers``."""
+    if not layers:
+        return count, count + 1  # no such layer
+    offset = layers[0]
+    period = layers[1] - layers[0] if len(layers) > 1 else count
+    if [i for i in range(count) if i % period == offset] != layers:
+        raise ValueError(f"{m.file}: the {what} layers {layers} are not every {period}th from {offset}")
+    return offset, period
+
+
+def _jamba(m: Meta) -> Any:
+    """Jamba: attention where the per-layer KV head count is not 0, experts where the layer has ``ffn_*_exps``."""
+    from transformers import JambaConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner = int(m.need("embedding_length")), int(m.need("ssm.inner_size"))
+    kv = m.per_layer("attention.head_count_kv", layers)
+    attn_offset, attn_period = _period([i for i, k in enumerate(kv) if k > 0], layers, "attention", m)
+    moe = [i for i in range(layers) if m.has(f"blk.{i}.ffn_gate_exps.weight")]
+    expert_offset, expert_period = _period(moe, layers, "expert", m)
+    first_ssm = _first_ssm(m, kv, "")
+    return JambaConfig(
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")), num_hidden_layers=layers,
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        attn_layer_offset=attn_offset, attn_layer_period=attn_period, expert_layer_offset=expert_offset,
+        expert_layer_period=expert_period, num_experts=int(m.get("expert_count", 1) or 1) if moe else 1,
+        num_experts_per_tok=int(m.get("expert_used_count", 1) or 1) if moe else 1,
+        mamba_d_state=int(m.need("ssm.state_size")), mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_expand=inner // hidden, mamba_dt_rank=int(m.need("ssm.time_step_rank")),
+        mamba_conv_bias=m.has(first_ssm + "ssm_conv1d.bias"), mamba_proj_bias=m.has(first_ssm + "ssm_in.bias"),
+        rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+
+
+def _qwen3_next(m: Meta) -> Any:
+    """Qwen3-Next: attention layers where the layer has ``attn_q``, gated delta-net layers elsewhere; experts in
+    the layers with a router (``ffn_gate_inp``), a dense MLP in the others."""
+    from transformers import Qwen3NextConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, value_heads = _ssm_sizes(m)
+    attn_heads = int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // attn_heads))
+    rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    rope["partial_rotary_factor"] = int(m.get("rope.dimension_count", head_dim)) / head_dim
+    return Qwen3NextConfig(
+        hidden_size=hidden, intermediate_size=int(m.get("feed_forward_length", 0) or 0), num_hidden_layers=layers,
+        layer_types=["full_attention" if m.has(f"blk.{i}.attn_q.weight") else "linear_attention"
+                     for i in range(layers)],
+        num_attention_heads=attn_heads, num_key_value_heads=max(m.per_layer("attention.head_count_kv", layers)),
+        head_dim=head_dim, rope_parameters=rope, linear_conv_kernel_dim=int(m.need("ssm.conv_kernel")),
+        linear_key_head_dim=int(m.need("ssm.state_size")), linear_num_key_heads=int(m.need("ssm.group_count")),
+        linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads,
+        num_experts=int(m.get("expert_count", 0) or 0), num_experts_per_tok=int(m.get("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(m.get("expert_feed_forward_length", 0) or 0),
+        shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0) or 0),
+        decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if not m.has(f"blk.{i}.ffn_gate_inp.weight")],
+        rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+
+
+def _first_ssm(m: Meta, kv: list[int], tensor: str) -> str:
+    index = next((i for i, k in enumerate(kv) if k == 0), 0)
+    return f"blk.{index}.{tensor}"
+
+
+#: llama.cpp architecture name -> config builder
+BUILDERS: dict[str, Callable[[Meta], Any]] = {
+    "llama": _llama,
+    "mamba": _mamba,
+    "mamba2": _mamba2,
+    "granitehybrid": _granite_hybrid,
+    "nemotron_h": _nemotron_h,
+    "nemotron_h_moe": _nemotron_h,
+    "falcon-h1": _falcon_h1,
+    "lfm2": _lfm2,
+    "jamba": _jamba,
+    "qwen3next": _qwen3_next,
+}
+
+
+def file_dtype(types: dict[str, str]) -> str:
+    """The model dtype ``dtype=auto`` gives a file of tensor ``types`` (name -> GGUF type): bfloat16 or float16
+    when its weights are, float32 for an all-F32 file, bfloat16 for a quantized one (its norms are F32)."""
+    kinds = set(types.values())
+    for kind, dtype in (("BF16", "bfloat16"), ("F16", "float16")):
+        if kind in kinds:
+            return dtype
+    return "float32" if kinds <= {"F32"} else "bfloat16"
+
+
+def hf_config(values: dict[str, Any], types: dict[str, str], shapes: dict[str, tuple[int, ...]], file: str) -> Any:
+    """The transformers config a GGUF file's metadata describes (``types``: tensor name -> GGUF type; ``shapes``:
+    tensor name -> shape, numpy order); an architecture without a builder is a ValueError naming it and those
+    that load."""
+    m = Meta(values, shapes, file)
+    builder = BUILDERS.get(m.arch)
+    if builder is None:
+        raise ValueError(f"{file}: GGUF architecture {m.arch!r} is not supported (supported: "
+                         f"{', '.join(sorted(BUILDERS))})")
+    try:
+        config = builder(m)
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        if str(exc).startswith(file):
+            raise
+        raise ValueError(f"{file}: metadata does not describe a {m.arch} model ({type(exc).__name__}: {exc})") from None
+    config.dtype = file_dtype(types)
+    return config

@@ -1,0 +1,73 @@
+"""The GGUF entry points of the checkpoint loader (``models/loader.py``): the config of a file, and its tensors under
+checkpoint names, with the linear weights of the block types kept quantized."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from hybridserve.models.gguf import configs, reader, tensors
+from hybridserve.models.gguf.coded import CodedWeight
+from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear
+
+
+def gguf_config(file: str) -> Any:
+    """The transformers config of a GGUF file (``configs.hf_config``), after its tensor types are checked
+    (``reader.check_types``); each problem is a one-line ValueError naming the file."""
+    r = reader.open_gguf(file)
+    reader.check_types(r, file)
+    config = configs.hf_config(reader.metadata(r), reader.tensor_types(r), reader.tensor_shapes(r), file)
+    config.architectures = [_architecture(config)]
+    return config
+
+
+def _architecture(config: Any) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+
+
+class _Tensors:
+    """The converted tensors of one file, read like a safetensors file (``get_tensor``)."""
+
+    def __init__(self, values: dict[str, tensors.Value]) -> None:
+        self.values = values
+
+    def get_tensor(self, name: str) -> tensors.Value:
+        return self.values[name]
+
+
+def gguf_checkpoint_tensors(file: str, hf_config: Any, renames, skip: str | None
+                            ) -> Iterator[tuple[_Tensors, str, str]]:
+    """``(source, checkpoint name, renamed name)`` of every tensor of the file, as ``loader.checkpoint_tensors``
+    gives them for safetensors; ``source.get_tensor(name)`` is a float tensor or a :class:`CodedWeight`."""
+    import re
+
+    from hybridserve.models.loader import _rename
+
+    r = reader.open_gguf(file)
+    arch = str(reader.metadata(r).get("general.architecture"))
+    values = tensors.checkpoint_tensors(r, arch, hf_config, file)
+    source = _Tensors(values)
+    for raw in values:
+        if skip is None or not re.match(skip, raw):
+            yield source, raw, _rename(raw, renames)
+
+
+def install_coded(owner: Any, attr: str, parent: nn.Module, child: str, weight: CodedWeight,
+                  device: torch.device) -> None:
+    """Put a coded weight into the ``nn.Linear`` ``owner`` (``parent.<child>``): 8-bit as int8 codes with
+    ``weight_scale`` and ``weight_group`` (packed later for the 8-bit kernel, ``layers/packed_linear.py``), 4-bit
+    by replacing the layer with a :class:`GGUFW4ReferenceLinear`."""
+    if weight.bits == 8:
+        setattr(owner, attr, nn.Parameter(weight.codes.to(device), requires_grad=False))  # int8: no gradient
+        owner.weight_scale, owner.weight_group = weight.scales.to(device), weight.group
+        return
+    bias = None if owner.bias is None else owner.bias.data
+    layer = GGUFW4ReferenceLinear.from_codes(owner.in_features, owner.out_features, weight.codes.to(device),
+                                             weight.scales.to(device),
+                                             None if weight.mins is None else weight.mins.to(device), weight.group,
+                                             bias)
+    setattr(parent, child, layer)

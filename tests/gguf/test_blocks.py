@@ -1,0 +1,77 @@
+"""GGUF block decoders (models/gguf/blocks.py) against the gguf package's own dequantizers: the codes, scales
+and mins they give must reproduce gguf's floats exactly."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from hybridserve.models.gguf.blocks import DECODERS, FORMATS  # noqa: E402
+from hybridserve.models.gguf.coded import CodedWeight, cat_rows  # noqa: E402
+
+# byte offsets of each block's fp16 fields, which random bytes could make NaN or infinite
+FP16_FIELDS = {"Q8_0": (0,), "Q6_K": (208,), "Q5_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2)}
+
+
+def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random raw blocks (rows, bytes per row) of type ``name`` with finite fp16 scales."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(seed)
+    per_row = cols // fmt.block_elements
+    raw = rng.integers(0, 256, size=(rows * per_row, fmt.block_bytes), dtype=np.uint8)
+    for offset in FP16_FIELDS[name]:
+        d = rng.uniform(-0.05, 0.05, size=rows * per_row).astype(np.float16)
+        raw[:, offset:offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, per_row * fmt.block_bytes)
+
+
+def coded(name: str, raw: np.ndarray) -> CodedWeight:
+    fmt = FORMATS[name]
+    out = DECODERS[name](raw)
+    codes, scales = out[0], out[1]
+    mins = out[2] if len(out) == 3 else None
+    return CodedWeight(codes, scales, mins, fmt.group, fmt.bits, name)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_decoded_values_equal_gguf_dequantize(name):
+    raw = random_blocks(name, rows=6, cols=512)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
+    w = coded(name, raw)
+    assert tuple(w.shape) == (6, 512)
+    assert torch.equal(w.dequantize(), torch.from_numpy(expected.astype(np.float32)))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_codes_are_in_the_engine_formats(name):
+    w = coded(name, random_blocks(name, rows=3, cols=256, seed=1))
+    if w.bits == 8:
+        assert w.codes.dtype == torch.int8
+    else:
+        assert w.codes.dtype == torch.uint8 and int(w.codes.max()) <= 15
+    assert w.scales.dtype == torch.float32 and tuple(w.scales.shape) == (3, 256 // w.group)
+
+
+def test_rows_and_cat_rows_keep_values():
+    w = coded("Q4_K", random_blocks("Q4_K", rows=4, cols=256, seed=2))
+    order = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(w.rows(order).dequantize(), w.dequantize()[order])
+    both = cat_rows([w.rows(slice(0, 2)), w.rows(slice(2, 4))])
+    assert torch.equal(both.dequantize(), w.dequantize())
+
+
+def test_cat_rows_refuses_mixed_formats():
+    a = coded("Q4_K", random_blocks("Q4_K", rows=2, cols=256))
+    b = coded("Q4_0", random_blocks("Q4_0", rows=2, cols=256))
+    with pytest.raises(ValueError, match="one format"):
+        cat_rows([a, b])
+
+
+def test_w4_reference_linear_runs_the_decoded_weight():
+    from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear
+
+    w = coded("Q4_0", random_blocks("Q4_0", rows=5, cols=64, seed=3))
+    layer = GGUFW4ReferenceLinear.from_codes(64, 5, w.codes, w.scales, w.mins, w.group, None)
+    x = torch.randn(3, 64)
+    assert torch.allclose(layer(x), x @ w.dequantize().T, atol=1e-5)

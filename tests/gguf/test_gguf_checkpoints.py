@@ -1,0 +1,216 @@
+"""GGUF checkpoints (models/gguf/): tiny random checkpoints written to GGUF as llama.cpp's converter writes them
+(tests/gguf/gguf_writer.py) load through the real loader and generate what the safetensors checkpoint does."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
+from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear  # noqa: E402
+from hybridserve.models.loader import load_hf_config  # noqa: E402
+from tests import checkpoints  # noqa: E402
+from tests.gguf.gguf_writer import write_gguf  # noqa: E402
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
+PROMPTS = [[5, 9, 33, 4, 7], list(range(3, 22))]
+
+
+def _run(path: str, **options):
+    llm = LLM(path, cache_memory="16MiB", max_num_seqs=2, enable_progress_bar=False, **options)
+    return llm, [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)]
+
+
+#: Falcon-H1's muP multipliers are folded into its weights by llama.cpp's converter (and the fixture), which moves
+#: float32 logprobs by a few 1e-6; every other family's are bit-identical
+LOGPROB_TOLERANCE = {"falcon_h1": 1e-4}
+#: llama.cpp writes no ``topk_group`` (it routes over all groups): one group, so that HF's routing is the same
+#: llama.cpp's Qwen3-Next has no dense MLP layers (``mlp_only_layers``)
+OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1}, "qwen3_next": {"mlp_only_layers": []},
+             "nemotron_h_dense": {"hybrid_override_pattern": "M*-M-", "n_group": 1, "topk_group": 1}}
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("mamba", torch.float32),
+                                          ("mamba2", torch.float32), ("granitemoehybrid_dense", torch.float32),
+                                          ("nemotron_h", torch.float32), ("nemotron_h_dense", torch.float32),
+                                          ("granitemoehybrid", torch.float32), ("falcon_h1", torch.float32),
+                                          ("lfm2", torch.float32), ("jamba", torch.float32),
+                                          ("qwen3_next", torch.float32),
+                                          ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
+                                          ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
+def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):
+    path = checkpoints.make(str(tmp_path), family.removesuffix("_dense"), dtype=dtype, **OVERRIDES.get(family, {}))
+    kind = "F32" if dtype == torch.float32 else "BF16"
+    file = write_gguf(path, str(tmp_path / f"model-{kind}.gguf"), kind)
+    assert str(load_hf_config(file).dtype).removeprefix("torch.") == str(dtype).removeprefix("torch.")
+    _, reference = _run(path)
+    _, run = _run(file)
+    tolerance = LOGPROB_TOLERANCE.get(family, 0.0)
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert set(la) == set(lb)
+            assert all(abs(x.logprob - lb[t].logprob) <= tolerance for t, x in la.items())
+
+
+def _dequantized_twin(file: str, out: str) -> str:
+    """The same GGUF file with every block tensor replaced by gguf's own dequantization of it (F32)."""
+    r = gguf.GGUFReader(file)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(key, value, kind, sub_type=field.types[-1])
+        else:
+            w.add_key_value(key, value, kind)
+    for t in r.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory):
+    """A llama checkpoint whose linears have 256 in-features (one k-quant super-block)."""
+    path = str(tmp_path_factory.mktemp("gguf") / "llama-256")
+    checkpoints.build(checkpoints.llama_config(hidden_size=256), path, std=0.03, dtype=torch.bfloat16)
+    return path
+
+
+@pytest.mark.parametrize("kind,layer", [("Q8_0", W8Linear), ("Q6_K", W8Linear), ("Q5_0", W8Linear),
+                                        ("Q4_0", GGUFW4ReferenceLinear), ("Q4_K", GGUFW4ReferenceLinear),
+                                        ("Q5_1", None)])
+def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_path, wide_llama, kind, layer):
+    file = write_gguf(wide_llama, str(tmp_path / f"model-{kind}.gguf"), kind)
+    twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
+    llm, run = _run(file, dtype="float32")
+    model = llm.engine.model
+    if layer is None:  # a type read dequantized: no quantized layer at all
+        assert not any(isinstance(m, (W8Linear, GGUFW4ReferenceLinear)) for m in model.modules())
+    else:
+        assert sum(isinstance(m, layer) for m in model.modules()) >= 3 * 4  # q, k, v, o (or more) of 3 layers
+    _, reference = _run(twin, dtype="float32")
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            for t, x in la.items():
+                assert abs(x.logprob - lb[t].logprob) < 2e-3
+
+
+def test_8bit_gguf_weights_are_dequantized_without_the_cpu_kernels(tmp_path, wide_llama):
+    """With --no-cpu-kernels the int8 codes of a Q8_0 file are dequantized at start (no W8Linear), same output."""
+    file = write_gguf(wide_llama, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
+    _, kernels = _run(file, dtype="float32")
+    llm, plain = _run(file, dtype="float32", cpu_kernels=False)
+    assert not any(isinstance(m, W8Linear) for m in llm.engine.model.modules())
+    for a, b in zip(kernels, plain):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
+
+
+def test_quantized_experts_are_read_dequantized(tmp_path):
+    """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit."""
+    path = checkpoints.make(str(tmp_path), "nemotron_h", **OVERRIDES["nemotron_h"])
+    file = write_gguf(path, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
+    twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
+    llm, run = _run(file, dtype="float32")
+    assert any(isinstance(m, W8Linear) for m in llm.engine.model.modules())
+    _, reference = _run(twin, dtype="float32")
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
+
+
+def _one_line_error(path: str, *needles: str) -> str:
+    with pytest.raises(ValueError) as info:
+        load_hf_config(path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message
+    return message
+
+
+def test_unsupported_tensor_type_is_refused_naming_it(tmp_path):
+    path = checkpoints.make(str(tmp_path), "llama")
+    file = write_gguf(path, str(tmp_path / "model.gguf"), "MXFP4")
+    _one_line_error(file, file, "MXFP4", "tensor output.weight",
+                    "supported: F32, F16, BF16, Q4_0, Q4_K, Q5_0, Q6_K, Q8_0, Q4_1, Q5_1, Q5_K")
+
+
+def test_unknown_architecture_is_refused_naming_it(tmp_path):
+    file = str(tmp_path / "bert.gguf")
+    w = gguf.GGUFWriter(file, "bert")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _one_line_error(file, file, "'bert' is not supported", "granitehybrid")
+
+
+def test_truncated_file_is_refused(tmp_path):
+    path = checkpoints.make(str(tmp_path), "mamba2")
+    file = write_gguf(path, str(tmp_path / "model.gguf"))
+    size = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.truncate(size - 1000)
+    _one_line_error(file, file, "not a readable GGUF file")
+
+
+def test_folder_holding_one_gguf_loads_and_two_are_refused(tmp_path):
+    path = checkpoints.make(str(tmp_path), "mamba2")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_gguf(path, str(folder / "model.gguf"))
+    assert load_hf_config(str(folder)).model_type == "mamba2"
+    shutil.copy(folder / "model.gguf", folder / "other.gguf")
+    _one_line_error(str(folder), "several GGUF files", "model.gguf, other.gguf")
+
+
+def test_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
+    from tokenizers import Tokenizer
+
+    from hybridserve.engine.detokenizer import Detokenizer
+
+    base = os.path.join(os.path.dirname(__file__), "..", "..", "hybridserve", "default_model", "tokenizer.json")
+    reference = Tokenizer.from_file(base)
+    vocab = reference.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    import json
+
+    with open(base) as f:
+        merges = [m if isinstance(m, str) else " ".join(m) for m in json.load(f)["model"]["merges"]]
+    file = str(tmp_path / "tok.gguf")
+    w = gguf.GGUFWriter(file, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([1] * len(tokens))
+    w.add_chat_template("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    detok = Detokenizer.from_path(file)
+    text = "Hello world, GGUF tokenizers: 123 ok!"
+    assert detok.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    rendered = detok.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert rendered == "<user>hi"
