@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CODE_DTYPES", "CODE_MAX", "CodedState", "code_dtype", "decode_rows", "encode_rows", "hash32", "row_keys",
-           "uniform_noise"]
+__all__ = ["CODE_DTYPES", "CODE_MAX", "CodedState", "StateView", "code_dtype", "decode_rows", "encode_rows", "hash32",
+           "row_keys", "uniform_noise"]
 
 #: option name -> the torch dtype of the codes
 CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -128,12 +128,18 @@ class CodedState:
 
     def read(self, idx: torch.Tensor) -> torch.Tensor:
         """The slots idx (B,) int64 decoded -> a new float32 (B, *shape)."""
-        return decode_rows(self.codes.index_select(0, idx), self.scale.index_select(0, idx))
+        codes = self.codes.view(torch.uint8).index_select(0, idx).view(self.codes.dtype)  # (torch's CPU index
+        # ops do not take float8: they gather the bytes)
+        return decode_rows(codes, self.scale.index_select(0, idx))
 
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Encode values (B, *shape) into the slots idx (B,) with the noise of rounding keys (B,) and
         positions (B,) (tokens absorbed after this update)."""
         noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]))
         codes, scale = encode_rows(values, self.codes.dtype, noise)
-        self.codes.index_copy_(0, idx, codes)
+        self.codes.view(torch.uint8).index_copy_(0, idx, codes.view(torch.uint8))
         self.scale.index_copy_(0, idx, scale)
+
+
+#: what the pool hands an op for one state tensor: a float view (slots, *shape), or the codes and scales of 8 bits
+StateView = torch.Tensor | CodedState
