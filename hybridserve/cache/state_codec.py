@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["CODE_DTYPES", "CODE_MAX", "CodedState", "StateView", "code_dtype", "decode_rows", "encode_rows", "hash32",
-           "row_keys", "uniform_noise"]
+           "has_coded_state", "rounding_key", "row_keys", "uniform_noise"]
 
 #: option name -> the torch dtype of the codes
 CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -35,6 +35,11 @@ _FP8_E4M3_MANTISSA_BITS = 3
 def code_dtype(name: str) -> torch.dtype | None:
     """The code dtype of an 8-bit state option name (``"int8"``, ``"fp8_e4m3"``), None for a float dtype name."""
     return CODE_DTYPES.get(name)
+
+
+def rounding_key(seed: int | None) -> int:
+    """The rounding key of a request: its seed mod 2**32 (the hash reads the low 32 bits), 0 when unset."""
+    return 0 if seed is None else seed % 2**32
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -143,3 +148,8 @@ class CodedState:
 
 #: what the pool hands an op for one state tensor: a float view (slots, *shape), or the codes and scales of 8 bits
 StateView = torch.Tensor | CodedState
+
+
+def has_coded_state(caches: dict) -> bool:
+    """Whether any layer cache (``cache.pool.LayerCache``, by layer) holds an 8-bit state tensor."""
+    return any(isinstance(view, CodedState) for cache in caches.values() for view in (cache.state or {}).values())
