@@ -5,9 +5,10 @@ a text of ``--prompt`` random tokens plus ``--generated`` tokens that a float32-
 from them is fed to the engine ONE TOKEN PER STEP (``max_num_batched_tokens=1``), so every token's update
 rounds the stored state, as decoding does. At every position the logprob of the text's next token is taken
 (prompt logprobs); the figure of a variant is the mean and max |Δlogprob| against the float32-state run,
-over all positions and over the generated half. Variants: ``bfloat16`` state (torch's round-to-nearest-even), ``int8`` and ``fp8_e4m3``
-with the engine's seeded stochastic rounding, and the same two with round-to-nearest (``encode_rows`` with
-``noise=None``, patched in for the measurement only). Plain PyTorch bodies (``cpu_kernels=False``) for all.
+over all positions and over the generated half. Variants: ``bfloat16`` state (torch's round-to-nearest-even),
+``int8`` and ``fp8_e4m3`` with the engine's seeded stochastic rounding, and the same two with round-to-nearest
+(``encode_rows`` with ``noise=None``, patched in for the measurement only). Plain PyTorch bodies
+(``cpu_kernels=False``) for all.
 
     python benchmarks/state_precision.py --default-model
     python benchmarks/state_precision.py --family bamba mamba qwen3_next --json /tmp/drift.json

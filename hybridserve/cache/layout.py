@@ -49,6 +49,7 @@ class TensorPlacement:
     shape: tuple[int, ...]  # per page (KV) or per slot (state)
     dtype: DType  # a torch dtype (the engine) or its name (a plan)
     group: int = 0  # KV page group: 0 full attention, 1 sliding window (state tensors: 0)
+    shard_offset: int = 0  # a state tensor's StateTensorSpec.shard_offset (tensor parallelism)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +116,7 @@ def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
                 kv.append(p)
                 page_off[group] = align_up(page_off[group] + p.nbytes)
         for t in spec.state:
-            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype)
+            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype, shard_offset=t.shard_offset)
             state.append(p)
             slot_off = align_up(slot_off + p.nbytes)
             if t.coded:  # 8-bit codes: their row scales follow them in the slot

@@ -165,7 +165,7 @@ class CachePool:
                 continue  # the row scales of 8-bit codes: inside the codes' CodedState
             view = views[p.layer, p.name]
             scale = views.get((p.layer, p.name + SCALE_SUFFIX)) if is_coded_state_dtype(p.dtype) else None
-            cache.state[p.name] = view if scale is None else CodedState(view, scale, p.layer)
+            cache.state[p.name] = view if scale is None else CodedState(view, scale, p.layer, p.shard_offset)
 
     # ------------------------------------------------------------ boundaries
     def _state_top_slots(self, num_slots: int) -> int:

@@ -69,6 +69,10 @@ class StateTensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: DType
+    #: with tensor parallelism, the flat index of this rank's first element in the whole per-sequence tensor (a
+    #: rank holds a contiguous slice of the first axis, its heads): 8-bit state numbers its rounding noise from it,
+    #: so every rank rounds its elements as one rank would
+    shard_offset: int = 0
 
     @property
     def coded(self) -> bool:

@@ -61,14 +61,16 @@ def row_keys(keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.T
     return hash32(h ^ layer)
 
 
-def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape: tuple[int, ...],
+                  offset: int = 0) -> torch.Tensor:
     """Uniform numbers in [0, 1), float32 (S, *shape): element e of sequence s is
-    ``(hash32(row_keys[s] + e) >> 8) * 2**-24``, e the flat index within ``shape``."""
+    ``(hash32(row_keys[s] + offset + e) >> 8) * 2**-24``, e the flat index within ``shape`` (``offset``: where a
+    tensor-parallel rank's slice starts in the whole tensor, so each element's noise is the same on any rank)."""
     base = row_keys(keys, positions, layer)  # (S,)
     numel = 1
     for d in shape:
         numel *= d
-    e = torch.arange(numel, dtype=torch.int64)
+    e = torch.arange(offset, offset + numel, dtype=torch.int64)
     h = hash32(base[:, None] + e[None, :])  # (S, numel)
     return ((h >> 8).to(torch.float32) * (2.0 ** -24)).reshape(base.shape[0], *shape)
 
@@ -114,14 +116,16 @@ class CodedState:
     """The pool's view of one layer's 8-bit temporal state tensor, handed to the ops in place of a float view.
 
     codes: (slots, *shape) int8 or float8_e4m3fn; scale: (slots, *shape[:-1]) float32; layer: the layer
-    index the rounding hash takes. Both tensors are the pool's own storage: writing them writes the cache."""
+    index the rounding hash takes; offset: the flat index of this tensor's first element in the whole tensor
+    (a tensor-parallel rank's slice of heads; 0 otherwise), the noise's element numbering starts there. Both
+    tensors are the pool's own storage: writing them writes the cache."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int, offset: int = 0) -> None:
         if codes.dtype not in CODE_MAX or scale.dtype != torch.float32 or codes.shape[:-1] != scale.shape:
             raise ValueError(f"8-bit state wants codes (slots, *rows, n) in {list(CODE_MAX)} and float32 scales "
                              f"(slots, *rows); got {codes.dtype} {tuple(codes.shape)}, {scale.dtype} "
                              f"{tuple(scale.shape)}")
-        self.codes, self.scale, self.layer = codes, scale, layer
+        self.codes, self.scale, self.layer, self.offset = codes, scale, layer, offset
 
     @property
     def dtype(self) -> torch.dtype:
@@ -140,7 +144,7 @@ class CodedState:
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Encode values (B, *shape) into the slots idx (B,) with the noise of rounding keys (B,) and
         positions (B,) (tokens absorbed after this update)."""
-        noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]))
+        noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]), self.offset)
         codes, scale = encode_rows(values, self.codes.dtype, noise)
         self.codes.view(torch.uint8).index_copy_(0, idx, codes.view(torch.uint8))
         self.scale.index_copy_(0, idx, scale)

@@ -102,3 +102,40 @@ def test_a_slot_copy_carries_codes_and_scales_unchanged(dtype):
     row_max = values[0].abs().amax(-1, keepdim=True)
     step = row_max / (127 if dtype == torch.int8 else 14)
     assert bool(((ssm.read(at)[0] - values[0]).abs() <= step * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("dtype", CODE_DTYPES)
+def test_rank_slices_round_their_elements_as_the_whole_tensor_does(dtype):
+    """Tensor parallelism: a rank holds a slice of the heads; with its shard_offset, its codes and scales are
+    exactly those of the same heads in the unsharded tensor (rows never span ranks; the noise is numbered
+    from the slice's start)."""
+    heads, rows, n = 4, 3, 16
+    values = torch.randn(2, heads, rows, n)
+    keys, positions = torch.tensor([3, 9]), torch.tensor([40, 7])
+    idx = torch.tensor([0, 1])
+    whole = CodedState(torch.zeros(2, heads, rows, n, dtype=dtype), torch.zeros(2, heads, rows), layer=5)
+    whole.write(idx, values, keys, positions)
+    half = heads // 2
+    for rank in (0, 1):
+        shard = CodedState(torch.zeros(2, half, rows, n, dtype=dtype), torch.zeros(2, half, rows), layer=5,
+                           offset=rank * half * rows * n)
+        shard.write(idx, values[:, rank * half:(rank + 1) * half], keys, positions)
+        mine = slice(rank * half, (rank + 1) * half)
+        assert torch.equal(shard.codes.view(torch.uint8), whole.codes[:, mine].view(torch.uint8))
+        assert torch.equal(shard.scale, whole.scale[:, mine])
+
+
+def test_the_sharder_gives_each_rank_its_slice_offset():
+    from types import SimpleNamespace
+
+    from hybridserve.distributed.sharder import Sharder
+
+    spec = _mamba2_like(torch.int8)[0]
+    sharder = SimpleNamespace(rank=1)
+    sliced = Sharder.state_slices(sharder, spec, {"conv": (20, 3), "ssm": (2, 6, 16)})  # type: ignore[arg-type]
+    assert [(t.name, t.shape, t.shard_offset) for t in sliced.state] == [("conv", (20, 3), 60),
+                                                                        ("ssm", (2, 6, 16), 192)]
+    layout = compute_layout([sliced], 16)
+    pool = CachePool(layout, 4 * layout.slot_bytes, torch.device("cpu"))
+    ssm = pool.layer_caches[0].state["ssm"]
+    assert isinstance(ssm, CodedState) and ssm.offset == 192
