@@ -82,6 +82,8 @@ def _split(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor):
 def _plain(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
            conv_states: torch.Tensor, rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(rec_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, qkvz, ba, batch, conv_states, rec_states, dtype)
     with float_states_of_batch(batch, (conv_states, rec_states)) as (local_batch, (conv_local, rec_local)):
         return _plain_body(layer, qkvz, ba, local_batch, conv_local, rec_local, dtype)
 

@@ -74,6 +74,8 @@ def _plain(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            b: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
            rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(rec_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, q, k, v, f, b, gate, batch, conv_states, rec_states, dtype)
     with float_states_of_batch(batch, (conv_states, rec_states)) as (local_batch, (conv_local, rec_local)):
         return _plain_body(layer, q, k, v, f, b, gate, local_batch, conv_local, rec_local, dtype)
 

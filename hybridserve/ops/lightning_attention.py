@@ -50,6 +50,8 @@ def lightning_attention_mix(layer: LightningWeights, qkv: torch.Tensor, gate: to
 def _plain(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
            states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the state (an 8-bit one decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, qkv, gate, batch, states, dtype)
     with float_states_of_batch(batch, (states,)) as (local_batch, (local,)):
         return _plain_body(layer, qkv, gate, local_batch, local, dtype)
 

@@ -65,6 +65,8 @@ def mamba1_mix(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch
 def _plain(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
            conv_states: torch.Tensor, ssm_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(ssm_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, xs, gate, batch, conv_states, ssm_states, dtype)
     with float_states_of_batch(batch, (conv_states, ssm_states)) as (local_batch, (conv_local, ssm_local)):
         return _plain_body(layer, xs, gate, local_batch, conv_local, ssm_local, dtype)
 

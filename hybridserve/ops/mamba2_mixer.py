@@ -95,6 +95,8 @@ def _kernel_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch
 def _plain(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
            conv_states: torch.Tensor, ssm_states: StateView, decode: bool, dt_limit: tuple[float, float]) -> bool:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(ssm_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, g, xbc, dt, y, conv_states, ssm_states, decode, dt_limit)
     with float_states((g,), (conv_states, ssm_states)) as ((local_group,), (conv_local, ssm_local)):
         assert local_group is not None
         return _plain_body(layer, local_group, xbc, dt, y, conv_local, ssm_local, decode, dt_limit)

@@ -60,6 +60,8 @@ def _plain(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
            i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[StateView, ...],
            dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not any_coded(*states):  # float states: read and written in place
+        return _plain_body(layer, q, k, v, o, i, f, batch, cast(tuple[torch.Tensor, ...], states), dtype)
     with float_states_of_batch(batch, states) as (local_batch, local):
         return _plain_body(layer, q, k, v, o, i, f, local_batch, local, dtype)
 
