@@ -7,7 +7,8 @@ The four dtype knobs (docs/dtypes.md):
 * ``kv_cache_dtype``: attention K and V; ``auto`` is the model dtype.
 * ``mamba_cache_dtype``: conv states; ``auto`` is the model dtype.
 * ``mamba_ssm_cache_dtype``: recurrent ("temporal") states; ``auto`` is a dtype the checkpoint
-  declares (``mamba_ssm_cache_dtype`` or ``mamba_ssm_dtype``), else the resolved conv-state dtype.
+  declares (``mamba_ssm_cache_dtype`` or ``mamba_ssm_dtype``), else the resolved conv-state dtype;
+  ``int8`` and ``fp8_e4m3`` store 8-bit codes and a float32 scale per state row (docs/state_precision.md).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from hybridserve.options import (
     DTYPE_ALIASES,
     check_cache_shape_options,
     check_positive_int,
+    conv_state_dtype,
     parse_cache_bytes,
     parse_size,
 )
@@ -41,8 +43,8 @@ from hybridserve.structured_output.limits import GrammarLimits
 
 # re-exported: callers import these from here
 __all__ = ["DEVICES", "FP8_KV_DTYPES", "INT8_QUANTIZATIONS", "KV_CACHE_DTYPES", "MODEL_DTYPES", "QUANTIZATIONS",
-           "STATE_DTYPES", "EngineConfig", "ResolvedDtypes", "check_tensor_parallel_options", "checkpoint_dtype",
-           "checkpoint_ssm_dtype", "dtype_name", "parse_size"]
+           "STATE_DTYPES", "TEMPORAL_STATE_DTYPES", "EngineConfig", "ResolvedDtypes", "check_tensor_parallel_options",
+           "checkpoint_dtype", "checkpoint_ssm_dtype", "dtype_name", "parse_size"]
 
 MODEL_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -55,6 +57,8 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
+#: what ``mamba_ssm_cache_dtype`` takes: the float state dtypes and the code dtypes of 8-bit state
+TEMPORAL_STATE_DTYPES: dict[str, torch.dtype] = {**STATE_DTYPES, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 #: KV-cache dtypes stored scaled (value / scale), with the checkpoint's k/v scales where it has them
 FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 DEVICES = ("auto", "cpu", "cuda")
@@ -134,9 +138,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.dtype = _check_choice("dtype", self.dtype, ("auto", *MODEL_DTYPES))
         self.kv_cache_dtype = _check_choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPES))
-        self.mamba_cache_dtype = _check_choice("mamba_cache_dtype", self.mamba_cache_dtype, ("auto", *STATE_DTYPES))
+        self.mamba_cache_dtype = conv_state_dtype(
+            dtype_name(self.mamba_cache_dtype) if isinstance(self.mamba_cache_dtype, torch.dtype)
+            else self.mamba_cache_dtype)
         self.mamba_ssm_cache_dtype = _check_choice(
-            "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *STATE_DTYPES))
+            "mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype, ("auto", *TEMPORAL_STATE_DTYPES))
         self.device = _check_choice("device", self.device, DEVICES)
         self.cpu_isa = _check_choice("cpu_isa", self.cpu_isa, CPU_ISA_CHOICES)
         self.cpu_threads, self.cpu_reserved_cores = check_thread_options(self.cpu_threads, self.cpu_reserved_cores)
@@ -183,7 +189,7 @@ class EngineConfig:
         kv = model if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
         conv = model if self.mamba_cache_dtype == "auto" else STATE_DTYPES[self.mamba_cache_dtype]
         if self.mamba_ssm_cache_dtype != "auto":
-            ssm = STATE_DTYPES[self.mamba_ssm_cache_dtype]
+            ssm = TEMPORAL_STATE_DTYPES[self.mamba_ssm_cache_dtype]
         else:
             ssm = checkpoint_ssm_dtype(hf_config) or conv
         return ResolvedDtypes(model=model, kv_cache=kv, conv_state=conv, ssm_state=ssm)

@@ -22,7 +22,7 @@ FLOORS = [
     ["hybridserve", "options", "sampling_params", "outputs", "default_model", "structured_output.params",
      "spec_decode.config", "cache.dtypes", "cache.salt", "tool_parsers", "reasoning"],
     ["kernels", "ops", "forward_batch", "cache.spec", "cache.capacity", "cache.layout",
-     "cache.id_set", "cache.handle_map", "cache.pool", "cache.slots", "structured_output.limits"],
+     "cache.id_set", "cache.handle_map", "cache.pool", "cache.slots", "cache.state_codec", "structured_output.limits"],
     ["config", "generation_config", "cache"],
     ["layers", "distributed", "distributed.group", "distributed.layers"],
     ["models", "distributed.sharding", "distributed.sharder", "distributed.shard_attention",

@@ -17,6 +17,8 @@ from tests.prefix_utils import released_everything
     ("dtype", "float64", "float32, bfloat16, float16"),
     ("kv_cache_dtype", "int8", "fp8_e4m3"),
     ("mamba_cache_dtype", "fp8_e4m3", "float32, bfloat16, float16"),
+    ("mamba_cache_dtype", "int8", "7 bytes per channel against bfloat16's 6"),  # 8-bit conv state: refused, why
+    ("mamba_ssm_cache_dtype", "int4", "int8, fp8_e4m3"),
     ("mamba_ssm_cache_dtype", "float8", "float32, bfloat16, float16"),
     ("device", "tpu", "auto, cpu, cuda"),
     ("max_num_seqs", 0, "positive integer"),
@@ -158,3 +160,34 @@ def test_sharded_and_tied_checkpoints(ckpt_dir, tmp_path):
     ref.generation_config.eos_token_id = None
     hf = ref.generate(torch.tensor([[5, 9, 17, 3]]), max_new_tokens=8, do_sample=False)[0, 4:].tolist()
     assert a == b == hf
+
+
+@pytest.mark.parametrize("value,dtype", [("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn),
+                                         ("fp8", torch.float8_e4m3fn)])
+def test_eight_bit_temporal_state_is_an_option(ckpt_dir, value, dtype):
+    from transformers import AutoConfig
+
+    from hybridserve.planning.plan_config import PlanConfig
+
+    path = make(ckpt_dir, "bamba")
+    config = EngineConfig(model=path, mamba_ssm_cache_dtype=value)
+    resolved = config.resolve_dtypes(AutoConfig.from_pretrained(path))
+    assert resolved.ssm_state == dtype and resolved.conv_state == torch.float32  # conv state stays a float
+    assert resolved.as_names()["mamba_ssm_cache_dtype"] == config.mamba_ssm_cache_dtype
+    assert config.fingerprint(resolved) != EngineConfig(model=path).fingerprint(
+        EngineConfig(model=path).resolve_dtypes(AutoConfig.from_pretrained(path)))
+    assert PlanConfig(mamba_ssm_cache_dtype=value).mamba_ssm_cache_dtype == config.mamba_ssm_cache_dtype
+    with pytest.raises(ValueError, match="conv states stay in a float dtype"):
+        PlanConfig(mamba_cache_dtype=value)
+
+
+def test_the_cli_refuses_8_bit_conv_state_with_the_reason(capsys):
+    from hybridserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--mamba-cache-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "--mamba-cache-dtype" in err and "7 bytes per channel" in err and "--mamba-ssm-cache-dtype int8" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "--mamba-cache-dtype", "float64"])
+    assert "allowed values: auto, float32, bfloat16, float16" in capsys.readouterr().err

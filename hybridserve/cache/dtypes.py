@@ -22,7 +22,7 @@ from hybridserve.options import (  # the name tables, defined once in the option
 
 __all__ = ["DEVICES", "DTYPE_ALIASES", "FP8_KV_DTYPE_NAMES", "ITEMSIZE", "KV_CACHE_DTYPE_NAMES", "MODEL_DTYPE_NAMES",
            "STATE_DTYPE_NAMES", "TORCH_NAMES", "canonical_option", "checkpoint_dtype_name",
-           "checkpoint_ssm_dtype_name", "dtype_name", "dtype_size", "torch_name"]
+           "checkpoint_ssm_dtype_name", "dtype_name", "dtype_size", "is_coded_state_dtype", "torch_name"]
 
 #: option name -> torch's attribute name, where they differ
 TORCH_NAMES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -35,6 +35,17 @@ def torch_name(dtype: Any) -> str:
     """torch's attribute name of a torch dtype or an option name (``"fp8_e4m3"`` -> ``"float8_e4m3fn"``)."""
     name = str(dtype).removeprefix("torch.")
     return TORCH_NAMES.get(name, name)
+
+
+#: torch's names of the code dtypes of 8-bit state (cache/state_codec.py: codes plus a float32 scale per row)
+CODED_STATE_TORCH_NAMES = ("int8", "float8_e4m3fn")
+#: the dtype of an 8-bit state's row scales
+STATE_SCALE_DTYPE = "float32"
+
+
+def is_coded_state_dtype(dtype: Any) -> bool:
+    """Whether a state tensor in ``dtype`` (torch dtype or name) is stored as 8-bit codes plus row scales."""
+    return torch_name(dtype) in CODED_STATE_TORCH_NAMES
 
 
 def dtype_name(dtype: Any) -> str:

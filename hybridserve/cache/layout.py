@@ -2,7 +2,8 @@
 
 A **KV page** holds ``block_size`` tokens of K and V for *every* attention layer, so one block
 table per sequence serves all attention layers. A **state slot** holds one sequence's recurrent
-state for *every* state layer. Inside a page or slot each tensor starts at a multiple of
+state for *every* state layer (an 8-bit state tensor as its codes, then its float32 row scales:
+cache/state_codec.py). Inside a page or slot each tensor starts at a multiple of
 ``ALIGN`` bytes, so every typed view is aligned whatever the mix of dtypes (fp8 KV beside
 float32 SSM state and bf16 conv state, say).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridserve.cache.dtypes import STATE_SCALE_DTYPE
 from hybridserve.cache.spec import DType, LayerCacheSpec, dtype_size
 
 ALIGN = 64
@@ -47,6 +49,7 @@ class TensorPlacement:
     shape: tuple[int, ...]  # per page (KV) or per slot (state)
     dtype: DType  # a torch dtype (the engine) or its name (a plan)
     group: int = 0  # KV page group: 0 full attention, 1 sliding window (state tensors: 0)
+    shard_offset: int = 0  # a state tensor's StateTensorSpec.shard_offset (tensor parallelism)
 
     @property
     def nbytes(self) -> int:
@@ -113,9 +116,13 @@ def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
                 kv.append(p)
                 page_off[group] = align_up(page_off[group] + p.nbytes)
         for t in spec.state:
-            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype)
+            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype, shard_offset=t.shard_offset)
             state.append(p)
             slot_off = align_up(slot_off + p.nbytes)
+            if t.coded:  # 8-bit codes: their row scales follow them in the slot
+                p = TensorPlacement(spec.index, t.scale_name, slot_off, t.scale_shape, STATE_SCALE_DTYPE)
+                state.append(p)
+                slot_off = align_up(slot_off + p.nbytes)
     return PoolLayout(block_size, max(page_off), slot_off, tuple(kv), tuple(state), window)
 
 

@@ -66,10 +66,12 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.capacity import fits, pool_geometry
+from hybridserve.cache.dtypes import is_coded_state_dtype, torch_name
 from hybridserve.cache.handle_map import HandleMap
 from hybridserve.cache.id_set import IdSet
 from hybridserve.cache.layout import PoolLayout, TensorPlacement
-from hybridserve.cache.spec import dtype_size
+from hybridserve.cache.spec import SCALE_SUFFIX, dtype_size
+from hybridserve.cache.state_codec import CodedState, StateView
 
 
 class OutOfCacheError(RuntimeError):
@@ -87,7 +89,8 @@ class LayerCache:
     k: torch.Tensor | None = None  # (num_pages, block_size, num_kv_heads, head_size)
     v: torch.Tensor | None = None
     latent: torch.Tensor | None = None  # MLA: (num_pages, block_size, 1, latent_size), in place of k and v
-    state: dict[str, torch.Tensor] | None = None  # name -> (num_slots, *shape)
+    # name -> (num_slots, *shape), or a CodedState (its codes and row scales) for an 8-bit temporal state
+    state: dict[str, StateView] | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
     window_group: bool = False  # k/v pages are the window page group's (read through the window tables)
@@ -131,8 +134,10 @@ class CachePool:
 
     # ----------------------------------------------------------------- views
     def _view(self, placement: TensorPlacement, stride_bytes: int, count: int) -> torch.Tensor:
-        esize = dtype_size(placement.dtype)
-        typed = self.buffer.view(placement.dtype)  # (num_bytes / esize,)
+        dtype = placement.dtype if isinstance(placement.dtype, torch.dtype) else getattr(torch, torch_name(
+            placement.dtype))  # a name: the float32 row scales of 8-bit state, say
+        esize = dtype_size(dtype)
+        typed = self.buffer.view(dtype)  # (num_bytes / esize,)
         inner = []
         acc = 1
         for dim in reversed(placement.shape):
@@ -148,11 +153,18 @@ class CachePool:
             cache = self.layer_caches.setdefault(p.layer, LayerCache())
             setattr(cache, p.name, self._view(p, self.layout.page_bytes, self.num_pages))
             cache.window_group = p.group == 1
+        views: dict[tuple[int, str], torch.Tensor] = {}
+        for p in self.layout.state_placements:
+            views[p.layer, p.name] = self._view(p, self.layout.slot_bytes, self.num_slots)
         for p in self.layout.state_placements:
             cache = self.layer_caches.setdefault(p.layer, LayerCache())
             if cache.state is None:
                 cache.state = {}
-            cache.state[p.name] = self._view(p, self.layout.slot_bytes, self.num_slots)
+            if p.name.endswith(SCALE_SUFFIX) and (p.layer, p.name.removesuffix(SCALE_SUFFIX)) in views:
+                continue  # the row scales of 8-bit codes: inside the codes' CodedState
+            view = views[p.layer, p.name]
+            scale = views.get((p.layer, p.name + SCALE_SUFFIX)) if is_coded_state_dtype(p.dtype) else None
+            cache.state[p.name] = view if scale is None else CodedState(view, scale, p.layer, p.shard_offset)
 
     # ------------------------------------------------------------ boundaries
     def _state_top_slots(self, num_slots: int) -> int:

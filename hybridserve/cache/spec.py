@@ -17,13 +17,15 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from hybridserve.cache.dtypes import dtype_name, dtype_size
+from hybridserve.cache.dtypes import STATE_SCALE_DTYPE, dtype_name, dtype_size, is_coded_state_dtype
 
 if TYPE_CHECKING:
     import torch
 
 #: a torch dtype (the engine's specs) or its name (a plan's): see cache/dtypes.py
 DType = Any
+#: the name of an 8-bit state tensor's row scales is its own name and this
+SCALE_SUFFIX = "_scale"
 
 __all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "ResolvedDtypes", "StateTensorSpec",
            "dtype_size"]
@@ -58,15 +60,49 @@ class LatentAttentionSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class StateTensorSpec:
-    """One named recurrent-state tensor, shape per sequence."""
+    """One named recurrent-state tensor, shape per sequence.
+
+    In an 8-bit dtype (``int8``, ``float8_e4m3fn``: :func:`~hybridserve.cache.dtypes.is_coded_state_dtype`) the
+    tensor is stored as codes of ``shape`` plus a float32 scale per row, ``scale_shape = shape[:-1]``
+    (cache/state_codec.py); both live in the slot and ``nbytes`` counts both."""
 
     name: str
     shape: tuple[int, ...]
     dtype: DType
+    #: with tensor parallelism, the flat index of this rank's first element in the whole per-sequence tensor (a
+    #: rank holds a contiguous slice of the first axis, its heads): 8-bit state numbers its rounding noise from it,
+    #: so every rank rounds its elements as one rank would
+    shard_offset: int = 0
+
+    @property
+    def coded(self) -> bool:
+        """Whether the tensor is stored as 8-bit codes plus row scales."""
+        return is_coded_state_dtype(self.dtype)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The shape of the row scales (one per row: every axis but the last)."""
+        return tuple(self.shape[:-1])
+
+    @property
+    def scale_name(self) -> str:
+        """The name of the scale tensor in a slot's layout and in ``describe()``."""
+        return self.name + SCALE_SUFFIX
+
+    @property
+    def code_nbytes(self) -> int:
+        """Bytes of the values (the codes of a coded tensor)."""
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+    @property
+    def scale_nbytes(self) -> int:
+        """Bytes of the row scales (0 for a float tensor)."""
+        return math.prod(self.scale_shape) * dtype_size(STATE_SCALE_DTYPE) if self.coded else 0
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_size(self.dtype)
+        """Exact bytes of one sequence's tensor: codes and scales."""
+        return self.code_nbytes + self.scale_nbytes
 
 
 @dataclass(frozen=True)
@@ -92,7 +128,8 @@ class LayerCacheSpec:
         """The ``layers`` entry of ``cache_layout()`` and of ``hybridserve plan --json``.
 
         K/V tensors are per token (``shape`` without the token axis, ``bytes`` per token); state
-        tensors are per sequence.
+        tensors are per sequence. An 8-bit state tensor is two entries: its codes, then its row scales
+        (``"<name>_scale"``: :data:`SCALE_SUFFIX`, float32, with ``"scales": "<name>"``).
         """
         tensors = []
         if self.attention is not None:
@@ -102,7 +139,10 @@ class LayerCacheSpec:
                                 "per": "token", "bytes": a.bytes_per_token // len(a.tensor_names)})
         for t in self.state:
             tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                            "per": "sequence", "bytes": t.nbytes})
+                            "per": "sequence", "bytes": t.code_nbytes})
+            if t.coded:  # the row scales of 8-bit codes, beside them in the slot
+                tensors.append({"name": t.scale_name, "shape": list(t.scale_shape), "dtype": STATE_SCALE_DTYPE,
+                                "per": "sequence", "bytes": t.scale_nbytes, "scales": t.name})
         return {"index": self.index, "kind": self.kind, "tensors": tensors,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
                 "state_bytes_per_sequence": self.state_bytes_per_sequence}
@@ -144,6 +184,13 @@ class CacheDtypes:
 
     def temporal_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
         return StateTensorSpec(name, tuple(shape), self.temporal)
+
+    def stabilizer_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
+        """A temporal state in log space that rescales the others (mLSTM's running max ``m``): the temporal
+        dtype when that is a float one, float32 beside 8-bit codes (an error in it would rescale the
+        coded states' every row at once, and it is a few bytes)."""
+        return StateTensorSpec(name, tuple(shape), STATE_SCALE_DTYPE if is_coded_state_dtype(self.temporal)
+                               else self.temporal)
 
     def attention(self, num_kv_heads: int, head_size: int, sliding_window: int | None = None) -> AttentionSpec:
         return AttentionSpec(num_kv_heads, head_size, self.kv, sliding_window)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CODE_DTYPES", "CODE_MAX", "CodedState", "code_dtype", "decode_rows", "encode_rows", "hash32", "row_keys",
-           "uniform_noise"]
+__all__ = ["CODE_DTYPES", "CODE_MAX", "CodedState", "StateView", "code_dtype", "decode_rows", "encode_rows", "hash32",
+           "has_coded_state", "rounding_key", "row_keys", "uniform_noise"]
 
 #: option name -> the torch dtype of the codes
 CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -35,6 +35,11 @@ _FP8_E4M3_MANTISSA_BITS = 3
 def code_dtype(name: str) -> torch.dtype | None:
     """The code dtype of an 8-bit state option name (``"int8"``, ``"fp8_e4m3"``), None for a float dtype name."""
     return CODE_DTYPES.get(name)
+
+
+def rounding_key(seed: int | None) -> int:
+    """The rounding key of a request: its seed mod 2**32 (the hash reads the low 32 bits), 0 when unset."""
+    return 0 if seed is None else seed % 2**32
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -56,14 +61,16 @@ def row_keys(keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.T
     return hash32(h ^ layer)
 
 
-def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape: tuple[int, ...],
+                  offset: int = 0) -> torch.Tensor:
     """Uniform numbers in [0, 1), float32 (S, *shape): element e of sequence s is
-    ``(hash32(row_keys[s] + e) >> 8) * 2**-24``, e the flat index within ``shape``."""
+    ``(hash32(row_keys[s] + offset + e) >> 8) * 2**-24``, e the flat index within ``shape`` (``offset``: where a
+    tensor-parallel rank's slice starts in the whole tensor, so each element's noise is the same on any rank)."""
     base = row_keys(keys, positions, layer)  # (S,)
     numel = 1
     for d in shape:
         numel *= d
-    e = torch.arange(numel, dtype=torch.int64)
+    e = torch.arange(offset, offset + numel, dtype=torch.int64)
     h = hash32(base[:, None] + e[None, :])  # (S, numel)
     return ((h >> 8).to(torch.float32) * (2.0 ** -24)).reshape(base.shape[0], *shape)
 
@@ -109,14 +116,16 @@ class CodedState:
     """The pool's view of one layer's 8-bit temporal state tensor, handed to the ops in place of a float view.
 
     codes: (slots, *shape) int8 or float8_e4m3fn; scale: (slots, *shape[:-1]) float32; layer: the layer
-    index the rounding hash takes. Both tensors are the pool's own storage: writing them writes the cache."""
+    index the rounding hash takes; offset: the flat index of this tensor's first element in the whole tensor
+    (a tensor-parallel rank's slice of heads; 0 otherwise), the noise's element numbering starts there. Both
+    tensors are the pool's own storage: writing them writes the cache."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int, offset: int = 0) -> None:
         if codes.dtype not in CODE_MAX or scale.dtype != torch.float32 or codes.shape[:-1] != scale.shape:
             raise ValueError(f"8-bit state wants codes (slots, *rows, n) in {list(CODE_MAX)} and float32 scales "
                              f"(slots, *rows); got {codes.dtype} {tuple(codes.shape)}, {scale.dtype} "
                              f"{tuple(scale.shape)}")
-        self.codes, self.scale, self.layer = codes, scale, layer
+        self.codes, self.scale, self.layer, self.offset = codes, scale, layer, offset
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,13 +136,31 @@ class CodedState:
         return self.codes.shape
 
     def read(self, idx: torch.Tensor) -> torch.Tensor:
-        """The slots idx (B,) int64 decoded -> a new float32 (B, *shape)."""
-        return decode_rows(self.codes.index_select(0, idx), self.scale.index_select(0, idx))
+        """The slots idx (B,) int64 decoded -> a new float32 (B, *shape); zeros for a negative slot (a padded
+        row of a captured step)."""
+        padding = idx < 0  # (B,)
+        safe = idx.clamp(min=0) if bool(padding.any()) else idx
+        codes = self.codes.view(torch.uint8).index_select(0, safe).view(self.codes.dtype)  # (torch's CPU index
+        # ops do not take float8: they gather the bytes)
+        values = decode_rows(codes, self.scale.index_select(0, safe))
+        return values.masked_fill_(padding.view(-1, *([1] * (values.dim() - 1))), 0.0) if safe is not idx else values
 
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Encode values (B, *shape) into the slots idx (B,) with the noise of rounding keys (B,) and
         positions (B,) (tokens absorbed after this update)."""
-        noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]))
+        real = idx >= 0  # (B,): a negative slot (a padded row) is written nowhere
+        if not bool(real.all()):
+            idx, values, keys, positions = idx[real], values[real], keys[real], positions[real]
+        noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]), self.offset)
         codes, scale = encode_rows(values, self.codes.dtype, noise)
-        self.codes.index_copy_(0, idx, codes)
+        self.codes.view(torch.uint8).index_copy_(0, idx, codes.view(torch.uint8))
         self.scale.index_copy_(0, idx, scale)
+
+
+#: what the pool hands an op for one state tensor: a float view (slots, *shape), or the codes and scales of 8 bits
+StateView = torch.Tensor | CodedState
+
+
+def has_coded_state(caches: dict) -> bool:
+    """Whether any layer cache (``cache.pool.LayerCache``, by layer) holds an 8-bit state tensor."""
+    return any(isinstance(view, CodedState) for cache in caches.values() for view in (cache.state or {}).values())

@@ -77,6 +77,5 @@ def lightning_attention(sh: Sharder, prefix: str, m: nn.Module) -> None:
     m.slope_rate = torch.empty(heads, device=m.slope_rate.device)
     m.__class__ = HeadSliceLightningAttention
     m.total_heads, m.head_start, m.num_heads = m.num_heads, start, heads
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=(heads, D, D))
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, {"kv_state": (heads, D, D)})
     sh.reduce_output(m)

@@ -3,8 +3,6 @@ its heads (groups, channels) and the state slice they own."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -53,8 +51,7 @@ def mamba2(sh: Sharder, prefix: str, m: Mamba2Mixer) -> None:
     if m.proj_multipliers is not None:
         m.proj_scale = torch.empty(m.in_proj.out_features, device=m.proj_scale.device)
     shapes = {"conv": (conv_dim, k - 1), "ssm": (heads, m.head_dim, N)}
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, shapes)
     sh.reduce_output(m)
 
 
@@ -79,8 +76,7 @@ def mamba1(sh: Sharder, prefix: str, m: Mamba1Mixer) -> None:
     sh.row(f"{prefix}out_proj.", m.out_proj, (start, size))
     m.intermediate = size
     shapes = {"conv": (size, k - 1), "ssm": (size, m.d_state)}
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, shapes)
     sh.reduce_output(m)
 
 
@@ -106,8 +102,7 @@ def gated_delta_net(sh: Sharder, prefix: str, m: GatedDeltaNet) -> None:
     m.num_k_heads, m.num_v_heads = hk, hv
     m.key_dim, m.value_dim, m.conv_dim = hk * Dk, hv * Dv, conv_dim
     shapes = {"conv": (conv_dim, k - 1), "recurrent": (hv, Dk, Dv)}
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, shapes)
     sh.reduce_output(m)
 
 
@@ -133,8 +128,7 @@ def kda(sh: Sharder, prefix: str, m: nn.Module) -> None:
     sh.row(f"{prefix}o_proj.", m.o_proj, rows[0])
     m.num_heads, m.qkv_dim, m.conv_dim = heads, heads * D, 3 * heads * D
     shapes = {"conv": (3 * heads * D, k - 1), "recurrent": (heads, D, D)}
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, shapes)
     sh.reduce_output(m)
 
 
@@ -150,8 +144,7 @@ def short_conv(sh: Sharder, prefix: str, m: nn.Module) -> None:
         sh.param(f"{prefix}conv.", m.conv, "bias", (size,), slicer(0, [(start, size)]))
     m.conv.in_channels = m.conv.out_channels = m.conv.groups = size
     sh.row(f"{prefix}out_proj.", m.out_proj, (start, size))
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=(size, k - 1))
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, {"conv": (size, k - 1)})
     sh.reduce_output(m)
 
 
@@ -178,6 +171,5 @@ def mlstm(sh: Sharder, prefix: str, m: nn.Module) -> None:
     sh.row(f"{prefix}out_proj.", m.out_proj, v_seg)
     m.num_heads, m.qk_dim, m.v_dim = heads, heads * dk, heads * dv
     shapes = {"C": (heads, dk, dv), "n": (heads, dk), "m": (heads,)}
-    m.spec = dataclasses.replace(m.spec, state=tuple(dataclasses.replace(s, shape=shapes[s.name])
-                                                      for s in m.spec.state))
+    m.spec = sh.state_slices(m.spec, shapes)
     sh.reduce_output(m)

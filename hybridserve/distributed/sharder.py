@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Callable
 
 import torch
 from torch import nn
 
+from hybridserve.cache.spec import LayerCacheSpec
 from hybridserve.distributed.group import RankGeometry, TPGroup
 from hybridserve.distributed.layers import SpanningRMSNorm
 
@@ -75,6 +78,13 @@ class Sharder:
         """Sum ``module``'s output over the ranks (its row-parallel projection gave partial sums)."""
         group = self.group
         module.register_forward_hook(lambda _m, _args, out: group.all_reduce(out))
+
+    def state_slices(self, spec: LayerCacheSpec, shapes: dict[str, tuple[int, ...]]) -> LayerCacheSpec:
+        """``spec`` with this rank's state shapes (each a slice of the first axis, rank r holding the r-th), and
+        each tensor's ``shard_offset`` (where the slice starts in the whole tensor, flat)."""
+        return dataclasses.replace(spec, state=tuple(
+            dataclasses.replace(s, shape=tuple(shapes[s.name]), shard_offset=self.rank * math.prod(shapes[s.name]))
+            for s in spec.state))
 
     def share(self, n: int) -> Segment:
         """This rank's (start, size) of ``n`` evenly split items."""

@@ -77,15 +77,17 @@ class CapturedDecode:
         self.block_tables = torch.zeros(max_rows, width, **i64)  # (rows, width): a padding row's is never read
         self.state_indices = torch.full((max_rows,), PADDING_SLOT, **i64)
         self.slot_mapping = torch.full((max_rows * q,), PADDING_SLOT, **i64)  # (rows * q,)
+        self.rounding_keys = torch.zeros(max_rows, **i64)  # 8-bit state's rounding keys (padded rows: 0)
         self.has_window = pool.layout.has_window  # the window page group's tables and write slots too
         self.window_block_tables = torch.zeros(max_rows, width if self.has_window else 1, **i64)
         self.window_slot_mapping = self.slot_mapping.clone()
         self._inputs = (self.input_ids, self.positions, self.cu_seqlens, self.seq_lens, self.block_tables,
-                        self.state_indices, self.slot_mapping, self.window_block_tables, self.window_slot_mapping)
+                        self.state_indices, self.slot_mapping, self.window_block_tables, self.window_slot_mapping,
+                        self.rounding_keys)
         # numpy views of the same memory: filling them from Python lists is cheaper than torch ops
         self._np = {name: getattr(self, name).numpy() for name in
                     ("input_ids", "positions", "seq_lens", "block_tables", "state_indices", "slot_mapping",
-                     "window_block_tables", "window_slot_mapping")}
+                     "window_block_tables", "window_slot_mapping", "rounding_keys")}
         self._tables_written: list[list[int] | None] = [None] * max_rows  # each row's block table as written
         self._window_written: list[list[int] | None] = [None] * max_rows  # each row's window table as written
         self._epoch = pool.epoch  # the pool's epoch the written tables were translated at
@@ -99,7 +101,8 @@ class CapturedDecode:
                          self.block_tables[:rows] if self.has_kv else None,
                          self.state_indices[:rows] if self.has_state else None,
                          self.window_block_tables[:rows] if self.has_window else None,
-                         num_generated=rows)  # a step of several tokens each replays generated ones only
+                         num_generated=rows,  # a step of several tokens each replays generated ones only
+                         rounding_keys=self.rounding_keys[:rows] if self.has_state else None)
         one_token = self.q == 1
         return ForwardBatch(slot_mapping=self.slot_mapping[:t] if self.has_kv else None,
                             decode=group if one_token else None, prefill=None if one_token else group,
@@ -132,11 +135,13 @@ class CapturedDecode:
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
             block_tables: list[list[int]], state_slots: list[int],
-            window: tuple[list[int], list[list[int]]] | None = None) -> torch.Tensor:
+            window: tuple[list[int], list[list[int]]] | None = None,
+            rounding_keys: list[int] | None = None) -> torch.Tensor:
         """One step of ``len(seq_lens)`` sequences of ``q`` tokens each (token lists: ``q`` entries per
         sequence, in order); returns their final hidden states (rows * q, hidden), a view of the graph's
         output (overwritten by the next step). ``window``: the window page group's (write slots, tables),
-        with one."""
+        with one. ``rounding_keys``: the sequences' keys of 8-bit state (None: all 0); with ``seq_lens``, an
+        input of the step like the others, never a constant of the capture."""
         q = self.q
         rows = len(input_ids) // q
         size = self.bucket(rows)
@@ -156,9 +161,10 @@ class CapturedDecode:
         if padded:
             np_["input_ids"][t:pad_t] = 0
             np_["positions"][t:pad_t] = np.tile(np.arange(q), size - rows)
-        if self.has_kv:
+        if self.has_kv or self.has_state:  # attention's context lengths; the state's tokens absorbed
             np_["seq_lens"][:rows] = seq_lens
             np_["seq_lens"][rows:size] = PADDING_CONTEXT
+        if self.has_kv:
             np_["slot_mapping"][:t] = pool.pages.kv_rows_np(slot_mapping, self.block_size)
             np_["slot_mapping"][t:pad_t] = PADDING_SLOT
             self._write_block_tables(block_tables)
@@ -170,6 +176,8 @@ class CapturedDecode:
         if self.has_state:
             np_["state_indices"][:rows] = pool.slots.positions_np(state_slots)
             np_["state_indices"][rows:size] = PADDING_SLOT
+            np_["rounding_keys"][:rows] = 0 if rounding_keys is None else rounding_keys
+            np_["rounding_keys"][rows:size] = 0
         return self.graphs[size].replay()[:t]
 
     def _write_block_tables(self, block_tables: list[list[int]], name: str = "block_tables",

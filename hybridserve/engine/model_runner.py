@@ -13,6 +13,7 @@ import torch
 
 from hybridserve.cache.layout import kv_slot, kv_slots
 from hybridserve.cache.pool import CachePool, LayerCache
+from hybridserve.cache.state_codec import has_coded_state, rounding_key
 from hybridserve.engine.decode_capture import CapturedDecode
 from hybridserve.engine.scheduler import ScheduledSeq
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
@@ -70,6 +71,8 @@ class ModelRunner:
         self.has_kv = pool.layout.has_kv
         self.has_state = pool.layout.has_state
         self.has_window = pool.layout.has_window  # a window page group: sequences hold window tables too
+        # 8-bit state: each step's groups carry the sequences' rounding keys (cache/state_codec.py)
+        self.coded_state = has_coded_state(self.caches)
         self.captured_decode: CapturedDecode | None = None  # set by the engine when the model's decode is captured
         self.captured_steps: dict[int, CapturedDecode] = {}  # tokens per sequence (> 1) -> its captured steps
 
@@ -87,8 +90,14 @@ class ModelRunner:
         block_tables = self._tables([it.seq.block_table for it in items]) if self.has_kv else None
         window_tables = self._tables([it.seq.window_table for it in items]) if self.has_window else None
         state_indices = self._slots(_state_slots(items)) if self.has_state else None
+        keys = self._rounding_keys([it.seq for it in items])
         return SeqGroup(token_start, token_start + sum(it.num_run for it in items), cu_seqlens,
-                        _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables, num_generated)
+                        _int_tensor(seq_lens, self.device), block_tables, state_indices, window_tables, num_generated,
+                        keys)
+
+    def _rounding_keys(self, seqs: list) -> torch.Tensor | None:
+        """(S,) the sequences' rounding keys of 8-bit state (their seeds, 0 when unset); None without such state."""
+        return _int_tensor(_keys(seqs), self.device) if self.coded_state else None
 
     def _tables(self, tables: list[list[int]]) -> torch.Tensor:
         """(S, width) page positions of block tables of page handles (gathered on the host, then moved)."""
@@ -125,7 +134,8 @@ class ModelRunner:
             window = ([kv_slot(s.window_table, p, bs) for s, p in zip(seqs, positions)],
                       [s.window_table for s in seqs])
         hidden = captured.run(input_ids, positions, slot_mapping, [p + 1 for p in positions], tables,
-                              _state_slots(scheduled) if self.has_state else [], window)
+                              _state_slots(scheduled) if self.has_state else [], window,
+                              _keys(seqs) if self.coded_state else None)
         return StepLogits(list(scheduled), list(scheduled), self.model.sampling_logits(hidden), [], None,
                           hidden=hidden, starts=positions, offsets=list(range(len(scheduled))))
 
@@ -241,7 +251,7 @@ class ModelRunner:
                                      [s.block_table for s in seqs] if self.has_kv else [],
                                      _state_slots(items) if self.has_state else [],
                                      (window_slots[span], [s.window_table for s in seqs]) if self.has_window
-                                     else None))
+                                     else None, _keys(seqs) if self.coded_state else None))
             token += n
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -271,13 +281,14 @@ class ModelRunner:
         if captured is not None and len(seqs) <= captured.max_rows:
             hidden = captured.run(token_ids, positions, slot_mapping, seq_lens,
                                   [s.block_table for s in seqs] if self.has_kv else [], slots if self.has_state else [],
-                                  window)
+                                  window, _keys(seqs) if self.coded_state else None)
         else:
             n = len(seqs)
             group = SeqGroup(0, n, torch.arange(n + 1, dtype=torch.int64), _int_tensor(seq_lens, self.device),
                              self._tables([s.block_table for s in seqs]) if self.has_kv else None,
                              self._slots(slots) if self.has_state else None,
-                             self._tables([s.window_table for s in seqs]) if self.has_window else None)
+                             self._tables([s.window_table for s in seqs]) if self.has_window else None,
+                             rounding_keys=self._rounding_keys(seqs))
             batch = ForwardBatch(slot_mapping=self._rows(slot_mapping) if self.has_kv else None,
                                  decode=group, prefill=None, caches=self.caches,
                                  window_slot_mapping=self._rows(window[0]) if window else None)
@@ -288,6 +299,11 @@ class ModelRunner:
 def _generated(item: ScheduledSeq) -> bool:
     """Whether every token ``item`` runs is a generated one (or a draft): it starts past the prompt."""
     return item.seq.num_computed_tokens >= len(item.seq.prompt_token_ids)
+
+
+def _keys(seqs: list) -> list[int]:
+    """The rounding keys of 8-bit state of sequences: each one's seed (cache/state_codec.py: rounding_key)."""
+    return [rounding_key(s.params.seed) for s in seqs]
 
 
 def _state_slots(items: list[ScheduledSeq]) -> list[int]:

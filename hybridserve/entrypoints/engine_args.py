@@ -16,6 +16,8 @@ from hybridserve.options import (
     KV_CACHE_DTYPE_NAMES,
     MODEL_DTYPE_NAMES,
     STATE_DTYPE_NAMES,
+    TEMPORAL_STATE_DTYPE_NAMES,
+    conv_state_dtype,
 )
 
 
@@ -38,11 +40,20 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations (auto: the checkpoint's dtype)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPE_NAMES],
                         help="attention K/V cache (auto: the model dtype)")
-    parser.add_argument("--mamba-cache-dtype", default="auto", choices=["auto", *STATE_DTYPE_NAMES],
-                        help="conv states (auto: the model dtype)")
-    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *STATE_DTYPE_NAMES],
-                        help="recurrent (SSM / linear-attention / delta-net) states "
-                             "(auto: the checkpoint's declared state dtype, else the conv-state dtype)")
+    parser.add_argument("--mamba-cache-dtype", default="auto", type=_conv_state_dtype_arg, metavar="{auto,"
+                        + ",".join(STATE_DTYPE_NAMES) + "}", help="conv states (auto: the model dtype)")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *TEMPORAL_STATE_DTYPE_NAMES],
+                        help="recurrent (SSM / linear-attention / delta-net / mLSTM) states (auto: the checkpoint's "
+                             "declared state dtype, else the conv-state dtype; int8 and fp8_e4m3: 8-bit codes and a "
+                             "float32 scale per state row, docs/state_precision.md)")
+
+
+def _conv_state_dtype_arg(value: str) -> str:
+    """``--mamba-cache-dtype``'s value checked by the options module (its message says why 8 bits are refused)."""
+    try:
+        return conv_state_dtype(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

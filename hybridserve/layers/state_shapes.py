@@ -83,4 +83,4 @@ def mlstm_spec(index: int, dtypes: CacheDtypes, *, num_heads: int, qk_head_dim: 
     heads, dk, dv = int(num_heads), int(qk_head_dim), int(v_head_dim)
     return LayerCacheSpec(index, "mlstm", state=(dtypes.temporal_state("C", (heads, dk, dv)),
                                                  dtypes.temporal_state("n", (heads, dk)),
-                                                 dtypes.temporal_state("m", (heads,))))
+                                                 dtypes.stabilizer_state("m", (heads,))))

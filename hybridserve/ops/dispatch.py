@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from hybridserve.cache.state_codec import CodedState
 from hybridserve.kernels import fallbacks
 
 T = TypeVar("T")
@@ -49,7 +50,8 @@ def use_kernels(on: bool = True) -> Iterator[None]:
         _kernels.reset(token)
 
 
-def call(op: str, kernel: Callable[[], T | None], plain: Callable[[], T], *inputs: torch.Tensor | None) -> T:
+def call(op: str, kernel: Callable[[], T | None], plain: Callable[[], T], *inputs: torch.Tensor | CodedState | None
+         ) -> T:
     """``kernel()`` when the kernels are on and it takes the call, else ``plain()``; a decline (None or
     False from ``kernel``) is recorded under ``op`` with the ``inputs``' dtypes and layouts as the reason."""
     if _kernels.get():

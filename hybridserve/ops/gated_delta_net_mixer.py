@@ -18,10 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
 from hybridserve.ops.prepared import prepared
@@ -54,7 +56,7 @@ class GatedDeltaNetWeights(Protocol):
 
 
 def gated_delta_net_mix(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
-                        conv_states: torch.Tensor, rec_states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                        conv_states: torch.Tensor, rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The mixer between its input and output projections, over the batch's state slots in place.
 
     qkvz: (T, Hk (2 Dk + 2 R Dv)), per key head ``[q | k | v | z]``; ba: (T, 2 Hv), per key head ``[b | a]``;
@@ -62,7 +64,7 @@ def gated_delta_net_mix(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: tor
     Returns the normed, gated output (T, Hv Dv) in ``dtype``.
     """
     args = (layer, qkvz, ba, batch, conv_states, rec_states, dtype)
-    return call("gated_delta_net", lambda: _kernel_body(*args), lambda: _plain_body(*args), qkvz, rec_states)
+    return call("gated_delta_net", lambda: _kernel_body(*args), lambda: _plain(*args), qkvz, rec_states)
 
 
 def _split(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor):
@@ -75,6 +77,15 @@ def _split(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor):
     mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)  # (T, conv_dim)
     return (mixed, z.reshape(t, layer.num_v_heads, Dv), b.reshape(t, layer.num_v_heads),
             a.reshape(t, layer.num_v_heads))
+
+
+def _plain(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
+           conv_states: torch.Tensor, rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(rec_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, qkvz, ba, batch, conv_states, rec_states, dtype)
+    with float_states_of_batch(batch, (conv_states, rec_states)) as (local_batch, (conv_local, rec_local)):
+        return _plain_body(layer, qkvz, ba, local_batch, conv_local, rec_local, dtype)
 
 
 def _plain_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
@@ -120,11 +131,13 @@ def _plain_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tenso
 
 
 def _kernel_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
-                 conv_states: torch.Tensor, rec_states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+                 conv_states: torch.Tensor, rec_states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body: the split into the conv input and z, the conv, the gated delta rule per group into
     (T, Hv Dv) in ``dtype``, the gated norm; None when declined before any state changed."""
     t, Hk, Hv, Dk, Dv = qkvz.shape[0], layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     conv = layer.conv1d
+    if isinstance(rec_states, CodedState):
+        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
     conv_w, A_log, dt_bias = prepared(
         layer, "_gated_delta_net_kernel_params", (conv.weight, layer.A_log, layer.dt_bias),
         lambda: (recurrent_kernels.tap_major(conv.weight), layer.A_log.detach().float().contiguous(),

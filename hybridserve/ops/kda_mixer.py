@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.kda import kda_update, kda_varlen
 from hybridserve.ops.prepared import prepared
@@ -56,7 +58,7 @@ class KdaWeights(Protocol):
 
 
 def kda_mix(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b: torch.Tensor,
-            gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor, rec_states: torch.Tensor,
+            gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor, rec_states: StateView,
             dtype: torch.dtype) -> torch.Tensor:
     """The mixer between its projections and ``o_proj``, over the batch's state slots in place.
 
@@ -65,7 +67,17 @@ def kda_mix(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     (slots, H, D, D) pool views. Returns (T, H D) in ``dtype``.
     """
     args = (layer, q, k, v, f, b, gate, batch, conv_states, rec_states, dtype)
-    return call("kda", lambda: _kernel_body(*args), lambda: _plain_body(*args), q, rec_states)
+    return call("kda", lambda: _kernel_body(*args), lambda: _plain(*args), q, rec_states)
+
+
+def _plain(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
+           b: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
+           rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(rec_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, q, k, v, f, b, gate, batch, conv_states, rec_states, dtype)
+    with float_states_of_batch(batch, (conv_states, rec_states)) as (local_batch, (conv_local, rec_local)):
+        return _plain_body(layer, q, k, v, f, b, gate, local_batch, conv_local, rec_local, dtype)
 
 
 def _plain_body(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
@@ -121,10 +133,12 @@ def _kernel_params(layer: KdaWeights) -> tuple:
 
 def _kernel_body(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor,
                  b: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
-                 rec_states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+                 rec_states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body: the conv of q, k and v (each over its own channels of the conv state), the KDA
     recurrence with the sigmoid-gated norm per group into (T, H D) in ``dtype``; None when declined before any
     state changed."""
+    if isinstance(rec_states, CodedState):
+        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
     convs, A_log, dt_bias, norm_w = _kernel_params(layer)
     n = layer.qkv_dim
     conv_parts = [conv_states[:, i * n:(i + 1) * n] for i in range(3)]  # (slots, H D, K-1) each

@@ -15,9 +15,11 @@ from typing import Protocol
 import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
 
@@ -35,14 +37,23 @@ class LightningWeights(Protocol):
 
 
 def lightning_attention_mix(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
-                            states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                            states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """``sigmoid(gate) * norm(linear_attention(act(qkv)))`` over the batch's state slots in place.
 
     qkv: (T, H 3D) the raw projection, per head ``[q | k | v]``; gate: (T, H D) the raw output-gate projection;
     states: (slots, H, D, D) pool view. Returns (T, H D) in ``dtype``.
     """
     args = (layer, qkv, gate, batch, states, dtype)
-    return call("linear_attention", lambda: _kernel_body(*args), lambda: _plain_body(*args), qkv, states)
+    return call("linear_attention", lambda: _kernel_body(*args), lambda: _plain(*args), qkv, states)
+
+
+def _plain(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+           states: StateView, dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch body on float views of the state (an 8-bit one decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, qkv, gate, batch, states, dtype)
+    with float_states_of_batch(batch, (states,)) as (local_batch, (local,)):
+        return _plain_body(layer, qkv, gate, local_batch, local, dtype)
 
 
 def _plain_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
@@ -67,11 +78,11 @@ def _plain_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, 
 
 
 def _kernel_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
-                 states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+                 states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body: silu(qkv), the decayed recurrence per group into y in ``dtype``, the norm, the
     sigmoid gate; None when declined before any state changed."""
-    if layer.act != "silu":
-        return None
+    if layer.act != "silu" or isinstance(states, CodedState):
+        return None  # (8-bit state: no kernel body yet; the plain body runs, counted as a decline)
     qkv = pointwise_kernels.silu(qkv)  # (T, H * 3D), per head [q | k | v]
     if qkv is None:
         return None

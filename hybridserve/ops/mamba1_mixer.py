@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import gemm
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.prepared import prepared
 from hybridserve.ops.selective_scan import selective_scan_varlen, selective_state_update
@@ -50,14 +52,23 @@ class Mamba1Weights(Protocol):
 
 
 def mamba1_mix(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
-               conv_states: torch.Tensor, ssm_states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+               conv_states: torch.Tensor, ssm_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The mixer between ``in_proj`` and ``out_proj``, over the batch's state slots in place.
 
     xs, gate: (T, inter) halves of the input projection; conv_states: (slots, inter, K-1) and ssm_states:
     (slots, inter, N) pool views. Returns the gated scan output y (T, inter) in ``dtype``.
     """
     args = (layer, xs, gate, batch, conv_states, ssm_states, dtype)
-    return call("mamba1_conv_scan", lambda: _kernel_body(*args), lambda: _plain_body(*args), xs, ssm_states)
+    return call("mamba1_conv_scan", lambda: _kernel_body(*args), lambda: _plain(*args), xs, ssm_states)
+
+
+def _plain(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
+           conv_states: torch.Tensor, ssm_states: StateView, dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(ssm_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, xs, gate, batch, conv_states, ssm_states, dtype)
+    with float_states_of_batch(batch, (conv_states, ssm_states)) as (local_batch, (conv_local, ssm_local)):
+        return _plain_body(layer, xs, gate, local_batch, conv_local, ssm_local, dtype)
 
 
 def _plain_body(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
@@ -110,10 +121,12 @@ def _kernel_params(layer: Mamba1Weights, dtype: torch.dtype) -> tuple:
 
 
 def _kernel_body(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
-                 conv_states: torch.Tensor, ssm_states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+                 conv_states: torch.Tensor, ssm_states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body, per sequence group: conv, x_proj, the dt/B/C norms, dt_proj (float32 sums, rounded
     as ``layers/dense.py: linear``), the scan into y in ``dtype``; None when a kernel declines before any state
     changed."""
+    if isinstance(ssm_states, CodedState):
+        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
     conv_w, conv_b, A, D, dt_bias, dt_w32, ones = _kernel_params(layer, dtype)
     if (not recurrent_kernels.conv_supported(conv_states, conv_w, conv_b, dtype, layer.activation)
             or ssm_states.dtype not in (torch.float32, torch.bfloat16, torch.float16)):

@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import SeqGroup
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.coded_plain import float_states
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.prepared import prepared
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
@@ -39,7 +41,7 @@ class Mamba2Weights(Protocol):
 
 
 def mamba2_conv_scan(layer: Mamba2Weights, group: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
-                     conv_states: torch.Tensor, ssm_states: torch.Tensor, *, decode: bool,
+                     conv_states: torch.Tensor, ssm_states: StateView, *, decode: bool,
                      dt_limit: tuple[float, float]) -> None:
     """Conv + SSD scan of one sequence group, in place.
 
@@ -48,7 +50,7 @@ def mamba2_conv_scan(layer: Mamba2Weights, group: SeqGroup, xbc: torch.Tensor, d
     read and written. ``decode``: every sequence of the group has one token (the single-step update).
     """
     args = (layer, group, xbc, dt, y, conv_states, ssm_states, decode, dt_limit)
-    call("mamba2_conv_scan", lambda: _kernel_body(*args), lambda: _plain_body(*args), xbc, ssm_states)
+    call("mamba2_conv_scan", lambda: _kernel_body(*args), lambda: _plain(*args), xbc, ssm_states)
 
 
 def _kernel_params(layer: Mamba2Weights) -> tuple[torch.Tensor | None, ...]:
@@ -68,9 +70,11 @@ def _kernel_params(layer: Mamba2Weights) -> tuple[torch.Tensor | None, ...]:
 
 
 def _kernel_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
-                 conv_states: torch.Tensor, ssm_states: torch.Tensor, decode: bool,
+                 conv_states: torch.Tensor, ssm_states: StateView, decode: bool,
                  dt_limit: tuple[float, float]) -> bool:
     """The CPU-kernel body; False when declined before any state changed."""
+    if isinstance(ssm_states, CodedState):
+        return False  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
     H, P, G, N = layer.num_heads, layer.head_dim, layer.n_groups, layer.d_state
     n, idx = g.num_tokens, g.state_indices
     if not recurrent_kernels.scan_state_supported(ssm_states, xbc.dtype):
@@ -86,6 +90,16 @@ def _kernel_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch
         return True
     # the state was checked above and the other arguments are built here: a decline is a bug
     raise RuntimeError("the CPU conv kernel ran but the scan kernel declined the same group")
+
+
+def _plain(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
+           conv_states: torch.Tensor, ssm_states: StateView, decode: bool, dt_limit: tuple[float, float]) -> bool:
+    """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not isinstance(ssm_states, CodedState):  # float states: read and written in place
+        return _plain_body(layer, g, xbc, dt, y, conv_states, ssm_states, decode, dt_limit)
+    with float_states((g,), (conv_states, ssm_states)) as ((local_group,), (conv_local, ssm_local)):
+        assert local_group is not None
+        return _plain_body(layer, local_group, xbc, dt, y, conv_local, ssm_local, decode, dt_limit)
 
 
 def _plain_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,

@@ -9,13 +9,15 @@ and gate in one call per group) and plain PyTorch (``ops/mlstm.py`` and the laye
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.ops.coded_plain import any_coded, float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.mlstm import fit_max_state, mlstm_update, mlstm_varlen, soft_cap
 
@@ -43,7 +45,7 @@ class MlstmWeights(Protocol):
 
 
 def mlstm_mix(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[torch.Tensor, ...],
+              i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[StateView, ...],
               dtype: torch.dtype) -> torch.Tensor:
     """``sigmoid(o) * norm(mlstm(q, k, v, i, f))`` over the batch's state slots in place.
 
@@ -51,7 +53,17 @@ def mlstm_mix(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     views C (slots, H, Dk, Dv), n (slots, H, Dk), m (slots, H). Returns (T, H Dv) in ``dtype``.
     """
     args = (layer, q, k, v, o, i, f, batch, states, dtype)
-    return call("mlstm", lambda: _kernel_body(*args), lambda: _plain_body(*args), q, states[0])
+    return call("mlstm", lambda: _kernel_body(*args), lambda: _plain(*args), q, states[0])
+
+
+def _plain(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+           i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[StateView, ...],
+           dtype: torch.dtype) -> torch.Tensor:
+    """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
+    if not any_coded(*states):  # float states: read and written in place
+        return _plain_body(layer, q, k, v, o, i, f, batch, cast(tuple[torch.Tensor, ...], states), dtype)
+    with float_states_of_batch(batch, states) as (local_batch, local):
+        return _plain_body(layer, q, k, v, o, i, f, local_batch, local, dtype)
 
 
 def _plain_body(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -80,14 +92,17 @@ def _plain_body(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 def _kernel_body(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[torch.Tensor, ...],
+                 i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[StateView, ...],
                  dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body: one kernel call per group into (T, H Dv); None when declined before any state
     changed."""
+    if any_coded(*states):
+        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
+    float_views = cast(tuple[torch.Tensor, ...], states)
     y = torch.empty(q.shape[0], layer.v_dim, dtype=q.dtype)  # (T, H*Dv)
     norm = layer.multihead_norm
     for n, g in enumerate(batch.groups):
-        if not recurrent_kernels.mlstm(states, q[g.tokens], k[g.tokens], v[g.tokens], o[g.tokens], i[g.tokens],
+        if not recurrent_kernels.mlstm(float_views, q[g.tokens], k[g.tokens], v[g.tokens], o[g.tokens], i[g.tokens],
                                        f[g.tokens], layer.gate_soft_cap, norm.weight, norm.bias, norm.eps,
                                        layer.eps, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
             if n == 0:

@@ -19,10 +19,11 @@ from hybridserve.options import (
     DEVICES,
     KV_CACHE_DTYPE_NAMES,
     MODEL_DTYPE_NAMES,
-    STATE_DTYPE_NAMES,
+    TEMPORAL_STATE_DTYPE_NAMES,
     canonical_option,
     check_cache_shape_options,
     check_positive_int,
+    conv_state_dtype,
     parse_size,
 )
 from hybridserve.spec_decode.config import parse_speculative_config
@@ -66,10 +67,9 @@ class PlanConfig:
     def __post_init__(self) -> None:
         self.dtype = canonical_option("dtype", self.dtype, ("auto", *MODEL_DTYPE_NAMES))
         self.kv_cache_dtype = canonical_option("kv_cache_dtype", self.kv_cache_dtype, ("auto", *KV_CACHE_DTYPE_NAMES))
-        self.mamba_cache_dtype = canonical_option("mamba_cache_dtype", self.mamba_cache_dtype,
-                                                  ("auto", *STATE_DTYPE_NAMES))
+        self.mamba_cache_dtype = conv_state_dtype(self.mamba_cache_dtype)
         self.mamba_ssm_cache_dtype = canonical_option("mamba_ssm_cache_dtype", self.mamba_ssm_cache_dtype,
-                                                      ("auto", *STATE_DTYPE_NAMES))
+                                                      ("auto", *TEMPORAL_STATE_DTYPE_NAMES))
         self.device = canonical_option("device", self.device, DEVICES)
         check_cache_shape_options(self)
         check_positive_int("tensor_parallel_size", self.tensor_parallel_size)

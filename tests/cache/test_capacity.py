@@ -26,6 +26,8 @@ DTYPE_CASES = {
     "float32 state": {"mamba_cache_dtype": "float32", "mamba_ssm_cache_dtype": "float32"},
     "fp8 KV": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8 KV, float32 state": {"kv_cache_dtype": "fp8_e4m3", "mamba_ssm_cache_dtype": "float32"},
+    "int8 state": {"mamba_ssm_cache_dtype": "int8"},  # codes and float32 row scales
+    "fp8 KV, fp8 state": {"kv_cache_dtype": "fp8_e4m3", "mamba_ssm_cache_dtype": "fp8_e4m3"},
 }
 
 
@@ -48,7 +50,8 @@ def test_small_blocks_and_capacity_within_one_percent(family, dtypes):
     plan = plan_cache(config, EngineConfig(cache_memory=CACHE_MEMORY, **DTYPE_CASES[dtypes]))
     assert plan.layout.block_size == 16  # the default
     if "mamba_ssm_cache_dtype" in DTYPE_CASES[dtypes]:
-        assert plan.dtypes.ssm_state == torch.float32
+        want = {"float32": torch.float32, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+        assert plan.dtypes.ssm_state == want[DTYPE_CASES[dtypes]["mamba_ssm_cache_dtype"]]
     if "kv_cache_dtype" in DTYPE_CASES[dtypes]:
         assert plan.dtypes.kv_cache == torch.float8_e4m3fn
     for block_size in (16, 64):

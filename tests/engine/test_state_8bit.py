@@ -1,0 +1,222 @@
+"""8-bit temporal state (``mamba_ssm_cache_dtype`` int8 / fp8_e4m3) on every family that has one.
+
+* Parity: against HF float32 under the near-tie rule (``tests/hf_reference.compare``), as
+  ``test_parity.py`` runs it (prompts of mixed lengths, split prefills, queued requests).
+* Exactness where it holds by construction: a prefix hit resumes from a snapshot (a copy of the slot's
+  codes and scales) and gives the outputs of an uncached run chunked at the same token, bit for bit; forked
+  children (n > 1, unseeded: one rounding key) give the single request's outputs bit for bit; the same seed
+  gives the same outputs; the rounding keys and positions the codes are rounded with are the request's seed and
+  its tokens absorbed.
+* A preempted request recomputes its tokens in prefill chunks, which round the state once per chunk where its
+  decode steps rounded it once per token: not bit-exact by construction, so its greedy tokens are compared.
+* ``cache_layout()`` and ``hybridserve plan --json`` count codes and scales to the byte.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.cache.state_codec import CodedState, rounding_key
+from hybridserve.kernels import fallbacks
+from tests.checkpoints import make
+from tests.engine.test_parity import NEW_TOKENS, prompts
+from tests.hf_reference import compare, hf_greedy
+from tests.prefix_utils import released_everything
+
+#: every family with a temporal state (tests/engine/test_state_precision.py lists the others too)
+FAMILIES = ["mamba2", "bamba", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "zamba2",
+            "falcon_h1", "minimax", "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "xlstm"]
+CODES = ["int8", "fp8_e4m3"]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+_HF: dict[str, list] = {}
+
+
+def _llm(path: str, state: str, **options) -> LLM:
+    opts = {"max_num_batched_tokens": 20, "max_num_seqs": 3, "cache_memory": "16MiB", "enable_progress_bar": False,
+            **options}
+    return LLM(path, mamba_ssm_cache_dtype=state, **opts)
+
+
+def _outputs(outs) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    """Every completion's tokens and logprobs, exactly (for bit-for-bit comparisons)."""
+    return [(c.token_ids, [sorted((t, lp.logprob) for t, lp in e.items()) for e in c.logprobs])
+            for o in outs for c in o.outputs]
+
+
+#: fp8_e4m3 state (3 mantissa bits) drifts past the parity bar on these two tiny checkpoints: every divergence is a
+#: near tie, but the greedy paths part from HF's after 1, 6, 0 (KDA) and 2, 5, 2 (mLSTM) of 12 tokens, with mean
+#: |Δlogprob| 7.9e-2 and 1.1e-1 on the steps before (int8: 3.7e-2 and 3.9e-2, passing); docs/state_precision.md
+FP8_DRIFTS = {"kimi_linear", "xlstm"}
+
+
+def _parity_cases() -> list:
+    return [pytest.param(family, state, marks=pytest.mark.xfail(
+        strict=True, reason="fp8_e4m3 state parts from HF before half the tokens (docs/state_precision.md)"))
+        if state == "fp8_e4m3" and family in FP8_DRIFTS else (family, state)
+        for family in FAMILIES for state in CODES]
+
+
+@pytest.mark.parametrize("family,state", _parity_cases())
+def test_eight_bit_state_matches_hf_under_the_near_tie_rule(ckpt_dir, family, state, record_property):
+    path = make(ckpt_dir, family)
+    llm = _llm(path, state)
+    layers = [c.state for c in llm.engine.pool.layer_caches.values() if c.state]
+    assert any(isinstance(v, CodedState) for s in layers for v in s.values()), "the pool holds 8-bit codes"
+    ps = prompts(llm.engine.hf_config.vocab_size)[1::2]  # lengths 7, 33, 70
+    if path not in _HF:
+        _HF[path] = hf_greedy(path, ps, NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True))
+    cmp = compare([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], _HF[path])
+    record_property("mean_abs_logprob_error", cmp.mean_abs_error)
+    assert cmp.compared_tokens >= len(ps) * NEW_TOKENS // 2, cmp.diverged_at
+    assert released_everything(llm.engine)
+
+
+@pytest.mark.parametrize("family,state", [("bamba", "int8"), ("bamba", "fp8_e4m3"), ("mamba", "int8"),
+                                          ("qwen3_next", "int8"), ("minimax", "fp8_e4m3"), ("kimi_linear", "int8"),
+                                          ("xlstm", "int8")])
+def test_a_prefix_hit_gives_the_uncached_outputs_bit_for_bit(ckpt_dir, family, state):
+    """The later requests resume from the snapshot at the shared prefix (its codes and scales copied); an
+    uncached engine whose chunk budget ends a chunk at the same token computes the very same bits."""
+    import random
+
+    path = make(ckpt_dir, family)
+    shared = 37
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 120) for _ in range(shared)]
+    ps = [prefix + [rng.randrange(3, 120) for _ in range(rng.randrange(1, 20))] for _ in range(4)]
+    on = _llm(path, state, cache_memory="8MiB", max_num_batched_tokens=64)
+    got = [on.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in ps]
+    assert all(g.num_cached_tokens == shared for g in got[2:])
+    chunked = _llm(path, state, cache_memory="8MiB", max_num_batched_tokens=shared, enable_prefix_caching=False)
+    want = [chunked.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in ps[1:]]
+    assert _outputs(got[1:]) == _outputs(want)
+    assert released_everything(chunked.engine)
+
+
+@pytest.mark.parametrize("state", CODES)
+def test_forked_children_equal_the_single_request_bit_for_bit(ckpt_dir, state):
+    llm = _llm(make(ckpt_dir, "bamba"), state, max_num_batched_tokens=64, enable_prefix_caching=False)
+    ps = [[5, 9, 14, 3, 77, 21, 8, 40, 41, 42, 43, 17, 19, 23, 29, 31, 37, 11, 13], [60, 61, 62]]
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    single = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**params)))
+    forked = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(n=3, **params)))
+    assert forked == [single[0]] * 3 + [single[1]] * 3
+    assert released_everything(llm.engine)
+
+
+def test_the_same_seed_reproduces_and_keys_and_positions_reach_the_codes(ckpt_dir, monkeypatch):
+    path = make(ckpt_dir, "qwen3_next")
+    seen: list[tuple[list[int], list[int]]] = []
+    write = CodedState.write
+
+    def spy(self, idx, values, keys, positions):
+        seen.append((keys.tolist(), positions.tolist()))
+        write(self, idx, values, keys, positions)
+
+    monkeypatch.setattr(CodedState, "write", spy)
+    seed = 2**40 + 5  # wider than the 32 bits the hash reads
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=seed, logprobs=2)
+    runs = []
+    for _ in range(2):
+        llm = _llm(path, "int8")
+        seen.clear()  # (the start-up's capture attempt runs padded rows, key 0)
+        runs.append(_outputs(llm.generate([{"prompt_token_ids": list(range(3, 30))}], params)))
+    assert runs[0] == runs[1]
+    assert {k for keys, _ in seen for k in keys} == {rounding_key(seed)} == {5}
+    # a 27-token prompt in chunks of at most 20 tokens, then one position per generated token
+    assert sorted({p for _, ps in seen for p in ps}) == [20, 27, *range(28, 35)]
+
+
+def test_a_preempted_request_keeps_its_greedy_tokens(ckpt_dir):
+    path = make(ckpt_dir, "bamba")
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 128, (int(n),), generator=g).tolist() for n in torch.randint(5, 60, (8,), generator=g)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = _llm(path, "int8", max_num_seqs=8, max_num_batched_tokens=2048)
+    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in ps], params)]
+    layout = roomy.cache_layout()
+    per_seq = layout["slot_bytes"] + 7 * layout["page_bytes"]
+    tight = _llm(path, "int8", cache_memory=3 * per_seq + 64, max_num_seqs=8, max_num_batched_tokens=32)
+    got = [o.outputs[0].token_ids for o in tight.generate([{"prompt_token_ids": p} for p in ps], params)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert released_everything(tight.engine)
+
+
+@pytest.mark.parametrize("family,state", [("bamba", "int8"), ("xlstm", "fp8_e4m3"), ("kimi_linear", "int8")])
+def test_cache_layout_and_plan_count_codes_and_scales_exactly(ckpt_dir, tmp_path, capsys, family, state):
+    from hybridserve.entrypoints.cli import main
+
+    path = make(ckpt_dir, family)
+    llm = _llm(path, state)
+    layout = llm.cache_layout()
+    assert layout["mamba_ssm_cache_dtype"] == state
+    total = 0
+    for entry in layout["layers"]:
+        real = llm.engine.pool.layer_caches[entry["index"]]
+        for t in entry["tensors"]:
+            if t["per"] != "sequence":
+                continue
+            total += t["bytes"]
+            if "scales" in t:  # the row scales of the coded tensor named there
+                view = real.state[t["scales"]]
+                assert isinstance(view, CodedState) and t["name"] == t["scales"] + "_scale"
+                tensor = view.scale
+            else:
+                view = real.state[t["name"]]
+                tensor = view.codes if isinstance(view, CodedState) else view
+            assert list(tensor.shape[1:]) == t["shape"] and str(tensor.dtype).removeprefix("torch.") in (
+                t["dtype"], {"fp8_e4m3": "float8_e4m3fn"}.get(t["dtype"]))
+            assert tensor[0].numel() * tensor.element_size() == t["bytes"]
+        assert sum(t["bytes"] for t in entry["tensors"] if t["per"] == "sequence") == entry["state_bytes_per_sequence"]
+    assert total == layout["state_bytes_per_sequence"] > 0
+    assert layout["slot_bytes"] - total < 64 * sum(len(e["tensors"]) for e in layout["layers"])  # alignment only
+    assert main(["plan", path, "--json", "--cache-memory=16MiB", f"--mamba-ssm-cache-dtype={state}"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layers"] == layout["layers"]
+    for key in ("state_bytes_per_sequence", "slot_bytes", "page_bytes", "mamba_ssm_cache_dtype"):
+        assert plan[key] == layout[key], key
+
+
+def test_the_kernel_bodies_decline_coded_state_loudly(ckpt_dir):
+    """Until the C++ kernels read the codes in place, the plain body runs each recurrent op on 8-bit state, and
+    every such call is counted under its op with the codes named as the reason."""
+    fallbacks.reset()
+    llm = _llm(make(ckpt_dir, "bamba"), "int8", cpu_kernels=True)
+    llm.generate([{"prompt_token_ids": list(range(3, 20))}], GREEDY)
+    reasons = {(op, reason) for (op, reason), n in fallbacks.counts().items() if n}
+    assert ("mamba2_conv_scan", "float32 rows, int8 state codes") in reasons
+    fallbacks.reset()
+
+
+def test_a_captured_step_takes_rounding_keys_and_positions_as_inputs(ckpt_dir):
+    """The captured group's keys and context lengths are the capture's input buffers, written at every replay
+    (a state-only model's context lengths too: they are the positions the codes are rounded at)."""
+    from hybridserve.engine.decode_capture import CapturedDecode
+
+    llm = _llm(make(ckpt_dir, "mamba2"), "int8", enforce_eager=True)
+    pool = llm.engine.pool
+    assert not pool.layout.has_kv
+    captured = CapturedDecode(llm.engine.runner.model, pool, 4, 64)
+    group = captured._batch(2).decode
+    assert group is not None and group.rounding_keys is not None
+    assert group.rounding_keys.data_ptr() == captured.rounding_keys.data_ptr()
+    assert group.seq_lens.data_ptr() == captured.seq_lens.data_ptr()
+
+    class Replayed:  # stands in for a recorded graph: the buffers are what is checked
+        def replay(self) -> torch.Tensor:
+            return torch.zeros(4, 1)
+
+    captured.graphs = {1: Replayed(), 2: Replayed(), 4: Replayed()}
+    slots = pool.allocate(0, 3).slots
+    captured.run([5, 6, 7], [9, 20, 3], [], [10, 21, 4], [], slots, None, [7, 2**32 - 1, 0])
+    assert captured.rounding_keys.tolist() == [7, 2**32 - 1, 0, 0]  # the padded row: key 0
+    assert captured.seq_lens.tolist()[:3] == [10, 21, 4]
+    captured.run([5], [30], [], [31], [], slots[:1], None, [12])
+    assert captured.rounding_keys.tolist()[0] == 12 and captured.seq_lens.tolist()[0] == 31
