@@ -47,10 +47,19 @@ def _slot_contiguous(t: torch.Tensor) -> bool:
     return all(s == e or n == 1 for s, e, n in zip(t.stride()[1:], reversed(expected), t.shape[1:]))
 
 
-def _rounding_ok(keys: torch.Tensor | None, positions: torch.Tensor, state_indices: torch.Tensor) -> bool:
+def rounding_ok(keys: torch.Tensor | None, positions: torch.Tensor, state_indices: torch.Tensor) -> bool:
+    """Whether the group's rounding keys (or None), positions and slots are (S,) contiguous int64 CPU tensors."""
     n = state_indices.numel()
     return (index_ok(state_indices) and index_ok(positions) and positions.numel() == n
             and (keys is None or (index_ok(keys) and keys.numel() == n)))
+
+
+def group_ok(state: object, shape: tuple[int, ...], act_dtype: torch.dtype, keys: torch.Tensor | None,
+             positions: torch.Tensor, state_indices: torch.Tensor) -> bool:
+    """Whether a kernel takes this 8-bit state of per-slot ``shape`` for a group with activations in
+    ``act_dtype``, its rounding keys, positions and slots (lets a caller check before it changes other state)."""
+    return (coded_ok(state, shape) and act_dtype in DTYPE_CODES
+            and rounding_ok(keys, positions, state_indices))
 
 
 def _state_args(state: CodedState, keys: torch.Tensor | None, positions: torch.Tensor) -> tuple:
@@ -74,7 +83,7 @@ def mamba2_scan(state: CodedState, x: torch.Tensor, dt: torch.Tensor, A: torch.T
             or not all(rows_ok(t) for t in (x, dt, B, C, y)) or any(t.dtype != x.dtype for t in (dt, B, C))
             or y.dtype != torch.float32 or x.shape[1] != H * P or dt.shape[1] != H or B.shape[1] != G * N
             or C.shape[1] != G * N or A is None or not all(float_param_ok(t) for t in (A, D, dt_bias))
-            or not index_ok(cu_seqlens) or not _rounding_ok(keys, positions, state_indices)):
+            or not index_ok(cu_seqlens) or not rounding_ok(keys, positions, state_indices)):
         return False
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     check(lib.hs_mamba2_scan_coded(DTYPE_CODES[x.dtype], CODE_DTYPES[state.dtype], state_indices.numel(),
@@ -102,7 +111,7 @@ def mamba1_scan(state: CodedState, x: torch.Tensor, dt: torch.Tensor, A: torch.T
             or dt.shape[1] != Dm or B.shape[1] != N or C.shape[1] != N or y.shape[1] != Dm
             or (z is not None and z.shape[1] != Dm) or A.shape != (Dm, N)
             or not all(float_param_ok(t) for t in (A, D, dt_bias)) or not index_ok(cu_seqlens)
-            or not _rounding_ok(keys, positions, state_indices)):
+            or not rounding_ok(keys, positions, state_indices)):
         return False
     check(lib.hs_mamba1_scan_coded(DTYPE_CODES[x.dtype], CODE_DTYPES[state.dtype], state_indices.numel(),
                                    cu_seqlens.data_ptr(), state_indices.data_ptr(), x.data_ptr(), x.stride(0),
@@ -123,7 +132,7 @@ def linear_attention(state: CodedState, qkv: torch.Tensor, num_heads: int, head_
     if (lib is None or not coded_ok(state, (H, D, D)) or qkv.dtype not in DTYPE_CODES or not rows_ok(qkv)
             or qkv.shape[1] != 3 * H * D or not rows_ok(y) or y.dtype != qkv.dtype
             or y.shape != (qkv.shape[0], H * D) or not float_param_ok(decay) or decay.shape != (H,)
-            or not index_ok(cu_seqlens) or not _rounding_ok(keys, positions, state_indices)):
+            or not index_ok(cu_seqlens) or not rounding_ok(keys, positions, state_indices)):
         return False
     item = qkv.element_size()
     check(lib.hs_linear_attention_coded(DTYPE_CODES[qkv.dtype], CODE_DTYPES[state.dtype], state_indices.numel(),
@@ -149,7 +158,7 @@ def gated_delta_rule(state: CodedState, conv_out: torch.Tensor, ba: torch.Tensor
             or not rows_ok(conv_out) or conv_out.shape[1] != 2 * Hk * Dk + Hv * Dv or not rows_ok(ba)
             or ba.shape[1] != 2 * Hv or ba.dtype != conv_out.dtype or not rows_ok(out) or out.dtype != conv_out.dtype
             or out.shape != (conv_out.shape[0], Hv * Dv) or not float_param_ok(A_log) or not float_param_ok(dt_bias)
-            or not index_ok(cu_seqlens) or not _rounding_ok(keys, positions, state_indices)):
+            or not index_ok(cu_seqlens) or not rounding_ok(keys, positions, state_indices)):
         return False
     check(lib.hs_gated_delta_rule_coded(DTYPE_CODES[conv_out.dtype], CODE_DTYPES[state.dtype], state_indices.numel(),
                                         cu_seqlens.data_ptr(), state_indices.data_ptr(), conv_out.data_ptr(),
@@ -179,7 +188,7 @@ def kda(state: CodedState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f:
             or dt_bias is None or not float_param_ok(dt_bias) or dt_bias.shape != (H * Dk,)
             or (gate is not None and (norm_weight is None or norm_weight.shape != (Dv,)))
             or not float_param_ok(norm_weight) or not index_ok(cu_seqlens)
-            or not _rounding_ok(keys, positions, state_indices)):
+            or not rounding_ok(keys, positions, state_indices)):
         return False
     check(lib.hs_kda_coded(DTYPE_CODES[act], CODE_DTYPES[state.dtype], state_indices.numel(), cu_seqlens.data_ptr(),
                            state_indices.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
@@ -212,7 +221,7 @@ def mlstm(states: tuple[CodedState, CodedState, torch.Tensor], q: torch.Tensor, 
             or i.shape[1] != H or f.shape[1] != H or out.shape != (q.shape[0], H * Dv)
             or any(t is not None and (t.dtype != act or t.shape != (H * Dv,) or not t.is_contiguous()
                                       or t.device.type != "cpu") for t in (norm_weight, norm_bias))
-            or not index_ok(cu_seqlens) or not _rounding_ok(keys, positions, state_indices)):
+            or not index_ok(cu_seqlens) or not rounding_ok(keys, positions, state_indices)):
         return False
     c_args, n_args = _state_args(C, keys, positions), _state_args(n, keys, positions)
     check(lib.hs_mlstm_coded(DTYPE_CODES[act], CODE_DTYPES[C.dtype], state_indices.numel(), cu_seqlens.data_ptr(),

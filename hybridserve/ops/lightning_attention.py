@@ -15,9 +15,11 @@ from typing import Protocol
 import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import CodedState
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
 
@@ -67,9 +69,10 @@ def _plain_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, 
 
 
 def _kernel_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
-                 states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The CPU-kernel body: silu(qkv), the decayed recurrence per group into y in ``dtype``, the norm, the
-    sigmoid gate; None when declined before any state changed."""
+                 states: torch.Tensor | CodedState, dtype: torch.dtype) -> torch.Tensor | None:
+    """The CPU-kernel body: silu(qkv), the decayed recurrence per group (over an 8-bit state:
+    ``kernels/recurrent_coded.py``) into y in ``dtype``, the norm, the sigmoid gate; None when declined before
+    any state changed."""
     if layer.act != "silu":
         return None
     qkv = pointwise_kernels.silu(qkv)  # (T, H * 3D), per head [q | k | v]
@@ -77,8 +80,12 @@ def _kernel_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor,
         return None
     y = torch.empty(qkv.shape[0], layer.num_heads * layer.head_dim, dtype=dtype)  # (T, H*D)
     for i, g in enumerate(batch.groups):
-        if not recurrent_kernels.linear_attention(states, qkv[g.tokens], layer.num_heads, layer.head_dim,
-                                                  layer.slope_rate, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
+        H, D = layer.num_heads, layer.head_dim
+        if not (recurrent_coded.linear_attention(states, qkv[g.tokens], H, D, layer.slope_rate, g.cu_seqlens_q,
+                                                 g.state_indices, g.rounding_keys, g.seq_lens, y[g.tokens])
+                if isinstance(states, CodedState)
+                else recurrent_kernels.linear_attention(states, qkv[g.tokens], H, D, layer.slope_rate,
+                                                        g.cu_seqlens_q, g.state_indices, y[g.tokens])):
             if i == 0:
                 return None
             raise RuntimeError("the linear attention kernel declined a group after another ran")
