@@ -428,25 +428,16 @@ void mamba2_head(SsdPlanPtr plan, void* scratch, int64_t s, int64_t t0, int64_t 
                         wbuf);
 }
 
-inline float hsum_n(vnf v) {
-  float r = 0.0f;
-  for (int l = 0; l < kNativeLanes; ++l) r += v[l];
-  return r;
-}
-
-inline float hmax_n(vnf v) {
-  float r = 0.0f;
-  for (int l = 0; l < kNativeLanes; ++l) r = v[l] > r ? v[l] : r;
-  return r;
-}
-
-// The single-token step of one head on an 8-bit state, row by row in place: each row's N codes (NV vectors)
-// are decoded with its scale, updated in float32 in registers, read by y, and encoded back with the row's new
-// scale and the seeded stochastic rounding (state_codec.h); no float copy of the state.
+// The single-token step of one head on an 8-bit state, in place: each row's N codes (NV vectors) are decoded
+// with its scale and updated in float32 in registers, read by y, and kept in a float32 scratch of the head
+// (work: P N + 3 P floats, in L1/L2) with the row's max; then the rows' new scales (one vector division for
+// many rows), then each row encoded back with the seeded stochastic rounding (state_codec.h). Three passes
+// without a dependency from one row to the next, so that rows overlap in the core.
 template <int KIND, int NV, typename AT>
 void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm,
                             int64_t b_stride, const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride,
-                            const CodedState& cs, float* y, int64_t y_stride, const ScanParams& p) {
+                            const CodedState& cs, float* y, int64_t y_stride, const ScanParams& p,
+                            float* __restrict__ work) {
   constexpr int64_t N = kNativeLanes * NV;
   const int64_t P = p.P, g = h / (p.H / p.G);
   float dtv = to_f32(dt[t * dt_stride + h]) + (p.dt_bias ? p.dt_bias[h] : 0.0f);
@@ -463,28 +454,44 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
   const vnf* cv = reinterpret_cast<const vnf*>(ct);
   uint8_t* codes = cs.codes + cs.slots[s] * cs.code_stride + h * P * N;
   float* scales = cs.scales + cs.slots[s] * cs.scale_stride + h * P;
-  const uint32_t base = cs.base(s);
+  float* __restrict__ values = work;           // (P, N) the new rows
+  float* __restrict__ amax = work + P * N;     // (P,) their largest magnitudes
+  float* __restrict__ inv = amax + P;          // (P,) 1 / their new scales
   const AT* xt = x + t * x_stride + h * P;
   float* yt = y + t * y_stride + h * P;
   for (int64_t q = 0; q < P; ++q) {
     const float xv = to_f32(xt[q]);
     const float xdt = xv * dtv;
-    uint8_t* row = codes + q * N;
-    vnf v[NV], acc{}, amax{};
+    const uint8_t* row = codes + q * N;
+    const float scale = scales[q];
+    vnf* out = reinterpret_cast<vnf*>(values + q * N);
+    vnf acc{}, mx{};
     for (int i = 0; i < NV; ++i) {
-      v[i] = decode_vec<KIND>(row + kNativeLanes * i, scales[q]) * decay + xdt * bv[i];
-      acc += v[i] * cv[i];
-      const vnf a = v[i] < 0 ? -v[i] : v[i];
-      amax = a > amax ? a : amax;
+      const vnf v = decode_vec<KIND>(row + kNativeLanes * i, scale) * decay + xdt * bv[i];
+      out[i] = v;
+      acc += v * cv[i];
+      const vnf a = vabs(v);
+      mx = a > mx ? a : mx;
     }
-    yt[q] = hsum_n(acc) + d * xv;
-    float inv;
-    row_scale<KIND>(hmax_n(amax), scales + q, &inv);
-    const uint32_t e0 = base + static_cast<uint32_t>((h * P + q) * N);
-    for (int i = 0; i < NV; ++i) {
-      vnf w = v[i] * inv;
+    yt[q] = reduce_add(acc) + d * xv;
+    amax[q] = reduce_max(mx);
+  }
+#pragma omp simd
+  for (int64_t q = 0; q < P; ++q) {
+    const float sc = amax[q] / code_max(KIND);
+    scales[q] = sc;
+    inv[q] = sc > 0.0f ? 1.0f / sc : 0.0f;
+  }
+  const uint32_t base = cs.base(s);
+  const vnu32 lanes = lane_index();
+  for (int64_t q = 0; q < P; ++q) {
+    const vnf* in = reinterpret_cast<const vnf*>(values + q * N);
+    uint8_t* row = codes + q * N;
+    vnu32 idx = (base + static_cast<uint32_t>((h * P + q) * N)) + lanes;
+    for (int i = 0; i < NV; ++i, idx += kNativeLanes) {
+      vnf w = in[i] * inv[q];
       keep_rounded(w);
-      encode_vec<KIND>(w, uniform_noise(e0 + static_cast<uint32_t>(kNativeLanes * i)), row + kNativeLanes * i);
+      encode_vec<KIND>(w, uniform_noise(idx), row + kNativeLanes * i);
     }
   }
 }
@@ -498,13 +505,13 @@ inline bool coded_step_fits(int64_t N) {
 template <int KIND, typename AT>
 void mamba2_step_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm, int64_t b_stride,
                        const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, const CodedState& cs, float* y,
-                       int64_t y_stride, const ScanParams& p) {
+                       int64_t y_stride, const ScanParams& p, float* work) {
   switch (p.N / kNativeLanes) {
-    case 1: mamba2_step_head_coded<KIND, 1>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p); break;
-    case 2: mamba2_step_head_coded<KIND, 2>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p); break;
-    case 4: mamba2_step_head_coded<KIND, 4>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p); break;
-    case 8: mamba2_step_head_coded<KIND, 8>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p); break;
-    default: mamba2_step_head_coded<KIND, 16>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p);
+    case 1: mamba2_step_head_coded<KIND, 1>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    case 2: mamba2_step_head_coded<KIND, 2>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    case 4: mamba2_step_head_coded<KIND, 4>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    case 8: mamba2_step_head_coded<KIND, 8>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    default: mamba2_step_head_coded<KIND, 16>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work);
   }
 }
 
@@ -525,7 +532,7 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* x, 
 #pragma omp parallel
   {
     const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
-    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N), sbuf(IO::coded ? P * N : 0);
+    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N), sbuf(IO::coded ? P * N + 2 * P : 0);
     void* scratch_ptr = nullptr;
 #if defined(HS_MAMBA2_CHUNKED)
     std::unique_ptr<SsdScratch> scratch;
@@ -548,7 +555,7 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* x, 
         if constexpr (IO::coded) {
           if (t1 - t0 == 1 && coded_step_fits(N)) {
             mamba2_step_coded<IO::kind>(t0, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, io.cs, y,
-                                        y_stride, p);
+                                        y_stride, p, sbuf.data());
             continue;
           }
           io.load(s, h * P * N, P, N, sbuf.data());

@@ -14,23 +14,34 @@
 
 #include "vec16.h"
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 enum CodeDType : int { kCodeInt8 = 3, kCodeE4M3 = 4 };  // dtype codes after dtypes.h's float ones
 
 typedef int32_t vni32 __attribute__((vector_size(4 * kNativeLanes), aligned(4)));
 typedef uint32_t vnu32u __attribute__((vector_size(4 * kNativeLanes), aligned(4)));
-typedef int8_t vni8 __attribute__((vector_size(kNativeLanes), aligned(1)));
-typedef uint8_t vnu8 __attribute__((vector_size(kNativeLanes), aligned(1)));
 
 // Keeps v as computed (rounded) so that the addition after it is not fused with the multiply before it.
 template <typename V> inline void keep_rounded(V& v) {
+#if defined(__x86_64__) || defined(__i386__)
 #if defined(__AVX512F__)
-  __asm__("" : "+v"(v));
+  constexpr int kRegisterBytes = 64;
 #elif defined(__AVX__)
-  __asm__("" : "+x"(v));
+  constexpr int kRegisterBytes = 32;
 #else
-  __asm__("" : "+m"(v));  // no register holds the whole vector: through memory
+  constexpr int kRegisterBytes = 16;
+#endif
+  if constexpr (sizeof(V) <= kRegisterBytes) {
+    __asm__("" : "+v"(v));
+  } else {
+    __asm__("" : "+m"(v));  // no register holds the whole vector: through memory
+  }
+#else
+  __asm__("" : "+m"(v));
 #endif
 }
 
@@ -64,22 +75,89 @@ inline vnu32 lane_index() {
   return v;
 }
 
-// The uniform numbers of elements first .. first + kNativeLanes - 1 (mod 2^32 as the hash takes them).
-inline vnf uniform_noise(uint32_t base_plus_first) {
-  const vnu32 h = hash32(base_plus_first + lane_index());
+// The uniform numbers of the elements whose hash inputs (base + flat index, mod 2^32) are idx.
+inline vnf uniform_noise(vnu32 idx) {
+  const vnu32 h = hash32(idx);
   return __builtin_convertvector(h >> 8, vnf) * 0x1p-24f;
+}
+
+// The sum and the largest lane of a register-wide vector, as a tree of shuffles.
+inline float reduce_add(vnf v) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+#else
+  float r = 0.0f;
+  for (int l = 0; l < kNativeLanes; ++l) r += v[l];
+  return r;
+#endif
+}
+
+inline float reduce_max(vnf v) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+#else
+  float r = v[0];
+  for (int l = 1; l < kNativeLanes; ++l) r = v[l] > r ? v[l] : r;
+  return r;
+#endif
+}
+
+// kNativeLanes bytes widened to int32 lanes (sign- or zero-extended), and int32 lanes (in the byte range)
+// narrowed to bytes: explicit instructions, as GCC scalarizes these conversions of its vector types.
+inline vni32 load_i8(const uint8_t* c) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+#else
+  vni32 r;
+  for (int i = 0; i < kNativeLanes; ++i) r[i] = static_cast<int8_t>(c[i]);
+  return r;
+#endif
+}
+
+inline vni32 load_u8(const uint8_t* c) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+#else
+  vni32 r;
+  for (int i = 0; i < kNativeLanes; ++i) r[i] = c[i];
+  return r;
+#endif
+}
+
+inline void store_bytes(vni32 v, uint8_t* c) {  // v's lanes in [-128, 255]: their low bytes
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8((__m512i)v));
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  const __m256i m = _mm256_and_si256((__m256i)v, _mm256_set1_epi32(0xff));
+  const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(c), _mm_packus_epi16(w16, w16));
+#else
+  for (int i = 0; i < kNativeLanes; ++i) c[i] = static_cast<uint8_t>(v[i]);
+#endif
 }
 
 template <int KIND> inline vnf decode_vec(const uint8_t* c, float scale);
 
 template <> inline vnf decode_vec<kCodeInt8>(const uint8_t* c, float scale) {
-  return __builtin_convertvector(*reinterpret_cast<const vni8*>(c), vnf) * scale;
+  return __builtin_convertvector(load_i8(c), vnf) * scale;
 }
 
 // e4m3fn bits -> float: (8 + mantissa) * 2^(exponent - 10), or mantissa * 2^-9 for exponent 0, exactly,
 // without float32 subnormals (the kernels may run with denormals-are-zero), then v's sign.
 template <> inline vnf decode_vec<kCodeE4M3>(const uint8_t* c, float scale) {
-  const vni32 b = __builtin_convertvector(*reinterpret_cast<const vnu8*>(c), vni32);
+  const vni32 b = load_u8(c);
   const vni32 m7 = b & 0x7f, ex = m7 >> 3;
   const vni32 sig = (m7 & 7) | ((ex > 0) & 8);
   const vni32 e = ex > 1 ? ex : 1;
@@ -93,11 +171,18 @@ template <int KIND> inline void encode_vec(vnf v, vnf u, uint8_t* c);
 
 template <> inline void encode_vec<kCodeInt8>(vnf v, vnf u, uint8_t* c) {
   const vnf t = v + u;
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  // floor in the conversion itself; the narrowing saturates at 127
+  const __m512i r = _mm512_max_epi32(_mm512_cvt_roundps_epi32((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                     _mm512_set1_epi32(-127));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtsepi32_epi8(r));
+#else
   vni32 r = __builtin_convertvector(t, vni32);  // toward zero
   r += (vni32)(__builtin_convertvector(r, vnf) > t);  // -1 where that was above t: floor
   r = r < -127 ? -127 : r;
   r = r > 127 ? 127 : r;
-  *reinterpret_cast<vni8*>(c) = __builtin_convertvector(r, vni8);
+  store_bytes(r, c);
+#endif
 }
 
 // |v| in binade b (clamped below at -6) is scaled by 2^(3 - b), exactly, to ulps; floor(that + u) ulps are
@@ -116,7 +201,7 @@ template <> inline void encode_vec<kCodeE4M3>(vnf v, vnf u, uint8_t* c) {
   bits = bits > 0x7e ? 0x7e : bits;
   const vnu32 sign = (vb >> 24) & 0x80u;
   bits |= reinterpret_cast<const vni32&>(sign);
-  *reinterpret_cast<vnu8*>(c) = __builtin_convertvector(bits, vnu8);
+  store_bytes(bits, c);
 }
 
 constexpr float code_max(int kind) { return kind == kCodeInt8 ? 127.0f : 448.0f; }
@@ -140,16 +225,19 @@ template <int KIND> inline void row_scale(float amax, float* scale, float* inv) 
   *inv = s > 0.0f ? 1.0f / s : 0.0f;
 }
 
+inline vnf vabs(vnf v) {
+  const vnu32 bits = reinterpret_cast<const vnu32&>(v) & 0x7fffffffu;
+  return reinterpret_cast<const vnf&>(bits);
+}
+
 inline float row_amax(const float* x, int64_t n) {
   vnf m{};
   int64_t i = 0;
   for (; i + kNativeLanes <= n; i += kNativeLanes) {
-    const vnf a = *reinterpret_cast<const vnf*>(x + i);
-    const vnf b = a < 0 ? -a : a;
+    const vnf b = vabs(*reinterpret_cast<const vnf*>(x + i));
     m = b > m ? b : m;
   }
-  float r = 0.0f;
-  for (int l = 0; l < kNativeLanes; ++l) r = m[l] > r ? m[l] : r;
+  float r = reduce_max(m);
   for (; i < n; ++i) {
     const float b = x[i] < 0 ? -x[i] : x[i];
     r = b > r ? b : r;
@@ -162,10 +250,11 @@ template <int KIND> void encode_row(const float* x, int64_t n, uint32_t base, ui
   float inv;
   row_scale<KIND>(row_amax(x, n), scale, &inv);
   int64_t i = 0;
-  for (; i + kNativeLanes <= n; i += kNativeLanes) {
+  vnu32 idx = (base + e0) + lane_index();
+  for (; i + kNativeLanes <= n; i += kNativeLanes, idx += kNativeLanes) {
     vnf v = *reinterpret_cast<const vnf*>(x + i) * inv;
     keep_rounded(v);
-    encode_vec<KIND>(v, uniform_noise(base + e0 + static_cast<uint32_t>(i)), c + i);
+    encode_vec<KIND>(v, uniform_noise(idx), c + i);
   }
   if (i < n) {
     float tail[kNativeLanes] = {};
@@ -173,7 +262,7 @@ template <int KIND> void encode_row(const float* x, int64_t n, uint32_t base, ui
     std::memcpy(tail, x + i, (n - i) * sizeof(float));
     vnf v = *reinterpret_cast<const vnf*>(tail) * inv;
     keep_rounded(v);
-    encode_vec<KIND>(v, uniform_noise(base + e0 + static_cast<uint32_t>(i)), out);
+    encode_vec<KIND>(v, uniform_noise(idx), out);
     std::memcpy(c + i, out, n - i);
   }
 }
