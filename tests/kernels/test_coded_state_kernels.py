@@ -355,3 +355,57 @@ def test_mlstm_coded_matches_codec(code, m_dtype, lens):
     other[slots] = False
     assert torch.equal(m[other], m_before[other])
     _assert_out(out, out_f, "mlstm out vs the float-state kernel")
+
+
+# ----------------------------------------------------------------------------------------------
+# the op entry: the Mamba2 mixer's kernel body takes a CodedState
+# ----------------------------------------------------------------------------------------------
+
+
+class _Mamba2Layer(torch.nn.Module):
+    """The sizes and parameters ``ops/mamba2_mixer.py`` reads of a Mamba2 layer."""
+
+    def __init__(self, H=4, P=16, G=1, N=64, K=4, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.num_heads, self.head_dim, self.n_groups, self.d_state = H, P, G, N
+        self.intermediate, self.chunk_size, self.activation = H * P, 64, "silu"
+        conv_dim = H * P + 2 * G * N
+        self.conv1d = torch.nn.Conv1d(conv_dim, conv_dim, K, groups=conv_dim, padding=K - 1)
+        with torch.no_grad():
+            self.conv1d.weight.copy_(torch.randn(conv_dim, 1, K, generator=g) * 0.5)
+            self.conv1d.bias.copy_(torch.randn(conv_dim, generator=g) * 0.1)
+        self.A_log = torch.nn.Parameter(torch.rand(H, generator=g))
+        self.D = torch.nn.Parameter(torch.randn(H, generator=g))
+        self.dt_bias = torch.nn.Parameter(torch.randn(H, generator=g) * 0.5)
+
+
+@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_mamba2_op_entry_runs_its_kernel_body_on_a_coded_state(lens):
+    """``mamba2_conv_scan`` with the kernels on and an 8-bit state: the kernel body takes the call (no decline
+    recorded) with the group's rounding keys and positions, and writes what the float-state body writes on the
+    decoded state, encoded with those keys and positions."""
+    from hybridserve.forward_batch import SeqGroup
+    from hybridserve.kernels import fallbacks
+    from hybridserve.ops.dispatch import use_kernels
+    from hybridserve.ops.mamba2_mixer import mamba2_conv_scan
+
+    layer = _Mamba2Layer()
+    H, P, N, T = 4, 16, 64, sum(lens)
+    g = torch.Generator().manual_seed(1)
+    conv_dim = H * P + 2 * N
+    xbc, dt = torch.randn(T, conv_dim, generator=g), torch.randn(T, H, generator=g)
+    cu_t, slots, keys, positions = _group(lens, [5, 0, 3, 2])
+    group = SeqGroup(0, T, cu_t, positions, None, slots, rounding_keys=keys)
+    pool = CodedPool(6, (H, P, N), torch.int8, seed=2)
+    conv_a = torch.randn(6, conv_dim, 3, generator=g)
+    conv_b, plain = conv_a.clone(), pool.decoded()
+    y, y_f = torch.zeros(T, H, P), torch.zeros(T, H, P)
+    declines = fallbacks.total()
+    with torch.no_grad(), use_kernels(True):
+        mamba2_conv_scan(layer, group, xbc, dt, y, conv_a, pool.state, decode=lens == DECODE, dt_limit=NO_LIMIT)
+        mamba2_conv_scan(layer, group, xbc, dt, y_f, conv_b, plain, decode=lens == DECODE, dt_limit=NO_LIMIT)
+    assert fallbacks.total() == declines, f"a kernel body declined: {fallbacks.counts()}"
+    assert torch.equal(conv_a, conv_b)
+    pool.check(slots, plain[slots], keys, positions, "mamba2 op entry codes")
+    _assert_out(y.view(T, H * P), y_f.view(T, H * P), "mamba2 op entry y")
