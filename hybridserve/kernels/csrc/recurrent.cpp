@@ -1,7 +1,8 @@
 // CPU kernels for the recurrent layers: varlen causal depthwise conv and the Mamba2 (SSD) scan.
 //
 // Both read and write the pooled per-sequence state in place, through slot ids, in the state's own
-// dtype (float32, bfloat16 or float16), and compute in float32. One call covers a whole group of
+// dtype (float32, bfloat16 or float16; or 8-bit codes with float32 row scales, the *_coded entry points and
+// state_codec.h), and compute in float32. One call covers a whole group of
 // sequences: a decode group (one token each) or a prefill group (a chunk each), given by cu_seqlens.
 // The recurrence runs token by token: the (head_dim x d_state) state of one head stays in L1, so
 // this costs O(P*N) per token and head, with no padding and no chunk matrices. In the amx build, a
