@@ -30,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, 
 
 def _pools(dtype: torch.dtype, layers: int, slots: int, shape: tuple[int, ...]) -> list:
     g = torch.Generator().manual_seed(0)
-    pools = []
+    pools: list[CodedState | torch.Tensor] = []
     for layer in range(layers):
         if dtype in recurrent_coded.CODE_DTYPES:
             codes = torch.randint(-100, 100, (slots, *shape), generator=g, dtype=torch.int8)
@@ -42,13 +42,15 @@ def _pools(dtype: torch.dtype, layers: int, slots: int, shape: tuple[int, ...]) 
     return pools
 
 
-def _step(pools: list, inputs: dict, cu: torch.Tensor, idx: torch.Tensor, keys: torch.Tensor,
+def _step(pools: list, inputs: tuple, cu: torch.Tensor, idx: torch.Tensor, keys: torch.Tensor,
           positions: torch.Tensor) -> None:
+    x, dt, A, B, C, D, dt_bias, y = inputs
     for state in pools:
         if isinstance(state, CodedState):
-            ok = recurrent_coded.mamba2_scan(state, *inputs["args"], cu, idx, keys, positions, inputs["y"])
+            ok = recurrent_coded.mamba2_scan(state, x, dt, A, B, C, D, dt_bias, True, (0.0, math.inf), cu, idx, keys,
+                                             positions, y)
         else:
-            ok = recurrent.mamba2_scan(state, *inputs["args"], cu, idx, inputs["y"])
+            ok = recurrent.mamba2_scan(state, x, dt, A, B, C, D, dt_bias, True, (0.0, math.inf), cu, idx, y)
         assert ok, "the kernel declined the benchmark's call"
 
 
@@ -71,7 +73,7 @@ def main() -> None:
     x, dt = torch.randn(S, H * P, generator=g).to(act), torch.randn(S, H, generator=g).to(act)
     B, C = torch.randn(S, N, generator=g).to(act), torch.randn(S, N, generator=g).to(act)
     A, D, dt_bias = -torch.rand(H, generator=g) - 0.5, torch.randn(H, generator=g), torch.randn(H, generator=g)
-    inputs = {"args": (x, dt, A, B, C, D, dt_bias, True, (0.0, math.inf)), "y": torch.empty(S, H * P)}
+    inputs = (x, dt, A, B, C, D, dt_bias, torch.empty(S, H * P))
     cu = torch.arange(S + 1, dtype=torch.int64)
     idx = torch.randperm(S + 1, generator=g)[:S].contiguous()  # one slot in the pool left out, as padding would be
     keys, positions = torch.arange(S, dtype=torch.int64), torch.full((S,), 128, dtype=torch.int64)
