@@ -57,15 +57,27 @@ def float_states(groups: Sequence[SeqGroup | None], states: Sequence[StateView]
         n = g.num_seqs
         local_groups.append(dataclasses.replace(g, state_indices=torch.arange(start, start + n, device=idx.device)))
         start += n
-    local = tuple(s.read(idx) if isinstance(s, CodedState) else s.index_select(0, idx) for s in states)
+    real = idx >= 0  # (B,): a negative slot is a padded row of a captured step, read as zeros, written nowhere
+    padded = not bool(real.all())
+    local = tuple(s.read(idx) if isinstance(s, CodedState) else _read_float(s, idx, real, padded) for s in states)
     yield local_groups, local
     keys = torch.cat([_rounding_keys(g) for g in live])  # (B,)
     positions = torch.cat([g.seq_lens for g in live])  # (B,) tokens absorbed after the step
     for view, values in zip(states, local):
         if isinstance(view, CodedState):
             view.write(idx, values, keys, positions)
+        elif padded:
+            view.index_copy_(0, idx[real], values[real])
         else:
             view.index_copy_(0, idx, values)
+
+
+def _read_float(view: torch.Tensor, idx: torch.Tensor, real: torch.Tensor, padded: bool) -> torch.Tensor:
+    """view (slots, *shape) at idx (B,) -> a new (B, *shape) in view's dtype; zeros where idx is negative."""
+    if not padded:
+        return view.index_select(0, idx)
+    rows = view.index_select(0, idx.clamp(min=0))
+    return rows.masked_fill_(~real.view(-1, *([1] * (rows.dim() - 1))), 0)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
@@ -131,9 +132,11 @@ def _plain_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tenso
 
 
 def _kernel_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
-                 conv_states: torch.Tensor, rec_states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
-    """The CPU-kernel body: the split into the conv input and z, the conv, the gated delta rule per group into
-    (T, Hv Dv) in ``dtype``, the gated norm; None when declined before any state changed."""
+                 conv_states: torch.Tensor, rec_states: StateView,
+                 dtype: torch.dtype) -> torch.Tensor | None:
+    """The CPU-kernel body: the split into the conv input and z, the conv, the gated delta rule per group (over
+    an 8-bit state: ``kernels/recurrent_coded.py``) into (T, Hv Dv) in ``dtype``, the gated norm; None when
+    declined before any state changed."""
     t, Hk, Hv, Dk, Dv = qkvz.shape[0], layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     conv = layer.conv1d
     if isinstance(rec_states, CodedState):
@@ -145,14 +148,22 @@ def _kernel_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tens
     split = recurrent_kernels.gdn_split(qkvz, Hk, Dk, (Hv // Hk) * Dv)
     if split is None or not recurrent_kernels.conv_supported(conv_states, conv_w, None, dtype, layer.activation):
         return None
+    coded = isinstance(rec_states, CodedState)
+    if coded and not all(recurrent_coded.group_ok(rec_states, (Hv, Dk, Dv), dtype, g.rounding_keys, g.seq_lens,
+                                                  g.state_indices) for g in batch.groups):
+        return None
     mixed, z = split  # (T, conv_dim), (T, Hv Dv)
     out = torch.empty(t, Hv * Dv, dtype=dtype)
     for i, g in enumerate(batch.groups):
         conv_out = recurrent_kernels.causal_conv1d(mixed[g.tokens], conv_states, conv_w, None, g.cu_seqlens_q,
                                                    g.state_indices, layer.activation)
-        if conv_out is None or not recurrent_kernels.gated_delta_rule(
-                rec_states, conv_out, ba[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q, g.state_indices,
-                out[g.tokens], Hk, layer.beta_scale):
+        if conv_out is None or not (
+                recurrent_coded.gated_delta_rule(rec_states, conv_out, ba[g.tokens], A_log, dt_bias, True,
+                                                 g.cu_seqlens_q, g.state_indices, g.rounding_keys, g.seq_lens,
+                                                 out[g.tokens], Hk, layer.beta_scale) if coded
+                else recurrent_kernels.gated_delta_rule(rec_states, conv_out, ba[g.tokens], A_log, dt_bias, True,
+                                                        g.cu_seqlens_q, g.state_indices, out[g.tokens], Hk,
+                                                        layer.beta_scale)):
             if i == 0 and conv_out is None:
                 return None
             raise RuntimeError("a gated delta net kernel declined after another ran")

@@ -20,6 +20,7 @@ from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
@@ -135,15 +136,18 @@ def _kernel_body(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.T
                  b: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
                  rec_states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body: the conv of q, k and v (each over its own channels of the conv state), the KDA
-    recurrence with the sigmoid-gated norm per group into (T, H D) in ``dtype``; None when declined before any
-    state changed."""
-    if isinstance(rec_states, CodedState):
-        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
+    recurrence (over an 8-bit state: ``kernels/recurrent_coded.py``) with the sigmoid-gated norm per group into
+    (T, H D) in ``dtype``; None when declined before any state changed."""
     convs, A_log, dt_bias, norm_w = _kernel_params(layer)
     n = layer.qkv_dim
     conv_parts = [conv_states[:, i * n:(i + 1) * n] for i in range(3)]  # (slots, H D, K-1) each
     if not all(recurrent_kernels.conv_supported(st, w, None, dtype, layer.activation)
                for st, w in zip(conv_parts, convs)):
+        return None
+    coded = isinstance(rec_states, CodedState)
+    shape = (layer.num_heads, layer.head_dim, layer.head_dim)
+    if coded and not all(recurrent_coded.group_ok(rec_states, shape, dtype, g.rounding_keys, g.seq_lens,
+                                                  g.state_indices) for g in batch.groups):
         return None
     out = torch.empty(q.shape[0], n, dtype=dtype)  # (T, H D)
     for i, g in enumerate(batch.groups):
@@ -152,8 +156,13 @@ def _kernel_body(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.T
                       for p, st, w in zip((q, k, v), conv_parts, convs))
         if i == 0 and qc is None:
             return None
-        if (qc is None or kc is None or vc is None or not recurrent_kernels.kda(
-                rec_states, qc, kc, vc, f[g.tokens], b[g.tokens], A_log, dt_bias, True, g.cu_seqlens_q,
-                g.state_indices, out[g.tokens], gate[g.tokens], norm_w, layer.o_norm.eps)):
+        if qc is None or kc is None or vc is None:
+            raise RuntimeError("a Kimi delta attention kernel declined after another ran")
+        if not (recurrent_coded.kda(rec_states, qc, kc, vc, f[g.tokens], b[g.tokens], A_log, dt_bias, True,
+                                    g.cu_seqlens_q, g.state_indices, g.rounding_keys, g.seq_lens, out[g.tokens],
+                                    gate[g.tokens], norm_w, layer.o_norm.eps) if coded
+                else recurrent_kernels.kda(rec_states, qc, kc, vc, f[g.tokens], b[g.tokens], A_log, dt_bias, True,
+                                           g.cu_seqlens_q, g.state_indices, out[g.tokens], gate[g.tokens], norm_w,
+                                           layer.o_norm.eps)):
             raise RuntimeError("a Kimi delta attention kernel declined after another ran")
     return out

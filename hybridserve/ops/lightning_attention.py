@@ -19,6 +19,7 @@ from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.coded_plain import float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.linear_attention import linear_attention_update, linear_attention_varlen
@@ -79,17 +80,22 @@ def _plain_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, 
 
 def _kernel_body(layer: LightningWeights, qkv: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
                  states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
-    """The CPU-kernel body: silu(qkv), the decayed recurrence per group into y in ``dtype``, the norm, the
-    sigmoid gate; None when declined before any state changed."""
-    if layer.act != "silu" or isinstance(states, CodedState):
-        return None  # (8-bit state: no kernel body yet; the plain body runs, counted as a decline)
+    """The CPU-kernel body: silu(qkv), the decayed recurrence per group (over an 8-bit state:
+    ``kernels/recurrent_coded.py``) into y in ``dtype``, the norm, the sigmoid gate; None when declined before
+    any state changed."""
+    if layer.act != "silu":
+        return None
     qkv = pointwise_kernels.silu(qkv)  # (T, H * 3D), per head [q | k | v]
     if qkv is None:
         return None
     y = torch.empty(qkv.shape[0], layer.num_heads * layer.head_dim, dtype=dtype)  # (T, H*D)
     for i, g in enumerate(batch.groups):
-        if not recurrent_kernels.linear_attention(states, qkv[g.tokens], layer.num_heads, layer.head_dim,
-                                                  layer.slope_rate, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
+        H, D = layer.num_heads, layer.head_dim
+        if not (recurrent_coded.linear_attention(states, qkv[g.tokens], H, D, layer.slope_rate, g.cu_seqlens_q,
+                                                 g.state_indices, g.rounding_keys, g.seq_lens, y[g.tokens])
+                if isinstance(states, CodedState)
+                else recurrent_kernels.linear_attention(states, qkv[g.tokens], H, D, layer.slope_rate,
+                                                        g.cu_seqlens_q, g.state_indices, y[g.tokens])):
             if i == 0:
                 return None
             raise RuntimeError("the linear attention kernel declined a group after another ran")

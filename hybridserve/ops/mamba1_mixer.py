@@ -19,7 +19,7 @@ from torch import nn
 from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
-from hybridserve.kernels import gemm
+from hybridserve.kernels import gemm, recurrent_coded
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -121,15 +121,20 @@ def _kernel_params(layer: Mamba1Weights, dtype: torch.dtype) -> tuple:
 
 
 def _kernel_body(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
-                 conv_states: torch.Tensor, ssm_states: StateView, dtype: torch.dtype) -> torch.Tensor | None:
+                 conv_states: torch.Tensor, ssm_states: StateView,
+                 dtype: torch.dtype) -> torch.Tensor | None:
     """The CPU-kernel body, per sequence group: conv, x_proj, the dt/B/C norms, dt_proj (float32 sums, rounded
-    as ``layers/dense.py: linear``), the scan into y in ``dtype``; None when a kernel declines before any state
-    changed."""
-    if isinstance(ssm_states, CodedState):
-        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
+    as ``layers/dense.py: linear``), the scan (over an 8-bit state: ``kernels/recurrent_coded.py``) into y in
+    ``dtype``; None when a kernel declines before any state changed."""
     conv_w, conv_b, A, D, dt_bias, dt_w32, ones = _kernel_params(layer, dtype)
-    if (not recurrent_kernels.conv_supported(conv_states, conv_w, conv_b, dtype, layer.activation)
-            or ssm_states.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+    coded = isinstance(ssm_states, CodedState)
+    if not recurrent_kernels.conv_supported(conv_states, conv_w, conv_b, dtype, layer.activation):
+        return None
+    if coded and not all(recurrent_coded.group_ok(ssm_states, (layer.intermediate, layer.d_state), dtype,
+                                                  g.rounding_keys, g.seq_lens, g.state_indices)
+                         for g in batch.groups):
+        return None
+    if not coded and ssm_states.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     y = torch.empty(xs.shape[0], layer.intermediate, dtype=dtype)  # (T, inter)
     for g in batch.groups:
@@ -144,8 +149,15 @@ def _kernel_body(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, bat
             ts, B, C = (pointwise_kernels.rms_norm(t, ones[:t.shape[1]], layer.norm_eps, weight_in_float32=True)
                         for t in (ts, B, C))
         dt = None if ts is None else gemm.linear_f32(ts, dt_w32, dtype)  # (n, inter) raw, no bias
-        if dt is None or B is None or C is None or not recurrent_kernels.mamba1_scan(
-                ssm_states, conv_out, dt, A, B, C, D, gate[g.tokens], dt_bias, True, g.cu_seqlens_q,
-                g.state_indices, y[g.tokens]):
+        if dt is None or B is None or C is None:
+            raise RuntimeError("the Mamba1 conv kernel ran but a later kernel declined the same group")
+        if coded:
+            scanned = recurrent_coded.mamba1_scan(ssm_states, conv_out, dt, A, B, C, D, gate[g.tokens], dt_bias,
+                                                  True, g.cu_seqlens_q, g.state_indices, g.rounding_keys, g.seq_lens,
+                                                  y[g.tokens])
+        else:
+            scanned = recurrent_kernels.mamba1_scan(ssm_states, conv_out, dt, A, B, C, D, gate[g.tokens], dt_bias,
+                                                    True, g.cu_seqlens_q, g.state_indices, y[g.tokens])
+        if not scanned:
             raise RuntimeError("the Mamba1 conv kernel ran but a later kernel declined the same group")
     return y

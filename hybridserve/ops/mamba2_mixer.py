@@ -17,6 +17,7 @@ from hybridserve.cache.slots import read_slots, write_slots
 from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import SeqGroup
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hybridserve.ops.coded_plain import float_states
 from hybridserve.ops.dispatch import call
@@ -72,12 +73,14 @@ def _kernel_params(layer: Mamba2Weights) -> tuple[torch.Tensor | None, ...]:
 def _kernel_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
                  conv_states: torch.Tensor, ssm_states: StateView, decode: bool,
                  dt_limit: tuple[float, float]) -> bool:
-    """The CPU-kernel body; False when declined before any state changed."""
-    if isinstance(ssm_states, CodedState):
-        return False  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
+    """The CPU-kernel body (the scan over an 8-bit state: ``kernels/recurrent_coded.py``); False when declined
+    before any state changed."""
     H, P, G, N = layer.num_heads, layer.head_dim, layer.n_groups, layer.d_state
     n, idx = g.num_tokens, g.state_indices
-    if not recurrent_kernels.scan_state_supported(ssm_states, xbc.dtype):
+    if isinstance(ssm_states, CodedState):
+        if not recurrent_coded.group_ok(ssm_states, (H, P, N), xbc.dtype, g.rounding_keys, g.seq_lens, idx):
+            return False
+    elif not recurrent_kernels.scan_state_supported(ssm_states, xbc.dtype):
         return False
     conv_w, conv_b, A32, D32, dt_bias32 = _kernel_params(layer)
     conv_out = recurrent_kernels.causal_conv1d(xbc[g.tokens], conv_states, conv_w, conv_b, g.cu_seqlens_q, idx,
@@ -85,8 +88,14 @@ def _kernel_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch
     if conv_out is None:
         return False
     xs, B, C = torch.split(conv_out, [layer.intermediate, G * N, G * N], dim=-1)
-    if recurrent_kernels.mamba2_scan(ssm_states, xs, dt[g.tokens], A32, B, C, D32, dt_bias32, True,
-                                     dt_limit, g.cu_seqlens_q, idx, y[g.tokens].view(n, H * P)):
+    y_g = y[g.tokens].view(n, H * P)
+    if isinstance(ssm_states, CodedState):
+        scanned = recurrent_coded.mamba2_scan(ssm_states, xs, dt[g.tokens], A32, B, C, D32, dt_bias32, True, dt_limit,
+                                              g.cu_seqlens_q, idx, g.rounding_keys, g.seq_lens, y_g)
+    else:
+        scanned = recurrent_kernels.mamba2_scan(ssm_states, xs, dt[g.tokens], A32, B, C, D32, dt_bias32, True,
+                                                dt_limit, g.cu_seqlens_q, idx, y_g)
+    if scanned:
         return True
     # the state was checked above and the other arguments are built here: a decline is a bug
     raise RuntimeError("the CPU conv kernel ran but the scan kernel declined the same group")

@@ -14,9 +14,10 @@ from typing import Protocol, cast
 import torch
 
 from hybridserve.cache.slots import read_slots, write_slots
-from hybridserve.cache.state_codec import StateView
+from hybridserve.cache.state_codec import CodedState, StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import recurrent as recurrent_kernels
+from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.coded_plain import any_coded, float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.mlstm import fit_max_state, mlstm_update, mlstm_varlen, soft_cap
@@ -94,17 +95,16 @@ def _plain_body(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.
 def _kernel_body(layer: MlstmWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                  i: torch.Tensor, f: torch.Tensor, batch: ForwardBatch, states: tuple[StateView, ...],
                  dtype: torch.dtype) -> torch.Tensor | None:
-    """The CPU-kernel body: one kernel call per group into (T, H Dv); None when declined before any state
-    changed."""
-    if any_coded(*states):
-        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
-    float_views = cast(tuple[torch.Tensor, ...], states)
+    """The CPU-kernel body: one kernel call per group into (T, H Dv) (C and n 8-bit, m a float view:
+    ``kernels/recurrent_coded.py``); None when declined before any state changed."""
     y = torch.empty(q.shape[0], layer.v_dim, dtype=q.dtype)  # (T, H*Dv)
     norm = layer.multihead_norm
+    coded = isinstance(states[0], CodedState)
     for n, g in enumerate(batch.groups):
-        if not recurrent_kernels.mlstm(float_views, q[g.tokens], k[g.tokens], v[g.tokens], o[g.tokens], i[g.tokens],
-                                       f[g.tokens], layer.gate_soft_cap, norm.weight, norm.bias, norm.eps,
-                                       layer.eps, g.cu_seqlens_q, g.state_indices, y[g.tokens]):
+        args = (q[g.tokens], k[g.tokens], v[g.tokens], o[g.tokens], i[g.tokens], f[g.tokens], layer.gate_soft_cap,
+                norm.weight, norm.bias, norm.eps, layer.eps, g.cu_seqlens_q, g.state_indices)
+        if not (recurrent_coded.mlstm(states, *args, g.rounding_keys, g.seq_lens, y[g.tokens]) if coded
+                else recurrent_kernels.mlstm(states, *args, y[g.tokens])):
             if n == 0:
                 return None
             raise RuntimeError("the mLSTM kernel declined a group after another ran")

@@ -78,3 +78,18 @@ def test_a_body_that_raises_leaves_the_slots_unchanged():
             local.mul_(3)
             raise RuntimeError("boom")
     assert torch.equal(rec.codes, before[0]) and torch.equal(rec.scale, before[1])
+
+
+def test_padded_rows_read_zeros_and_write_nowhere():
+    """A captured step's padded row (slot -1) reads zeros from every state and changes no slot."""
+    rec = _coded(torch.int8)
+    conv = torch.randn(SLOTS, 4, 3).to(torch.bfloat16)
+    before_codes, before_scale, before_conv = rec.codes.clone(), rec.scale.clone(), conv.clone()
+    decode = _group([2, -1], [10, 0], None)
+    with float_states((decode, None), (rec, conv)) as (groups, states):
+        assert torch.equal(states[0][1], torch.zeros(SHAPE)) and torch.equal(states[1][1], torch.zeros(4, 3).bfloat16())
+        _body([g for g in groups if g is not None], states)
+    others = torch.tensor([0, 1, 3, 4, 5])
+    assert torch.equal(rec.codes[others], before_codes[others]) and torch.equal(rec.scale[others], before_scale[others])
+    assert torch.equal(conv[others], before_conv[others])
+    assert torch.equal(conv[2], before_conv[2] + 1)

@@ -1,8 +1,9 @@
 // CPU kernels for the recurrent layers: varlen causal depthwise conv and the Mamba2 (SSD) scan.
 //
 // Both read and write the pooled per-sequence state in place, through slot ids, in the state's own
-// dtype (float32, bfloat16 or float16), and compute in float32. A negative slot id is a padding row
-// (zero_rows): nothing of the pool is read or written for it. One call covers a whole group of
+// dtype (float32, bfloat16 or float16; or 8-bit codes with float32 row scales, the *_coded entry points and
+// state_codec.h), and compute in float32. A negative slot id is a padding row (zero_rows): nothing of the
+// pool is read or written for it. One call covers a whole group of
 // sequences: a decode group (one token each) or a prefill group (a chunk each), given by cu_seqlens.
 // The recurrence runs token by token: the (head_dim x d_state) state of one head stays in L1, so
 // this costs O(P*N) per token and head, with no padding and no chunk matrices. In the amx build, a
@@ -27,6 +28,7 @@
 #include "vec16.h"
 #include "vecmath.h"
 #include "mamba2_chunked_amx.h"
+#include "state_codec.h"
 
 namespace {
 
@@ -390,25 +392,167 @@ void mamba2_chunked_head(const SsdPlan& plan, int64_t s, int64_t t0, int64_t t1,
 }
 #endif
 
+#if defined(HS_MAMBA2_CHUNKED)
+using SsdPlanPtr = const SsdPlan*;
+#else
+using SsdPlanPtr = const void*;
+#endif
+
+// One head of one sequence over its tokens, on a state st (P, N) in ST: the chunked form for a long bf16
+// sequence on AMX, the in-place step for one token, else the token-by-token scan. next: the state this thread
+// takes next (prefetched by the AVX-512 step), or null.
 template <typename AT, typename ST>
-void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x,
-                      int64_t x_stride, const AT* Bm, int64_t b_stride, const AT* Cm, int64_t c_stride,
-                      const AT* dt, int64_t dt_stride, ST* states, int64_t slot_stride, float* y,
-                      int64_t y_stride, const ScanParams& p) {
+void mamba2_head(SsdPlanPtr plan, void* scratch, int64_t s, int64_t t0, int64_t t1, int64_t h, const AT* x,
+                 int64_t x_stride, const AT* Bm, int64_t b_stride, const AT* Cm, int64_t c_stride, const AT* dt,
+                 int64_t dt_stride, ST* st, const ST* next, float* y, int64_t y_stride, const ScanParams& p,
+                 float* hbuf, float* wbuf) {
+  const int64_t P = p.P, N = p.N;
+#if defined(HS_MAMBA2_CHUNKED)
+  if constexpr (std::is_same_v<AT, BF16>) {
+    if (plan != nullptr && plan->chunks > 0 && plan->first_chunk[s] >= 0) {
+      mamba2_chunked_head(*plan, s, t0, t1, h, x, x_stride, dt, dt_stride, st, y, y_stride, p, hbuf,
+                          *static_cast<SsdScratch*>(scratch));
+      return;
+    }
+  }
+#else
+  (void)plan;
+  (void)scratch;
+  (void)s;
+#endif
+#if defined(__AVX512F__)
+  if (t1 - t0 == 1 && (N == 64 || N == 128)) {
+    if (N == 64)
+      mamba2_step_head_v<4>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y, y_stride, p);
+    else
+      mamba2_step_head_v<8>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y, y_stride, p);
+    return;
+  }
+#else
+  (void)next;
+#endif
+  if (t1 - t0 == 1)
+    mamba2_step_head(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p, wbuf);
+  else if (P == 64)
+    mamba2_scan_head<64>(t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p, hbuf,
+                         wbuf);
+  else
+    mamba2_scan_head<0>(t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p, hbuf,
+                        wbuf);
+}
+
+// The single-token step of one head on an 8-bit state, in place: each row's N codes (NV vectors) are decoded
+// with its scale and updated in float32 in registers, read by y, and kept in a float32 scratch of the head
+// (work: P N + 3 P floats, in L1/L2) with the row's max; then the rows' new scales (one vector division for
+// many rows), then each row encoded back with the seeded stochastic rounding (state_codec.h). Three passes
+// without a dependency from one row to the next, so that rows overlap in the core.
+template <int KIND, int NV, typename AT>
+void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm,
+                            int64_t b_stride, const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride,
+                            const CodedState& cs, float* y, int64_t y_stride, const ScanParams& p,
+                            float* __restrict__ work) {
+  constexpr int64_t N = kNativeLanes * NV;
+  const int64_t P = p.P, g = h / (p.H / p.G);
+  float dtv = to_f32(dt[t * dt_stride + h]) + (p.dt_bias ? p.dt_bias[h] : 0.0f);
+  if (p.dt_softplus) dtv = softplus(dtv);
+  if (p.dt_clamp) dtv = dtv < p.dt_lo ? p.dt_lo : (dtv > p.dt_hi ? p.dt_hi : dtv);
+  const float decay = std::exp(dtv * p.A[h]);
+  const float d = p.D ? p.D[h] : 0.0f;
+  alignas(64) float bt[N], ct[N];
+  for (int64_t n = 0; n < N; ++n) {
+    bt[n] = to_f32(Bm[t * b_stride + g * N + n]);
+    ct[n] = to_f32(Cm[t * c_stride + g * N + n]);
+  }
+  const vnf* bv = reinterpret_cast<const vnf*>(bt);
+  const vnf* cv = reinterpret_cast<const vnf*>(ct);
+  uint8_t* codes = cs.codes + cs.slots[s] * cs.code_stride + h * P * N;
+  float* scales = cs.scales + cs.slots[s] * cs.scale_stride + h * P;
+  float* __restrict__ values = work;           // (P, N) the new rows
+  float* __restrict__ amax = work + P * N;     // (P,) their largest magnitudes
+  float* __restrict__ inv = amax + P;          // (P,) 1 / their new scales
+  const AT* xt = x + t * x_stride + h * P;
+  float* yt = y + t * y_stride + h * P;
+  for (int64_t q = 0; q < P; ++q) {
+    const float xv = to_f32(xt[q]);
+    const float xdt = xv * dtv;
+    const uint8_t* row = codes + q * N;
+    const float scale = scales[q];
+    vnf* out = reinterpret_cast<vnf*>(values + q * N);
+    vnf acc{}, mx{};
+    for (int i = 0; i < NV; ++i) {
+      const vnf v = decode_vec<KIND>(row + kNativeLanes * i, scale) * decay + xdt * bv[i];
+      out[i] = v;
+      acc += v * cv[i];
+      const vnf a = vabs(v);
+      mx = a > mx ? a : mx;
+    }
+    yt[q] = reduce_add(acc) + d * xv;
+    amax[q] = reduce_max(mx);
+  }
+#pragma omp simd
+  for (int64_t q = 0; q < P; ++q) {
+    const float sc = amax[q] / code_max(KIND);
+    scales[q] = sc;
+    inv[q] = sc > 0.0f ? 1.0f / sc : 0.0f;
+  }
+  const uint32_t base = cs.base(s);
+  const vnu32 lanes = lane_index();
+  for (int64_t q = 0; q < P; ++q) {
+    const vnf* in = reinterpret_cast<const vnf*>(values + q * N);
+    uint8_t* row = codes + q * N;
+    vnu32 idx = (base + static_cast<uint32_t>((h * P + q) * N)) + lanes;
+    for (int i = 0; i < NV; ++i, idx += kNativeLanes) {
+      vnf w = in[i] * inv[q];
+      keep_rounded(w);
+      encode_vec<KIND>(w, uniform_noise(idx), row + kNativeLanes * i);
+    }
+  }
+}
+
+// Whether the coded single-token step takes rows of N (a compile-time number of register-wide vectors).
+inline bool coded_step_fits(int64_t N) {
+  const int64_t nv = N / kNativeLanes;
+  return N % kNativeLanes == 0 && (nv == 1 || nv == 2 || nv == 4 || nv == 8 || nv == 16);
+}
+
+template <int KIND, typename AT>
+void mamba2_step_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm, int64_t b_stride,
+                       const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, const CodedState& cs, float* y,
+                       int64_t y_stride, const ScanParams& p, float* work) {
+  switch (p.N / kNativeLanes) {
+    case 1: mamba2_step_head_coded<KIND, 1>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    case 2: mamba2_step_head_coded<KIND, 2>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    case 4: mamba2_step_head_coded<KIND, 4>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    case 8: mamba2_step_head_coded<KIND, 8>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
+    default: mamba2_step_head_coded<KIND, 16>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work);
+  }
+}
+
+// IO: PlainRows<ST> (the state in place in its float dtype) or CodedRows<KIND> (8-bit: the single-token step
+// works on the codes in place; a prefill head decodes its state to a float32 scratch once, runs its tokens and
+// encodes the final state once).
+template <typename AT, typename IO>
+void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* x, int64_t x_stride, const AT* Bm,
+                      int64_t b_stride, const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, const IO& io,
+                      float* y, int64_t y_stride, const ScanParams& p) {
   const int64_t H = p.H, P = p.P, N = p.N;
+  SsdPlanPtr plan_ptr = nullptr;
 #if defined(HS_MAMBA2_CHUNKED)
   SsdPlan plan;  // the long sequences' chunks and their shared operands (none: every sequence token by token)
   if (std::is_same_v<AT, BF16> && ssd_shape_ok(P, N)) plan = SsdPlan(num_seqs, cu_seqlens, p.G, N);
+  plan_ptr = &plan;
 #endif
 #pragma omp parallel
   {
     const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
-    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N);
+    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N), sbuf(IO::coded ? P * N + 2 * P : 0);
+    void* scratch_ptr = nullptr;
 #if defined(HS_MAMBA2_CHUNKED)
     std::unique_ptr<SsdScratch> scratch;
     std::optional<AmxTileScope> tiles;  // configured while the chunked form runs, released at the region's end
     if (plan.chunks > 0) {  // the same on every thread
       scratch = std::make_unique<SsdScratch>(P, N);
+      scratch_ptr = scratch.get();
       tiles.emplace(AmxTileConfig{kSsdTiles});
       if constexpr (std::is_same_v<AT, BF16>) {
 #pragma omp for schedule(static)
@@ -421,44 +565,28 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
-        if (slots[s] < 0) {
+        if (io.slot(s) < 0) {  // a padding row: nothing of the pool is read or written
           zero_rows(y, y_stride, t0, t1, h * P, P);
           continue;
         }
-        ST* st = states + slots[s] * slot_stride + h * P * N;
-#if defined(HS_MAMBA2_CHUNKED)
-        if constexpr (std::is_same_v<AT, BF16>) {
-          if (plan.chunks > 0 && plan.first_chunk[s] >= 0) {
-            mamba2_chunked_head(plan, s, t0, t1, h, x, x_stride, dt, dt_stride, st, y, y_stride, p, hbuf.data(),
-                                *scratch);
+        if constexpr (IO::coded) {
+          if (t1 - t0 == 1 && coded_step_fits(N)) {
+            mamba2_step_coded<IO::kind>(t0, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, io.cs, y,
+                                        y_stride, p, sbuf.data());
             continue;
           }
-        }
-#endif
-#if defined(__AVX512F__)
-        if (t1 - t0 == 1 && (N == 64 || N == 128)) {
+          io.load(s, h * P * N, P, N, sbuf.data());
+          mamba2_head(plan_ptr, scratch_ptr, s, t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride,
+                      sbuf.data(), static_cast<const float*>(nullptr), y, y_stride, p, hbuf.data(), wbuf.data());
+          io.store(s, h * P * N, P, N, sbuf.data());
+        } else {
+          auto* st = io.base + io.slots[s] * io.slot_stride + h * P * N;
           // the state this thread takes next: the next head, or the first head of the next sequence
-          const ST* next = h + 1 < H ? st + P * N
-                                     : (s + 1 < num_seqs && slots[s + 1] >= 0 ? states + slots[s + 1] * slot_stride
-                                                                                : nullptr);
-          if (N == 64)
-            mamba2_step_head_v<4>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y,
-                                  y_stride, p);
-          else
-            mamba2_step_head_v<8>(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, next, y,
-                                  y_stride, p);
-          continue;
+          const auto* next = h + 1 < H ? st + P * N : (s + 1 < num_seqs && io.slots[s + 1] >= 0 ? io.base + io.slots[s + 1] * io.slot_stride
+                                                                           : nullptr);
+          mamba2_head(plan_ptr, scratch_ptr, s, t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st,
+                      next, y, y_stride, p, hbuf.data(), wbuf.data());
         }
-#endif
-        if (t1 - t0 == 1)
-          mamba2_step_head(t0, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
-                           wbuf.data());
-        else if (P == 64)
-          mamba2_scan_head<64>(t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
-                               hbuf.data(), wbuf.data());
-        else
-          mamba2_scan_head<0>(t0, t1, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, st, y, y_stride, p,
-                              hbuf.data(), wbuf.data());
       }
     }
   }
@@ -467,25 +595,24 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 // Mamba1 selective scan, one (sequence, channel) per iteration: the channel's state row h (N,) in
 // float32 through the sequence's tokens, stored back in the state dtype at its end.
 //   dt = softplus(dt_raw + dt_bias); h = exp(dt * A) * h + (dt * x) * B; y = (h . C + D * x) * silu(z)
-template <typename AT, typename ST>
-void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x, int64_t xs,
-                      const AT* dt, int64_t dts, const float* A, const AT* Bm, int64_t bs, const AT* Cm, int64_t cs,
-                      const float* D, const AT* z, int64_t zs, const float* dt_bias, int dt_softplus, ST* states,
-                      int64_t slot_stride, AT* y, int64_t ys, int64_t Dm, int64_t N) {
+template <typename AT, typename IO>
+void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* x, int64_t xs, const AT* dt, int64_t dts,
+                      const float* A, const AT* Bm, int64_t bs, const AT* Cm, int64_t cs, const float* D, const AT* z,
+                      int64_t zs, const float* dt_bias, int dt_softplus, const IO& io, AT* y, int64_t ys, int64_t Dm,
+                      int64_t N) {
 #pragma omp parallel
   {
     const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t d = 0; d < Dm; ++d) {
-        if (slots[s] < 0) {
+        if (io.slot(s) < 0) {  // a padding row: nothing of the pool is read or written
           zero_rows(y, ys, cu_seqlens[s], cu_seqlens[s + 1], d, 1);
           continue;
         }
-        ST* st = states + slots[s] * slot_stride + d * N;
         const float* a = A + d * N;
         float h[kMaxStateN];
-        for (int64_t n = 0; n < N; ++n) h[n] = to_f32(st[n]);
+        io.load(s, d * N, 1, N, h);
         for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
           float dtv = to_f32(dt[t * dts + d]) + (dt_bias != nullptr ? dt_bias[d] : 0.0f);
           if (dt_softplus) dtv = softplus(dtv);
@@ -505,7 +632,7 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
           }
           y[t * ys + d] = from_f32<AT>(out);
         }
-        for (int64_t n = 0; n < N; ++n) st[n] = from_f32<ST>(h[n]);
+        io.store(s, d * N, 1, N, h);
       }
     }
   }
@@ -520,11 +647,10 @@ void mamba1_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 //   h = (q C) Dk^-1/2 / (max(|q n| Dk^-1/2, exp(-m')) + eps), rounded to the activation dtype
 //   out = sigmoid(o) * (layer_norm(h) * w + b)   over the head's Dv values, norm in float32
 // At the end, m is rounded to the state dtype and C, n scaled by exp(m - rounded m): the same state, m exact.
-template <typename AT, typename ST>
-void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* q, int64_t qs,
-                const AT* k, int64_t ks, const AT* v, int64_t vs, const AT* o, int64_t os, const AT* ig, int64_t igs,
-                const AT* fg, int64_t fgs, float cap, ST* c_states, ST* n_states, ST* m_states, int64_t slot_stride,
-                const AT* norm_w, const AT* norm_b, float norm_eps, float eps, AT* out, int64_t out_stride, int64_t H,
+template <typename AT, typename CIO, typename NIO, typename MT>
+void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* q, int64_t qs, const AT* k, int64_t ks,
+                const AT* v, int64_t vs, const AT* o, int64_t os, const AT* ig, int64_t igs, const AT* fg, int64_t fgs,
+                float cap, const CIO& c_io, const NIO& n_io, const PlainRows<MT>& m_io, const AT* norm_w, const AT* norm_b, float norm_eps, float eps, AT* out, int64_t out_stride, int64_t H,
                 int64_t Dk, int64_t Dv) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dk));
   auto rnd = [](float x) { return to_f32(from_f32<AT>(x)); };
@@ -535,16 +661,14 @@ void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slot
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
-        if (slots[s] < 0) {
+        if (c_io.slot(s) < 0) {  // a padding row: nothing of the pool is read or written
           zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
           continue;
         }
-        ST* cst = c_states + slots[s] * slot_stride + h * Dk * Dv;
-        ST* nst = n_states + slots[s] * slot_stride + h * Dk;
-        ST* mst = m_states + slots[s] * slot_stride + h;
-        for (int64_t a = 0; a < Dk * Dv; ++a) C[a] = to_f32(cst[a]);
-        for (int64_t a = 0; a < Dk; ++a) n[a] = to_f32(nst[a]);
-        float m = to_f32(*mst);
+        c_io.load(s, h * Dk * Dv, Dk, Dv, C.data());
+        n_io.load(s, h * Dk, 1, Dk, n.data());
+        float m;
+        m_io.load(s, h, 1, 1, &m);
         for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
           const AT* qr = q + t * qs + h * Dk;
           const AT* kr = k + t * ks + h * Dk;
@@ -585,11 +709,15 @@ void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slot
             yr[j] = from_f32<AT>(gate * y);
           }
         }
-        // m stored exactly: its rounding to the state dtype moves into C and n (the same state)
-        const float m_fit = to_f32(from_f32<ST>(m)), fit = std::exp(m - m_fit);
-        for (int64_t a = 0; a < Dk * Dv; ++a) cst[a] = from_f32<ST>(C[a] * fit);
-        for (int64_t a = 0; a < Dk; ++a) nst[a] = from_f32<ST>(n[a] * fit);
-        *mst = from_f32<ST>(m_fit);
+        // m stored exactly: its rounding to its dtype moves into C and n (the same state)
+        const float m_fit = to_f32(from_f32<MT>(m)), fit = std::exp(m - m_fit);
+        if (fit != 1.0f) {
+          for (int64_t a = 0; a < Dk * Dv; ++a) C[a] *= fit;
+          for (int64_t a = 0; a < Dk; ++a) n[a] *= fit;
+        }
+        c_io.store(s, h * Dk * Dv, Dk, Dv, C.data());
+        n_io.store(s, h * Dk, 1, Dk, n.data());
+        m_io.store(s, h, 1, 1, &m_fit);
       }
     }
   }
@@ -598,23 +726,22 @@ void mlstm_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slot
 // Decayed linear attention (MiniMax's lightning attention), one (sequence, head) per iteration: the
 // head's state S (Dk, Dv) in float32 through the sequence's tokens, stored back at its end.
 //   S = exp(-decay) * S + k v^T;  y = q S
-template <typename AT, typename ST>
-void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* q,
-                           const AT* k, const AT* v, int64_t row_stride, int64_t head_stride, const float* decay,
-                           ST* states, int64_t slot_stride, AT* y, int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
+template <typename AT, typename IO>
+void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* q, const AT* k, const AT* v,
+                           int64_t row_stride, int64_t head_stride, const float* decay, const IO& io, AT* y,
+                           int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
 #pragma omp parallel
   {
     std::vector<float> S(Dk * Dv), out(Dv);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
-        if (slots[s] < 0) {
+        if (io.slot(s) < 0) {  // a padding row: nothing of the pool is read or written
           zero_rows(y, ys, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
           continue;
         }
-        ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
         const float f = std::exp(-decay[h]);
-        for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
+        io.load(s, h * Dk * Dv, Dk, Dv, S.data());
         for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
           const AT* qr = q + t * row_stride + h * head_stride;
           const AT* kr = k + t * row_stride + h * head_stride;
@@ -631,7 +758,7 @@ void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const in
           AT* yr = y + t * ys + h * Dv;
           for (int64_t j = 0; j < Dv; ++j) yr[j] = from_f32<AT>(out[j]);
         }
-        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = from_f32<ST>(S[i]);
+        io.store(s, h * Dk * Dv, Dk, Dv, S.data());
       }
     }
   }
@@ -644,11 +771,10 @@ void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const in
 //   beta = beta_scale * sigmoid(b) (OLMo-Hybrid's negative eigenvalues: beta_scale 2);
 //   g = -exp(A_log) * softplus(a + dt_bias); q, k l2-normalized (eps 1e-6), q *= Dk^-1/2
 //   S *= exp(g); u = beta * (v - S^T k); S += k u^T; out = S^T q
-template <typename AT, typename ST>
-void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* conv, int64_t cs,
-                      const AT* ba, int64_t bas, const float* A_log, const float* dt_bias, int l2norm,
-                      float beta_scale, ST* states, int64_t slot_stride, AT* out, int64_t os, int64_t Hk, int64_t Hv,
-                      int64_t Dk, int64_t Dv) {
+template <typename AT, typename IO>
+void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* conv, int64_t cs, const AT* ba,
+                      int64_t bas, const float* A_log, const float* dt_bias, int l2norm, float beta_scale, const IO& io,
+                      AT* out, int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
   const int64_t R = Hv / Hk;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
 #pragma omp parallel
@@ -658,12 +784,11 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < Hv; ++h) {
         const int64_t kh = h / R, r = h % R;
-        if (slots[s] < 0) {
+        if (io.slot(s) < 0) {  // a padding row: nothing of the pool is read or written
           zero_rows(out, os, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
           continue;
         }
-        ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
-        for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
+        io.load(s, h * Dk * Dv, Dk, Dv, S.data());
         const float A = std::exp(A_log[h]);
         for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
           const AT* row = conv + t * cs;
@@ -704,7 +829,7 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
           }
           for (int64_t j = 0; j < Dv; ++j) o[j] = from_f32<AT>(acc[j]);
         }
-        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = from_f32<ST>(S[i]);
+        io.store(s, h * Dk * Dv, Dk, Dv, S.data());
       }
     }
   }
@@ -718,10 +843,10 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t
 //   S = diag(exp(g)) S; u = beta * (v - S^T k); S += k u^T; o = S^T q, rounded to the activation dtype
 // then, with a gate (H Dv), the sigmoid-gated norm over the head's Dv values, in float32:
 //   out = norm_w * (o * rsqrt(mean(o^2) + eps)) * sigmoid(gate); without one, out = o.
-template <typename AT, typename ST>
-void kda_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* q, int64_t qs, const AT* k,
-              int64_t ks, const AT* v, int64_t vs, const AT* f, int64_t fs, const AT* b, int64_t bs, const float* A_log,
-              const float* dt_bias, int l2norm, ST* states, int64_t slot_stride, const AT* gate, int64_t gs,
+template <typename AT, typename IO>
+void kda_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* q, int64_t qs, const AT* k, int64_t ks,
+              const AT* v, int64_t vs, const AT* f, int64_t fs, const AT* b, int64_t bs, const float* A_log,
+              const float* dt_bias, int l2norm, const IO& io, const AT* gate, int64_t gs,
               const float* norm_w, float norm_eps, AT* out, int64_t os, int64_t H, int64_t Dk, int64_t Dv) {
   const float qscale = 1.0f / std::sqrt(static_cast<float>(Dk));
 #pragma omp parallel
@@ -730,12 +855,11 @@ void kda_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
 #pragma omp for collapse(2) schedule(static)
     for (int64_t s = 0; s < num_seqs; ++s) {
       for (int64_t h = 0; h < H; ++h) {
-        if (slots[s] < 0) {
+        if (io.slot(s) < 0) {  // a padding row: nothing of the pool is read or written
           zero_rows(out, os, cu_seqlens[s], cu_seqlens[s + 1], h * Dv, Dv);
           continue;
         }
-        ST* st = states + slots[s] * slot_stride + h * Dk * Dv;
-        for (int64_t i = 0; i < Dk * Dv; ++i) S[i] = to_f32(st[i]);
+        io.load(s, h * Dk * Dv, Dk, Dv, S.data());
         const float A = std::exp(A_log[h]);
         const float* bias = dt_bias + h * Dk;
         for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
@@ -798,7 +922,7 @@ void kda_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
             yr[j] = from_f32<AT>(norm_w[j] * (o[j] * r) * sig);
           }
         }
-        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = from_f32<ST>(S[i]);
+        io.store(s, h * Dk * Dv, Dk, Dv, S.data());
       }
     }
   }
@@ -821,10 +945,10 @@ int hs_kda(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_s
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
-    kda_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
-                     static_cast<const AT*>(v), vs, static_cast<const AT*>(f), fs, static_cast<const AT*>(b), bs, A_log,
-                     dt_bias, l2norm, static_cast<ST*>(states), slot_stride, static_cast<const AT*>(gate), gs, norm_w,
-                     norm_eps, static_cast<AT*>(out), os, H, Dk, Dv);
+    kda_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
+                 static_cast<const AT*>(v), vs, static_cast<const AT*>(f), fs, static_cast<const AT*>(b), bs, A_log,
+                 dt_bias, l2norm, PlainRows<ST>{static_cast<ST*>(states), slot_stride, slots},
+                 static_cast<const AT*>(gate), gs, norm_w, norm_eps, static_cast<AT*>(out), os, H, Dk, Dv);
   });
 }
 
@@ -840,9 +964,9 @@ int hs_gated_delta_rule(int act_dtype, int state_dtype, int64_t num_seqs, const 
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
-    gated_delta_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(conv), cs, static_cast<const AT*>(ba),
-                             bas, A_log, dt_bias, l2norm, beta_scale, static_cast<ST*>(states), slot_stride,
-                             static_cast<AT*>(out), os, Hk, Hv, Dk, Dv);
+    gated_delta_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(conv), cs, static_cast<const AT*>(ba), bas,
+                         A_log, dt_bias, l2norm, beta_scale, PlainRows<ST>{static_cast<ST*>(states), slot_stride, slots},
+                         static_cast<AT*>(out), os, Hk, Hv, Dk, Dv);
   });
 }
 
@@ -881,12 +1005,13 @@ int hs_mlstm(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
-    mlstm_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
-                       static_cast<const AT*>(v), vs, static_cast<const AT*>(o), os, static_cast<const AT*>(ig), igs,
-                       static_cast<const AT*>(fg), fgs, gate_cap, static_cast<ST*>(c_states),
-                       static_cast<ST*>(n_states), static_cast<ST*>(m_states), slot_stride,
-                       static_cast<const AT*>(norm_w), static_cast<const AT*>(norm_b), norm_eps, eps,
-                       static_cast<AT*>(out), out_stride, H, Dk, Dv);
+    mlstm_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
+                   static_cast<const AT*>(v), vs, static_cast<const AT*>(o), os, static_cast<const AT*>(ig), igs,
+                   static_cast<const AT*>(fg), fgs, gate_cap,
+                   PlainRows<ST>{static_cast<ST*>(c_states), slot_stride, slots},
+                   PlainRows<ST>{static_cast<ST*>(n_states), slot_stride, slots},
+                   PlainRows<ST>{static_cast<ST*>(m_states), slot_stride, slots}, static_cast<const AT*>(norm_w),
+                   static_cast<const AT*>(norm_b), norm_eps, eps, static_cast<AT*>(out), out_stride, H, Dk, Dv);
   });
 }
 
@@ -901,9 +1026,10 @@ int hs_linear_attention(int act_dtype, int state_dtype, int64_t num_seqs, const 
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
-    linear_attention_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(q), static_cast<const AT*>(k),
-                                  static_cast<const AT*>(v), row_stride, head_stride, decay, static_cast<ST*>(states),
-                                  slot_stride, static_cast<AT*>(y), ys, H, Dk, Dv);
+    linear_attention_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), static_cast<const AT*>(k),
+                              static_cast<const AT*>(v), row_stride, head_stride, decay,
+                              PlainRows<ST>{static_cast<ST*>(states), slot_stride, slots}, static_cast<AT*>(y), ys, H,
+                              Dk, Dv);
   });
 }
 
@@ -919,10 +1045,10 @@ int hs_mamba1_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
-    mamba1_scan_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), xs, static_cast<const AT*>(dt), dts,
-                             A, static_cast<const AT*>(B), bs, static_cast<const AT*>(C), cs, D,
-                             static_cast<const AT*>(z), zs, dt_bias, dt_softplus, static_cast<ST*>(states), slot_stride,
-                             static_cast<AT*>(y), ys, Dm, N);
+    mamba1_scan_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(x), xs, static_cast<const AT*>(dt), dts, A,
+                         static_cast<const AT*>(B), bs, static_cast<const AT*>(C), cs, D, static_cast<const AT*>(z), zs,
+                         dt_bias, dt_softplus, PlainRows<ST>{static_cast<ST*>(states), slot_stride, slots},
+                         static_cast<AT*>(y), ys, Dm, N);
   });
 }
 
@@ -958,15 +1084,135 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
   return dispatch_dtype_pair(act_dtype, state_dtype, [&](auto act, auto state) {
     using AT = decltype(act);
     using ST = decltype(state);
-    mamba2_scan_impl<AT, ST>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
-                             static_cast<const AT*>(B), b_stride, static_cast<const AT*>(C), c_stride,
-                             static_cast<const AT*>(dt), dt_stride, static_cast<ST*>(states), slot_stride, y,
-                             y_stride, p);
+    mamba2_scan_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(x), x_stride, static_cast<const AT*>(B),
+                         b_stride, static_cast<const AT*>(C), c_stride, static_cast<const AT*>(dt), dt_stride,
+                         PlainRows<ST>{static_cast<ST*>(states), slot_stride, slots}, y, y_stride, p);
   });
+}
+
+
+// ---- 8-bit (coded) state: the same recurrences over codes and row scales (state_codec.h). Each takes, in
+// place of a float state and its slot stride: codes (int8 or e4m3 bytes, code_dtype 3 or 4) with their slot
+// stride, the float32 row scales (the state's shape less its last axis) with theirs, the sequences' rounding
+// keys (null: all 0) and positions (tokens absorbed after this call) and the layer index, which seed the
+// stochastic rounding. A decode head is updated row by row in place (Mamba2) or through a float32 scratch of
+// one head (the others); a prefill head's state is decoded once and its final state encoded once.
+
+int hs_mamba2_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                         const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
+                         const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,
+                         const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
+                         void* codes, int64_t code_stride, float* scales, int64_t scale_stride, const int64_t* keys,
+                         const int64_t* positions, int64_t layer, float* y, int64_t y_stride, int64_t H, int64_t P,
+                         int64_t G, int64_t N) {
+  if (G < 1 || H % G != 0) return 1;
+  const ScanParams p{A, D, dt_bias, dt_softplus, dt_clamp, dt_lo, dt_hi, H, P, G, N};
+  const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
+  return dispatch_act_coded(act_dtype, code_dtype, cs, [&](auto act, const auto& io) {
+    using AT = decltype(act);
+    mamba2_scan_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(x), x_stride, static_cast<const AT*>(B),
+                         b_stride, static_cast<const AT*>(C), c_stride, static_cast<const AT*>(dt), dt_stride, io, y,
+                         y_stride, p);
+  });
+}
+
+int hs_mamba1_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                         const int64_t* slots, const void* x, int64_t xs, const void* dt, int64_t dts, const float* A,
+                         const void* B, int64_t bs, const void* C, int64_t cs, const float* D, const void* z,
+                         int64_t zs, const float* dt_bias, int dt_softplus, void* codes, int64_t code_stride,
+                         float* scales, int64_t scale_stride, const int64_t* keys, const int64_t* positions,
+                         int64_t layer, void* y, int64_t ys, int64_t Dm, int64_t N) {
+  if (N < 1 || N > kMaxStateN) return 1;
+  const CodedState st{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
+  return dispatch_act_coded(act_dtype, code_dtype, st, [&](auto act, const auto& io) {
+    using AT = decltype(act);
+    mamba1_scan_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(x), xs, static_cast<const AT*>(dt), dts, A,
+                         static_cast<const AT*>(B), bs, static_cast<const AT*>(C), cs, D, static_cast<const AT*>(z), zs,
+                         dt_bias, dt_softplus, io, static_cast<AT*>(y), ys, Dm, N);
+  });
+}
+
+int hs_linear_attention_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                              const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
+                              int64_t head_stride, const float* decay, void* codes, int64_t code_stride, float* scales,
+                              int64_t scale_stride, const int64_t* keys, const int64_t* positions, int64_t layer,
+                              void* y, int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
+  const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
+  return dispatch_act_coded(act_dtype, code_dtype, cs, [&](auto act, const auto& io) {
+    using AT = decltype(act);
+    linear_attention_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), static_cast<const AT*>(k),
+                              static_cast<const AT*>(v), row_stride, head_stride, decay, io, static_cast<AT*>(y), ys,
+                              H, Dk, Dv);
+  });
+}
+
+int hs_gated_delta_rule_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
+                              const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
+                              const float* A_log, const float* dt_bias, int l2norm, float beta_scale, void* codes,
+                              int64_t code_stride, float* scales, int64_t scale_stride, const int64_t* keys,
+                              const int64_t* positions, int64_t layer, void* out, int64_t os, int64_t Hk, int64_t Hv,
+                              int64_t Dk, int64_t Dv) {
+  if (Hk < 1 || Hv % Hk != 0 || Dv > 1024) return 1;
+  const CodedState st{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
+  return dispatch_act_coded(act_dtype, code_dtype, st, [&](auto act, const auto& io) {
+    using AT = decltype(act);
+    gated_delta_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(conv), cs, static_cast<const AT*>(ba), bas,
+                         A_log, dt_bias, l2norm, beta_scale, io, static_cast<AT*>(out), os, Hk, Hv, Dk, Dv);
+  });
+}
+
+int hs_kda_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+                 const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* f,
+                 int64_t fs, const void* b, int64_t bs, const float* A_log, const float* dt_bias, int l2norm,
+                 void* codes, int64_t code_stride, float* scales, int64_t scale_stride, const int64_t* keys,
+                 const int64_t* positions, int64_t layer, const void* gate, int64_t gs, const float* norm_w,
+                 float norm_eps, void* out, int64_t os, int64_t H, int64_t Dk, int64_t Dv) {
+  if (H < 1 || Dk < 1 || Dv < 1 || (gate != nullptr && norm_w == nullptr)) return 1;
+  const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
+  return dispatch_act_coded(act_dtype, code_dtype, cs, [&](auto act, const auto& io) {
+    using AT = decltype(act);
+    kda_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
+                 static_cast<const AT*>(v), vs, static_cast<const AT*>(f), fs, static_cast<const AT*>(b), bs, A_log,
+                 dt_bias, l2norm, io, static_cast<const AT*>(gate), gs, norm_w, norm_eps, static_cast<AT*>(out), os, H,
+                 Dk, Dv);
+  });
+}
+
+// C (H, Dk, Dv) and n (H, Dk) coded (one code dtype, their own codes and scales, one layer's noise); m (H) in
+// a float dtype m_dtype at m_states + slots[s] * m_stride.
+int hs_mlstm_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+                   const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* o,
+                   int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap,
+                   void* c_codes, int64_t c_code_stride, float* c_scales, int64_t c_scale_stride, void* n_codes,
+                   int64_t n_code_stride, float* n_scales, int64_t n_scale_stride, const int64_t* keys,
+                   const int64_t* positions, int64_t layer, int m_dtype, void* m_states, int64_t m_stride,
+                   const void* norm_w, const void* norm_b, float norm_eps, float eps, void* out, int64_t out_stride,
+                   int64_t H, int64_t Dk, int64_t Dv) {
+  if (H < 1 || Dk < 1 || Dv < 1) return 1;
+  const CodedState ccs{static_cast<uint8_t*>(c_codes), c_code_stride, c_scales, c_scale_stride, slots, keys,
+                       positions, layer};
+  const CodedState ncs{static_cast<uint8_t*>(n_codes), n_code_stride, n_scales, n_scale_stride, slots, keys,
+                       positions, layer};
+  int rc = 2;
+  dispatch_dtype_pair(act_dtype, m_dtype, [&](auto act, auto mtag) {
+    using AT = decltype(act);
+    using MT = decltype(mtag);
+    rc = dispatch_coded(code_dtype, ccs, [&](const auto& c_io) {
+      using CIO = std::decay_t<decltype(c_io)>;
+      mlstm_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
+                     static_cast<const AT*>(v), vs, static_cast<const AT*>(o), os, static_cast<const AT*>(ig), igs,
+                     static_cast<const AT*>(fg), fgs, gate_cap, c_io, CIO{ncs},
+                     PlainRows<MT>{static_cast<MT*>(m_states), m_stride, slots}, static_cast<const AT*>(norm_w),
+                     static_cast<const AT*>(norm_b), norm_eps, eps, static_cast<AT*>(out), out_stride, H, Dk, Dv);
+    });
+  });
+  return rc;
 }
 
 }  // extern "C"
 
 HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
             HS_KERNEL(hs_linear_attention) HS_KERNEL(hs_gated_delta_rule) HS_KERNEL(hs_gdn_split)
-            HS_KERNEL(hs_mlstm) HS_KERNEL(hs_kda))
+            HS_KERNEL(hs_mlstm) HS_KERNEL(hs_kda) HS_KERNEL(hs_mamba2_scan_coded) HS_KERNEL(hs_mamba1_scan_coded)
+            HS_KERNEL(hs_linear_attention_coded) HS_KERNEL(hs_gated_delta_rule_coded) HS_KERNEL(hs_kda_coded)
+            HS_KERNEL(hs_mlstm_coded))

@@ -1,0 +1,344 @@
+// 8-bit recurrent state rows in the kernels: the codes (int8 or float8 e4m3fn) and float32 row scale of
+// cache/state_codec.py, decoded to float32 and encoded back with the same seeded stochastic rounding, code
+// for code: scale = max|x| / code_max, v = x * (1 / scale) (0 for a zero row), int8 code = clamp(floor(v +
+// u), -127, 127), e4m3 code = floor(|v| / ulp + u) ulps (the e4m3 spacing of |v|'s binade, 2^-9 below the
+// smallest normal), clamped to 448, with v's sign; u = (hash32(base + e) >> 8) * 2^-24, e the element's
+// flat index within one sequence's state tensor, base = noise_base(key, position, layer).
+//
+// The row loops run on register-wide vectors (vec16.h: vnf) at every ISA level; the rounding additions are
+// kept apart from the multiplies before them (no fused multiply-add), as PyTorch computes them.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "vec16.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum CodeDType : int { kCodeInt8 = 3, kCodeE4M3 = 4 };  // dtype codes after dtypes.h's float ones
+
+typedef int32_t vni32 __attribute__((vector_size(4 * kNativeLanes), aligned(4)));
+typedef uint32_t vnu32u __attribute__((vector_size(4 * kNativeLanes), aligned(4)));
+
+// Keeps v as computed (rounded) so that the addition after it is not fused with the multiply before it.
+template <typename V> inline void keep_rounded(V& v) {
+#if defined(__x86_64__) || defined(__i386__)
+#if defined(__AVX512F__)
+  constexpr int kRegisterBytes = 64;
+#elif defined(__AVX__)
+  constexpr int kRegisterBytes = 32;
+#else
+  constexpr int kRegisterBytes = 16;
+#endif
+  if constexpr (sizeof(V) <= kRegisterBytes) {
+    __asm__("" : "+v"(v));
+  } else {
+    __asm__("" : "+m"(v));  // no register holds the whole vector: through memory
+  }
+#else
+  __asm__("" : "+m"(v));
+#endif
+}
+
+inline uint32_t hash32(uint32_t x) {  // cache/state_codec.py: hash32
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+inline vnu32 hash32(vnu32 x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// cache/state_codec.py: row_keys, for one sequence (key: its rounding key, position: tokens absorbed after
+// this update).
+inline uint32_t noise_base(int64_t key, int64_t position, int64_t layer) {
+  uint32_t h = hash32(static_cast<uint32_t>(key));
+  h = hash32(h ^ static_cast<uint32_t>(position));
+  return hash32(h ^ static_cast<uint32_t>(layer));
+}
+
+inline vnu32 lane_index() {
+  vnu32 v;
+  for (int i = 0; i < kNativeLanes; ++i) v[i] = static_cast<uint32_t>(i);
+  return v;
+}
+
+// The uniform numbers of the elements whose hash inputs (base + flat index, mod 2^32) are idx.
+inline vnf uniform_noise(vnu32 idx) {
+  const vnu32 h = hash32(idx);
+  return __builtin_convertvector(h >> 8, vnf) * 0x1p-24f;
+}
+
+// The sum and the largest lane of a register-wide vector, as a tree of shuffles.
+inline float reduce_add(vnf v) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return _mm512_reduce_add_ps((__m512)v);
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+#else
+  float r = 0.0f;
+  for (int l = 0; l < kNativeLanes; ++l) r += v[l];
+  return r;
+#endif
+}
+
+inline float reduce_max(vnf v) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return _mm512_reduce_max_ps((__m512)v);
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+#else
+  float r = v[0];
+  for (int l = 1; l < kNativeLanes; ++l) r = v[l] > r ? v[l] : r;
+  return r;
+#endif
+}
+
+// kNativeLanes bytes widened to int32 lanes (sign- or zero-extended), and int32 lanes (in the byte range)
+// narrowed to bytes: explicit instructions, as GCC scalarizes these conversions of its vector types.
+inline vni32 load_i8(const uint8_t* c) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+#else
+  vni32 r;
+  for (int i = 0; i < kNativeLanes; ++i) r[i] = static_cast<int8_t>(c[i]);
+  return r;
+#endif
+}
+
+inline vni32 load_u8(const uint8_t* c) {
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  return (vni32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+#else
+  vni32 r;
+  for (int i = 0; i < kNativeLanes; ++i) r[i] = c[i];
+  return r;
+#endif
+}
+
+inline void store_bytes(vni32 v, uint8_t* c) {  // v's lanes in [-128, 255]: their low bytes
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtepi32_epi8((__m512i)v));
+#elif defined(__AVX2__) && !defined(HS_VECTOR_LANES)
+  const __m256i m = _mm256_and_si256((__m256i)v, _mm256_set1_epi32(0xff));
+  const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(c), _mm_packus_epi16(w16, w16));
+#else
+  for (int i = 0; i < kNativeLanes; ++i) c[i] = static_cast<uint8_t>(v[i]);
+#endif
+}
+
+template <int KIND> inline vnf decode_vec(const uint8_t* c, float scale);
+
+template <> inline vnf decode_vec<kCodeInt8>(const uint8_t* c, float scale) {
+  return __builtin_convertvector(load_i8(c), vnf) * scale;
+}
+
+// e4m3fn bits -> float: (8 + mantissa) * 2^(exponent - 10), or mantissa * 2^-9 for exponent 0, exactly,
+// without float32 subnormals (the kernels may run with denormals-are-zero), then v's sign.
+template <> inline vnf decode_vec<kCodeE4M3>(const uint8_t* c, float scale) {
+  const vni32 b = load_u8(c);
+  const vni32 m7 = b & 0x7f, ex = m7 >> 3;
+  const vni32 sig = (m7 & 7) | ((ex > 0) & 8);
+  const vni32 e = ex > 1 ? ex : 1;
+  const vni32 pow2 = (e + 117) << 23;  // 2^(e - 10)
+  const vnf mag = __builtin_convertvector(sig, vnf) * reinterpret_cast<const vnf&>(pow2);
+  const vni32 bits = reinterpret_cast<const vni32&>(mag) | ((b & 0x80) << 24);
+  return reinterpret_cast<const vnf&>(bits) * scale;
+}
+
+template <int KIND> inline void encode_vec(vnf v, vnf u, uint8_t* c);
+
+template <> inline void encode_vec<kCodeInt8>(vnf v, vnf u, uint8_t* c) {
+  const vnf t = v + u;
+#if defined(__AVX512F__) && !defined(HS_VECTOR_LANES)
+  // floor in the conversion itself; the narrowing saturates at 127
+  const __m512i r = _mm512_max_epi32(_mm512_cvt_roundps_epi32((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                     _mm512_set1_epi32(-127));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm512_cvtsepi32_epi8(r));
+#else
+  vni32 r = __builtin_convertvector(t, vni32);  // toward zero
+  r += (vni32)(__builtin_convertvector(r, vnf) > t);  // -1 where that was above t: floor
+  r = r < -127 ? -127 : r;
+  r = r > 127 ? 127 : r;
+  store_bytes(r, c);
+#endif
+}
+
+// |v| in binade b (clamped below at -6) is scaled by 2^(3 - b), exactly, to ulps; floor(that + u) ulps are
+// steps s in [0, 16], whose e4m3 bits are 8 b + 48 + s (the subnormals and a carry into the next binade
+// included), clamped at 0x7e (448).
+template <> inline void encode_vec<kCodeE4M3>(vnf v, vnf u, uint8_t* c) {
+  const vnu32 vb = reinterpret_cast<const vnu32&>(v);
+  const vnu32 mb = vb & 0x7fffffffu;
+  const vnu32 field = mb >> 23;
+  vni32 b = reinterpret_cast<const vni32&>(field) - 127;
+  b = b < -6 ? -6 : b;
+  const vni32 inv_ulp = (130 - b) << 23;  // 2^(3 - b)
+  const vnf t = reinterpret_cast<const vnf&>(mb) * reinterpret_cast<const vnf&>(inv_ulp) + u;  // product exact
+  const vni32 s = __builtin_convertvector(t, vni32);  // t >= 0: floor
+  vni32 bits = 8 * b + 48 + s;
+  bits = bits > 0x7e ? 0x7e : bits;
+  const vnu32 sign = (vb >> 24) & 0x80u;
+  bits |= reinterpret_cast<const vni32&>(sign);
+  store_bytes(bits, c);
+}
+
+constexpr float code_max(int kind) { return kind == kCodeInt8 ? 127.0f : 448.0f; }
+
+// n codes (a row) at c with scale -> out (float32).
+template <int KIND> void decode_row(const uint8_t* c, float scale, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + kNativeLanes <= n; i += kNativeLanes) *reinterpret_cast<vnf*>(out + i) = decode_vec<KIND>(c + i, scale);
+  if (i < n) {
+    uint8_t tail[kNativeLanes] = {};
+    std::memcpy(tail, c + i, n - i);
+    const vnf v = decode_vec<KIND>(tail, scale);
+    std::memcpy(out + i, &v, (n - i) * sizeof(float));
+  }
+}
+
+// The row's scale (max|x| / code_max) and the reciprocal v = x * inv takes (0 for a zero row).
+template <int KIND> inline void row_scale(float amax, float* scale, float* inv) {
+  const float s = amax / code_max(KIND);
+  *scale = s;
+  *inv = s > 0.0f ? 1.0f / s : 0.0f;
+}
+
+inline vnf vabs(vnf v) {
+  const vnu32 bits = reinterpret_cast<const vnu32&>(v) & 0x7fffffffu;
+  return reinterpret_cast<const vnf&>(bits);
+}
+
+inline float row_amax(const float* x, int64_t n) {
+  vnf m{};
+  int64_t i = 0;
+  for (; i + kNativeLanes <= n; i += kNativeLanes) {
+    const vnf b = vabs(*reinterpret_cast<const vnf*>(x + i));
+    m = b > m ? b : m;
+  }
+  float r = reduce_max(m);
+  for (; i < n; ++i) {
+    const float b = x[i] < 0 ? -x[i] : x[i];
+    r = b > r ? b : r;
+  }
+  return r;
+}
+
+// x (n,) float32 -> n codes at c and the row scale; element i of the row has flat index e0 + i.
+template <int KIND> void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, float* scale) {
+  float inv;
+  row_scale<KIND>(row_amax(x, n), scale, &inv);
+  int64_t i = 0;
+  vnu32 idx = (base + e0) + lane_index();
+  for (; i + kNativeLanes <= n; i += kNativeLanes, idx += kNativeLanes) {
+    vnf v = *reinterpret_cast<const vnf*>(x + i) * inv;
+    keep_rounded(v);
+    encode_vec<KIND>(v, uniform_noise(idx), c + i);
+  }
+  if (i < n) {
+    float tail[kNativeLanes] = {};
+    uint8_t out[kNativeLanes];
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    vnf v = *reinterpret_cast<const vnf*>(tail) * inv;
+    keep_rounded(v);
+    encode_vec<KIND>(v, uniform_noise(idx), out);
+    std::memcpy(c + i, out, n - i);
+  }
+}
+
+// One layer's 8-bit state tensor in the pool: sequence s's codes at codes + slots[s] * code_stride, its row
+// scales at scales + slots[s] * scale_stride; its noise base from keys[s] (null: every key 0), positions[s]
+// and the layer index.
+struct CodedState {
+  uint8_t* codes;
+  int64_t code_stride;
+  float* scales;
+  int64_t scale_stride;
+  const int64_t* slots;
+  const int64_t* keys;
+  const int64_t* positions;
+  int64_t layer;
+
+  uint32_t base(int64_t s) const { return noise_base(keys != nullptr ? keys[s] : 0, positions[s], layer); }
+};
+
+// A state tensor's rows as the recurrences read and write them: the rows elements off .. off + rows * n of
+// sequence s (row length n), to and from float32. Plain: the float dtype ST in place. Coded: codes and
+// scales, encoded once per store (a prefill chunk's final state; the Mamba2 decode step has its own
+// fused row loop).
+template <typename ST> struct PlainRows {
+  static constexpr bool coded = false;
+  ST* base;
+  int64_t slot_stride;
+  const int64_t* slots;
+
+  int64_t slot(int64_t s) const { return slots[s]; }  // negative: a padding row
+  void load(int64_t s, int64_t off, int64_t rows, int64_t n, float* out) const {
+    const ST* p = base + slots[s] * slot_stride + off;
+    for (int64_t i = 0; i < rows * n; ++i) out[i] = to_f32(p[i]);
+  }
+  void store(int64_t s, int64_t off, int64_t rows, int64_t n, const float* in) const {
+    ST* p = base + slots[s] * slot_stride + off;
+    for (int64_t i = 0; i < rows * n; ++i) p[i] = from_f32<ST>(in[i]);
+  }
+};
+
+template <int KIND> struct CodedRows {
+  static constexpr bool coded = true;
+  static constexpr int kind = KIND;
+  CodedState cs;
+
+  int64_t slot(int64_t s) const { return cs.slots[s]; }  // negative: a padding row
+  void load(int64_t s, int64_t off, int64_t rows, int64_t n, float* out) const {
+    const uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
+    const float* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
+    for (int64_t r = 0; r < rows; ++r) decode_row<KIND>(c + r * n, sc[r], n, out + r * n);
+  }
+  void store(int64_t s, int64_t off, int64_t rows, int64_t n, const float* in) const {
+    uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
+    float* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
+    const uint32_t base = cs.base(s);
+    for (int64_t r = 0; r < rows; ++r)
+      encode_row<KIND>(in + r * n, n, base, static_cast<uint32_t>(off + r * n), c + r * n, sc + r);
+  }
+};
+
+// Calls fn(CodedRows<KIND>{cs}) for a code dtype; returns 0, or 2 for an unknown code.
+template <typename Fn> int dispatch_coded(int code_dtype, const CodedState& cs, Fn&& fn) {
+  switch (code_dtype) {
+    case kCodeInt8: fn(CodedRows<kCodeInt8>{cs}); return 0;
+    case kCodeE4M3: fn(CodedRows<kCodeE4M3>{cs}); return 0;
+    default: return 2;
+  }
+}
+
+// Calls fn(AT{}, io) with AT the activation type and io the CodedRows of code_dtype; 0, or 2 for an unknown code.
+template <typename Fn>
+int dispatch_act_coded(int act_dtype, int code_dtype, const CodedState& cs, Fn&& fn) {
+  int rc = 2;
+  dispatch_dtype(act_dtype, [&](auto act) { rc = dispatch_coded(code_dtype, cs, [&](auto io) { fn(act, io); }); });
+  return rc;
+}
+
+}  // namespace
