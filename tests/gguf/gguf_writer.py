@@ -15,10 +15,13 @@ import torch
 T = gguf.GGMLQuantizationType
 ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID",
          "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2", "jamba": "JAMBA",
-         "qwen3_next": "QWEN3NEXT"}
+         "qwen3_next": "QWEN3NEXT", "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2_moe": "LFM2MOE",
+         "bamba": "GRANITE_HYBRID"}
 GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
              "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2", "jamba": "jamba",
-             "qwen3_next": "qwen3next"}
+             "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "lfm2_moe": "lfm2moe",
+             "bamba": "granitehybrid"}
+QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text")
 # Falcon-H1: the muP multiplier llama.cpp's converter folds into each tensor, by a part of its name (first match)
 FALCON_FOLDS = (("down_proj", lambda c: c["mlp_multipliers"][1]), ("gate_proj", lambda c: c["mlp_multipliers"][0]),
                 ("k_proj", lambda c: c["key_multiplier"] * c["attention_in_multiplier"]),
@@ -144,6 +147,30 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         w.add_shortconv_l_cache(cfg["conv_L_cache"])
         w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
         w.add_context_length(cfg["max_position_embeddings"])
+    if family == "lfm2_moe":
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
+    if family == "bamba":
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if i in cfg["attn_layer_indices"] else 0
+                             for i in range(cfg["num_hidden_layers"])])
+        w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
+        w.add_rope_scaling_finetuned(True)
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
+        _ssm_metadata(w, cfg["mamba_expand"] * cfg["hidden_size"], cfg["mamba_n_heads"], cfg["mamba_d_state"],
+                      cfg["mamba_n_groups"], cfg["mamba_d_conv"])
     if family == "jamba":
         layers = cfg["num_hidden_layers"]
         w.add_feed_forward_length(cfg["intermediate_size"])
@@ -156,6 +183,25 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         w.add_ssm_time_step_rank(cfg["mamba_dt_rank"])
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_context_length(cfg["max_position_embeddings"])
+    if family in QWEN3_5:
+        rope = cfg["rope_parameters"]
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
+        w.add_rope_dimension_sections([*rope["mrope_section"], 0])
+        if family == "qwen3_5_text":
+            w.add_feed_forward_length(cfg["intermediate_size"])
+        else:
+            w.add_expert_count(cfg["num_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        _ssm_metadata(w, cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"], cfg["linear_num_value_heads"],
+                      cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_conv_kernel_dim"])
         w.add_context_length(cfg["max_position_embeddings"])
     if family == "qwen3_next":
         w.add_feed_forward_length(cfg["intermediate_size"])
@@ -209,6 +255,10 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
         t = _falcon_fold(cfg, name, t)
     if family == "qwen3_next":
         return _qwen3_next(cfg, name, t)
+    if family in QWEN3_5:
+        return _qwen3_next(cfg, name, _tile_value_heads(cfg, name, t))
+    if family == "lfm2_moe" and name.endswith("feed_forward.expert_bias"):
+        return [(name.replace("feed_forward.expert_bias", "@exp_probs_b") + ".bias", t)]
     if name.endswith("A_log"):
         t = -torch.exp(t.float())
         if family not in ("mamba", "jamba"):
@@ -217,10 +267,10 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
         t = t.reshape(-1, 1)
     if "conv1d.weight" in name or "conv.conv.weight" in name:
         t = t.squeeze()
-    if family in ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1") and re.search(
+    if family in ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba") and re.search(
             r"mixer\.norm\.weight$|mamba\.norm\.weight$", name):
         t = t.reshape(cfg.get("n_groups", cfg.get("mamba_n_groups")), -1)
-    if family in ("llama", "granitemoehybrid", "nemotron_h") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
+    if family in ("llama", "granitemoehybrid", "nemotron_h", "bamba") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
         heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
         t = _permute(t, heads)
     shexp = "_shexp" if cfg.get("num_local_experts") else ""  # Granite's shared MLP beside experts, or alone
@@ -261,6 +311,30 @@ def _qwen3_next(cfg: dict, name: str, t: torch.Tensor) -> list[tuple[str, torch.
     return [(name, t)]
 
 
+def _tile_value_heads(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Qwen3.5 transform: the gated delta net's value heads, grouped by key head in the checkpoint,
+    tiled over the key heads (v0 of every key head, then v1, ...) in every tensor that has them."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    hv, qk = cfg["linear_value_head_dim"], 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+
+    def tile(x: torch.Tensor, dim: int, head: int) -> torch.Tensor:
+        shape = list(x.shape)
+        x = x.reshape(*shape[:dim], nk, nv // nk, head, *shape[dim + 1:]).transpose(dim, dim + 1)
+        return x.reshape(shape)
+
+    if ".linear_attn." not in name or nk == nv:
+        return t
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.cat([t[:qk], tile(t[qk:], 0, hv)])
+    if name.endswith("in_proj_z.weight"):
+        return tile(t, 0, hv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return tile(t, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return tile(t, 1, hv)
+    return t
+
+
 def _falcon_fold(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
     """Falcon-H1's multipliers folded into the tensor, as llama.cpp's converter does."""
     t = t.float()
@@ -295,13 +369,15 @@ def _stack_experts(state: dict) -> dict:
     converter stacks Nemotron-H's experts."""
     out, stacks = {}, {}
     for name, t in state.items():
-        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$",
+                     name)
         if m is None:
             out[name] = t
         else:
             stacks.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
     for (prefix, proj), parts in stacks.items():
-        out[f"{prefix}.@ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
+        part = {"w1": "gate", "w2": "down", "w3": "up"}.get(proj, proj.removesuffix("_proj"))
+        out[f"{prefix}.@ffn_{part}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
     return out
 
 

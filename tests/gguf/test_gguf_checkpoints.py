@@ -31,7 +31,9 @@ def _run(path: str, **options):
 LOGPROB_TOLERANCE = {"falcon_h1": 1e-4}
 #: llama.cpp writes no ``topk_group`` (it routes over all groups): one group, so that HF's routing is the same
 #: llama.cpp's Qwen3-Next has no dense MLP layers (``mlp_only_layers``)
+#: llama.cpp's LFM2-MoE has no output tensor (the LM head is the embedding)
 OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1}, "qwen3_next": {"mlp_only_layers": []},
+             "lfm2_moe": {"tie_word_embeddings": True},
              "nemotron_h_dense": {"hybrid_override_pattern": "M*-M-", "n_group": 1, "topk_group": 1}}
 
 
@@ -40,7 +42,10 @@ OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1}, "qwen3_next": {"mlp_
                                           ("nemotron_h", torch.float32), ("nemotron_h_dense", torch.float32),
                                           ("granitemoehybrid", torch.float32), ("falcon_h1", torch.float32),
                                           ("lfm2", torch.float32), ("jamba", torch.float32),
-                                          ("qwen3_next", torch.float32),
+                                          ("qwen3_next", torch.float32), ("qwen3_5", torch.float32),
+                                          ("qwen3_5_moe", torch.float32), ("lfm2_moe", torch.float32),
+                                          ("bamba", torch.float32), ("qwen3_5", torch.bfloat16),
+                                          ("lfm2_moe", torch.bfloat16), ("bamba", torch.bfloat16),
                                           ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
                                           ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
 def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):

@@ -11,7 +11,8 @@ Values: llama.cpp's converter transforms some tensors; each is undone here:
 * squeezed, unsqueezed or regrouped tensors (conv1d weights, Mamba2's A, D and grouped norm): reshaped to the
   checkpoint's shape when the element count is the same;
 * q and k rows permuted for llama.cpp's rope layout (llama-style attention): permuted back;
-* a projection split in two (Granite's fused gate and up): its parts stacked again.
+* a projection split in two (Granite's fused gate and up): its parts stacked again;
+* Qwen3.5's value heads, reordered from grouped by key head to tiled over the key heads: put back in groups.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class ArchRules:
     merges: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (checkpoint name, the GGUF parts stacked into it)
     permute_qk: bool = False  # q/k rows in llama.cpp's rope layout
     norm_offset: bool = False  # RMS norm weights written as 1 + w (Qwen3-Next's, but the gated delta net's own)
+    tiled_value_heads: bool = False  # gated delta net value heads tiled over the key heads (Qwen3.5)
 
 
 _GRANITE_MERGES = (
@@ -78,6 +80,17 @@ RULES: dict[str, ArchRules] = {
         renames={"ffn_down_exps.weight": "model.layers.{bid}.mlp.experts.down_proj"},
         merges=(("model.layers.{bid}.mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight")),
                 ("model.layers.{bid}.linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")))),
+    "lfm2moe": ArchRules(
+        "LFM2MOE",
+        renames={"ffn_down_exps.weight": "model.layers.{bid}.feed_forward.experts.down_proj",
+                 "exp_probs_b.bias": "model.layers.{bid}.feed_forward.expert_bias"},
+        merges=(("model.layers.{bid}.feed_forward.experts.gate_up_proj",
+                 ("ffn_gate_exps.weight", "ffn_up_exps.weight")),)),
+    "qwen35": ArchRules("QWEN35", norm_offset=True, tiled_value_heads=True),
+    "qwen35moe": ArchRules(
+        "QWEN35MOE", norm_offset=True, tiled_value_heads=True,
+        renames={"ffn_down_exps.weight": "model.layers.{bid}.mlp.experts.down_proj"},
+        merges=(("model.layers.{bid}.mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight")),)),
 }
 
 
@@ -165,6 +178,34 @@ def _qkvz_rows(config: Any) -> torch.Tensor:
     return torch.cat([q, k, v, z], dim=1).reshape(-1)
 
 
+def _grouped_heads(config: Any, head_dim: int) -> torch.Tensor:
+    """The order that puts Qwen3.5's value heads (each ``head_dim`` wide) back in groups by key head: llama.cpp's
+    converter tiles them (v0 of every key head, then v1, ...); checkpoint index ``i`` is GGUF index
+    ``order[i]``."""
+    nk = config.linear_num_key_heads
+    per_key = config.linear_num_value_heads // nk
+    tiled = torch.arange(per_key * nk * head_dim).reshape(per_key, nk, head_dim)
+    return tiled.transpose(0, 1).reshape(-1)
+
+
+def _untile_value_heads(name: str, value: Value, config: Any) -> Value:
+    """Qwen3.5's gated-delta-net tensors with their value heads grouped by key head again (module docstring)."""
+    hv = config.linear_value_head_dim
+    qk = 2 * config.linear_num_key_heads * config.linear_key_head_dim  # q and k channels, not reordered
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        order = torch.cat([torch.arange(qk), qk + _grouped_heads(config, hv)])
+    elif name.endswith("in_proj_z.weight"):
+        order = _grouped_heads(config, hv)
+    elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        order = _grouped_heads(config, 1)
+    elif name.endswith("out_proj.weight"):
+        columns = value.dequantize() if isinstance(value, CodedWeight) else value
+        return columns[:, _grouped_heads(config, hv)]
+    else:
+        return value
+    return _rows(value, order)
+
+
 def _stack(parts: list[Value], shape: tuple[int, ...]) -> Value:
     """Parts of one projection stacked along their output rows (dim -2 of ``shape``)."""
     if len(shape) == 2 and all(isinstance(p, CodedWeight) for p in parts):
@@ -243,6 +284,8 @@ def _undo(name: str, value: Value, rules: ArchRules, hf_config: Any, shape: tupl
         value = torch.log(-a)
     if rules.norm_offset and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         value = (value.dequantize() if isinstance(value, CodedWeight) else value.float()) - 1
+    if rules.tiled_value_heads and ".linear_attn." in name:
+        value = _untile_value_heads(name, value, hf_config)
     if name.endswith("linear_attn.in_proj_qkvz.weight"):
         value = _rows(value, _qkvz_rows(hf_config))
     if rules.permute_qk and re.search(r"\.(q_proj|k_proj)\.(weight|bias)$", name):
