@@ -19,8 +19,8 @@ ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybr
          "bamba": "GRANITE_HYBRID"}
 GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
              "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2", "jamba": "jamba",
-             "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "lfm2_moe": "lfm2moe",
-             "bamba": "granitehybrid"}
+             "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+             "lfm2_moe": "lfm2moe", "bamba": "granitehybrid"}
 QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text")
 # Falcon-H1: the muP multiplier llama.cpp's converter folds into each tensor, by a part of its name (first match)
 FALCON_FOLDS = (("down_proj", lambda c: c["mlp_multipliers"][1]), ("gate_proj", lambda c: c["mlp_multipliers"][0]),
@@ -267,10 +267,12 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
         t = t.reshape(-1, 1)
     if "conv1d.weight" in name or "conv.conv.weight" in name:
         t = t.squeeze()
-    if family in ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba") and re.search(
+    grouped_norm = ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba")
+    if family in grouped_norm and re.search(
             r"mixer\.norm\.weight$|mamba\.norm\.weight$", name):
         t = t.reshape(cfg.get("n_groups", cfg.get("mamba_n_groups")), -1)
-    if family in ("llama", "granitemoehybrid", "nemotron_h", "bamba") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
+    rope_permuted = ("llama", "granitemoehybrid", "nemotron_h", "bamba")
+    if family in rope_permuted and re.search(r"\.(q_proj|k_proj)\.weight$", name):
         heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
         t = _permute(t, heads)
     shexp = "_shexp" if cfg.get("num_local_experts") else ""  # Granite's shared MLP beside experts, or alone
@@ -369,8 +371,8 @@ def _stack_experts(state: dict) -> dict:
     converter stacks Nemotron-H's experts."""
     out, stacks = {}, {}
     for name, t in state.items():
-        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$",
-                     name)
+        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$", name)
         if m is None:
             out[name] = t
         else:
