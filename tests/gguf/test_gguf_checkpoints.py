@@ -127,9 +127,11 @@ def test_8bit_gguf_weights_are_dequantized_without_the_cpu_kernels(tmp_path, wid
             assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
 
 
-def test_quantized_experts_are_read_dequantized(tmp_path):
-    """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit."""
-    path = checkpoints.make(str(tmp_path), "nemotron_h", **OVERRIDES["nemotron_h"])
+@pytest.mark.parametrize("family", ["nemotron_h", "lfm2_moe", "qwen3_5_moe"])
+def test_quantized_experts_are_read_dequantized(tmp_path, family):
+    """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit (Qwen3.5's with their
+    value heads regrouped on the int8 codes, its out_proj columns on the dequantized weight)."""
+    path = checkpoints.make(str(tmp_path), family, **OVERRIDES.get(family, {}))
     file = write_gguf(path, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
     twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
     llm, run = _run(file, dtype="float32")
