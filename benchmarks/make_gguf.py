@@ -134,7 +134,9 @@ def stage(model: str, folder: str, base_tokenizer: str) -> int:
             os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(folder, name))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(converter_config(config), f, indent=2)
-    return write_tokenizer(folder, config, base_tokenizer)
+    # a vision-language checkpoint keeps the text model's vocab and special tokens in text_config
+    text = {**config.get("text_config", {}), **{k: v for k, v in config.items() if k != "text_config"}}
+    return write_tokenizer(folder, text, base_tokenizer)
 
 
 def load_converter(llama_cpp: str, pre: str):
