@@ -87,8 +87,8 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
-    w.add_block_count(cfg.get("num_hidden_layers") or len(cfg["layers_block_type"]))
+def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict, blocks: int) -> None:
+    w.add_block_count(blocks)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", cfg.get("norm_eps", 1e-5))))
@@ -356,7 +356,7 @@ def _falcon_fold(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _gguf_name(table: gguf.TensorNameMap, name: str) -> str:
     if "@" in name:  # a name written directly: model.layers.N.@ffn_gate.weight
-        block = re.search(r"layers\.(\d+)\.@(\w+)\.(\w+)$", name)
+        block = re.search(r"layers\.(\d+)\.@([\w.]+)\.(\w+)$", name)
         assert block is not None, name
         return f"blk.{block.group(1)}.{block.group(2)}.{block.group(3)}"
     hf = name.replace(".dt_bias", ".dt_proj.bias")
@@ -383,6 +383,26 @@ def _stack_experts(state: dict) -> dict:
     return out
 
 
+#: the converter's names for Qwen's MTP head tensors (``mtp.fc`` -> ``blk.N.nextn.eh_proj``, ...)
+MTP_HEAD = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+            "norm": "shared_head_norm"}
+
+
+def _mtp_as_layers(state: dict, layers: int) -> dict:
+    """Qwen's ``mtp.*`` tensors as llama.cpp's converter writes them: ``mtp.layers.i.X`` as layer ``layers + i``, the
+    head's ``mtp.fc`` and norms as that layer's nextn tensors."""
+    out = {}
+    for name, t in state.items():
+        parts = name.split(".", 3)
+        if parts[0] != "mtp":
+            out[name] = t
+        elif parts[1] == "layers":
+            out[f"model.layers.{layers + int(parts[2])}.{parts[3]}"] = t
+        else:
+            out[f"model.layers.{layers}.@nextn.{MTP_HEAD[parts[1]]}.{parts[2]}"] = t
+    return out
+
+
 def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings: bool = False) -> str:
     """Write ``checkpoint`` (a folder from tests/checkpoints.py) as GGUF file ``out``: float tensors in F32 (or
     BF16/F16 when ``kind`` is one of them), the linear weights (2-D, K a whole number of blocks) in ``kind``."""
@@ -392,15 +412,19 @@ def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings
         cfg = json.load(f)
     family = cfg["model_type"]
     layers = cfg.get("num_hidden_layers") or len(cfg["layers_block_type"])
-    table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
-    state = _stack_experts(state)
+    mtp = int(cfg.get("mtp_num_hidden_layers", 0) or 0) if family == "qwen3_next" or family in QWEN3_5 else 0
+    state = _stack_experts(_mtp_as_layers(state, layers))
+    layers += mtp
+    table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
     tensors = [(n2, t2) for n, t in state.items() for n2, t2 in _converted(family, cfg, n, t)]
     arch = "nemotron_h_moe" if family == "nemotron_h" and "num_experts_per_tok" in cfg else GGUF_ARCH[family]
     if arch != GGUF_ARCH[family]:
         table = gguf.TensorNameMap(gguf.MODEL_ARCH.NEMOTRON_H_MOE, layers)
     w = gguf.GGUFWriter(out, arch)
-    _metadata(w, family, cfg, state)
+    _metadata(w, family, cfg, state, layers)  # the converter counts the MTP layers in block_count
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     for name, t in tensors:
         gname = _gguf_name(table, name)
         x = t.float().numpy()

@@ -15,7 +15,7 @@ from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
 from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear  # noqa: E402
 from hybridserve.models.loader import load_hf_config  # noqa: E402
 from tests import checkpoints  # noqa: E402
-from tests.gguf.gguf_writer import write_gguf  # noqa: E402
+from tests.gguf.gguf_writer import GGUF_ARCH, write_gguf  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
 PROMPTS = [[5, 9, 33, 4, 7], list(range(3, 22))]
@@ -61,6 +61,25 @@ def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype)
         for la, lb in zip(a.logprobs, b.logprobs):
             assert set(la) == set(lb)
             assert all(abs(x.logprob - lb[t].logprob) <= tolerance for t, x in la.items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_multi_token_prediction_layers_in_the_file_are_skipped(tmp_path, family):
+    """llama.cpp's converter appends a checkpoint's MTP layers as extra blocks (``nextn_predict_layers``): the file
+    loads without them and generates what the checkpoint does."""
+    base = checkpoints.make(str(tmp_path), family, **OVERRIDES.get(family, {}))
+    path = checkpoints.add_mtp_weights(base, num_layers=1)
+    file = write_gguf(path, str(tmp_path / "model-mtp.gguf"))
+    assert gguf.GGUFReader(file).fields[f"{GGUF_ARCH[family if family == 'qwen3_next' else 'qwen3_5_text']}"
+                                        ".nextn_predict_layers"].contents() == 1
+    config = load_hf_config(file)
+    assert config.num_hidden_layers == 4 and len(config.layer_types) == 4
+    _, reference = _run(base)
+    _, run = _run(file)
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(x.logprob == lb[t].logprob for t, x in la.items())
 
 
 def _dequantized_twin(file: str, out: str) -> str:

@@ -28,6 +28,11 @@ class Meta:
         value = self.need(key)
         return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
 
+    def main_layers(self) -> int:
+        """The model's layers: ``block_count`` less the multi-token-prediction layers llama.cpp's converter appends
+        after them (``nextn_predict_layers``), which the loader skips."""
+        return int(self.need("block_count")) - int(self.get("nextn_predict_layers", 0) or 0)
+
     def has(self, tensor: str) -> bool:
         return tensor in self.tensor_names
 
@@ -304,7 +309,7 @@ def _qwen3_next(m: Meta) -> Any:
     the layers with a router (``ffn_gate_inp``), a dense MLP in the others."""
     from transformers import Qwen3NextConfig
 
-    layers = int(m.need("block_count"))
+    layers = m.main_layers()
     hidden, inner, value_heads = _ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", hidden // attn_heads))
@@ -331,7 +336,7 @@ def _qwen3_5(m: Meta) -> Any:
     in every section)."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-    layers = int(m.need("block_count"))
+    layers = m.main_layers()
     hidden, inner, value_heads = _ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", hidden // attn_heads))

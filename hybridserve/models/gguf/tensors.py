@@ -13,6 +13,9 @@ Values: llama.cpp's converter transforms some tensors; each is undone here:
 * q and k rows permuted for llama.cpp's rope layout (llama-style attention): permuted back;
 * a projection split in two (Granite's fused gate and up): its parts stacked again;
 * Qwen3.5's value heads, reordered from grouped by key head to tiled over the key heads: put back in groups.
+
+The multi-token-prediction layers the converter appends after the model's layers (``nextn_predict_layers``) are
+not read.
 """
 
 from __future__ import annotations
@@ -231,12 +234,19 @@ def fit(name: str, value: Value, shape: tuple[int, ...], file: str) -> Value:
     return value
 
 
+def _field_int(reader: Any, key: str) -> int:
+    """An integer metadata field of the file (0 when absent)."""
+    field = reader.fields.get(key)
+    return int(field.contents()) if field is not None else 0
+
+
 def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dict[str, Value]:
     """Every tensor of the file under its checkpoint name, transforms undone (module docstring)."""
     rules = RULES[arch]
     shapes = checkpoint_shapes(hf_config)
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or len(hf_config.layers_block_type))
-    reverse = reverse_names(rules.gguf_arch, layers)
+    mtp_layers = _field_int(reader, f"{arch}.nextn_predict_layers")
+    reverse = reverse_names(rules.gguf_arch, layers + mtp_layers)
     renamings = checkpoint_renamings(hf_config.model_type)
     parts_of = {part: target for target, parts in rules.merges for part in parts}
     pending: dict[str, dict[str, Value]] = {}
@@ -244,9 +254,11 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
     unmatched: list[str] = []
     for tensor in reader.tensors:
         name = tensor.name
-        value = read_tensor(tensor)
         block = BLOCK.match(name)
         bid, local = (block.group(1), block.group(2)) if block else (None, name)
+        if bid is not None and int(bid) >= layers and mtp_layers:
+            continue  # a multi-token-prediction layer appended by the converter: not loaded
+        value = read_tensor(tensor)
         local_base, _, suffix = local.rpartition(".")
         merged = _in_model(parts_of[local].format(bid=bid), shapes, renamings) if bid is not None and (
             local in parts_of) else None
