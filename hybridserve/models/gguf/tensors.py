@@ -246,7 +246,7 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
     shapes = checkpoint_shapes(hf_config)
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or len(hf_config.layers_block_type))
     mtp_layers = _field_int(reader, f"{arch}.nextn_predict_layers")
-    reverse = reverse_names(rules.gguf_arch, layers + mtp_layers)
+    reverse = reverse_names(rules.gguf_arch, layers)
     renamings = checkpoint_renamings(hf_config.model_type)
     parts_of = {part: target for target, parts in rules.merges for part in parts}
     pending: dict[str, dict[str, Value]] = {}
