@@ -8,7 +8,12 @@ so it is mapped to ``--pre`` (default ``gpt-2``: the byte-level GPT-2 split, whi
 tokenizer uses). The converter also reads ``layer_types`` as "mamba"/"attention" (the names of the
 published Granite-4.0-H configs), whereas transformers now writes "linear_attention"/"full_attention";
 a staged copy of the checkpoint (links to the weights, a rewritten config.json, the tokenizer files)
-is what gets converted, so the checkpoint folder itself only gains the GGUF files.
+is what gets converted, so the checkpoint folder itself only gains the GGUF files. The converter reads a
+Jamba checkpoint's tokenizer only as a Llama one (sentencepiece, or a BPE with byte fallback and a
+``Sequence`` decoder): for Jamba the grown tokenizer is staged in that form (byte fallback on, its
+byte-level decoder inside a ``Sequence``), which tokenizes the same (every byte is in its vocab).
+Converting a Llama checkpoint needs the ``sentencepiece`` package installed (the converter imports it
+before it falls back to the BPE tokenizer).
 
     python benchmarks/make_gguf.py /tmp/bench-granite-100m --llama-cpp /work/llama.cpp --outtype bf16 f32
 
@@ -28,6 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_TOKENIZER = os.path.join(REPO, "hybridserve", "default_model", "tokenizer.json")
 # the converter's names for the layer kinds, from the names transformers writes now
 LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention"}
+# families whose converter reads the tokenizer only as a Llama one (see the module docstring)
+LLAMA_VOCAB_FAMILIES = {"jamba"}
 
 
 def grow_tokenizer(tok: dict, size: int) -> dict:
@@ -63,6 +70,14 @@ def grow_tokenizer(tok: dict, size: int) -> dict:
     raise ValueError(f"could not grow the tokenizer to {size} tokens")
 
 
+def as_llama_bpe(tok: dict) -> dict:
+    """The tokenizer.json dict in the form llama.cpp's Llama-HF vocab reader accepts: byte fallback on, the
+    decoder inside a ``Sequence``. Byte-level BPE has every byte in its vocab, so it tokenizes the same."""
+    out = dict(tok, model=dict(tok["model"], byte_fallback=True))
+    out["decoder"] = {"type": "Sequence", "decoders": [tok["decoder"]] if tok.get("decoder") else []}
+    return out
+
+
 def special_tokens(tok: dict, config: dict) -> dict[str, str]:
     """tokenizer_config.json entries naming the checkpoint's bos/eos/pad ids by their token text."""
     by_id = {t["id"]: t["content"] for t in tok.get("added_tokens", [])}
@@ -81,6 +96,8 @@ def write_tokenizer(folder: str, config: dict, base: str) -> int:
 
     with open(base) as f:
         tok = grow_tokenizer(json.load(f), config["vocab_size"])
+    if config.get("model_type") in LLAMA_VOCAB_FAMILIES:
+        tok = as_llama_bpe(tok)
     text = json.dumps(tok, ensure_ascii=False)
     size = Tokenizer.from_str(text).get_vocab_size()
     if size != config["vocab_size"]:
@@ -94,10 +111,16 @@ def write_tokenizer(folder: str, config: dict, base: str) -> int:
 
 
 def converter_config(config: dict) -> dict:
-    """The checkpoint's config with ``layer_types`` in the converter's names."""
+    """The checkpoint's config with ``layer_types`` in the converter's names and, for Bamba, the rotary size
+    ``attn_rotary_emb`` that the published Bamba configs carry (the converter writes RoPE's size only from it;
+    transformers now keeps it as ``partial_rotary_factor``)."""
     out = dict(config)
     if "layer_types" in out:
         out["layer_types"] = [LAYER_KINDS.get(kind, kind) for kind in out["layer_types"]]
+    if out.get("model_type") == "bamba" and "attn_rotary_emb" not in out:
+        head_dim = out["hidden_size"] // out["num_attention_heads"]
+        factor = (out.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+        out["attn_rotary_emb"] = int(head_dim * factor)
     return out
 
 
@@ -111,7 +134,9 @@ def stage(model: str, folder: str, base_tokenizer: str) -> int:
             os.symlink(os.path.abspath(os.path.join(model, name)), os.path.join(folder, name))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(converter_config(config), f, indent=2)
-    return write_tokenizer(folder, config, base_tokenizer)
+    # a vision-language checkpoint keeps the text model's vocab and special tokens in text_config
+    text = {**config.get("text_config", {}), **{k: v for k, v in config.items() if k != "text_config"}}
+    return write_tokenizer(folder, text, base_tokenizer)
 
 
 def load_converter(llama_cpp: str, pre: str):

@@ -15,10 +15,13 @@ import torch
 T = gguf.GGMLQuantizationType
 ARCHS = {"llama": "LLAMA", "mamba": "MAMBA", "mamba2": "MAMBA2", "granitemoehybrid": "GRANITE_HYBRID",
          "nemotron_h": "NEMOTRON_H", "falcon_h1": "FALCON_H1", "lfm2": "LFM2", "jamba": "JAMBA",
-         "qwen3_next": "QWEN3NEXT"}
+         "qwen3_next": "QWEN3NEXT", "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE", "lfm2_moe": "LFM2MOE",
+         "bamba": "GRANITE_HYBRID"}
 GGUF_ARCH = {"llama": "llama", "mamba": "mamba", "mamba2": "mamba2", "granitemoehybrid": "granitehybrid",
              "nemotron_h": "nemotron_h", "falcon_h1": "falcon-h1", "lfm2": "lfm2", "jamba": "jamba",
-             "qwen3_next": "qwen3next"}
+             "qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+             "lfm2_moe": "lfm2moe", "bamba": "granitehybrid"}
+QWEN3_5 = ("qwen3_5_text", "qwen3_5_moe_text")
 # Falcon-H1: the muP multiplier llama.cpp's converter folds into each tensor, by a part of its name (first match)
 FALCON_FOLDS = (("down_proj", lambda c: c["mlp_multipliers"][1]), ("gate_proj", lambda c: c["mlp_multipliers"][0]),
                 ("k_proj", lambda c: c["key_multiplier"] * c["attention_in_multiplier"]),
@@ -84,8 +87,8 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
-    w.add_block_count(cfg.get("num_hidden_layers") or len(cfg["layers_block_type"]))
+def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict, blocks: int) -> None:
+    w.add_block_count(blocks)
     w.add_embedding_length(cfg["hidden_size"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", cfg.get("norm_eps", 1e-5))))
@@ -144,6 +147,30 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         w.add_shortconv_l_cache(cfg["conv_L_cache"])
         w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
         w.add_context_length(cfg["max_position_embeddings"])
+    if family == "lfm2_moe":
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if t != "conv" else 0 for t in cfg["layer_types"]])
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
+    if family == "bamba":
+        head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv([cfg["num_key_value_heads"] if i in cfg["attn_layer_indices"] else 0
+                             for i in range(cfg["num_hidden_layers"])])
+        w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
+        w.add_rope_scaling_finetuned(True)
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+        w.add_context_length(cfg["max_position_embeddings"])
+        _ssm_metadata(w, cfg["mamba_expand"] * cfg["hidden_size"], cfg["mamba_n_heads"], cfg["mamba_d_state"],
+                      cfg["mamba_n_groups"], cfg["mamba_d_conv"])
     if family == "jamba":
         layers = cfg["num_hidden_layers"]
         w.add_feed_forward_length(cfg["intermediate_size"])
@@ -156,6 +183,25 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict) -> None:
         w.add_ssm_time_step_rank(cfg["mamba_dt_rank"])
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_context_length(cfg["max_position_embeddings"])
+    if family in QWEN3_5:
+        rope = cfg["rope_parameters"]
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_dimension_count(int(cfg["head_dim"] * rope["partial_rotary_factor"]))
+        w.add_rope_dimension_sections([*rope["mrope_section"], 0])
+        if family == "qwen3_5_text":
+            w.add_feed_forward_length(cfg["intermediate_size"])
+        else:
+            w.add_expert_count(cfg["num_experts"])
+            w.add_expert_used_count(cfg["num_experts_per_tok"])
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        _ssm_metadata(w, cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"], cfg["linear_num_value_heads"],
+                      cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_conv_kernel_dim"])
         w.add_context_length(cfg["max_position_embeddings"])
     if family == "qwen3_next":
         w.add_feed_forward_length(cfg["intermediate_size"])
@@ -209,6 +255,10 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
         t = _falcon_fold(cfg, name, t)
     if family == "qwen3_next":
         return _qwen3_next(cfg, name, t)
+    if family in QWEN3_5:
+        return _qwen3_next(cfg, name, _tile_value_heads(cfg, name, t))
+    if family == "lfm2_moe" and name.endswith("feed_forward.expert_bias"):
+        return [(name.replace("feed_forward.expert_bias", "@exp_probs_b") + ".bias", t)]
     if name.endswith("A_log"):
         t = -torch.exp(t.float())
         if family not in ("mamba", "jamba"):
@@ -217,10 +267,12 @@ def _converted(family: str, cfg: dict, name: str, t: torch.Tensor) -> list[tuple
         t = t.reshape(-1, 1)
     if "conv1d.weight" in name or "conv.conv.weight" in name:
         t = t.squeeze()
-    if family in ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1") and re.search(
+    grouped_norm = ("mamba2", "granitemoehybrid", "nemotron_h", "falcon_h1", "bamba")
+    if family in grouped_norm and re.search(
             r"mixer\.norm\.weight$|mamba\.norm\.weight$", name):
         t = t.reshape(cfg.get("n_groups", cfg.get("mamba_n_groups")), -1)
-    if family in ("llama", "granitemoehybrid", "nemotron_h") and re.search(r"\.(q_proj|k_proj)\.weight$", name):
+    rope_permuted = ("llama", "granitemoehybrid", "nemotron_h", "bamba")
+    if family in rope_permuted and re.search(r"\.(q_proj|k_proj)\.weight$", name):
         heads = cfg["num_attention_heads"] if ".q_proj." in name else cfg["num_key_value_heads"]
         t = _permute(t, heads)
     shexp = "_shexp" if cfg.get("num_local_experts") else ""  # Granite's shared MLP beside experts, or alone
@@ -261,6 +313,30 @@ def _qwen3_next(cfg: dict, name: str, t: torch.Tensor) -> list[tuple[str, torch.
     return [(name, t)]
 
 
+def _tile_value_heads(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's Qwen3.5 transform: the gated delta net's value heads, grouped by key head in the checkpoint,
+    tiled over the key heads (v0 of every key head, then v1, ...) in every tensor that has them."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    hv, qk = cfg["linear_value_head_dim"], 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+
+    def tile(x: torch.Tensor, dim: int, head: int) -> torch.Tensor:
+        shape = list(x.shape)
+        x = x.reshape(*shape[:dim], nk, nv // nk, head, *shape[dim + 1:]).transpose(dim, dim + 1)
+        return x.reshape(shape)
+
+    if ".linear_attn." not in name or nk == nv:
+        return t
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.cat([t[:qk], tile(t[qk:], 0, hv)])
+    if name.endswith("in_proj_z.weight"):
+        return tile(t, 0, hv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return tile(t, 0, 1)
+    if name.endswith("out_proj.weight"):
+        return tile(t, 1, hv)
+    return t
+
+
 def _falcon_fold(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
     """Falcon-H1's multipliers folded into the tensor, as llama.cpp's converter does."""
     t = t.float()
@@ -280,7 +356,7 @@ def _falcon_fold(cfg: dict, name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _gguf_name(table: gguf.TensorNameMap, name: str) -> str:
     if "@" in name:  # a name written directly: model.layers.N.@ffn_gate.weight
-        block = re.search(r"layers\.(\d+)\.@(\w+)\.(\w+)$", name)
+        block = re.search(r"layers\.(\d+)\.@([\w.]+)\.(\w+)$", name)
         assert block is not None, name
         return f"blk.{block.group(1)}.{block.group(2)}.{block.group(3)}"
     hf = name.replace(".dt_bias", ".dt_proj.bias")
@@ -295,13 +371,35 @@ def _stack_experts(state: dict) -> dict:
     converter stacks Nemotron-H's experts."""
     out, stacks = {}, {}
     for name, t in state.items():
-        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        m = re.match(r"^(.*)\.(?:mixer|feed_forward|mlp)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$", name)
         if m is None:
             out[name] = t
         else:
             stacks.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
     for (prefix, proj), parts in stacks.items():
-        out[f"{prefix}.@ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
+        part = {"w1": "gate", "w2": "down", "w3": "up"}.get(proj, proj.removesuffix("_proj"))
+        out[f"{prefix}.@ffn_{part}_exps.weight"] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
+#: the converter's names for Qwen's MTP head tensors (``mtp.fc`` -> ``blk.N.nextn.eh_proj``, ...)
+MTP_HEAD = {"fc": "eh_proj", "pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm",
+            "norm": "shared_head_norm"}
+
+
+def _mtp_as_layers(state: dict, layers: int) -> dict:
+    """Qwen's ``mtp.*`` tensors as llama.cpp's converter writes them: ``mtp.layers.i.X`` as layer ``layers + i``, the
+    head's ``mtp.fc`` and norms as that layer's nextn tensors."""
+    out = {}
+    for name, t in state.items():
+        parts = name.split(".", 3)
+        if parts[0] != "mtp":
+            out[name] = t
+        elif parts[1] == "layers":
+            out[f"model.layers.{layers + int(parts[2])}.{parts[3]}"] = t
+        else:
+            out[f"model.layers.{layers}.@nextn.{MTP_HEAD[parts[1]]}.{parts[2]}"] = t
     return out
 
 
@@ -314,15 +412,19 @@ def write_gguf(checkpoint: str, out: str, kind: str = "F32", quantize_embeddings
         cfg = json.load(f)
     family = cfg["model_type"]
     layers = cfg.get("num_hidden_layers") or len(cfg["layers_block_type"])
-    table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
     state = load_file(os.path.join(checkpoint, "model.safetensors"))
-    state = _stack_experts(state)
+    mtp = int(cfg.get("mtp_num_hidden_layers", 0) or 0) if family == "qwen3_next" or family in QWEN3_5 else 0
+    state = _stack_experts(_mtp_as_layers(state, layers))
+    layers += mtp
+    table = gguf.TensorNameMap(getattr(gguf.MODEL_ARCH, ARCHS[family]), layers)
     tensors = [(n2, t2) for n, t in state.items() for n2, t2 in _converted(family, cfg, n, t)]
     arch = "nemotron_h_moe" if family == "nemotron_h" and "num_experts_per_tok" in cfg else GGUF_ARCH[family]
     if arch != GGUF_ARCH[family]:
         table = gguf.TensorNameMap(gguf.MODEL_ARCH.NEMOTRON_H_MOE, layers)
     w = gguf.GGUFWriter(out, arch)
-    _metadata(w, family, cfg, state)
+    _metadata(w, family, cfg, state, layers)  # the converter counts the MTP layers in block_count
+    if mtp:
+        w.add_nextn_predict_layers(mtp)
     for name, t in tensors:
         gname = _gguf_name(table, name)
         x = t.float().numpy()

@@ -15,7 +15,7 @@ from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
 from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear  # noqa: E402
 from hybridserve.models.loader import load_hf_config  # noqa: E402
 from tests import checkpoints  # noqa: E402
-from tests.gguf.gguf_writer import write_gguf  # noqa: E402
+from tests.gguf.gguf_writer import GGUF_ARCH, write_gguf  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
 PROMPTS = [[5, 9, 33, 4, 7], list(range(3, 22))]
@@ -31,7 +31,9 @@ def _run(path: str, **options):
 LOGPROB_TOLERANCE = {"falcon_h1": 1e-4}
 #: llama.cpp writes no ``topk_group`` (it routes over all groups): one group, so that HF's routing is the same
 #: llama.cpp's Qwen3-Next has no dense MLP layers (``mlp_only_layers``)
+#: llama.cpp's LFM2-MoE has no output tensor (the LM head is the embedding)
 OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1}, "qwen3_next": {"mlp_only_layers": []},
+             "lfm2_moe": {"tie_word_embeddings": True},
              "nemotron_h_dense": {"hybrid_override_pattern": "M*-M-", "n_group": 1, "topk_group": 1}}
 
 
@@ -40,7 +42,10 @@ OVERRIDES = {"nemotron_h": {"n_group": 1, "topk_group": 1}, "qwen3_next": {"mlp_
                                           ("nemotron_h", torch.float32), ("nemotron_h_dense", torch.float32),
                                           ("granitemoehybrid", torch.float32), ("falcon_h1", torch.float32),
                                           ("lfm2", torch.float32), ("jamba", torch.float32),
-                                          ("qwen3_next", torch.float32),
+                                          ("qwen3_next", torch.float32), ("qwen3_5", torch.float32),
+                                          ("qwen3_5_moe", torch.float32), ("lfm2_moe", torch.float32),
+                                          ("bamba", torch.float32), ("qwen3_5", torch.bfloat16),
+                                          ("lfm2_moe", torch.bfloat16), ("bamba", torch.bfloat16),
                                           ("mamba2", torch.bfloat16), ("granitemoehybrid_dense", torch.bfloat16),
                                           ("nemotron_h", torch.bfloat16), ("lfm2", torch.bfloat16)])
 def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype):
@@ -56,6 +61,25 @@ def test_float_gguf_gives_the_safetensors_greedy_tokens(tmp_path, family, dtype)
         for la, lb in zip(a.logprobs, b.logprobs):
             assert set(la) == set(lb)
             assert all(abs(x.logprob - lb[t].logprob) <= tolerance for t, x in la.items())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_multi_token_prediction_layers_in_the_file_are_skipped(tmp_path, family):
+    """llama.cpp's converter appends a checkpoint's MTP layers as extra blocks (``nextn_predict_layers``): the file
+    loads without them and generates what the checkpoint does."""
+    base = checkpoints.make(str(tmp_path), family, **OVERRIDES.get(family, {}))
+    path = checkpoints.add_mtp_weights(base, num_layers=1)
+    file = write_gguf(path, str(tmp_path / "model-mtp.gguf"))
+    assert gguf.GGUFReader(file).fields[f"{GGUF_ARCH[family if family == 'qwen3_next' else 'qwen3_5_text']}"
+                                        ".nextn_predict_layers"].contents() == 1
+    config = load_hf_config(file)
+    assert config.num_hidden_layers == 4 and len(config.layer_types) == 4
+    _, reference = _run(base)
+    _, run = _run(file)
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(x.logprob == lb[t].logprob for t, x in la.items())
 
 
 def _dequantized_twin(file: str, out: str) -> str:
@@ -122,9 +146,11 @@ def test_8bit_gguf_weights_are_dequantized_without_the_cpu_kernels(tmp_path, wid
             assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
 
 
-def test_quantized_experts_are_read_dequantized(tmp_path):
-    """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit."""
-    path = checkpoints.make(str(tmp_path), "nemotron_h", **OVERRIDES["nemotron_h"])
+@pytest.mark.parametrize("family", ["nemotron_h", "lfm2_moe", "qwen3_5_moe"])
+def test_quantized_experts_are_read_dequantized(tmp_path, family):
+    """A MoE file's Q8_0 expert blocks (3-D) load dequantized, its other linears stay 8-bit (Qwen3.5's with their
+    value heads regrouped on the int8 codes, its out_proj columns on the dequantized weight)."""
+    path = checkpoints.make(str(tmp_path), family, **OVERRIDES.get(family, {}))
     file = write_gguf(path, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
     twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
     llm, run = _run(file, dtype="float32")

@@ -28,6 +28,11 @@ class Meta:
         value = self.need(key)
         return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
 
+    def main_layers(self) -> int:
+        """The model's layers: ``block_count`` less the multi-token-prediction layers llama.cpp's converter appends
+        after them (``nextn_predict_layers``), which the loader skips."""
+        return int(self.need("block_count")) - int(self.get("nextn_predict_layers", 0) or 0)
+
     def has(self, tensor: str) -> bool:
         return tensor in self.tensor_names
 
@@ -97,9 +102,17 @@ def _mamba2(m: Meta) -> Any:
                         **m.common())
 
 
+#: the multipliers llama.cpp's converter writes for a Granite model (and not for a Bamba one)
+_GRANITE_SCALES = ("embedding_scale", "residual_scale", "attention.scale", "logit_scale")
+
+
 def _granite_hybrid(m: Meta) -> Any:
+    """Granite-4.0-H, or Bamba: llama.cpp writes both as ``granitehybrid``; a file with none of Granite's
+    multipliers is a Bamba checkpoint (whose attention scale is 1/sqrt(head_dim), not a written one)."""
     from transformers import GraniteMoeHybridConfig
 
+    if not any(m.get(key) is not None for key in _GRANITE_SCALES) and not m.get("expert_count"):
+        return _bamba(m)
     layers = int(m.need("block_count"))
     hidden, inner, heads = _ssm_sizes(m)
     kv = m.per_layer("attention.head_count_kv", layers)
@@ -122,6 +135,29 @@ def _granite_hybrid(m: Meta) -> Any:
         attention_multiplier=float(m.get("attention.scale", 1.0)), logits_scaling=float(m.get("logit_scale", 1.0)),
         rms_norm_eps=float(m.get("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
+
+
+def _bamba(m: Meta) -> Any:
+    """Bamba: Mamba2 layers and RoPE attention layers (where the per-layer KV head count is not 0), a SwiGLU MLP in
+    each; the rotary part of a head from ``rope.dimension_count`` (all of it when the file does not say)."""
+    from transformers import BambaConfig
+
+    layers = int(m.need("block_count"))
+    hidden, inner, heads = _ssm_sizes(m)
+    kv = m.per_layer("attention.head_count_kv", layers)
+    attn_heads = int(m.need("attention.head_count"))
+    head_dim = hidden // attn_heads
+    rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    rope["partial_rotary_factor"] = int(m.get("rope.dimension_count", head_dim)) / head_dim
+    return BambaConfig(
+        hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")), num_hidden_layers=layers,
+        attn_layer_indices=[i for i, k in enumerate(kv) if k > 0], num_attention_heads=attn_heads,
+        num_key_value_heads=max(kv), mamba_n_heads=heads, mamba_d_head=inner // heads,
+        mamba_d_state=int(m.need("ssm.state_size")), mamba_n_groups=int(m.get("ssm.group_count", 1)),
+        mamba_d_conv=int(m.need("ssm.conv_kernel")), mamba_expand=inner // hidden,
+        mamba_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
+        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")), rope_parameters=rope, rms_norm_eps=_eps(m),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
 def _nemotron_pattern(m: Meta, layers: int) -> str:
@@ -214,6 +250,26 @@ def _lfm2(m: Meta) -> Any:
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
 
 
+def _lfm2_moe(m: Meta) -> Any:
+    """LFM2-MoE: LFM2's short-conv and attention layers; the first ``leading_dense_block_count`` layers with a
+    dense MLP, the others with sigmoid-routed experts (an expert bias where the file has ``exp_probs_b``)."""
+    from transformers import Lfm2MoeConfig
+
+    layers = int(m.need("block_count"))
+    kv = m.per_layer("attention.head_count_kv", layers)
+    dense = int(m.get("leading_dense_block_count", 0) or 0)
+    return Lfm2MoeConfig(
+        hidden_size=int(m.need("embedding_length")), intermediate_size=int(m.need("feed_forward_length")),
+        moe_intermediate_size=int(m.need("expert_feed_forward_length")), num_hidden_layers=layers,
+        layer_types=["full_attention" if k > 0 else "conv" for k in kv], num_dense_layers=dense,
+        num_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
+        use_expert_bias=m.has(f"blk.{dense}.exp_probs_b.bias"),
+        num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
+        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=_eps(m),
+        conv_bias=m.has(_first_ssm(m, kv, "shortconv.conv.bias")),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
+
+
 def _period(layers: list[int], count: int, what: str, m: Meta) -> tuple[int, int]:
     """(offset, period) of transformers' ``i % period == offset`` rule that selects exactly ``layers``."""
     if not layers:
@@ -253,7 +309,7 @@ def _qwen3_next(m: Meta) -> Any:
     the layers with a router (``ffn_gate_inp``), a dense MLP in the others."""
     from transformers import Qwen3NextConfig
 
-    layers = int(m.need("block_count"))
+    layers = m.main_layers()
     hidden, inner, value_heads = _ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", hidden // attn_heads))
@@ -274,6 +330,38 @@ def _qwen3_next(m: Meta) -> Any:
         rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
+def _qwen3_5(m: Meta) -> Any:
+    """Qwen3.5, dense (``qwen35``) or with experts on every layer (``qwen35moe``): Qwen3-Next's layers, its
+    attention's partial RoPE interleaved over ``rope.dimension_sections`` (M-RoPE; text positions are the same
+    in every section)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    layers = m.main_layers()
+    hidden, inner, value_heads = _ssm_sizes(m)
+    attn_heads = int(m.need("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // attn_heads))
+    rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+    rope["partial_rotary_factor"] = int(m.get("rope.dimension_count", head_dim)) / head_dim
+    sections = m.get("rope.dimension_sections")
+    if sections is not None:
+        rope.update(mrope_section=[int(s) for s in sections][:3], mrope_interleaved=True)
+    common: dict[str, Any] = dict(
+        hidden_size=hidden, num_hidden_layers=layers,
+        layer_types=["full_attention" if m.has(f"blk.{i}.attn_q.weight") else "linear_attention"
+                     for i in range(layers)],
+        num_attention_heads=attn_heads, num_key_value_heads=max(m.per_layer("attention.head_count_kv", layers)),
+        head_dim=head_dim, rope_parameters=rope, linear_conv_kernel_dim=int(m.need("ssm.conv_kernel")),
+        linear_key_head_dim=int(m.need("ssm.state_size")), linear_num_key_heads=int(m.need("ssm.group_count")),
+        linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads, rms_norm_eps=_eps(m),
+        max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+    if m.arch == "qwen35":
+        return Qwen3_5TextConfig(intermediate_size=int(m.need("feed_forward_length")), **common)
+    return Qwen3_5MoeTextConfig(
+        num_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
+        moe_intermediate_size=int(m.need("expert_feed_forward_length")),
+        shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0) or 0), **common)
+
+
 def _first_ssm(m: Meta, kv: list[int], tensor: str) -> str:
     index = next((i for i, k in enumerate(kv) if k == 0), 0)
     return f"blk.{index}.{tensor}"
@@ -289,8 +377,11 @@ BUILDERS: dict[str, Callable[[Meta], Any]] = {
     "nemotron_h_moe": _nemotron_h,
     "falcon-h1": _falcon_h1,
     "lfm2": _lfm2,
+    "lfm2moe": _lfm2_moe,
     "jamba": _jamba,
     "qwen3next": _qwen3_next,
+    "qwen35": _qwen3_5,
+    "qwen35moe": _qwen3_5,
 }
 
 

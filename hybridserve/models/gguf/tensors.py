@@ -11,7 +11,11 @@ Values: llama.cpp's converter transforms some tensors; each is undone here:
 * squeezed, unsqueezed or regrouped tensors (conv1d weights, Mamba2's A, D and grouped norm): reshaped to the
   checkpoint's shape when the element count is the same;
 * q and k rows permuted for llama.cpp's rope layout (llama-style attention): permuted back;
-* a projection split in two (Granite's fused gate and up): its parts stacked again.
+* a projection split in two (Granite's fused gate and up): its parts stacked again;
+* Qwen3.5's value heads, reordered from grouped by key head to tiled over the key heads: put back in groups.
+
+The multi-token-prediction layers the converter appends after the model's layers (``nextn_predict_layers``) are
+not read.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class ArchRules:
     merges: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (checkpoint name, the GGUF parts stacked into it)
     permute_qk: bool = False  # q/k rows in llama.cpp's rope layout
     norm_offset: bool = False  # RMS norm weights written as 1 + w (Qwen3-Next's, but the gated delta net's own)
+    tiled_value_heads: bool = False  # gated delta net value heads tiled over the key heads (Qwen3.5)
 
 
 _GRANITE_MERGES = (
@@ -78,6 +83,17 @@ RULES: dict[str, ArchRules] = {
         renames={"ffn_down_exps.weight": "model.layers.{bid}.mlp.experts.down_proj"},
         merges=(("model.layers.{bid}.mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight")),
                 ("model.layers.{bid}.linear_attn.in_proj_qkvz.weight", ("attn_qkv.weight", "attn_gate.weight")))),
+    "lfm2moe": ArchRules(
+        "LFM2MOE",
+        renames={"ffn_down_exps.weight": "model.layers.{bid}.feed_forward.experts.down_proj",
+                 "exp_probs_b.bias": "model.layers.{bid}.feed_forward.expert_bias"},
+        merges=(("model.layers.{bid}.feed_forward.experts.gate_up_proj",
+                 ("ffn_gate_exps.weight", "ffn_up_exps.weight")),)),
+    "qwen35": ArchRules("QWEN35", norm_offset=True, tiled_value_heads=True),
+    "qwen35moe": ArchRules(
+        "QWEN35MOE", norm_offset=True, tiled_value_heads=True,
+        renames={"ffn_down_exps.weight": "model.layers.{bid}.mlp.experts.down_proj"},
+        merges=(("model.layers.{bid}.mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight")),)),
 }
 
 
@@ -165,6 +181,34 @@ def _qkvz_rows(config: Any) -> torch.Tensor:
     return torch.cat([q, k, v, z], dim=1).reshape(-1)
 
 
+def _grouped_heads(config: Any, head_dim: int) -> torch.Tensor:
+    """The order that puts Qwen3.5's value heads (each ``head_dim`` wide) back in groups by key head: llama.cpp's
+    converter tiles them (v0 of every key head, then v1, ...); checkpoint index ``i`` is GGUF index
+    ``order[i]``."""
+    nk = config.linear_num_key_heads
+    per_key = config.linear_num_value_heads // nk
+    tiled = torch.arange(per_key * nk * head_dim).reshape(per_key, nk, head_dim)
+    return tiled.transpose(0, 1).reshape(-1)
+
+
+def _untile_value_heads(name: str, value: Value, config: Any) -> Value:
+    """Qwen3.5's gated-delta-net tensors with their value heads grouped by key head again (module docstring)."""
+    hv = config.linear_value_head_dim
+    qk = 2 * config.linear_num_key_heads * config.linear_key_head_dim  # q and k channels, not reordered
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        order = torch.cat([torch.arange(qk), qk + _grouped_heads(config, hv)])
+    elif name.endswith("in_proj_z.weight"):
+        order = _grouped_heads(config, hv)
+    elif name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        order = _grouped_heads(config, 1)
+    elif name.endswith("out_proj.weight"):
+        columns = value.dequantize() if isinstance(value, CodedWeight) else value
+        return columns[:, _grouped_heads(config, hv)]
+    else:
+        return value
+    return _rows(value, order)
+
+
 def _stack(parts: list[Value], shape: tuple[int, ...]) -> Value:
     """Parts of one projection stacked along their output rows (dim -2 of ``shape``)."""
     if len(shape) == 2 and all(isinstance(p, CodedWeight) for p in parts):
@@ -190,11 +234,18 @@ def fit(name: str, value: Value, shape: tuple[int, ...], file: str) -> Value:
     return value
 
 
+def _field_int(reader: Any, key: str) -> int:
+    """An integer metadata field of the file (0 when absent)."""
+    field = reader.fields.get(key)
+    return int(field.contents()) if field is not None else 0
+
+
 def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dict[str, Value]:
     """Every tensor of the file under its checkpoint name, transforms undone (module docstring)."""
     rules = RULES[arch]
     shapes = checkpoint_shapes(hf_config)
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or len(hf_config.layers_block_type))
+    mtp_layers = _field_int(reader, f"{arch}.nextn_predict_layers")
     reverse = reverse_names(rules.gguf_arch, layers)
     renamings = checkpoint_renamings(hf_config.model_type)
     parts_of = {part: target for target, parts in rules.merges for part in parts}
@@ -203,9 +254,11 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
     unmatched: list[str] = []
     for tensor in reader.tensors:
         name = tensor.name
-        value = read_tensor(tensor)
         block = BLOCK.match(name)
         bid, local = (block.group(1), block.group(2)) if block else (None, name)
+        if bid is not None and int(bid) >= layers and mtp_layers:
+            continue  # a multi-token-prediction layer appended by the converter: not loaded
+        value = read_tensor(tensor)
         local_base, _, suffix = local.rpartition(".")
         merged = _in_model(parts_of[local].format(bid=bid), shapes, renamings) if bid is not None and (
             local in parts_of) else None
@@ -243,6 +296,8 @@ def _undo(name: str, value: Value, rules: ArchRules, hf_config: Any, shape: tupl
         value = torch.log(-a)
     if rules.norm_offset and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         value = (value.dequantize() if isinstance(value, CodedWeight) else value.float()) - 1
+    if rules.tiled_value_heads and ".linear_attn." in name:
+        value = _untile_value_heads(name, value, hf_config)
     if name.endswith("linear_attn.in_proj_qkvz.weight"):
         value = _rows(value, _qkvz_rows(hf_config))
     if rules.permute_qk and re.search(r"\.(q_proj|k_proj)\.(weight|bias)$", name):
