@@ -6,61 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-
-class Meta:
-    """Metadata of one file, read by architecture-relative key (``block_count`` -> ``<arch>.block_count``)."""
-
-    def __init__(self, values: dict[str, Any], shapes: dict[str, tuple[int, ...]], file: str) -> None:
-        self.values, self.shapes, self.tensor_names, self.file = values, shapes, set(shapes), file
-        self.arch = str(values.get("general.architecture", ""))
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.values.get(f"{self.arch}.{key}", default)
-
-    def need(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise ValueError(f"{self.file}: metadata key {self.arch}.{key} is missing (a {self.arch} file needs it)")
-        return value
-
-    def per_layer(self, key: str, layers: int) -> list[int]:
-        """A value llama.cpp writes either once or per layer, as a list of ``layers`` ints."""
-        value = self.need(key)
-        return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
-
-    def main_layers(self) -> int:
-        """The model's layers: ``block_count`` less the multi-token-prediction layers llama.cpp's converter appends
-        after them (``nextn_predict_layers``), which the loader skips."""
-        return int(self.need("block_count")) - int(self.get("nextn_predict_layers", 0) or 0)
-
-    def has(self, tensor: str) -> bool:
-        return tensor in self.tensor_names
-
-    def common(self) -> dict[str, Any]:
-        """Keys every family shares: vocabulary, special tokens, tied embeddings (no ``output.weight``)."""
-        tokens = self.values.get("tokenizer.ggml.tokens")
-        vocab = self.get("vocab_size") or (len(tokens) if tokens else None)
-        if vocab is None:
-            raise ValueError(f"{self.file}: no {self.arch}.vocab_size and no tokenizer.ggml.tokens")
-        out: dict[str, Any] = {"vocab_size": int(vocab), "tie_word_embeddings": not self.has("output.weight")}
-        for key in ("bos", "eos", "pad"):
-            token_id = self.values.get(f"tokenizer.ggml.{key}_token_id")
-            if token_id is not None:
-                out[f"{key}_token_id"] = int(token_id)
-        return out
-
-    def rope(self) -> dict[str, Any]:
-        base = self.get("rope.freq_base")
-        return {} if base is None else {"rope_parameters": {"rope_type": "default", "rope_theta": float(base)}}
-
-
-def _ssm_sizes(m: Meta) -> tuple[int, int, int]:
-    """hidden size, SSM inner size and SSM heads (llama.cpp's ``ssm.time_step_rank`` for Mamba2 layers)."""
-    return int(m.need("embedding_length")), int(m.need("ssm.inner_size")), int(m.need("ssm.time_step_rank"))
-
-
-def _eps(m: Meta) -> float:
-    return float(m.get("attention.layer_norm_rms_epsilon", 1e-5))
+from hybridserve.models.gguf.meta import Meta, rms_eps, ssm_sizes
 
 
 def _llama(m: Meta) -> Any:
@@ -93,11 +39,11 @@ def _mamba(m: Meta) -> Any:
 def _mamba2(m: Meta) -> Any:
     from transformers import Mamba2Config
 
-    hidden, inner, heads = _ssm_sizes(m)
+    hidden, inner, heads = ssm_sizes(m)
     return Mamba2Config(hidden_size=hidden, num_hidden_layers=int(m.need("block_count")), num_heads=heads,
                         head_dim=inner // heads, state_size=int(m.need("ssm.state_size")),
                         n_groups=int(m.get("ssm.group_count", 1)), conv_kernel=int(m.need("ssm.conv_kernel")),
-                        expand=inner // hidden, layer_norm_epsilon=_eps(m),
+                        expand=inner // hidden, layer_norm_epsilon=rms_eps(m),
                         use_bias=m.has("blk.0.ssm_in.bias"), use_conv_bias=m.has("blk.0.ssm_conv1d.bias"),
                         **m.common())
 
@@ -114,7 +60,7 @@ def _granite_hybrid(m: Meta) -> Any:
     if not any(m.get(key) is not None for key in _GRANITE_SCALES) and not m.get("expert_count"):
         return _bamba(m)
     layers = int(m.need("block_count"))
-    hidden, inner, heads = _ssm_sizes(m)
+    hidden, inner, heads = ssm_sizes(m)
     kv = m.per_layer("attention.head_count_kv", layers)
     experts = int(m.get("expert_count", 0) or 0)
     ffn = int(m.get("feed_forward_length", 0) or 0)
@@ -143,7 +89,7 @@ def _bamba(m: Meta) -> Any:
     from transformers import BambaConfig
 
     layers = int(m.need("block_count"))
-    hidden, inner, heads = _ssm_sizes(m)
+    hidden, inner, heads = ssm_sizes(m)
     kv = m.per_layer("attention.head_count_kv", layers)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = hidden // attn_heads
@@ -156,7 +102,7 @@ def _bamba(m: Meta) -> Any:
         mamba_d_state=int(m.need("ssm.state_size")), mamba_n_groups=int(m.get("ssm.group_count", 1)),
         mamba_d_conv=int(m.need("ssm.conv_kernel")), mamba_expand=inner // hidden,
         mamba_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
-        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")), rope_parameters=rope, rms_norm_eps=_eps(m),
+        mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")), rope_parameters=rope, rms_norm_eps=rms_eps(m),
         max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
@@ -178,7 +124,7 @@ def _nemotron_h(m: Meta) -> Any:
     from transformers import NemotronHConfig
 
     layers = int(m.need("block_count"))
-    hidden, inner, heads = _ssm_sizes(m)
+    hidden, inner, heads = ssm_sizes(m)
     kv = m.per_layer("attention.head_count_kv", layers)
     ffn = m.per_layer("feed_forward_length", layers)
     pattern = _nemotron_pattern(m, layers)
@@ -203,7 +149,7 @@ def _nemotron_h(m: Meta) -> Any:
         num_key_value_heads=max(kv), head_dim=int(m.get("attention.key_length", hidden // attn_heads)),
         intermediate_size=max(dense) if dense else max(ffn), mamba_num_heads=heads, mamba_head_dim=inner // heads,
         ssm_state_size=int(m.need("ssm.state_size")), n_groups=int(m.get("ssm.group_count", 1)),
-        conv_kernel=int(m.need("ssm.conv_kernel")), layer_norm_epsilon=_eps(m),
+        conv_kernel=int(m.need("ssm.conv_kernel")), layer_norm_epsilon=rms_eps(m),
         use_conv_bias=m.has(_first_ssm(m, kv, "ssm_conv1d.bias")),
         mamba_proj_bias=m.has(_first_ssm(m, kv, "ssm_in.bias")),
         max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
@@ -214,7 +160,7 @@ def _falcon_h1(m: Meta) -> Any:
     config keeps them all at 1."""
     from transformers import FalconH1Config
 
-    hidden, inner, heads = _ssm_sizes(m)
+    hidden, inner, heads = ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     return FalconH1Config(  # type: ignore[call-arg]  # head_dim is a keyword the class takes through **kwargs
         hidden_size=hidden, intermediate_size=int(m.need("feed_forward_length")),
@@ -226,7 +172,7 @@ def _falcon_h1(m: Meta) -> Any:
         mamba_conv_bias=m.has("blk.0.ssm_conv1d.bias"), mamba_proj_bias=m.has("blk.0.ssm_in.bias"),
         mamba_rms_norm=m.has("blk.0.ssm_norm.weight"), mamba_norm_before_gate=False,  # llama.cpp: gate, then norm
         projectors_bias=m.has("blk.0.ssm_out.bias"),
-        rms_norm_eps=_eps(m),
+        rms_norm_eps=rms_eps(m),
         max_position_embeddings=int(m.get("context_length", 4096)) or 4096,
         lm_head_multiplier=1.0, embedding_multiplier=1.0, mlp_multipliers=[1.0, 1.0], key_multiplier=1.0,
         attention_out_multiplier=1.0, attention_in_multiplier=1.0, ssm_multipliers=[1.0] * 5, ssm_in_multiplier=1.0,
@@ -245,7 +191,7 @@ def _lfm2(m: Meta) -> Any:
         block_auto_adjust_ff_dim=False, num_hidden_layers=layers,
         layer_types=["full_attention" if k > 0 else "conv" for k in kv],
         num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
-        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=_eps(m),
+        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=rms_eps(m),
         conv_bias=m.has(_first_ssm(m, kv, "shortconv.conv.bias")),
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
 
@@ -265,7 +211,7 @@ def _lfm2_moe(m: Meta) -> Any:
         num_experts=int(m.need("expert_count")), num_experts_per_tok=int(m.need("expert_used_count")),
         use_expert_bias=m.has(f"blk.{dense}.exp_probs_b.bias"),
         num_attention_heads=int(m.need("attention.head_count")), num_key_value_heads=max(kv),
-        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=_eps(m),
+        conv_L_cache=int(m.need("shortconv.l_cache")), norm_eps=rms_eps(m),
         conv_bias=m.has(_first_ssm(m, kv, "shortconv.conv.bias")),
         max_position_embeddings=int(m.get("context_length", 4096)), **m.rope(), **m.common())
 
@@ -301,7 +247,7 @@ def _jamba(m: Meta) -> Any:
         mamba_d_state=int(m.need("ssm.state_size")), mamba_d_conv=int(m.need("ssm.conv_kernel")),
         mamba_expand=inner // hidden, mamba_dt_rank=int(m.need("ssm.time_step_rank")),
         mamba_conv_bias=m.has(first_ssm + "ssm_conv1d.bias"), mamba_proj_bias=m.has(first_ssm + "ssm_in.bias"),
-        rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+        rms_norm_eps=rms_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
 def _qwen3_next(m: Meta) -> Any:
@@ -310,7 +256,7 @@ def _qwen3_next(m: Meta) -> Any:
     from transformers import Qwen3NextConfig
 
     layers = m.main_layers()
-    hidden, inner, value_heads = _ssm_sizes(m)
+    hidden, inner, value_heads = ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", hidden // attn_heads))
     rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
@@ -327,7 +273,7 @@ def _qwen3_next(m: Meta) -> Any:
         moe_intermediate_size=int(m.get("expert_feed_forward_length", 0) or 0),
         shared_expert_intermediate_size=int(m.get("expert_shared_feed_forward_length", 0) or 0),
         decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if not m.has(f"blk.{i}.ffn_gate_inp.weight")],
-        rms_norm_eps=_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
+        rms_norm_eps=rms_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
 def _qwen3_5(m: Meta) -> Any:
@@ -337,7 +283,7 @@ def _qwen3_5(m: Meta) -> Any:
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     layers = m.main_layers()
-    hidden, inner, value_heads = _ssm_sizes(m)
+    hidden, inner, value_heads = ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", hidden // attn_heads))
     rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
@@ -352,7 +298,7 @@ def _qwen3_5(m: Meta) -> Any:
         num_attention_heads=attn_heads, num_key_value_heads=max(m.per_layer("attention.head_count_kv", layers)),
         head_dim=head_dim, rope_parameters=rope, linear_conv_kernel_dim=int(m.need("ssm.conv_kernel")),
         linear_key_head_dim=int(m.need("ssm.state_size")), linear_num_key_heads=int(m.need("ssm.group_count")),
-        linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads, rms_norm_eps=_eps(m),
+        linear_num_value_heads=value_heads, linear_value_head_dim=inner // value_heads, rms_norm_eps=rms_eps(m),
         max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
     if m.arch == "qwen35":
         return Qwen3_5TextConfig(intermediate_size=int(m.need("feed_forward_length")), **common)
