@@ -26,6 +26,9 @@ from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_oper
 from hybridserve.ops.linear_w4 import CODE_CENTRE
 
 CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
+#: the dtype that names 4-bit codes where a weight format is a dtype (MoE experts' ``weight_format``)
+INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
+AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 
 
@@ -130,7 +133,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, group: int,
     packed by :func:`pack`; (..., out_features) in x's dtype. None when not covered."""
     lib = _library()
     K = x.shape[-1]
-    if (lib is None or not hasattr(lib, "hs_linear_w4") or x.dtype not in LINEAR_DTYPES or not x.is_cpu
+    if (lib is None or x.dtype not in LINEAR_DTYPES or not x.is_cpu
             or not covers(K, group) or packed.dtype != torch.uint8
             or packed.numel() != packed_bytes(out_features, K, group, has_mins)):
         return None
@@ -152,6 +155,6 @@ def path(rows: int) -> str | None:
     """Which path :func:`linear` takes for a bf16 call of ``rows`` rows here (one of :data:`W4_PATHS`); None
     without the kernels."""
     lib = _library()
-    if lib is None or not hasattr(lib, "hs_w4_path"):
+    if lib is None:
         return None
     return W4_PATHS[lib.hs_w4_path(rows)]

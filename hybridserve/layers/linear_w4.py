@@ -12,8 +12,8 @@ from hybridserve.kernels import fallbacks
 from hybridserve.kernels import linear_w4 as kernel
 from hybridserve.ops.linear_w4 import CODE_CENTRE, linear_w4_ref
 
-#: the group sizes ``--quantization int4`` takes (in-features per scale)
-INT4_GROUPS = (32, 64, 128)
+#: the dtype that names 4-bit codes as a weight format (MoE experts' ``weight_format``)
+INT4_FORMAT = kernel.INT4_FORMAT
 
 
 def quantize_w4_f16(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +33,8 @@ def quantize_w4_f16(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 class W4Linear(nn.Module):
     """``y = x @ dequantize_w4(codes, scales, mins, group).T + b`` over the packed buffer ``packed_weight``;
     activations bf16, fp16 or float32, the output in their dtype."""
+
+    packed_weight: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, packed_weight: torch.Tensor, group: int, has_mins: bool,
                  bias: torch.Tensor | nn.Parameter | None) -> None:

@@ -99,8 +99,14 @@ def test_quantize_w4_f16_picks_float16_scales_then_codes_against_them():
 
 
 def test_from_weight_keeps_the_bias_and_approximates_the_weight():
+    torch.manual_seed(0)
     lin = nn.Linear(128, 40)
     layer = W4Linear.from_weight(lin, 32)
     assert layer.bias is lin.bias
+    codes, scales, mins = layer.unpacked()
+    assert mins is None
+    step = scales.repeat_interleave(32, dim=1)
+    assert ((dequantize_w4(codes, scales, None, 32) - lin.weight.detach()).abs() <= step * 0.5 * (1 + 2.0 ** -8)).all()
     x = torch.randn(4, 128)
-    assert torch.allclose(layer(x), lin(x), atol=0.1)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), linear_w4_ref(x, codes, scales, None, 32, lin.bias), rtol=1e-5, atol=1e-5)

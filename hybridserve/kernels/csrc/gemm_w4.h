@@ -1,0 +1,279 @@
+// Linear layers over 4-bit group-wise weights, y = x @ W.T (+ b), activations bf16, fp16 or float32
+// (kernels/linear_w4.py; the format: ops/linear_w4.py). Included by gemm.cpp after gemm_w8.h (it uses the
+// float32 vector helpers, vi32, and, at the amx level, gemm_amx.h's amx_linear).
+//
+// A weight W (N, K) of codes c (0..15) with scales s and, optionally, mins m per group of `group` consecutive k
+// (W[n, k] = c s + m, or (c - 8) s without mins) is packed per panel of 16 output columns:
+//   [panels][K/8][16] uint32 words: word (k8, col) holds the codes of k = 8 k8 + j in bits 4j .. 4j + 3;
+//   [panels][G][16] float16 scales; with mins, [panels][G][16] float16 mins (pad columns 0).
+// K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
+//
+// Two paths:
+// * every level, any activation dtype: the float32 vector path. Each word vector gives 8 k of 16 columns; a
+//   code becomes a float32 value in registers (AVX-512: one permute of a 16-entry table, indexed by the word
+//   shifted to its nibble; elsewhere a shift, a mask and a conversion), and a tile of MR rows sums x * c over a
+//   group, then adds that sum times the group's scale, and the rows' group sums of x times the mins (without
+//   mins: minus 8 times the scale), once per group. One row (decode) reads each code once: half a byte a weight.
+// * amx level, bf16 activations and kW4AmxRows rows or more: the AMX-BF16 tiles of gemm_amx.h. Each 32-column
+//   block's codes are dequantized (c s + m, one fused multiply-add, rounded once to bf16) into a thread's
+//   L2-sized scratch in the bf16 k-pair layout of an AMX B tile, once per row chunk, and the tiles run over it:
+//   the widening is paid once per block and chunk, the products at the tiles' rate.
+#pragma once
+
+namespace {
+
+constexpr int64_t kW4Codes = 8;       // codes per 32-bit word
+constexpr int64_t kW4AmxRows = 16;    // rows from which bf16 calls run on the AMX tiles (amx level)
+
+// Nibble J of each lane of w as a float32 value 0..15.
+template <int J>
+inline vf nibble(vu w) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // vpermps reads only the low 4 bits of each index: the shift alone picks the nibble
+    const __m512i idx = J == 0 ? reinterpret_cast<__m512i>(w) : _mm512_srli_epi32(reinterpret_cast<__m512i>(w), 4 * J);
+    return reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, table));
+  }
+#endif
+  return __builtin_convertvector(reinterpret_cast<vi32>((w >> (4 * J)) & 15u), vf);
+}
+
+inline vf load_halfs(const _Float16* p) { return __builtin_convertvector(load_vec<vh>(p), vf); }
+
+// Registers: 2 x MR x NP x kVecs sums (the tile's and the group's), NP x kVecs words, a code and MR broadcasts.
+constexpr int w4_max_rows() { return kLanes == 16 ? 8 : 2; }
+constexpr int w4_panels(int MR) {
+  const int np = (kRegisters - 1 - MR) / (kVecs * (2 * MR + 1));
+  return np < 1 ? 1 : (np > 8 ? 8 : np);
+}
+
+// One k8 step of a group: part[r][j] += x[r, 8 k8 + J] * code J of words[j], for J = 0 .. 7.
+template <int MR, int NV, int J>
+inline void w4_nibble_step(vf (&part)[MR][NV], const vu (&words)[NV], const float* xk, int64_t xs) {
+  vf c[NV];
+  for (int j = 0; j < NV; ++j) c[j] = nibble<J>(words[j]);
+  for (int r = 0; r < MR; ++r) {
+    const float x0 = xk[r * xs + J];
+    for (int j = 0; j < NV; ++j) part[r][j] = part[r][j] + x0 * c[j];
+  }
+  if constexpr (J + 1 < kW4Codes) w4_nibble_step<MR, NV, J + 1>(part, words, xk, xs);
+}
+
+// out[r, n0 + c] for MR rows and NP panels. w: the first panel's words ([K8][16] each, pe words apart); sc, mn:
+// its scales and mins ([G][16] each, ps apart); xsum[r * G + g]: row r's sum of x over group g; gw: words a group.
+template <int MR, int NP, bool Mins, typename A>
+void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum, const uint32_t* w,
+            int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out, int64_t os,
+            int64_t n0, int64_t N) {
+  constexpr int NV = NP * kVecs;
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t w0 = g * gw, w1 = std::min(K8, w0 + gw);
+    vf part[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) part[r][j] = vf{};
+    for (int64_t k8 = w0; k8 < w1; ++k8) {
+      vu words[NV];
+      for (int p = 0; p < NP; ++p) {
+        const uint32_t* row = w + p * pe + k8 * kPanel;
+        __builtin_prefetch(row + 8 * kPanel, 0, 0);  // 8 lines ahead in this panel
+        for (int v = 0; v < kVecs; ++v) words[p * kVecs + v] = load_vec<vu>(row + v * kLanes);
+      }
+      w4_nibble_step<MR, NV, 0>(part, words, xf + k8 * kW4Codes, xs);
+    }
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kVecs; ++v) {
+        const int j = p * kVecs + v;
+        const vf s = load_halfs(sc + p * ps + g * kPanel + v * kLanes);
+        if constexpr (Mins) {
+          const vf m = load_halfs(mn + p * ps + g * kPanel + v * kLanes);
+          for (int r = 0; r < MR; ++r) acc[r][j] = acc[r][j] + part[r][j] * s + xsum[r * G + g] * m;
+        } else {
+          for (int r = 0; r < MR; ++r) acc[r][j] = acc[r][j] + (part[r][j] - 8.0f * xsum[r * G + g]) * s;
+        }
+      }
+  }
+  store_rows<MR, NV>(acc, bias, nullptr, 0, out, os, n0, N);
+}
+
+template <int MR, int NP, bool Mins, typename A>
+void w4tile_any(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
+                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias,
+                A* out, int64_t os, int64_t n0, int64_t N) {
+  if constexpr (NP > 1) {
+    if (np < NP)
+      return w4tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+  }
+  w4tile<MR, NP, Mins>(K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+}
+
+template <bool Mins, typename A, int MR>
+void w4rows(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
+            const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out,
+            int64_t os, int64_t n0, int64_t N) {
+  w4tile_any<MR, w4_panels(MR), Mins>(np, K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+}
+
+template <typename A>
+using W4RowsFn = void (*)(int, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const uint32_t*,
+                          int64_t, const _Float16*, const _Float16*, int64_t, const A*, A*, int64_t, int64_t, int64_t);
+
+template <bool Mins, typename A, int... R>
+constexpr auto w4rows_table(std::integer_sequence<int, R...>) {
+  return std::array<W4RowsFn<A>, sizeof...(R)>{w4rows<Mins, A, R + 1>...};
+}
+
+// The packed weight's parts.
+struct W4Layout {
+  int64_t K8, gs, G, panels, pe, ps;  // words per column; k per group; groups; panels; words and halfs per panel
+  const uint32_t* words;
+  const _Float16* scales;
+  const _Float16* mins;  // null without mins
+  W4Layout(int64_t N, int64_t K, int64_t group, bool has_mins, const uint8_t* packed) {
+    K8 = K / kW4Codes;
+    gs = group < K ? group : K;
+    G = (K + gs - 1) / gs;
+    panels = (N + kPanel - 1) / kPanel;
+    pe = K8 * kPanel;
+    ps = G * kPanel;
+    words = reinterpret_cast<const uint32_t*>(packed);
+    scales = reinterpret_cast<const _Float16*>(packed + panels * pe * 4);
+    mins = has_mins ? scales + panels * ps : nullptr;
+  }
+};
+
+// The float32 vector path: out (M, N) = x (M, K) @ W.T + bias.
+template <bool Mins, typename A>
+int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int64_t xs, const A* bias, A* out,
+             int64_t os) {
+  const int64_t fs = float_stride(K);
+  const float* xf = widened_rows(M, K, fs, x, xs);
+  static thread_local std::vector<float> sums;  // (M, G): each row's sum of x over each group
+  if (static_cast<int64_t>(sums.size()) < M * L.G) sums.resize(M * L.G);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < L.G; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * L.gs; k < std::min(K, (g + 1) * L.gs); ++k) s += xf[r * fs + k];
+      sums[r * L.G + g] = s;
+    }
+  const float* xsum = sums.data();
+  constexpr int kRows = w4_max_rows();
+  static constexpr auto table = w4rows_table<Mins, A>(std::make_integer_sequence<int, kRows>{});
+  const int64_t gw = L.gs / kW4Codes;
+  for_row_tiles(M, N, K, K, kRows, L.panels, w4_panels(M >= kRows ? kRows : static_cast<int>(M)),
+                [&](int64_t p0, int np, int64_t m0, int mr) {
+                  table[mr - 1](np, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L.words + p0 * L.pe, L.pe,
+                                L.scales + p0 * L.ps, Mins ? L.mins + p0 * L.ps : nullptr, L.ps, bias, out + m0 * os,
+                                os, p0 * kPanel, N);
+                });
+  return 0;
+}
+
+#if HS_HAVE_AMX
+// float32 lanes rounded to bf16 (nearest even; the values are finite): the high halves of the lanes, in the
+// low (Low) or the high half of each 32-bit lane.
+template <bool Low>
+inline __m512i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return Low ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// The weights of the amx path: each block's panels dequantized into a thread's scratch (the bf16 k-pair layout,
+// pe = K x 16 elements a panel), once per block and row chunk; the next block's codes requested into L2 meanwhile.
+struct W4Widened {
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  using Block = PanelTiles;
+  using Ahead = TileAhead;
+  const W4Layout* L;
+  int64_t K;
+  void begin(int64_t, int64_t) const {}
+  TileAhead ahead(int64_t p, int np, int64_t /*chunk*/, int64_t row_steps) const {
+    return lines_ahead(reinterpret_cast<const char*>(L->words + p * L->pe),
+                       reinterpret_cast<const char*>(L->words + (p + np) * L->pe), row_steps);
+  }
+  // panel p's weights, (c s + m) rounded to bf16, as [K/2][16][2] at dst
+  void widen(int64_t p, uint16_t* dst) const {
+    const uint32_t* w = L->words + p * L->pe;
+    const int64_t gw = L->gs / kW4Codes;
+    for (int64_t g = 0; g < L->G; ++g) {
+      const __m512 s = reinterpret_cast<__m512>(load_halfs(L->scales + p * L->ps + g * kPanel));
+      const __m512 m = L->mins != nullptr ? reinterpret_cast<__m512>(load_halfs(L->mins + p * L->ps + g * kPanel))
+                                          : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+      for (int64_t k8 = g * gw; k8 < std::min(L->K8, (g + 1) * gw); ++k8) {
+        const vu words = load_vec<vu>(w + k8 * kPanel);
+        uint16_t* d = dst + k8 * 4 * 2 * kPanel;  // 4 k-pairs of 16 columns
+        const auto pair = [&](auto even, auto odd, int i) {
+          const __m512i lo = round_bf16<true>(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m));
+          const __m512i hi = round_bf16<false>(_mm512_fmadd_ps(reinterpret_cast<__m512>(odd), s, m));
+          _mm512_storeu_si512(d + i * 2 * kPanel, _mm512_or_si512(lo, hi));
+        };
+        pair(nibble<0>(words), nibble<1>(words), 0);
+        pair(nibble<2>(words), nibble<3>(words), 1);
+        pair(nibble<4>(words), nibble<5>(words), 2);
+        pair(nibble<6>(words), nibble<7>(words), 3);
+      }
+    }
+  }
+  PanelTiles block(int64_t p, int np, int64_t /*chunk*/) const {
+    static thread_local std::vector<uint16_t> scratch;
+    const int64_t pe = K * kPanel;
+    if (static_cast<int64_t>(scratch.size()) < 2 * pe + 32) scratch.resize(2 * pe + 32);
+    // 64-byte aligned: the tiles load whole lines
+    uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    for (int j = 0; j < np; ++j) widen(p + j, base + j * pe);
+    return PanelTiles{base, pe};
+  }
+};
+#endif
+
+template <typename A>
+int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const A* x, int64_t xs,
+                 const uint8_t* packed, const A* bias, A* out, int64_t os) {
+  if (M < 0 || N < 1 || K < kW4Codes || K % kW4Codes != 0 || group < 1 || (group < K && group % kW4Codes != 0))
+    return 1;
+  if (M == 0) return 0;
+  const W4Layout L(N, K, group, has_mins != 0, packed);
+#if HS_HAVE_AMX
+  if constexpr (std::is_same_v<A, uint16_t>) {
+    if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, W4Widened{&L, K}, bias, nullptr, out, os);
+  }
+#endif
+  return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
+}
+
+}  // namespace
+
+extern "C" {
+
+int hs_w4_path(int64_t rows) {
+#if HS_HAVE_AMX
+  return rows >= kW4AmxRows ? 1 : 0;
+#else
+  (void)rows;
+  return 0;
+#endif
+}
+
+int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,
+                 int64_t xs, const uint8_t* packed, const void* bias, void* out, int64_t os) {
+  switch (act_dtype) {
+    case kF32:
+      return w4linear_any(M, N, K, group, has_mins, static_cast<const float*>(x), xs, packed,
+                          static_cast<const float*>(bias), static_cast<float*>(out), os);
+    case kBF16:
+      return w4linear_any(M, N, K, group, has_mins, static_cast<const uint16_t*>(x), xs, packed,
+                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), os);
+    case kF16:
+      return w4linear_any(M, N, K, group, has_mins, static_cast<const _Float16*>(x), xs, packed,
+                          static_cast<const _Float16*>(bias), static_cast<_Float16*>(out), os);
+    default:
+      return 2;
+  }
+}
+
+}  // extern "C"
