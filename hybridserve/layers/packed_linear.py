@@ -132,6 +132,11 @@ class _Arena:
             offsets[dt] += n
 
 
+#: the bits of the LM head under ``quantization="int4"`` (4, or 8: int8 per output channel); chosen by
+#: benchmarks/int4_accuracy.py (docs/quantization.md)
+INT4_LM_HEAD_BITS = 4
+
+
 def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", group: int = 0) -> int:
     """Replace every CPU ``nn.Linear`` the CPU kernels cover by a :class:`KernelLinear` (16-bit and float32
     weights), a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's fp8 weights; with
@@ -158,13 +163,17 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
             return torch.uint8, linear_w4.packed_bytes(*w.shape, group, False)
         return torch.uint8, linear_w8.packed_bytes(*w.shape, w8_group)
 
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
     for lin in linears:
         if is_fp8_linear(lin):
             sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape,
                                                                                      lin.weight_group)))
         elif (int8 or int4) and gemm.packable(lin.weight) and getattr(lin, "quantize", True):
             if _key(lin.weight) not in sizes:
-                sizes[_key(lin.weight)] = quantized_size(lin.weight, int4 and linear_w4.covers(lin.in_features, group))
+                four_bit = int4 and linear_w4.covers(lin.in_features, group)
+                if lin.weight is head and INT4_LM_HEAD_BITS == 8:
+                    four_bit = False
+                sizes[_key(lin.weight)] = quantized_size(lin.weight, four_bit)
         elif gemm.packable(lin.weight):
             sizes.setdefault(_key(lin.weight), (lin.weight.dtype, gemm.packed_numel(*lin.weight.shape)))
     expert_format: dict[int, torch.dtype | None] = {}
