@@ -30,6 +30,7 @@ CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
 INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+_PACK_PANELS = 256  # panels packed at a time (4096 rows)
 
 
 def num_groups(in_features: int, group: int) -> int:
@@ -82,13 +83,17 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, g
     packed = torch.empty(size, dtype=torch.uint8) if out is None else out
     panels = -(-N // PANEL)
     rows, words = panels * PANEL, -(-K // CODES_PER_WORD)
-    padded = torch.full((rows, words * CODES_PER_WORD), CODE_CENTRE, dtype=torch.int64)
-    padded[:N, :K] = codes
-    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
-    w = (padded.view(rows, words, CODES_PER_WORD) << shifts).sum(-1)  # (rows, words), < 2^32
-    w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
     code_bytes = rows * words * 4
-    packed[:code_bytes].view(torch.int32).view(panels, words, PANEL).copy_(w.view(panels, PANEL, words).transpose(1, 2))
+    dest = packed[:code_bytes].view(torch.int32).view(panels, words, PANEL)
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
+    for p0 in range(0, panels, _PACK_PANELS):  # a slice of panels at a time: the int64 words stay small
+        p1 = min(panels, p0 + _PACK_PANELS)
+        r0, r1 = p0 * PANEL, p1 * PANEL
+        padded = torch.full((r1 - r0, words * CODES_PER_WORD), CODE_CENTRE, dtype=torch.int64)
+        padded[:max(0, min(N, r1) - r0), :K] = codes[r0:min(N, r1)]
+        w = (padded.view(r1 - r0, words, CODES_PER_WORD) << shifts).sum(-1)  # (rows, words), < 2^32
+        w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+        dest[p0:p1].copy_(w.view(p1 - p0, PANEL, words).transpose(1, 2))
     offset = code_bytes
     for t in (scales, mins):
         if t is None:

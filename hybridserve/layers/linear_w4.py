@@ -12,6 +12,8 @@ from hybridserve.kernels import fallbacks
 from hybridserve.kernels import linear_w4 as kernel
 from hybridserve.ops.linear_w4 import CODE_CENTRE, linear_w4_ref
 
+_QUANTIZE_ROWS = 4096  # rows quantized at a time
+
 #: the dtype that names 4-bit codes as a weight format (MoE experts' ``weight_format``)
 INT4_FORMAT = kernel.INT4_FORMAT
 
@@ -22,12 +24,18 @@ def quantize_w4_f16(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     ``clamp(round(w / scale), -8, 7) + 8`` against that rounded scale, so that packing loses nothing."""
     N, K = weight.shape
     G = kernel.num_groups(K, group)
-    w = nn.functional.pad(weight.detach().float(), (0, G * group - K)).view(N, G, group)
-    amax = w.abs().amax(dim=-1)  # (N, G)
-    scales = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).to(torch.float16).float()
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a scale below float16's range: codes 8
-    codes = torch.round(w / scales[..., None]).clamp_(-8, 7) + CODE_CENTRE
-    return codes.view(N, G * group)[:, :K].to(torch.uint8).contiguous(), scales
+    codes = torch.empty(N, K, dtype=torch.uint8)
+    scales = torch.empty(N, G)
+    for r0 in range(0, N, _QUANTIZE_ROWS):  # a slice of rows at a time: the float32 copies stay small
+        r1 = min(N, r0 + _QUANTIZE_ROWS)
+        w = nn.functional.pad(weight[r0:r1].detach().float(), (0, G * group - K)).view(r1 - r0, G, group)
+        amax = w.abs().amax(dim=-1)  # (rows, G)
+        s = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).to(torch.float16).float()
+        s = torch.where(s > 0, s, torch.ones_like(s))  # a scale below float16's range: codes 8
+        q = torch.round(w / s[..., None]).clamp_(-8, 7) + CODE_CENTRE
+        codes[r0:r1] = q.view(r1 - r0, G * group)[:, :K]
+        scales[r0:r1] = s
+    return codes, scales
 
 
 class W4Linear(nn.Module):

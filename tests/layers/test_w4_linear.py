@@ -110,3 +110,13 @@ def test_from_weight_keeps_the_bias_and_approximates_the_weight():
     x = torch.randn(4, 128)
     with torch.no_grad():
         assert torch.allclose(layer(x), linear_w4_ref(x, codes, scales, None, 32, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_and_quantizing_in_slices_of_rows_keep_every_row():
+    """More rows than one slice of the packing (4096 rows) and of the quantization: every row comes back."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(4100, 24, generator=g)
+    codes, scales = quantize_w4_f16(w, 8)
+    assert torch.equal(codes[4099], quantize_w4_f16(w[4099:], 8)[0][0])
+    c, s, _ = W4Linear.from_codes(24, 4100, codes, scales, None, 8).unpacked()
+    assert torch.equal(c, codes) and torch.equal(s, scales)
