@@ -23,7 +23,8 @@ def _engine(model: str, quantization: str, group: int | None, max_len: int):
 
     return LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantization=quantization,
                                   quantization_group_size=group, cache_memory="1GiB", max_num_seqs=2,
-                                  max_model_len=max_len, enable_progress_bar=False))
+                                  max_model_len=max_len, enable_progress_bar=False,
+                                  enable_prefix_caching=False))  # each round's prefill computed, not a cache hit
 
 
 def _generate(engine, prompt: list[int], output: int) -> tuple[float, float]:

@@ -29,6 +29,7 @@ CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
 #: the dtype that names 4-bit codes where a weight format is a dtype (MoE experts' ``weight_format``)
 INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
+DOT_MAX_ROWS = 4  # rows up to which bf16 calls run on AVX-512 BF16 dot products (kW4DotMaxRows)
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 _PACK_PANELS = 256  # panels packed at a time (4096 rows)
 
@@ -153,7 +154,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, group: int,
 
 
 #: where :func:`linear` runs a call, by rows (``hs_w4_path``' code)
-W4_PATHS = ("float32 vectors", "AMX-BF16 tiles")
+W4_PATHS = ("float32 vectors", "AMX-BF16 tiles", "AVX-512 BF16 dot products")
 
 
 def path(rows: int) -> str | None:

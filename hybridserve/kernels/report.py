@@ -84,10 +84,14 @@ def w4_variant(level: str | None = None) -> str:
     lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
     vector = (f"4-bit codes dequantized in registers ({lanes}), float32 sums per group times its float16 scale; "
               "in-features and group multiples of 8")
+    dot = (f"bf16 calls of up to {linear_w4.DOT_MAX_ROWS} rows (decode) on AVX-512 BF16 dot products over codes "
+           "made bf16 pairs by a table permute")
     if level == "amx":
-        return (f"{level}: bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over each "
-                f"column block's codes dequantized to bf16 once per row chunk; fewer rows (decode), fp16 and float32 "
-                f"activations: {vector}")
+        return (f"{level}: {dot}; bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over "
+                f"each column block's codes dequantized to bf16 once per row chunk; the rest (and fp16, float32 "
+                f"activations): {vector}")
+    if level == "avx512_bf16":
+        return f"{level}: {dot}; the rest: {vector}"
     return f"{level}: every call: {vector}"
 
 

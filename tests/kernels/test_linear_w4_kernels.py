@@ -56,7 +56,7 @@ def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
 @pytest.mark.parametrize("group", [32, 64, 4096])
-@pytest.mark.parametrize("M", [1, 7, 33])
+@pytest.mark.parametrize("M", [1, 3, 7, 33])
 @pytest.mark.parametrize("N,K", [(16, 64), (40, 136), (129, 96)])
 def test_linear_w4_matches_the_reference(M, N, K, group, with_mins, act):
     g = torch.Generator().manual_seed(M * 1000 + N + K + group)
