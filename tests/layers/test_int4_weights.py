@@ -111,3 +111,17 @@ def test_plan_int4_estimate_is_the_engine_figure(ckpt_dir, capsys):
     assert sum(weights["int4"].values()) < sum(weights["int8"].values())
     assert main(["plan", path]) == 0
     assert "with --quantization int4, groups of 32 (estimate)" in capsys.readouterr().out
+
+
+@needs_compiler
+@pytest.mark.skipif(not gemm.available(), reason="the linear kernels did not build")
+def test_env_with_int4_weights_names_the_4_bit_kernel(ckpt_dir, capsys):
+    from hybridserve.entrypoints.cli import main
+
+    path = make(ckpt_dir, "granitemoehybrid", dtype=torch.bfloat16)
+    assert main(["env", "--json", "--model", path, "--quantization", "int4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = report["model"]
+    assert model["weights"]["quantization"] == "int4" and model["weights"]["4bit"]["linears"] > 0
+    assert model["weights"]["4bit"]["kernel"] == report["kernels"]["ops"]["linear_w4"]["variant"]
+    assert model["decode"]["captured"] and model["kernel_fallbacks"] == []
