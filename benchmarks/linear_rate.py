@@ -1,8 +1,8 @@
 """GFLOP/s of one linear layer per row count, side by side: hybridserve's bf16 kernel at each ISA level of
 ``--levels`` this CPU runs (the AMX tiles at ``amx``, AVX-512 BF16 dot products at avx512_bf16), its 8-bit
-weights (int8 codes, weight-only and W8A8) likewise, torch's bf16 ``linear`` (oneDNN; AMX brgemm where the
-CPU has it) and torch's float32 ``linear``. The engines take turns within each repeat; the median of the
-repeats is printed.
+weights (int8 codes, weight-only and W8A8) and 4-bit weights (``--int4 GROUP``) likewise, torch's bf16
+``linear`` (oneDNN; AMX brgemm where the CPU has it) and torch's float32 ``linear``. The engines take turns
+within each repeat; the median of the repeats is printed.
 
     python benchmarks/linear_rate.py --threads 2 --k 2048 --n 2048
 """
@@ -23,6 +23,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
     parser.add_argument("--int8", action="store_true", help="also time the int8 weight kernels (weight-only and W8A8)")
+    parser.add_argument("--int4", type=int, default=0, metavar="GROUP",
+                        help="also time the 4-bit weight kernel, centred codes in groups of GROUP in-features")
     parser.add_argument("--distinct", type=int, default=1,
                         help="cycle through this many distinct weights (enough to exceed the last-level cache: "
                              "each call reads its weight from memory, as a model's layers do)")
@@ -33,7 +35,8 @@ def main() -> None:
     a = parser.parse_args()
     import torch
 
-    from hybridserve.kernels import gemm, isa, linear_w8
+    from hybridserve.kernels import gemm, isa, linear_w4, linear_w8
+    from hybridserve.layers.linear_w4 import quantize_w4_f16
     from hybridserve.ops.linear_w8 import quantize_int8
 
     torch.set_num_threads(a.threads)
@@ -42,6 +45,7 @@ def main() -> None:
     w32s = [w.float() for w in ws]
     packs = [gemm.pack(w) for w in ws]
     packs8 = [linear_w8.pack(*quantize_int8(w, 0), 0) for w in ws] if a.int8 else []
+    packs4 = [linear_w4.pack(*quantize_w4_f16(w, a.int4), None, a.int4) for w in ws] if a.int4 else []
     turn = [0]
 
     def nxt(items):  # the next of the distinct weights, in turn
@@ -76,6 +80,11 @@ def main() -> None:
                     isa.set_cap(lv)
                     linear_w8.linear_w8a8(x, nxt(packs8), N, None)
                 out[f"w8a8 {lv}"] = run_w8a8
+            if a.int4:
+                def run4(lv=lv):
+                    isa.set_cap(lv)
+                    linear_w4.linear(x, nxt(packs4), N, a.int4, False, None)
+                out[f"int4 {lv}"] = run4
         out["torch bf16"] = lambda: torch.nn.functional.linear(x, nxt(ws))
         x32 = x.float()
         out["torch f32"] = lambda: torch.nn.functional.linear(x32, nxt(w32s))

@@ -28,10 +28,13 @@ from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import check_thread_options, check_wait_policy
 from hybridserve.options import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_INT4_GROUP_SIZE,
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
     DEFAULT_SNAPSHOT_INTERVAL,
     DTYPE_ALIASES,
+    INT4_GROUP_SIZES,
+    QUANTIZATIONS,
     check_cache_shape_options,
     check_positive_int,
     conv_state_dtype,
@@ -64,12 +67,29 @@ FP8_KV_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2
 DEVICES = ("auto", "cpu", "cuda")
 #: weight quantization: auto (a checkpoint's own fp8 weights as they are, else none), none (fp8 weights
 #: dequantized at load), int8 (every linear made int8 at load, fp8 ones kept), w8a8 (int8 as well, and the
-#: linears' activations quantized to int8 per row at every call): docs/quantization.md
-QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
+#: linears' activations quantized to int8 per row at every call), int4 (every linear made 4-bit at load, a float16
+#: scale per group of in-features): QUANTIZATIONS in options.py, docs/quantization.md
 #: the quantizations that make linears int8 at load
 INT8_QUANTIZATIONS = ("int8", "w8a8")
+#: the quantizations made at load, on hybridserve's compiled CPU kernels
+LOAD_QUANTIZATIONS = (*INT8_QUANTIZATIONS, "int4")
+
 
 _DTYPE_ALIASES = DTYPE_ALIASES
+
+
+def _check_group_size(quantization: str, group: int | None) -> int | None:
+    """``quantization_group_size`` resolved: with ``quantization="int4"`` one of INT4_GROUP_SIZES (None: the
+    default), otherwise None."""
+    if group is None:
+        return DEFAULT_INT4_GROUP_SIZE if quantization == "int4" else None
+    if quantization != "int4":
+        raise ValueError(f"quantization_group_size={group!r} (--quantization-group-size) applies to "
+                         f"quantization='int4' only, got quantization={quantization!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size={group!r} (--quantization-group-size) must be one of "
+                         f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+    return group
 
 
 def _check_choice(option: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -122,6 +142,8 @@ class EngineConfig:
     cpu_reserved_cores: int = 0
     cpu_wait_policy: str = "auto"
     quantization: str = "auto"
+    # in-features per scale of quantization="int4" (None: DEFAULT_INT4_GROUP_SIZE; other quantizations take none)
+    quantization_group_size: int | None = None
     enable_prefix_caching: bool = True
     prefix_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
     speculative_config: dict[str, Any] | str | None = None
@@ -165,10 +187,15 @@ class EngineConfig:
         self.grammar_limits()  # ValueError naming a bad limit
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_options(self)
-        if self.quantization in INT8_QUANTIZATIONS and (not self.cpu_kernels or self.device == "cuda"):
+        self.quantization_group_size = _check_group_size(self.quantization, self.quantization_group_size)
+        if self.quantization in LOAD_QUANTIZATIONS and (not self.cpu_kernels or self.device == "cuda"):
             raise ValueError(f"quantization={self.quantization!r} runs on hybridserve's compiled CPU kernels: it needs "
                              f"cpu_kernels=True and device cpu or auto (got cpu_kernels={self.cpu_kernels}, "
                              f"device={self.device!r})")
+
+    def int4_group_size(self) -> int:
+        """In-features per scale of ``quantization="int4"``."""
+        return self.quantization_group_size or DEFAULT_INT4_GROUP_SIZE
 
     def grammar_limits(self) -> GrammarLimits:
         """Structured output's limits on a request's grammar (size, compile time) and on the compiled-grammar cache."""

@@ -24,6 +24,11 @@ CODED_STATE_DTYPE_NAMES = ("int8", "fp8_e4m3")
 TEMPORAL_STATE_DTYPE_NAMES = (*STATE_DTYPE_NAMES, *CODED_STATE_DTYPE_NAMES)
 FP8_KV_DTYPE_NAMES = ("fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
+#: weight quantization (config.py: EngineConfig.quantization; docs/quantization.md)
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8", "int4")
+#: in-features per scale that quantization "int4" takes, and its default
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 32
 
 #: the spellings an option accepts besides its name (``config._DTYPE_ALIASES`` is this table)
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridserve.config import INT8_QUANTIZATIONS, EngineConfig
+from hybridserve.config import LOAD_QUANTIZATIONS, EngineConfig
 from hybridserve.engine.decode_capture import try_capture
-from hybridserve.kernels import enable_cpu_kernels, gemm, isa, linear_w8, unavailable_reason
-from hybridserve.kernels.report import w8_variant
+from hybridserve.kernels import enable_cpu_kernels, gemm, isa, linear_w4, linear_w8, unavailable_reason
+from hybridserve.kernels.report import w4_variant, w8_variant
+from hybridserve.layers.linear_w4 import W4Linear
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.packed_linear import (
     copy_remaining_parameters,
@@ -42,7 +43,8 @@ class CpuFastPaths:
     onednn_linears: int = 0  # bf16 linears on oneDNN's prepacked matmul
     torch_16bit_linears: int = 0  # 16-bit linears left on torch's matmul
     w8_linears: dict[str, int] = field(default_factory=dict)  # 8-bit linears by code dtype (int8, fp8 e4m3)
-    quantization: str = "none"  # what the engine applied: none, int8, fp8 (a checkpoint's fp8 weights)
+    w4_linears: int = 0  # 4-bit linears and expert blocks
+    quantization: str = "none"  # what the engine applied: none, int8, w8a8, int4, fp8 (a checkpoint's fp8 weights)
     decode_captured: bool = False
     decode_reason: str | None = None
     verify_captured: bool | None = None  # speculative verification steps captured (None: no speculation)
@@ -54,7 +56,9 @@ class CpuFastPaths:
         return {"cpu_isa": self.isa, "kernels": {"on": self.kernels, "reason": self.kernels_reason},
                 "linears": {"hybridserve_kernel": self.packed_linears, "onednn_prepacked": self.onednn_linears,
                             "torch_16bit": self.torch_16bit_linears, "8bit": dict(self.w8_linears)},
-                "weights": {"quantization": self.quantization, "kernel": w8_variant() if self.w8_linears else None},
+                "weights": {"quantization": self.quantization, "kernel": w8_variant() if self.w8_linears else None,
+                            **({"4bit": {"linears": self.w4_linears, "kernel": w4_variant()}} if self.w4_linears
+                               else {})},
                 "decode": {"captured": self.decode_captured, "reason": self.decode_reason},
                 **({} if self.verify_captured is None else
                    {"verify": {"captured": self.verify_captured, "reason": self.verify_reason}})}
@@ -95,10 +99,16 @@ def _count_w8_linears(model: nn.Module) -> dict[str, int]:
     counts: dict[str, int] = {}
     for m in model.modules():
         fmt = m.fmt if isinstance(m, W8Linear) else getattr(m, "weight_format", None)
-        if fmt is not None:
+        if fmt is not None and fmt != linear_w4.INT4_FORMAT:
             name = "int8" if fmt == torch.int8 else "fp8_e4m3"
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def _count_w4_linears(model: nn.Module) -> int:
+    """4-bit linears and expert blocks."""
+    return sum(1 for m in model.modules()
+               if isinstance(m, W4Linear) or getattr(m, "weight_format", None) == linear_w4.INT4_FORMAT)
 
 
 def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
@@ -131,13 +141,15 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.kernels = enable_cpu_kernels(model)
         if not report.kernels:
             report.kernels_reason = unavailable_reason() or "a kernel library did not load"
-    if config.quantization in INT8_QUANTIZATIONS and not report.kernels:
+    if config.quantization in LOAD_QUANTIZATIONS and not report.kernels:
         raise ValueError(f"quantization={config.quantization!r} needs the compiled CPU kernels, which are off here "
                          f"({report.kernels_reason})")
     if report.kernels:
-        report.packed_linears = pack_kernel_linear_layers(model, config.quantization)
+        group = config.int4_group_size() if config.quantization == "int4" else 0
+        report.packed_linears = pack_kernel_linear_layers(model, config.quantization, group)
         report.w8_linears = _count_w8_linears(model)
-        report.quantization = (config.quantization if config.quantization in INT8_QUANTIZATIONS
+        report.w4_linears = _count_w4_linears(model)
+        report.quantization = (config.quantization if config.quantization in LOAD_QUANTIZATIONS
                                else "fp8" if report.w8_linears else "none")
         if config.quantization == "w8a8" and linear_w8.w8a8_sums() == "integer vectors":
             logger.warning("quantization='w8a8' at ISA %s sums on integer vectors (no AVX-512 VNNI or AMX-INT8 "

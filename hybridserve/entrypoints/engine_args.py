@@ -9,12 +9,15 @@ from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import WAIT_POLICIES
 from hybridserve.options import (
     DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_INT4_GROUP_SIZE,
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
     DEFAULT_SNAPSHOT_INTERVAL,
     DEVICES,
+    INT4_GROUP_SIZES,
     KV_CACHE_DTYPE_NAMES,
     MODEL_DTYPE_NAMES,
+    QUANTIZATIONS,
     STATE_DTYPE_NAMES,
     TEMPORAL_STATE_DTYPE_NAMES,
     conv_state_dtype,
@@ -91,12 +94,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="how idle OpenMP threads wait: spin (until work comes), bounded (spin briefly, then "
                              "sleep), passive (sleep at once), openmp (the runtime's default); auto is bounded, which "
                              "degrades to a fair share when another process runs on the cores (docs/performance.md)")
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                         help="weights: int8 quantizes every linear (MoE experts and the LM head too) per output "
-                             "channel at load, run on the CPU kernels; auto runs a checkpoint's own fp8 weights "
-                             "(quantization_config) as they are; none dequantizes those at load; w8a8 is int8 with "
-                             "each linear's activations quantized to int8 per row too (AMX-INT8 tiles where present; "
-                             "MoE experts stay weight-only): docs/quantization.md")
+                             "channel at load, run on the CPU kernels; int4 likewise to 4-bit codes with a float16 "
+                             "scale per group of in-features (--quantization-group-size); auto runs a checkpoint's "
+                             "own fp8 weights (quantization_config) as they are; none dequantizes those at load; "
+                             "w8a8 is int8 with each linear's activations quantized to int8 per row too (AMX-INT8 "
+                             "tiles where present; MoE experts stay weight-only): docs/quantization.md")
+    parser.add_argument("--quantization-group-size", type=int, default=None, choices=list(INT4_GROUP_SIZES),
+                        metavar="N", help=f"in-features per scale of --quantization int4: "
+                                          f"{', '.join(map(str, INT4_GROUP_SIZES))} (default "
+                                          f"{DEFAULT_INT4_GROUP_SIZE})")
     parser.add_argument("--enable-prefix-caching", default=True, action=argparse.BooleanOptionalAction,
                         help="resume prompts from cached prefixes: shared KV pages and recurrent-state "
                              "snapshots in the one pool, evicted whenever requests need the room")
@@ -134,7 +142,7 @@ def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
                  "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "cpu_threads",
-                 "cpu_reserved_cores", "cpu_wait_policy", "quantization",
+                 "cpu_reserved_cores", "cpu_wait_policy", "quantization", "quantization_group_size",
                  "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
                  "tensor_parallel_size", "max_grammar_bytes", "max_grammar_compile_seconds", "grammar_cache_bytes",
                  "generation_config")

@@ -11,7 +11,7 @@ import json
 import sys
 
 from hybridserve.entrypoints.engine_args import HelpFormatter, add_dtype_args
-from hybridserve.options import DEFAULT_SNAPSHOT_INTERVAL
+from hybridserve.options import DEFAULT_INT4_GROUP_SIZE, DEFAULT_SNAPSHOT_INTERVAL, INT4_GROUP_SIZES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="plan one rank of this many (its slice of every cache tensor, its pool of --cache-memory "
                         "bytes); reads the config through transformers and shards the model as the engine does")
+    p.add_argument("--quantization-group-size", type=int, default=DEFAULT_INT4_GROUP_SIZE,
+                   choices=list(INT4_GROUP_SIZES), metavar="N",
+                   help="in-features per scale of the --quantization int4 weight estimate")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of tables: every layer (layers) and the kinds of layer "
                         "with their counts (layer_groups)")
@@ -75,25 +78,28 @@ def run(args: argparse.Namespace) -> int:
     alternatives = plan_alternatives(hf_config, config)
     from hybridserve.planning.weight_plan import weight_bytes
 
-    weights = weight_bytes(args.model, bool(getattr(hf_config, "tie_word_embeddings", False)))
+    weights = weight_bytes(args.model, bool(getattr(hf_config, "tie_word_embeddings", False)),
+                           args.quantization_group_size)
     if args.json:
         print(json.dumps({**plan.to_dict(), "layer_groups": layer_groups(plan.specs),
                           "alternatives": [a.summary() for a in alternatives], "weight_bytes": weights}, indent=2))
     else:
         print_plan(plan, alternatives)
-        print_weights(weights)
+        print_weights(weights, args.quantization_group_size)
         if weights is not None and plan.tensor_parallel_size > 1:
             print(f"weights per rank: about 1/{plan.tensor_parallel_size} of these (norms, routers and the "
                   "projections inside low-rank gates are whole on every rank)")
     return 0
 
 
-def print_weights(weights: dict | None) -> None:
-    """Weight bytes per dtype: as stored, and with --quantization int8 (an estimate from names and shapes)."""
+def print_weights(weights: dict | None, int4_group: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+    """Weight bytes per dtype: as stored, and with --quantization int8 and int4 (estimates from names and
+    shapes)."""
     if weights is None:
         print("weights: no safetensors here (config.json only)")
         return
-    for label, key in (("checkpoint", "checkpoint"), ("with --quantization int8 (estimate)", "int8")):
+    for label, key in (("checkpoint", "checkpoint"), ("with --quantization int8 (estimate)", "int8"),
+                       (f"with --quantization int4, groups of {int4_group} (estimate)", "int4")):
         parts = weights[key]
         total = sum(parts.values())
         print(f"weights, {label}: {_size(total)} (" + ", ".join(f"{_short(k)} {_size(v)}" for k, v in parts.items())

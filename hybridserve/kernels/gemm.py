@@ -112,7 +112,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
 
 
 MOE_ACTIVATIONS = {"silu": 0, "relu2": 1}  # Activation in csrc/gemm.cpp: silu gated, relu2 not gated
-WEIGHT_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}  # WeightFormat in csrc/gemm_w8.h (0: x's dtype)
+#: WeightFormat in csrc/gemm_w8.h (0: x's dtype): the 8-bit codes, and uint4 for centred 4-bit ones
+#: (kernels/linear_w4.py)
+W8_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+WEIGHT_FORMATS = {**W8_FORMATS, torch.uint4: 3}  # type: ignore[attr-defined]
 
 
 def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_table: torch.Tensor,
@@ -121,9 +124,9 @@ def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_t
                 group: int = 0) -> torch.Tensor | None:
     """The experts of an MoE block over their packed weights (16/32-bit packs of x's dtype, or, with
     ``weight_format`` int8 or float8_e4m3fn, 8-bit ones of ``kernels/linear_w8.py`` with scales per
-    ``group``): each token's k experts (``index`` (T, k)
-    int64, ``weight`` (T, k) float32 or x's dtype), ``up(x) -> act -> down`` per expert, summed in
-    float32 by weight and rounded to x's dtype, plus ``shared`` (T, H) when given (rounded again).
+    ``group``; uint4, centred 4-bit ones of ``kernels/linear_w4.py`` with a float16 scale per ``group``): each
+    token's k experts (``index`` (T, k) int64, ``weight`` (T, k) float32 or x's dtype), ``up(x) -> act -> down``
+    per expert, summed in float32 by weight and rounded to x's dtype, plus ``shared`` (T, H) when given (rounded again).
     ``up_table``/``down_table``: (E,) int64 addresses of each expert's packed ``gate_up``/``up`` and
     ``down`` weights. Gated experts take silu, non-gated relu2. None when not covered."""
     lib = _library()

@@ -19,7 +19,7 @@ import torch
 
 from hybridserve.kernels._abi import DTYPE_CODES, check
 from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_operands
-from hybridserve.kernels.gemm import WEIGHT_FORMATS as FORMATS  # the 8-bit weight dtypes and their codes
+from hybridserve.kernels.gemm import W8_FORMATS as FORMATS  # the 8-bit weight dtypes and their codes
 
 
 def num_groups(in_features: int, group: int) -> int:

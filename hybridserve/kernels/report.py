@@ -15,6 +15,7 @@ OPS = {
     "linear_f16": ("gemm", "fp16 linear layers and MoE experts"),
     "linear_w8": ("gemm", "8-bit weight linears and MoE experts (int8, fp8 e4m3)"),
     "linear_w8a8": ("gemm", "int8 weight linears with int8 activations (--quantization w8a8)"),
+    "linear_w4": ("gemm", "4-bit group-wise weight linears and MoE experts (--quantization int4)"),
     "rms_norm": ("pointwise", "RMS norm (with the residual add)"),
     "gated_rms_norm": ("pointwise", "Mamba2 gated group RMS norm"),
     "silu_mul": ("pointwise", "silu(a) * b"),
@@ -46,6 +47,8 @@ def _variant(op: str, level: str) -> str:
         return f"{level}: weights widened to float32 in registers"
     if op == "linear_w8":
         return w8_variant(level)
+    if op == "linear_w4":
+        return w4_variant(level)
     if op == "linear_w8a8":
         from hybridserve.kernels import linear_w8
 
@@ -70,6 +73,26 @@ def w8_variant(level: str | None = None) -> str:
         return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
                 f"to bf16; others {fma}")
     return f"{level}: {fma}"
+
+
+def w4_variant(level: str | None = None) -> str:
+    """The 4-bit weight linears' variant at ``level`` (default: the level in force): which path each shape class
+    (calls by rows, activation dtype) takes."""
+    from hybridserve.kernels import linear_w4
+
+    level = level or isa.level_in_force()
+    lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
+    vector = (f"4-bit codes dequantized in registers ({lanes}), float32 sums per group times its float16 scale; "
+              "in-features and group multiples of 8")
+    dot = (f"bf16 calls of up to {linear_w4.DOT_MAX_ROWS} rows (decode) on AVX-512 BF16 dot products over codes "
+           "made bf16 pairs by a table permute")
+    if level == "amx":
+        return (f"{level}: {dot}; bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over "
+                f"each column block's codes dequantized to bf16 once per row chunk; the rest (and fp16, float32 "
+                f"activations): {vector}")
+    if level == "avx512_bf16":
+        return f"{level}: {dot}; the rest: {vector}"
+    return f"{level}: every call: {vector}"
 
 
 def mamba2_scan_variant(level: str | None = None) -> str:

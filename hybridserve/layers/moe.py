@@ -13,8 +13,9 @@ import re
 import torch
 from torch import nn
 
-from hybridserve.kernels import fallbacks, gemm, linear_w8
+from hybridserve.kernels import fallbacks, gemm, linear_w4, linear_w8
 from hybridserve.layers.activations import activation
+from hybridserve.ops.linear_w4 import linear_w4_ref
 from hybridserve.ops.linear_w8 import linear_w8_ref
 
 
@@ -84,7 +85,8 @@ class FusedExperts(nn.Module):
         self.tables: dict[str, torch.Tensor] = {}  # parameter name -> (E,) int64 addresses of the packed weights
         self._out_features: dict[str, int] = {}
         self._in_features: dict[str, int] = {}
-        self.weight_format: torch.dtype | None = None  # the packed weights' 8-bit codes (int8), None: 16/32-bit
+        # the packed weights' codes: int8 (8-bit), uint4 (4-bit, kernels/linear_w4.py), None: 16/32-bit
+        self.weight_format: torch.dtype | None = None
         self.group = 0  # in-features per scale of 8-bit weights (0: one scale per output channel)
 
     def _projections(self) -> tuple[str, ...]:
@@ -100,8 +102,9 @@ class FusedExperts(nn.Module):
 
     def pack(self, pack_weight, weight_format: torch.dtype | None = None, group: int = 0) -> int:
         """Hold the experts only in the CPU kernels' packed form, ``pack_weight(weight)`` each (a weight
-        it declines keeps the whole block unpacked): 16/32-bit packs, or, with ``weight_format`` (int8),
-        8-bit codes with scales per ``group`` in-features. Returns how many experts' projections were packed."""
+        it declines keeps the whole block unpacked): 16/32-bit packs, or, with ``weight_format`` int8, 8-bit codes
+        with scales per ``group`` in-features (0: per output channel), or uint4, 4-bit centred codes with a
+        float16 scale per ``group`` in-features. Returns how many experts' projections were packed."""
         packed = {name: [pack_weight(getattr(self, name)[e].detach()) for e in range(self.num_experts)]
                   for name in self._projections()}
         if any(p is None for ps in packed.values() for p in ps):
@@ -118,6 +121,13 @@ class FusedExperts(nn.Module):
         """h (n, in) through projection ``name`` of expert e -> (n, out)."""
         if self.packed is None:
             return nn.functional.linear(h, getattr(self, name)[e])
+        if self.weight_format == linear_w4.INT4_FORMAT:  # 4-bit codes, centred, a float16 scale per group
+            packed, n_out = self.packed[name][e], self._out_features[name]
+            y = linear_w4.linear(h, packed, n_out, self.group, False, None)
+            if y is None:
+                codes, scales, _ = linear_w4.unpack(packed, n_out, self._in_features[name], self.group, False)
+                y = linear_w4_ref(h, codes, scales, None, self.group)
+            return y
         if self.weight_format is not None:
             args = (self.packed[name][e], self._out_features[name], self.weight_format, self.group)
             y = linear_w8.linear(h, *args, None)

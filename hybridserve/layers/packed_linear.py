@@ -15,6 +15,9 @@ grow (a tied LM head keeps the embedding's weight):
 * :class:`~hybridserve.layers.linear_w8.W8Linear` for 8-bit weights: every linear with
   ``EngineConfig.quantization="int8"`` (quantized here, per output channel) and a checkpoint's fp8 ones
   (``docs/quantization.md``).
+* :class:`~hybridserve.layers.linear_w4.W4Linear` for 4-bit weights: every linear with
+  ``EngineConfig.quantization="int4"`` (centred codes, a float16 scale per group of in-features), MoE experts
+  too; a linear whose in-features the 4-bit kernel does not take (not a multiple of 8) is made int8 instead.
 * :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``), on CPUs
   where oneDNN's bf16 matmul runs natively (AVX-512 BW/VL/DQ, with the ISA in force allowing it):
   oneDNN's prepacked matmul, bit-identical to ``torch.nn.functional.linear`` on bf16 and 15-35%
@@ -28,7 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from hybridserve.kernels import gemm, hugepages, isa, linear_w8
+from hybridserve.kernels import gemm, hugepages, isa, linear_w4, linear_w8
+from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_f16
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.moe import FusedExperts
 from hybridserve.ops.linear_w8 import quantize_int8
@@ -128,41 +132,71 @@ class _Arena:
             offsets[dt] += n
 
 
+#: the bits of the LM head under ``quantization="int4"`` (4, or 8: int8 per output channel); chosen by
+#: benchmarks/int4_accuracy.py (docs/quantization.md)
+INT4_LM_HEAD_BITS = 4
+
+
 def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", group: int = 0) -> int:
     """Replace every CPU ``nn.Linear`` the CPU kernels cover by a :class:`KernelLinear` (16-bit and float32
-    weights) or a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's 8-bit codes; with
-    ``quantization="int8"`` every linear, quantized per output channel, or per ``group`` in-features), and
-    pack the experts of every ``FusedExperts`` block likewise; returns how many linears and experts were
-    packed. Routers (``quantize = False`` on their linear: their logits pick experts, a discrete choice that
-    int8 rounding would flip; llama.cpp keeps them unquantized too) stay 16-bit. The packed weights share
-    one allocation per dtype."""
+    weights), a :class:`~hybridserve.layers.linear_w8.W8Linear` (a checkpoint's 8-bit codes; with
+    ``quantization="int8"`` every linear, quantized per output channel, or per ``group`` in-features) or a
+    :class:`~hybridserve.layers.linear_w4.W4Linear` (``quantization="int4"``: every linear, a scale per ``group``
+    in-features), and pack the experts of every ``FusedExperts`` block likewise; returns how many linears and
+    experts were packed. Routers (``quantize = False`` on their linear: their logits pick experts, a discrete
+    choice that int8 rounding would flip; llama.cpp keeps them unquantized too) stay 16-bit. The packed weights
+    share one allocation per dtype."""
     if not gemm.available():
         return 0
+    int4 = quantization == "int4"
     int8 = quantization in ("int8", "w8a8")
     dynamic = quantization == "w8a8"  # activations quantized per row too
+    w8_group = 0 if int4 else group  # int4's linears the 4-bit kernel does not take: int8 per output channel
     experts = [m for m in model.modules() if isinstance(m, FusedExperts) and m.packable()]
     linears = [child for _, _, child in _packable_linears(model)]
     sizes: dict[tuple, tuple[torch.dtype, int]] = {}
+    w4_keys: set[tuple] = set()  # the weights packed in 4 bits
+
+    def quantized_size(w: torch.Tensor, four_bit: bool) -> tuple[torch.dtype, int]:
+        if four_bit:
+            w4_keys.add(_key(w))
+            return torch.uint8, linear_w4.packed_bytes(*w.shape, group, False)
+        return torch.uint8, linear_w8.packed_bytes(*w.shape, w8_group)
+
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
     for lin in linears:
         if is_fp8_linear(lin):
             sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape,
                                                                                      lin.weight_group)))
-        elif int8 and gemm.packable(lin.weight) and getattr(lin, "quantize", True):
-            sizes.setdefault(_key(lin.weight), (torch.uint8, linear_w8.packed_bytes(*lin.weight.shape, group)))
+        elif (int8 or int4) and gemm.packable(lin.weight) and getattr(lin, "quantize", True):
+            if _key(lin.weight) not in sizes:
+                four_bit = int4 and linear_w4.covers(lin.in_features, group)
+                if lin.weight is head and INT4_LM_HEAD_BITS == 8:
+                    four_bit = False
+                sizes[_key(lin.weight)] = quantized_size(lin.weight, four_bit)
         elif gemm.packable(lin.weight):
             sizes.setdefault(_key(lin.weight), (lin.weight.dtype, gemm.packed_numel(*lin.weight.shape)))
-    for w in (w for block in experts for w in block.expert_weights()):
-        sizes.setdefault(_key(w), (torch.uint8, linear_w8.packed_bytes(*w.shape, group)) if int8
-                         else (w.dtype, gemm.packed_numel(*w.shape)))
+    expert_format: dict[int, torch.dtype | None] = {}
+    for block in experts:
+        weights = block.expert_weights()
+        four_bit = int4 and all(linear_w4.covers(w.shape[1], group) for w in weights)
+        expert_format[id(block)] = linear_w4.INT4_FORMAT if four_bit else torch.int8 if int8 or int4 else None
+        for w in weights:
+            if _key(w) not in sizes:
+                sizes[_key(w)] = (quantized_size(w, four_bit) if int8 or int4
+                                  else (w.dtype, gemm.packed_numel(*w.shape)))
     slots = _Arena(sizes).slots
+    w4_slots = {slots[k].data_ptr() for k in w4_keys}
 
     def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         slot = slots.get(_key(weight))
         if slot is None:
             return None
+        if slot.data_ptr() in w4_slots:
+            return linear_w4.pack(*quantize_w4_f16(weight, group), None, group, out=slot)
         if slot.dtype == torch.uint8:
-            q, scales = quantize_int8(weight, group)
-            return linear_w8.pack(q, scales, group, out=slot)
+            q, scales = quantize_int8(weight, w8_group)
+            return linear_w8.pack(q, scales, w8_group, out=slot)
         return gemm.pack(weight, slot)
 
     def pack_linear(lin: nn.Linear) -> torch.Tensor | None:
@@ -173,13 +207,16 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
     def make(lin: nn.Linear, packed: torch.Tensor) -> nn.Module:
         if is_fp8_linear(lin):
             return W8Linear(lin, packed, lin.weight.dtype, lin.weight_group)
+        if packed.data_ptr() in w4_slots:
+            return W4Linear(lin.in_features, lin.out_features, packed, group, False, lin.bias)
         if packed.dtype == torch.uint8:
-            return W8Linear(lin, packed, torch.int8, group, dynamic_activations=dynamic and group == 0)
+            return W8Linear(lin, packed, torch.int8, w8_group, dynamic_activations=dynamic and w8_group == 0)
         return KernelLinear(lin, packed)
 
     count = _replace_linears(model, pack_linear, make)
     for block in experts:
-        count += block.pack(pack_weight, torch.int8 if int8 else None, group)
+        fmt = expert_format[id(block)]
+        count += block.pack(pack_weight, fmt, group if fmt == linear_w4.INT4_FORMAT else w8_group)
     return count
 
 

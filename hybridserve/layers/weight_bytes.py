@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.layers.linear_w4 import INT4_FORMAT, W4Linear
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.moe import FusedExperts
 
 
 def _name(dtype: torch.dtype) -> str:
-    return {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}.get(dtype, str(dtype).removeprefix("torch."))
+    return {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3", INT4_FORMAT: "int4"}.get(
+        dtype, str(dtype).removeprefix("torch."))
 
 
 def _address_and_bytes(t: torch.Tensor) -> tuple[int, int]:
@@ -28,7 +30,8 @@ def _address_and_bytes(t: torch.Tensor) -> tuple[int, int]:
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes per dtype of every parameter, buffer and packed weight, each tensor once (a tied weight and
-    its packed copy are two). 8-bit packs count under their codes' dtype, with their float32 scales."""
+    its packed copy are two). 8-bit packs count under their codes' dtype, with their float32 scales; 4-bit packs
+    under ``int4``, with their float16 scales."""
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
 
@@ -41,7 +44,10 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     for m in model.modules():
         for name, t in list(m._parameters.items()) + list(m._buffers.items()):
             if t is not None:
-                add(t, _name(m.fmt) if isinstance(m, W8Linear) and name == "packed_weight" else _name(t.dtype))
+                label = _name(t.dtype)
+                if name == "packed_weight" and isinstance(m, (W8Linear, W4Linear)):
+                    label = "int4" if isinstance(m, W4Linear) else _name(m.fmt)
+                add(t, label)
         if isinstance(m, FusedExperts) and m.packed is not None:
             for t in (t for ts in m.packed.values() for t in ts):
                 add(t, _name(m.weight_format) if m.weight_format is not None else _name(t.dtype))

@@ -111,8 +111,8 @@ def test_int8_weights_with_float32_state(ckpt_dir):
 
 def test_quantization_option_is_validated_and_on_the_cli():
     assert EngineConfig(model="x").quantization == "auto"
-    with pytest.raises(ValueError, match=r"quantization='int4' is not valid; allowed values: auto, none, int8"):
-        EngineConfig(model="x", quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization='int3' is not valid; allowed values: auto, none, int8"):
+        EngineConfig(model="x", quantization="int3")
     with pytest.raises(ValueError, match="cpu_kernels=True"):
         EngineConfig(model="x", quantization="int8", cpu_kernels=False)
     fingerprints = {EngineConfig(model="x", quantization=q).fingerprint() for q in ("auto", "none", "int8")}
@@ -120,7 +120,7 @@ def test_quantization_option_is_validated_and_on_the_cli():
     args = build_parser().parse_args(["generate", "some/dir", "--quantization", "int8"])
     assert EngineConfig(**{**engine_kwargs(args), "model": "x"}).quantization == "int8"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["generate", "some/dir", "--quantization", "int4"])
+        build_parser().parse_args(["generate", "some/dir", "--quantization", "int3"])
 
 
 @needs_compiler

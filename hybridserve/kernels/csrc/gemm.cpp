@@ -462,6 +462,7 @@ int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
 
 #include "gemm_w8.h"  // the 8-bit weight linears, on the vector helpers above
 #include "gemm_w8a8.h"  // 8-bit weights times 8-bit activations (W8A8)
+#include "gemm_w4.h"  // the 4-bit group-wise weight linears
 
 extern "C" {
 
@@ -535,6 +536,9 @@ int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packe
                   int64_t group = 0) {
   if (wfmt != kNativeWeights) {
     constexpr int code = std::is_same_v<T, BF16> ? kBF16 : std::is_same_v<T, float> ? kF32 : kF16;
+    if (wfmt == kInt4Weights || wfmt == kInt4MinsWeights)
+      return hs_linear_w4(code, n, N, K, group, wfmt == kInt4MinsWeights, x, K, static_cast<const uint8_t*>(packed),
+                          nullptr, out, N);
     return hs_linear_w8(code, wfmt, n, N, K, group, x, K, static_cast<const uint8_t*>(packed), nullptr, out, N);
   }
   if constexpr (std::is_same_v<T, BF16>) {
@@ -775,7 +779,8 @@ int hs_moe_experts(int dtype, int weight_dtype, int64_t T, int64_t H, int64_t I,
                    int64_t xs, const int64_t* index, const void* weight, const int64_t* up, const int64_t* down,
                    int gated, int act, int wfmt, int64_t group, const void* shared, int64_t ss, void* out,
                    int64_t os) {
-  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1 || wfmt < 0 || wfmt > 2) return 1;
+  if ((gated && act != kSilu) || (!gated && act != kRelu2) || k < 1 || E < 1 || wfmt < 0 || wfmt > kInt4MinsWeights)
+    return 1;
   int rc = 2;
   auto run = [&](auto t) {
     using AT = decltype(t);
@@ -807,4 +812,5 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_gemm_amx_rows) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
             HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
             HS_KERNEL(hs_router_grouped_sigmoid) HS_KERNEL(hs_pack_w8) HS_KERNEL(hs_linear_w8)
+            HS_KERNEL(hs_w4_path) HS_KERNEL(hs_linear_w4)
             HS_KERNEL(hs_w8a8_sums) HS_KERNEL(hs_linear_w8a8))

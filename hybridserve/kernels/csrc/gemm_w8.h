@@ -20,7 +20,9 @@
 
 namespace {
 
-enum WeightFormat : int { kNativeWeights = 0, kInt8Weights = 1, kFp8E4m3Weights = 2 };
+// (4-bit ones, gemm_w4.h, only in the MoE experts' formats: centred codes, or codes with mins)
+enum WeightFormat : int { kNativeWeights = 0, kInt8Weights = 1, kFp8E4m3Weights = 2, kInt4Weights = 3,
+                          kInt4MinsWeights = 4 };
 constexpr int64_t kW8DotRows = 4;  // rows from which avx512_bf16 runs bf16 activations on dot products
 
 typedef uint8_t vb8 __attribute__((vector_size(kLanes)));

@@ -1,0 +1,100 @@
+"""4-bit weights against int8 and bf16 on one checkpoint, interleaved: one-stream decode and one prefill.
+
+One process holds a bf16 engine, an int8 engine and one int4 engine per ``--groups`` entry of the same checkpoint,
+and runs, round after round, on each engine: one stream (1 x PROMPT -> OUTPUT: its decode rate, prefill excluded)
+and one prefill (1 x PREFILL -> 1 token: its time to the first token), the engines' order reversed every other
+round. Every round samples the same stretch of a shared machine's drifting speed, so the medians of the per-round
+ratios are what to quote.
+
+    python benchmarks/int4_decode.py --model /tmp/bench-granite-1.3b --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def _engine(model: str, quantization: str, group: int | None, max_len: int):
+    from hybridserve.config import EngineConfig
+    from hybridserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantization=quantization,
+                                  quantization_group_size=group, cache_memory="1GiB", max_num_seqs=2,
+                                  max_model_len=max_len, enable_progress_bar=False,
+                                  enable_prefix_caching=False))  # each round's prefill computed, not a cache hit
+
+
+def _generate(engine, prompt: list[int], output: int) -> tuple[float, float]:
+    """(seconds, time to the first token) of one greedy request of ``output`` tokens."""
+    from hybridserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    engine.add_request(f"r{time.perf_counter_ns()}", prompt, params)
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step() and first is None:
+            first = time.perf_counter() - start
+    return time.perf_counter() - start, first if first is not None else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--groups", default="32", help="int4 group sizes, comma-separated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=None, help="write every round's figures here")
+    a = parser.parse_args()
+    import torch
+
+    from hybridserve.kernels import isa
+
+    torch.set_num_threads(a.threads)
+    max_len = max(a.prompt + a.output, a.prefill + 1) + 8
+    specs = {"bf16": ("none", None), "int8": ("int8", None),
+             **{f"int4_g{g}": ("int4", int(g)) for g in a.groups.split(",")}}
+    engines = {name: _engine(a.model, q, g, max_len) for name, (q, g) in specs.items()}
+    vocab = engines["bf16"].hf_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, vocab, (a.prompt,), generator=g).tolist()
+    long_prompt = torch.randint(3, vocab, (a.prefill,), generator=g).tolist()
+    for engine in engines.values():  # warm-up
+        _generate(engine, prompt, 4)
+        _generate(engine, long_prompt, 1)
+    rounds = []
+    for r in range(a.rounds):
+        row = {}
+        order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
+        for name, engine in order:
+            seconds, ttft = _generate(engine, prompt, a.output)
+            row[f"decode_{name}"] = (a.output - 1) / (seconds - ttft)
+        for name, engine in order:
+            row[f"prefill_{name}"] = a.prefill / _generate(engine, long_prompt, 1)[1]
+        rounds.append(row)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+
+    def ratio(num: str, den: str) -> float:
+        return statistics.median(row[num] / row[den] for row in rounds)
+
+    print(f"\nCPU: {isa.cpu_info().model}, ISA {isa.level_in_force()}, {a.threads} threads; medians over "
+          f"{a.rounds} rounds (tok/s): " + ", ".join(f"{k} {statistics.median(r[k] for r in rounds):.1f}"
+                                                   for k in rounds[0]))
+    for name in specs:
+        if name.startswith("int4"):
+            print(f"{name}: decode / int8 {ratio(f'decode_{name}', 'decode_int8'):.2f}, decode / bf16 "
+                  f"{ratio(f'decode_{name}', 'decode_bf16'):.2f}, prefill / bf16 "
+                  f"{ratio(f'prefill_{name}', 'prefill_bf16'):.2f} (medians of per-round ratios)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "cpu": isa.cpu_info().model, "rounds": rounds}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+// Linear layers over 4-bit group-wise weights, y = x @ W.T (+ b), activations bf16, fp16 or float32
+// (kernels/linear_w4.py; the format: ops/linear_w4.py). Included by gemm.cpp after gemm_w8.h (it uses the
+// float32 vector helpers, vi32, and, at the amx level, gemm_amx.h's amx_linear).
+//
+// A weight W (N, K) of codes c (0..15) with scales s and, optionally, mins m per group of `group` consecutive k
+// (W[n, k] = c s + m, or (c - 8) s without mins) is packed per panel of 16 output columns:
+//   [panels][K/8][16] uint32 words: word (k8, col) holds the codes of k = 8 k8 + j in bits 4j .. 4j + 3;
+//   [panels][G][16] float16 scales; with mins, [panels][G][16] float16 mins (pad columns 0).
+// K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
+//
+// Three paths:
+// * avx512_bf16 and amx, bf16 activations, up to kW4DotMaxRows rows (decode): AVX-512 BF16 dot products over codes
+//   made bf16 pairs by one table permute (w4dot_linear below): 1.2-1.3x the float32 vector path at 1-4 rows
+//   (K = N = 2048, one thread, Intel Xeon), behind it at 8.
+// * every level, any activation dtype: the float32 vector path. Each word vector gives 8 k of 16 columns; a
+//   code becomes a float32 value in registers (AVX-512: one permute of a 16-entry table, indexed by the word
+//   shifted to its nibble; elsewhere a shift, a mask and a conversion), and a tile of MR rows sums x * c over a
+//   group, then adds that sum times the group's scale, and the rows' group sums of x times the mins (without
+//   mins: minus 8 times the scale), once per group. One row (decode) reads each code once: half a byte a weight.
+// * amx level, bf16 activations and kW4AmxRows rows or more: the AMX-BF16 tiles of gemm_amx.h. Each 32-column
+//   block's codes are dequantized (c s + m, one fused multiply-add, rounded once to bf16) into a thread's
+//   L2-sized scratch in the bf16 k-pair layout of an AMX B tile, once per row chunk, and the tiles run over it:
+//   the widening is paid once per block and chunk, the products at the tiles' rate.
+#pragma once
+
+namespace {
+
+constexpr int64_t kW4Codes = 8;       // codes per 32-bit word
+constexpr int64_t kW4AmxRows = 16;    // rows from which bf16 calls run on the AMX tiles (amx level)
+constexpr int64_t kW4DotMaxRows = 4;  // rows up to which bf16 calls run on dot products (avx512_bf16, amx)
+
+// Nibble J of each lane of w as a float32 value 0..15.
+template <int J>
+inline vf nibble(vu w) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // vpermps reads only the low 4 bits of each index: the shift alone picks the nibble
+    const __m512i idx = J == 0 ? reinterpret_cast<__m512i>(w) : _mm512_srli_epi32(reinterpret_cast<__m512i>(w), 4 * J);
+    return reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, table));
+  }
+#endif
+  return __builtin_convertvector(reinterpret_cast<vi32>((w >> (4 * J)) & 15u), vf);
+}
+
+inline vf load_halfs(const _Float16* p) { return __builtin_convertvector(load_vec<vh>(p), vf); }
+
+// Registers: 2 x MR x NP x kVecs sums (the tile's and the group's), NP x kVecs words, a code and MR broadcasts.
+constexpr int w4_max_rows() { return kLanes == 16 ? 8 : 2; }
+constexpr int w4_panels(int MR) {
+  const int np = (kRegisters - 1 - MR) / (kVecs * (2 * MR + 1));
+  return np < 1 ? 1 : (np > 8 ? 8 : np);
+}
+
+// One k8 step of a group: part[r][j] += x[r, 8 k8 + J] * code J of words[j], for J = 0 .. 7.
+template <int MR, int NV, int J>
+inline void w4_nibble_step(vf (&part)[MR][NV], const vu (&words)[NV], const float* xk, int64_t xs) {
+  vf c[NV];
+  for (int j = 0; j < NV; ++j) c[j] = nibble<J>(words[j]);
+  for (int r = 0; r < MR; ++r) {
+    const float x0 = xk[r * xs + J];
+    for (int j = 0; j < NV; ++j) part[r][j] = part[r][j] + x0 * c[j];
+  }
+  if constexpr (J + 1 < kW4Codes) w4_nibble_step<MR, NV, J + 1>(part, words, xk, xs);
+}
+
+// out[r, n0 + c] for MR rows and NP panels. w: the first panel's words ([K8][16] each, pe words apart); sc, mn:
+// its scales and mins ([G][16] each, ps apart); xsum[r * G + g]: row r's sum of x over group g; gw: words a group.
+template <int MR, int NP, bool Mins, typename A>
+void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum, const uint32_t* w,
+            int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out, int64_t os,
+            int64_t n0, int64_t N) {
+  constexpr int NV = NP * kVecs;
+  vf acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t w0 = g * gw, w1 = std::min(K8, w0 + gw);
+    vf part[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) part[r][j] = vf{};
+    for (int64_t k8 = w0; k8 < w1; ++k8) {
+      vu words[NV];
+      for (int p = 0; p < NP; ++p) {
+        const uint32_t* row = w + p * pe + k8 * kPanel;
+        __builtin_prefetch(row + 8 * kPanel, 0, 0);  // 8 lines ahead in this panel
+        for (int v = 0; v < kVecs; ++v) words[p * kVecs + v] = load_vec<vu>(row + v * kLanes);
+      }
+      w4_nibble_step<MR, NV, 0>(part, words, xf + k8 * kW4Codes, xs);
+    }
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < kVecs; ++v) {
+        const int j = p * kVecs + v;
+        const vf s = load_halfs(sc + p * ps + g * kPanel + v * kLanes);
+        if constexpr (Mins) {
+          const vf m = load_halfs(mn + p * ps + g * kPanel + v * kLanes);
+          for (int r = 0; r < MR; ++r) acc[r][j] = acc[r][j] + part[r][j] * s + xsum[r * G + g] * m;
+        } else {
+          for (int r = 0; r < MR; ++r) acc[r][j] = acc[r][j] + (part[r][j] - 8.0f * xsum[r * G + g]) * s;
+        }
+      }
+  }
+  store_rows<MR, NV>(acc, bias, nullptr, 0, out, os, n0, N);
+}
+
+template <int MR, int NP, bool Mins, typename A>
+void w4tile_any(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
+                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias,
+                A* out, int64_t os, int64_t n0, int64_t N) {
+  if constexpr (NP > 1) {
+    if (np < NP)
+      return w4tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+  }
+  w4tile<MR, NP, Mins>(K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+}
+
+template <bool Mins, typename A, int MR>
+void w4rows(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
+            const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out,
+            int64_t os, int64_t n0, int64_t N) {
+  w4tile_any<MR, w4_panels(MR), Mins>(np, K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+}
+
+template <typename A>
+using W4RowsFn = void (*)(int, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const uint32_t*,
+                          int64_t, const _Float16*, const _Float16*, int64_t, const A*, A*, int64_t, int64_t, int64_t);
+
+template <bool Mins, typename A, int... R>
+constexpr auto w4rows_table(std::integer_sequence<int, R...>) {
+  return std::array<W4RowsFn<A>, sizeof...(R)>{w4rows<Mins, A, R + 1>...};
+}
+
+// The packed weight's parts.
+struct W4Layout {
+  int64_t K8, gs, G, panels, pe, ps;  // words per column; k per group; groups; panels; words and halfs per panel
+  const uint32_t* words;
+  const _Float16* scales;
+  const _Float16* mins;  // null without mins
+  W4Layout(int64_t N, int64_t K, int64_t group, bool has_mins, const uint8_t* packed) {
+    K8 = K / kW4Codes;
+    gs = group < K ? group : K;
+    G = (K + gs - 1) / gs;
+    panels = (N + kPanel - 1) / kPanel;
+    pe = K8 * kPanel;
+    ps = G * kPanel;
+    words = reinterpret_cast<const uint32_t*>(packed);
+    scales = reinterpret_cast<const _Float16*>(packed + panels * pe * 4);
+    mins = has_mins ? scales + panels * ps : nullptr;
+  }
+};
+
+// The float32 vector path: out (M, N) = x (M, K) @ W.T + bias.
+template <bool Mins, typename A>
+int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int64_t xs, const A* bias, A* out,
+             int64_t os) {
+  const int64_t fs = float_stride(K);
+  const float* xf = widened_rows(M, K, fs, x, xs);
+  static thread_local std::vector<float> sums;  // (M, G): each row's sum of x over each group
+  if (static_cast<int64_t>(sums.size()) < M * L.G) sums.resize(M * L.G);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < L.G; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * L.gs; k < std::min(K, (g + 1) * L.gs); ++k) s += xf[r * fs + k];
+      sums[r * L.G + g] = s;
+    }
+  const float* xsum = sums.data();
+  constexpr int kRows = w4_max_rows();
+  static constexpr auto table = w4rows_table<Mins, A>(std::make_integer_sequence<int, kRows>{});
+  const int64_t gw = L.gs / kW4Codes;
+  for_row_tiles(M, N, K, K, kRows, L.panels, w4_panels(M >= kRows ? kRows : static_cast<int>(M)),
+                [&](int64_t p0, int np, int64_t m0, int mr) {
+                  table[mr - 1](np, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L.words + p0 * L.pe, L.pe,
+                                L.scales + p0 * L.ps, Mins ? L.mins + p0 * L.ps : nullptr, L.ps, bias, out + m0 * os,
+                                os, p0 * kPanel, N);
+                });
+  return 0;
+}
+
+#if HS_HAVE_BF16_DOT
+// The avx512_bf16 / amx path of few-row bf16 calls: the codes become bf16 pairs by one 16-bit table permute
+// and the products run on AVX-512 BF16 dot products (32 a vdpbf16ps) in place of a float32 multiply-add each.
+// Lane c of a word vector holds the 8 codes of column c: its low 16 bits k0..k3, its high 16 bits k4..k7, so
+// the word shifted right by 4i (per 16 bits) indexes the table with k_i (low half) and k_{i+4} (high half):
+// the pair (k_i, k_{i+4}). The activations are paired the same way once per call (xp: per row, per word, 4
+// pairs (x[8 k8 + i], x[8 k8 + i + 4])). The table holds each code's value as bf16 (code - 8, or the code with
+// mins), twice (vpermw reads 5 index bits; the fifth is the next code's). Exact: bf16 x times a small integer.
+template <bool Mins>
+inline __m512i w4_bf16_table() {
+  alignas(64) uint16_t t[32];
+  for (int j = 0; j < 32; ++j) {
+    const float v = static_cast<float>((j & 15) - (Mins ? 0 : 8));
+    uint32_t u;
+    __builtin_memcpy(&u, &v, 4);
+    t[j] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
+  }
+  return _mm512_load_si512(t);
+}
+
+template <int MR, int NP, bool Mins>
+void w4dot_tile(int64_t K8, int64_t gw, int64_t G, const uint32_t* xp, int64_t xps, const float* xsum,
+                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const uint16_t* bias,
+                uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+  const __m512i table = w4_bf16_table<Mins>();
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t w0 = g * gw, w1 = std::min(K8, w0 + gw);
+    __m512 part[MR][NP];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NP; ++j) part[r][j] = _mm512_setzero_ps();
+    for (int64_t k8 = w0; k8 < w1; ++k8) {
+      __m512i words[NP];
+      for (int p = 0; p < NP; ++p) {
+        const uint32_t* row = w + p * pe + k8 * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * kPanel), _MM_HINT_NTA);
+        words[p] = _mm512_loadu_si512(row);
+      }
+      for (int i = 0; i < 4; ++i) {
+        __m512bh b[NP];
+        for (int p = 0; p < NP; ++p)
+          b[p] = (__m512bh)_mm512_permutexvar_epi16(i == 0 ? words[p] : _mm512_srli_epi16(words[p], 4 * i), table);
+        for (int r = 0; r < MR; ++r) {
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * xps + k8 * 4 + i]));
+          for (int p = 0; p < NP; ++p) part[r][p] = _mm512_dpbf16_ps(part[r][p], a, b[p]);
+        }
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + p * ps + g * kPanel)));
+      if constexpr (Mins) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + p * ps + g * kPanel)));
+        for (int r = 0; r < MR; ++r)
+          acc[r][p] = _mm512_fmadd_ps(part[r][p], s, _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), m, acc[r][p]));
+      } else {
+        for (int r = 0; r < MR; ++r) acc[r][p] = _mm512_fmadd_ps(part[r][p], s, acc[r][p]);
+      }
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t col = n0 + p * kPanel;
+    const int64_t valid = N - col < kPanel ? N - col : kPanel;
+    if (valid <= 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)
+      _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][p], b)));
+  }
+}
+
+template <int MR, int NP, bool Mins>
+void w4dot_tile_any(int np, int64_t K8, int64_t gw, int64_t G, const uint32_t* xp, int64_t xps, const float* xsum,
+                    const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps,
+                    const uint16_t* bias, uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+  if constexpr (NP > 1) {
+    if (np < NP)
+      return w4dot_tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xp, xps, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+  }
+  w4dot_tile<MR, NP, Mins>(K8, gw, G, xp, xps, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+}
+
+constexpr int kW4DotRows = 4;  // rows of a dot-product tile
+constexpr int w4dot_panels(int MR) { return MR == 1 ? 8 : MR == 2 ? 6 : 4; }
+
+template <bool Mins, int MR>
+void w4dot_rows(int np, int64_t K8, int64_t gw, int64_t G, const uint32_t* xp, int64_t xps, const float* xsum,
+                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const uint16_t* bias,
+                uint16_t* out, int64_t os, int64_t n0, int64_t N) {
+  w4dot_tile_any<MR, w4dot_panels(MR), Mins>(np, K8, gw, G, xp, xps, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+}
+
+// bf16 x (M, K) @ W.T + bias on dot products.
+template <bool Mins>
+int w4dot_linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const uint16_t* x, int64_t xs,
+                 const uint16_t* bias, uint16_t* out, int64_t os) {
+  static thread_local std::vector<uint32_t> pairs;  // (M, K/2): each row's k-pairs in the codes' order
+  static thread_local std::vector<float> sums;      // (M, G): each row's sum of x over each group (mins)
+  const int64_t xps = K / 2;
+  if (static_cast<int64_t>(pairs.size()) < M * xps) pairs.resize(M * xps);
+  if (static_cast<int64_t>(sums.size()) < M * L.G) sums.resize(M * L.G);
+  for (int64_t r = 0; r < M; ++r) {
+    const uint16_t* xr = x + r * xs;
+    for (int64_t k8 = 0; k8 < L.K8; ++k8)
+      for (int i = 0; i < 4; ++i)
+        pairs[r * xps + k8 * 4 + i] = static_cast<uint32_t>(xr[8 * k8 + i]) |
+                                      (static_cast<uint32_t>(xr[8 * k8 + i + 4]) << 16);
+    if constexpr (Mins)
+      for (int64_t g = 0; g < L.G; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * L.gs; k < std::min(K, (g + 1) * L.gs); ++k) s += widen_scalar(xr[k]);
+        sums[r * L.G + g] = s;
+      }
+  }
+  using Fn = void (*)(int, int64_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, const uint32_t*, int64_t,
+                      const _Float16*, const _Float16*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
+  static constexpr Fn table[kW4DotRows] = {w4dot_rows<Mins, 1>, w4dot_rows<Mins, 2>, w4dot_rows<Mins, 3>,
+                                           w4dot_rows<Mins, 4>};
+  const int64_t gw = L.gs / kW4Codes;
+  const uint32_t* xp = pairs.data();  // (the thread_local vectors are this thread's: their addresses, taken here,
+  const float* xsum = sums.data();    // are what the region's threads read)
+  for_row_tiles(M, N, K, K / 2, kW4DotRows, L.panels, w4dot_panels(M >= kW4DotRows ? kW4DotRows : static_cast<int>(M)),
+                [&](int64_t p0, int np, int64_t m0, int mr) {
+                  table[mr - 1](np, L.K8, gw, L.G, xp + m0 * xps, xps, xsum + m0 * L.G,
+                                L.words + p0 * L.pe, L.pe, L.scales + p0 * L.ps, Mins ? L.mins + p0 * L.ps : nullptr,
+                                L.ps, bias, out + m0 * os, os, p0 * kPanel, N);
+                });
+  return 0;
+}
+#endif
+
+#if HS_HAVE_AMX
+// float32 lanes rounded to bf16 (nearest even; the values are finite): the high halves of the lanes, in the
+// low (Low) or the high half of each 32-bit lane.
+template <bool Low>
+inline __m512i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return Low ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// The weights of the amx path: each block's panels dequantized into a thread's scratch (the bf16 k-pair layout,
+// pe = K x 16 elements a panel), once per block and row chunk; the next block's codes requested into L2 meanwhile.
+struct W4Widened {
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  using Block = PanelTiles;
+  using Ahead = TileAhead;
+  const W4Layout* L;
+  int64_t K;
+  void begin(int64_t, int64_t) const {}
+  TileAhead ahead(int64_t p, int np, int64_t /*chunk*/, int64_t row_steps) const {
+    return lines_ahead(reinterpret_cast<const char*>(L->words + p * L->pe),
+                       reinterpret_cast<const char*>(L->words + (p + np) * L->pe), row_steps);
+  }
+  // panel p's weights, (c s + m) rounded to bf16, as [K/2][16][2] at dst
+  void widen(int64_t p, uint16_t* dst) const {
+    const uint32_t* w = L->words + p * L->pe;
+    const int64_t gw = L->gs / kW4Codes;
+    for (int64_t g = 0; g < L->G; ++g) {
+      const __m512 s = reinterpret_cast<__m512>(load_halfs(L->scales + p * L->ps + g * kPanel));
+      const __m512 m = L->mins != nullptr ? reinterpret_cast<__m512>(load_halfs(L->mins + p * L->ps + g * kPanel))
+                                          : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+      for (int64_t k8 = g * gw; k8 < std::min(L->K8, (g + 1) * gw); ++k8) {
+        const vu words = load_vec<vu>(w + k8 * kPanel);
+        uint16_t* d = dst + k8 * 4 * 2 * kPanel;  // 4 k-pairs of 16 columns
+        const auto pair = [&](auto even, auto odd, int i) {
+          const __m512i lo = round_bf16<true>(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m));
+          const __m512i hi = round_bf16<false>(_mm512_fmadd_ps(reinterpret_cast<__m512>(odd), s, m));
+          _mm512_storeu_si512(d + i * 2 * kPanel, _mm512_or_si512(lo, hi));
+        };
+        pair(nibble<0>(words), nibble<1>(words), 0);
+        pair(nibble<2>(words), nibble<3>(words), 1);
+        pair(nibble<4>(words), nibble<5>(words), 2);
+        pair(nibble<6>(words), nibble<7>(words), 3);
+      }
+    }
+  }
+  PanelTiles block(int64_t p, int np, int64_t /*chunk*/) const {
+    static thread_local std::vector<uint16_t> scratch;
+    const int64_t pe = K * kPanel;
+    if (static_cast<int64_t>(scratch.size()) < 2 * pe + 32) scratch.resize(2 * pe + 32);
+    // 64-byte aligned: the tiles load whole lines
+    uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+    for (int j = 0; j < np; ++j) widen(p + j, base + j * pe);
+    return PanelTiles{base, pe};
+  }
+};
+#endif
+
+template <typename A>
+int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const A* x, int64_t xs,
+                 const uint8_t* packed, const A* bias, A* out, int64_t os) {
+  if (M < 0 || N < 1 || K < kW4Codes || K % kW4Codes != 0 || group < 1 || (group < K && group % kW4Codes != 0))
+    return 1;
+  if (M == 0) return 0;
+  const W4Layout L(N, K, group, has_mins != 0, packed);
+#if HS_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<A, uint16_t>) {
+#if HS_HAVE_AMX
+    if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, W4Widened{&L, K}, bias, nullptr, out, os);
+#endif
+    if (M <= kW4DotMaxRows)
+      return has_mins ? w4dot_linear<true>(M, N, K, L, x, xs, bias, out, os)
+                      : w4dot_linear<false>(M, N, K, L, x, xs, bias, out, os);
+  }
+#endif
+  return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
+}
+
+}  // namespace
+
+extern "C" {
+
+int hs_w4_path(int64_t rows) {
+#if HS_HAVE_AMX
+  if (rows >= kW4AmxRows) return 1;
+#endif
+#if HS_HAVE_BF16_DOT
+  if (rows <= kW4DotMaxRows) return 2;
+#endif
+  (void)rows;
+  return 0;
+}
+
+int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,
+                 int64_t xs, const uint8_t* packed, const void* bias, void* out, int64_t os) {
+  switch (act_dtype) {
+    case kF32:
+      return w4linear_any(M, N, K, group, has_mins, static_cast<const float*>(x), xs, packed,
+                          static_cast<const float*>(bias), static_cast<float*>(out), os);
+    case kBF16:
+      return w4linear_any(M, N, K, group, has_mins, static_cast<const uint16_t*>(x), xs, packed,
+                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), os);
+    case kF16:
+      return w4linear_any(M, N, K, group, has_mins, static_cast<const _Float16*>(x), xs, packed,
+                          static_cast<const _Float16*>(bias), static_cast<_Float16*>(out), os);
+    default:
+      return 2;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,166 @@
+"""Python entry points of the 4-bit weight linears (``csrc/gemm_w4.h``, in the gemm library).
+
+A weight in the format of ``ops/linear_w4.py`` (codes (N, K) 0..15, scales (N, G), mins (N, G) or None, groups
+of ``group`` in-features) is packed once (:func:`pack`, plain PyTorch) into one uint8 buffer of
+:func:`packed_bytes`, per panel of 16 output columns:
+
+* the codes as 32-bit words ``[ceil(K / 8)][16]``: word (k8, c) holds the codes of k = 8 k8 .. 8 k8 + 7 of
+  column c, k = 8 k8 + j in bits 4j .. 4j + 3 (columns past N and k past K hold code 8);
+* then the scales ``[G][16]`` as float16, then (with mins) the mins ``[G][16]`` as float16 (pad columns 0).
+
+Scales and mins are rounded to float16 (nearest, ties to even) when packed: GGUF's Q4_0 scales are float16
+already, and ``--quantization int4`` picks float16 scales before it picks the codes
+(``layers/linear_w4.py: quantize_w4_f16``), so neither loses anything there. A value beyond float16's range
+is refused (:func:`pack` raises). :func:`unpack` gives back the codes and the float16-rounded scales and mins.
+
+:func:`linear` computes ``x @ dequantize_w4(...).T + bias`` for bf16, fp16 or float32 activations, or returns
+None when the call is one the kernel does not cover (K not a multiple of 8, a group that is not, no library).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridserve.kernels._abi import DTYPE_CODES, check
+from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_operands
+from hybridserve.ops.linear_w4 import CODE_CENTRE
+
+CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
+#: the dtype that names 4-bit codes where a weight format is a dtype (MoE experts' ``weight_format``)
+INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
+AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
+DOT_MAX_ROWS = 4  # rows up to which bf16 calls run on AVX-512 BF16 dot products (kW4DotMaxRows)
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+_PACK_PANELS = 256  # panels packed at a time (4096 rows)
+
+
+def num_groups(in_features: int, group: int) -> int:
+    """Groups of ``group`` in-features per output channel (the last may be short)."""
+    return -(-in_features // group)
+
+
+def packed_bytes(out_features: int, in_features: int, group: int, has_mins: bool) -> int:
+    """Bytes of a packed (out_features, in_features) 4-bit weight."""
+    rows = -(-out_features // PANEL) * PANEL
+    words = -(-in_features // CODES_PER_WORD)
+    per_group = 2 * (2 if has_mins else 1)  # float16 scale (and min)
+    return rows * words * 4 + rows * num_groups(in_features, group) * per_group
+
+
+def _check_operands(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int) -> None:
+    """Raises ValueError naming the first operand that is not the format of ``ops/linear_w4.py``."""
+    if group < 1:
+        raise ValueError(f"group must be at least 1 in-feature, got {group}")
+    if codes.dim() != 2 or codes.dtype != torch.uint8 or min(codes.shape) < 1:
+        raise ValueError(f"codes must be a non-empty (N, K) uint8 tensor, got {codes.dtype} {tuple(codes.shape)}")
+    N, K = codes.shape
+    G = num_groups(K, group)
+    if int(codes.max()) > 15:
+        raise ValueError(f"codes must hold 0..15, got a code of {int(codes.max())}")
+    for name, t in (("scales", scales), ("mins", mins)):
+        if t is None:
+            continue
+        if not t.is_floating_point() or tuple(t.shape) != (N, G):
+            raise ValueError(f"{name} must be a float ({N}, {G}) tensor for {K} in-features in groups of {group}, "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        bad = ~torch.isfinite(t) | (t.float().abs() > FLOAT16_MAX)
+        if bad.any():
+            i = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(f"{name}{list(i)} = {t[i].item()!r} is beyond float16's range (+-{FLOAT16_MAX:g}), "
+                             f"in which 4-bit weights keep their {name}")
+
+
+def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """codes (N, K) uint8 0..15, scales (N, G) and mins (N, G) or None -> the packed uint8 buffer
+    (:func:`packed_bytes`), written into ``out`` when given. Raises ValueError on operands outside the format."""
+    _check_operands(codes, scales, mins, group)
+    N, K = codes.shape
+    G = num_groups(K, group)
+    size = packed_bytes(N, K, group, mins is not None)
+    if out is not None and (out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous uint8 CPU tensor of {size} bytes, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    packed = torch.empty(size, dtype=torch.uint8) if out is None else out
+    panels = -(-N // PANEL)
+    rows, words = panels * PANEL, -(-K // CODES_PER_WORD)
+    code_bytes = rows * words * 4
+    dest = packed[:code_bytes].view(torch.int32).view(panels, words, PANEL)
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
+    for p0 in range(0, panels, _PACK_PANELS):  # a slice of panels at a time: the int64 words stay small
+        p1 = min(panels, p0 + _PACK_PANELS)
+        r0, r1 = p0 * PANEL, p1 * PANEL
+        padded = torch.full((r1 - r0, words * CODES_PER_WORD), CODE_CENTRE, dtype=torch.int64)
+        padded[:max(0, min(N, r1) - r0), :K] = codes[r0:min(N, r1)]
+        w = (padded.view(r1 - r0, words, CODES_PER_WORD) << shifts).sum(-1)  # (rows, words), < 2^32
+        w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
+        dest[p0:p1].copy_(w.view(p1 - p0, PANEL, words).transpose(1, 2))
+    offset = code_bytes
+    for t in (scales, mins):
+        if t is None:
+            continue
+        half = torch.zeros(rows, G, dtype=torch.float16)
+        half[:N] = t.to(torch.float16)
+        packed[offset:offset + rows * G * 2].view(torch.float16).view(panels, G, PANEL).copy_(
+            half.view(panels, PANEL, G).transpose(1, 2))
+        offset += rows * G * 2
+    return packed
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int, group: int, has_mins: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The codes (N, K) uint8, scales (N, G) float32 and mins (N, G) float32 or None a buffer from :func:`pack`
+    holds (scales and mins as rounded to float16 there)."""
+    N, K = out_features, in_features
+    panels = -(-N // PANEL)
+    rows, words, G = panels * PANEL, -(-K // CODES_PER_WORD), num_groups(K, group)
+    code_bytes = rows * words * 4
+    w = packed[:code_bytes].view(torch.int32).view(panels, words, PANEL).transpose(1, 2).reshape(rows, words)
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
+    codes = ((w.to(torch.int64)[..., None] >> shifts) & 15).reshape(rows, words * CODES_PER_WORD)[:N, :K]
+    parts = []
+    offset = code_bytes
+    for _ in range(2 if has_mins else 1):
+        half = packed[offset:offset + rows * G * 2].view(torch.float16).view(panels, G, PANEL)
+        parts.append(half.transpose(1, 2).reshape(rows, G)[:N].float())
+        offset += rows * G * 2
+    return codes.to(torch.uint8).contiguous(), parts[0], parts[1] if has_mins else None
+
+
+def covers(in_features: int, group: int) -> bool:
+    """Whether the kernel takes a weight of ``in_features`` in groups of ``group``: K a multiple of 8, and the
+    group too (or one group for the whole row)."""
+    return in_features % CODES_PER_WORD == 0 and (group % CODES_PER_WORD == 0 or group >= in_features)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, group: int, has_mins: bool,
+           bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x @ dequantize_w4(codes, scales, mins, group).T + bias`` for x (..., K) bf16, fp16 or float32, the weight
+    packed by :func:`pack`; (..., out_features) in x's dtype. None when not covered."""
+    lib = _library()
+    K = x.shape[-1]
+    if (lib is None or x.dtype not in LINEAR_DTYPES or not x.is_cpu
+            or not covers(K, group) or packed.dtype != torch.uint8
+            or packed.numel() != packed_bytes(out_features, K, group, has_mins)):
+        return None
+    operands = linear_operands(x, bias, out_features)
+    if operands is None:
+        return None
+    x2, out = operands
+    check(lib.hs_linear_w4(DTYPE_CODES[x.dtype], x2.shape[0], out_features, K, group, int(has_mins), x2.data_ptr(),
+                           x2.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+                           out_features), "hs_linear_w4")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+
+
+#: where :func:`linear` runs a call, by rows (``hs_w4_path``' code)
+W4_PATHS = ("float32 vectors", "AMX-BF16 tiles", "AVX-512 BF16 dot products")
+
+
+def path(rows: int) -> str | None:
+    """Which path :func:`linear` takes for a bf16 call of ``rows`` rows here (one of :data:`W4_PATHS`); None
+    without the kernels."""
+    lib = _library()
+    if lib is None:
+        return None
+    return W4_PATHS[lib.hs_w4_path(rows)]

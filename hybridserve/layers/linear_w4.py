@@ -1,0 +1,96 @@
+"""Linear layers over 4-bit group-wise weights (``ops/linear_w4.py``'s format), held only in the packed form of
+the CPU kernel (``kernels/linear_w4.py``): made at load from a 16/32-bit weight (``--quantization int4``,
+:meth:`W4Linear.from_weight`) or from codes another format already holds (GGUF's Q4_0 and Q4_K blocks,
+:meth:`W4Linear.from_codes`). Scales and mins are kept as float16 (``kernels/linear_w4.py``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.kernels import fallbacks
+from hybridserve.kernels import linear_w4 as kernel
+from hybridserve.ops.linear_w4 import CODE_CENTRE, linear_w4_ref
+
+_QUANTIZE_ROWS = 4096  # rows quantized at a time
+
+#: the dtype that names 4-bit codes as a weight format (MoE experts' ``weight_format``)
+INT4_FORMAT = kernel.INT4_FORMAT
+
+
+def quantize_w4_f16(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) float -> centred codes (N, K) uint8 and scales (N, G) float32 holding float16 values: per
+    group the scale ``max|w| / 7`` rounded to float16 first (1 for a group of zeros), then each code
+    ``clamp(round(w / scale), -8, 7) + 8`` against that rounded scale, so that packing loses nothing."""
+    N, K = weight.shape
+    G = kernel.num_groups(K, group)
+    codes = torch.empty(N, K, dtype=torch.uint8)
+    scales = torch.empty(N, G)
+    for r0 in range(0, N, _QUANTIZE_ROWS):  # a slice of rows at a time: the float32 copies stay small
+        r1 = min(N, r0 + _QUANTIZE_ROWS)
+        w = nn.functional.pad(weight[r0:r1].detach().float(), (0, G * group - K)).view(r1 - r0, G, group)
+        amax = w.abs().amax(dim=-1)  # (rows, G)
+        s = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax)).to(torch.float16).float()
+        s = torch.where(s > 0, s, torch.ones_like(s))  # a scale below float16's range: codes 8
+        q = torch.round(w / s[..., None]).clamp_(-8, 7) + CODE_CENTRE
+        codes[r0:r1] = q.view(r1 - r0, G * group)[:, :K]
+        scales[r0:r1] = s
+    return codes, scales
+
+
+class W4Linear(nn.Module):
+    """``y = x @ dequantize_w4(codes, scales, mins, group).T + b`` over the packed buffer ``packed_weight``;
+    activations bf16, fp16 or float32, the output in their dtype."""
+
+    packed_weight: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, packed_weight: torch.Tensor, group: int, has_mins: bool,
+                 bias: torch.Tensor | nn.Parameter | None) -> None:
+        super().__init__()
+        expected = kernel.packed_bytes(out_features, in_features, group, has_mins)
+        if packed_weight.dtype != torch.uint8 or packed_weight.numel() != expected:
+            raise ValueError(f"a packed ({out_features}, {in_features}) 4-bit weight in groups of {group} is "
+                             f"{expected} uint8 bytes, got {packed_weight.dtype} {tuple(packed_weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.has_mins = group, has_mins
+        self.register_buffer("packed_weight", packed_weight, persistent=False)
+        self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_codes(cls, in_features: int, out_features: int, codes: torch.Tensor, scales: torch.Tensor,
+                   mins: torch.Tensor | None, group: int, bias: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> W4Linear:
+        """A layer over codes (out_features, in_features) uint8 0..15, scales and mins (out_features, G) (mins
+        None: centred codes, ``(code - 8) * scale``), groups of ``group`` in-features; scales and mins rounded
+        to float16. ``out``: the uint8 buffer to pack into (:func:`kernels.linear_w4.packed_bytes`). Raises
+        ValueError naming an operand outside the format."""
+        if tuple(codes.shape) != (out_features, in_features):
+            raise ValueError(f"codes must have shape ({out_features}, {in_features}), got {tuple(codes.shape)}")
+        packed = kernel.pack(codes, scales, mins, group, out=out)
+        return cls(in_features, out_features, packed, group, mins is not None, bias)
+
+    @classmethod
+    def from_weight(cls, linear: nn.Linear, group: int, out: torch.Tensor | None = None) -> W4Linear:
+        """``linear`` quantized to centred 4-bit codes with a float16 scale per ``group`` in-features
+        (:func:`quantize_w4_f16`), its bias kept."""
+        codes, scales = quantize_w4_f16(linear.weight, group)
+        return cls.from_codes(linear.in_features, linear.out_features, codes, scales, None, group, linear.bias, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in_features) -> (..., out_features) in x's dtype."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        y = kernel.linear(x, self.packed_weight, self.out_features, self.group, self.has_mins, bias)
+        if y is not None:
+            return y
+        fallbacks.record("linear_w4", fallbacks.describe(x) + f", K={self.in_features}, group={self.group}")
+        return linear_w4_ref(x, *self.unpacked(), self.group, bias)
+
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The codes, scales and mins the layer holds (scales and mins as float16 values in float32)."""
+        return kernel.unpack(self.packed_weight, self.out_features, self.in_features, self.group, self.has_mins)
+
+    def extra_repr(self) -> str:
+        mins = ", mins" if self.has_mins else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4, group={self.group}{mins}"

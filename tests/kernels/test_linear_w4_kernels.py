@@ -1,0 +1,151 @@
+"""The 4-bit weight linears (``csrc/gemm_w4.h``) at every ISA level this CPU runs (the ``isa_level`` fixture),
+centred codes and codes with mins, groups of 32 and 64 (and one group for the row), bf16 / fp16 / float32
+activations, at each shape class (one row, a few, a row tile and more; the AMX tiles' row blocks, k tails and
+row chunks), against the plain-PyTorch reference ``linear_w4_ref``; and 4-bit MoE experts.
+
+The stated bound. The vector path sums x * c over a group in float32 (c the raw code, 0..15), then adds that sum
+times the group's scale and the group's sum of x times its min (without mins: -8 times the scale): its output
+is within one ulp of the activation dtype of the exact value (float64 over the dequantized weight), plus
+(K + 4) float32 roundings of the sum of |x| (|c| s + |m|) (the sums in any order, the products with scale
+and min, the bias). The AMX path rounds each dequantized weight to bf16 first: 2^-8 of the sum of |x w| more
+(half a bf16 ulp, with room for the float32 fused multiply-add before it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve.kernels import gemm, linear_w4
+from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_f16
+from hybridserve.layers.moe import FusedExperts
+from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref
+from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
+
+pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
+ACTS = [torch.bfloat16, torch.float16, torch.float32]
+IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def _operands(N, K, group, with_mins, g):
+    """Random codes, float16-exact scales (and mins), as the packed buffer keeps them."""
+    G = linear_w4.num_groups(K, group)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scales = ((torch.rand(N, G, generator=g) + 0.5) / (8 * K ** 0.5)).half().float()
+    mins = (-torch.rand(N, G, generator=g) / K ** 0.5).half().float() if with_mins else None
+    return codes, scales, mins
+
+
+def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
+    """y within the stated bound of the exact value, and of the reference (which obeys the same bound)."""
+    K = x.shape[-1]
+    w = dequantize_w4(codes, scales, mins, group).double()
+    exact = x.double() @ w.T
+    s = scales.double().repeat_interleave(group, dim=1)[:, :K]
+    offset = 8 * s if mins is None else mins.double().abs().repeat_interleave(group, dim=1)[:, :K]
+    terms = x.double().abs() @ (codes.double() * s + offset).T
+    rounding = x.double().abs() @ w.abs().T
+    on_tiles = y.dtype == torch.bfloat16 and linear_w4.path(x.shape[0]) == "AMX-BF16 tiles"
+    if b is not None:
+        exact, terms = exact + b.double(), terms + b.double().abs()
+    atol = (K + 4) * 2.0 ** -24 * terms + (2.0 ** -8 * rounding if on_tiles else 0)
+    assert_within_ulps(y, exact.float(), y.dtype, ulps=1, atol=atol.float(), what=what)
+    ref = linear_w4_ref(x, codes, scales, mins, group, b)
+    assert_within_ulps(y, ref, y.dtype, ulps=2, atol=2 * atol.float(), what=f"{what}: kernel vs reference")
+
+
+@pytest.mark.parametrize("act", ACTS, ids=IDS.get)
+@pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
+@pytest.mark.parametrize("group", [32, 64, 4096])
+@pytest.mark.parametrize("M", [1, 3, 7, 33])
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 136), (129, 96)])
+def test_linear_w4_matches_the_reference(M, N, K, group, with_mins, act):
+    g = torch.Generator().manual_seed(M * 1000 + N + K + group)
+    codes, scales, mins = _operands(N, K, group, with_mins, g)
+    x = torch.randn(M, K, generator=g).to(act)
+    b = torch.randn(N, generator=g).to(act) if N != 129 else None
+    packed = linear_w4.pack(codes, scales, mins, group)
+    y = linear_w4.linear(x, packed, N, group, with_mins, b)
+    assert y is not None and y.shape == (M, N) and y.dtype == act
+    _assert_within_bound(y, x, codes, scales, mins, group, b, "4-bit linear")
+
+
+@pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
+@pytest.mark.parametrize("M,N,K,group", [
+    (16, 48, 64, 32),      # one 16-row group, an odd panel count
+    (33, 40, 1096, 64),    # a partial row group and a k tail past the last 32-k step (1096 = 34 x 32 + 8)
+    (20, 33, 520, 32),     # two row groups of different strides (the partial one padded), a 4-pair k tail
+    (600, 24, 2048, 64),   # several row chunks of the tiles' schedule
+])
+def test_linear_w4_at_the_amx_tile_shape_classes(M, N, K, group, with_mins):
+    """bf16 activations at shapes that take each branch of the AMX path at the amx level (row groups, tails,
+    chunks), checked at every level this CPU runs against the reference."""
+    g = torch.Generator().manual_seed(M + N + K)
+    codes, scales, mins = _operands(N, K, group, with_mins, g)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16)
+    y = linear_w4.linear(x, linear_w4.pack(codes, scales, mins, group), N, group, with_mins, b)
+    assert y is not None
+    _assert_within_bound(y, x, codes, scales, mins, group, b, "4-bit linear")
+
+
+def test_calls_the_kernel_does_not_cover_are_declined():
+    g = torch.Generator().manual_seed(0)
+    codes, scales, _ = _operands(8, 100, 32, False, g)  # K = 100: not a multiple of 8
+    assert linear_w4.linear(torch.randn(2, 100), linear_w4.pack(codes, scales, None, 32), 8, 32, False, None) is None
+    codes, scales, _ = _operands(8, 96, 36, False, g)  # a group of 36: not a multiple of 8
+    assert linear_w4.linear(torch.randn(2, 96), linear_w4.pack(codes, scales, None, 36), 8, 36, False, None) is None
+
+
+@pytest.mark.parametrize("M", [3, 304])
+def test_bits_do_not_depend_on_threads_or_on_the_rows_beside(M):
+    """One thread and two give the same bits, and each row the bits a call of its 16-row block alone gives it
+    (304 rows: two row chunks on the AMX tiles at amx, and so is every 16-row call)."""
+    g = torch.Generator().manual_seed(M)
+    N, K = 100, 1096
+    codes, scales, mins = _operands(N, K, 32, True, g)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    packed = linear_w4.pack(codes, scales, mins, 32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear_w4.linear(x, packed, N, 32, True, None)
+        torch.set_num_threads(2)
+        two = linear_w4.linear(x, packed, N, 32, True, None)
+        parts = torch.cat([linear_w4.linear(x[m:m + 16], packed, N, 32, True, None) for m in range(0, M, 16)])
+    finally:
+        torch.set_num_threads(threads)
+    assert_bits_equal(two, one, "two threads against one")
+    assert_bits_equal(parts, one, "16-row calls against one call")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["silu_gated", "relu2"])
+@pytest.mark.parametrize("T", [7, 400], ids=["decode", "prefill"])
+def test_moe_experts_in_4_bits_match_the_expert_loop(T, gated):
+    """The experts kernel over 4-bit expert weights against the per-expert loop over the same 4-bit linears
+    (relu2 bit for bit, silu within 2 bf16 ulps: the kernel's exp), and the loop against linear_w4_ref."""
+    E, H, I, k, group = 8, 96, 40, 2, 32
+    torch.manual_seed(T)
+    block = FusedExperts(E, H, I, "silu" if gated else "relu2", gated=gated)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    block = block.to(torch.bfloat16)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    weights = {name: getattr(block, name).detach().clone() for name in (up_name, "down_proj")}
+    assert block.pack(lambda w: linear_w4.pack(*quantize_w4_f16(w, group), None, group), INT4_FORMAT, group) == 2 * E
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weight = torch.rand(T, k, generator=g)
+    got = gemm.moe_experts(x, index, weight, block.tables[up_name], block.tables["down_proj"], I, gated, block.act,
+                           None, INT4_FORMAT, group)
+    expected = block._forward_torch(x, index, weight)
+    assert got is not None and got.shape == (T, H)
+    if gated:
+        assert_within_ulps(got, expected, torch.bfloat16, ulps=2, what="4-bit moe experts")
+    else:
+        assert_bits_equal(got, expected, "4-bit moe experts")
+    e = int(index[0, 0])  # one expert's up projection against the reference over its weight's 4-bit values
+    codes, scales = quantize_w4_f16(weights[up_name][e], group)
+    assert_within_ulps(block._linear(x[:1], up_name, e), linear_w4_ref(x[:1], codes, scales, None, group),
+                       torch.bfloat16, ulps=2, atol=1e-3, what="one expert's 4-bit up projection")
