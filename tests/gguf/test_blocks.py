@@ -68,10 +68,11 @@ def test_cat_rows_refuses_mixed_formats():
         cat_rows([a, b])
 
 
-def test_w4_reference_linear_runs_the_decoded_weight():
-    from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear
+def test_w4_linear_runs_the_decoded_weight():
+    """Q4_0's codes and float16 scales in the 4-bit layer give the decoded weight's products."""
+    from hybridserve.layers.linear_w4 import W4Linear
 
     w = coded("Q4_0", random_blocks("Q4_0", rows=5, cols=64, seed=3))
-    layer = GGUFW4ReferenceLinear.from_codes(64, 5, w.codes, w.scales, w.mins, w.group, None)
+    layer = W4Linear.from_codes(64, 5, w.codes, w.scales, w.mins, w.group, None)
     x = torch.randn(3, 64)
     assert torch.allclose(layer(x), x @ w.dequantize().T, atol=1e-5)

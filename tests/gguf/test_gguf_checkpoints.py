@@ -11,9 +11,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.layers.linear_w4 import W4Linear  # noqa: E402
 from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
-from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear  # noqa: E402
+from hybridserve.models.gguf.blocks import decode_q4_k  # noqa: E402
 from hybridserve.models.loader import load_hf_config  # noqa: E402
+from hybridserve.ops.linear_w4 import dequantize_w4  # noqa: E402
 from tests import checkpoints  # noqa: E402
 from tests.gguf.gguf_writer import GGUF_ARCH, write_gguf  # noqa: E402
 
@@ -83,7 +85,8 @@ def test_multi_token_prediction_layers_in_the_file_are_skipped(tmp_path, family)
 
 
 def _dequantized_twin(file: str, out: str) -> str:
-    """The same GGUF file with every block tensor replaced by gguf's own dequantization of it (F32)."""
+    """The same GGUF file with every block tensor replaced by gguf's own dequantization of it (F32); Q4_K's with
+    its sub-block scales and mins rounded to float16 first, as the 4-bit layer stores them (``docs/gguf.md``)."""
     r = gguf.GGUFReader(file)
     w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
     for key, field in r.fields.items():
@@ -97,7 +100,11 @@ def _dequantized_twin(file: str, out: str) -> str:
             w.add_key_value(key, value, kind)
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_K:  # the 4-bit layer keeps d * sc and dmin * m in float16
+            codes, scales, mins = decode_q4_k(t.data)
+            data = dequantize_w4(codes, scales.half().float(), mins.half().float(), 32).numpy().reshape(shape)
+        else:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
         w.add_tensor(t.name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -115,7 +122,7 @@ def wide_llama(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind,layer", [("Q8_0", W8Linear), ("Q6_K", W8Linear), ("Q5_0", W8Linear),
-                                        ("Q4_0", GGUFW4ReferenceLinear), ("Q4_K", GGUFW4ReferenceLinear),
+                                        ("Q4_0", W4Linear), ("Q4_K", W4Linear),
                                         ("Q5_1", None)])
 def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_path, wide_llama, kind, layer):
     file = write_gguf(wide_llama, str(tmp_path / f"model-{kind}.gguf"), kind)
@@ -123,7 +130,7 @@ def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_pa
     llm, run = _run(file, dtype="float32")
     model = llm.engine.model
     if layer is None:  # a type read dequantized: no quantized layer at all
-        assert not any(isinstance(m, (W8Linear, GGUFW4ReferenceLinear)) for m in model.modules())
+        assert not any(isinstance(m, (W8Linear, W4Linear)) for m in model.modules())
     else:
         assert sum(isinstance(m, layer) for m in model.modules()) >= 3 * 4  # q, k, v, o (or more) of 3 layers
     _, reference = _run(twin, dtype="float32")

@@ -8,9 +8,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from hybridserve.layers.linear_w4 import W4Linear
 from hybridserve.models.gguf import configs, reader, tensors
 from hybridserve.models.gguf.coded import CodedWeight
-from hybridserve.models.gguf.w4_holder import GGUFW4ReferenceLinear
 
 
 def gguf_config(file: str) -> Any:
@@ -60,14 +60,14 @@ def install_coded(owner: Any, attr: str, parent: nn.Module, child: str, weight: 
                   device: torch.device) -> None:
     """Put a coded weight into the ``nn.Linear`` ``owner`` (``parent.<child>``): 8-bit as int8 codes with
     ``weight_scale`` and ``weight_group`` (packed later for the 8-bit kernel, ``layers/packed_linear.py``), 4-bit
-    by replacing the layer with a :class:`GGUFW4ReferenceLinear`."""
+    by replacing the layer with a :class:`~hybridserve.layers.linear_w4.W4Linear` (the 4-bit kernel's packed
+    layout; its scales and mins in float16: Q4_0's are float16 already, Q4_K's ``d * sc`` products are rounded)."""
     if weight.bits == 8:
         setattr(owner, attr, nn.Parameter(weight.codes.to(device), requires_grad=False))  # int8: no gradient
         owner.weight_scale, owner.weight_group = weight.scales.to(device), weight.group
         return
     bias = None if owner.bias is None else owner.bias.data
-    layer = GGUFW4ReferenceLinear.from_codes(owner.in_features, owner.out_features, weight.codes.to(device),
-                                             weight.scales.to(device),
-                                             None if weight.mins is None else weight.mins.to(device), weight.group,
-                                             bias)
+    layer = W4Linear.from_codes(owner.in_features, owner.out_features, weight.codes.to(device),
+                                weight.scales.to(device), None if weight.mins is None else weight.mins.to(device),
+                                weight.group, bias)
     setattr(parent, child, layer)
