@@ -196,13 +196,8 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict, blocks: i
         if family == "qwen3_5_text":
             w.add_feed_forward_length(cfg["intermediate_size"])
         else:
-            w.add_expert_count(cfg["num_experts"])
-            w.add_expert_used_count(cfg["num_experts_per_tok"])
-            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-        _ssm_metadata(w, cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"], cfg["linear_num_value_heads"],
-                      cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_conv_kernel_dim"])
-        w.add_context_length(cfg["max_position_embeddings"])
+            _qwen_experts_metadata(w, cfg)
+        _qwen_delta_net_metadata(w, cfg)
     if family == "qwen3_next":
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_head_count(cfg["num_attention_heads"])
@@ -211,13 +206,8 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict, blocks: i
         w.add_value_length(cfg["head_dim"])
         w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
         w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
-        w.add_expert_count(cfg["num_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-        _ssm_metadata(w, cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"], cfg["linear_num_value_heads"],
-                      cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_conv_kernel_dim"])
-        w.add_context_length(cfg["max_position_embeddings"])
+        _qwen_experts_metadata(w, cfg)
+        _qwen_delta_net_metadata(w, cfg)
     if family == "granitemoehybrid":
         w.add_feed_forward_length(cfg["intermediate_size"])
         w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
@@ -239,6 +229,21 @@ def _metadata(w: gguf.GGUFWriter, family: str, cfg: dict, state: dict, blocks: i
             w.add_expert_count(cfg["num_local_experts"])
             w.add_expert_used_count(cfg["num_experts_per_tok"])
             w.add_expert_feed_forward_length(cfg["intermediate_size"])
+
+
+def _qwen_experts_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The expert counts and sizes of a Qwen3-Next / Qwen3.5-MoE config."""
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _qwen_delta_net_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The gated delta net's sizes and the context length of a Qwen3-Next / Qwen3.5 config."""
+    _ssm_metadata(w, cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"], cfg["linear_num_value_heads"],
+                  cfg["linear_key_head_dim"], cfg["linear_num_key_heads"], cfg["linear_conv_kernel_dim"])
+    w.add_context_length(cfg["max_position_embeddings"])
 
 
 def _ssm_metadata(w: gguf.GGUFWriter, inner: int, heads: int, state: int, groups: int, conv: int) -> None:

@@ -250,17 +250,24 @@ def _jamba(m: Meta) -> Any:
         rms_norm_eps=rms_eps(m), max_position_embeddings=int(m.get("context_length", 4096)), **m.common())
 
 
-def _qwen3_next(m: Meta) -> Any:
-    """Qwen3-Next: attention layers where the layer has ``attn_q``, gated delta-net layers elsewhere; experts in
-    the layers with a router (``ffn_gate_inp``), a dense MLP in the others."""
-    from transformers import Qwen3NextConfig
-
+def _qwen_hybrid_sizes(m: Meta) -> tuple[int, int, int, int, int, int, dict[str, Any]]:
+    """What Qwen3-Next and Qwen3.5 files share: layers, hidden size, delta-net inner size and value heads,
+    attention heads, head size, and the attention's partial-RoPE parameters."""
     layers = m.main_layers()
     hidden, inner, value_heads = ssm_sizes(m)
     attn_heads = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", hidden // attn_heads))
     rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
     rope["partial_rotary_factor"] = int(m.get("rope.dimension_count", head_dim)) / head_dim
+    return layers, hidden, inner, value_heads, attn_heads, head_dim, rope
+
+
+def _qwen3_next(m: Meta) -> Any:
+    """Qwen3-Next: attention layers where the layer has ``attn_q``, gated delta-net layers elsewhere; experts in
+    the layers with a router (``ffn_gate_inp``), a dense MLP in the others."""
+    from transformers import Qwen3NextConfig
+
+    layers, hidden, inner, value_heads, attn_heads, head_dim, rope = _qwen_hybrid_sizes(m)
     return Qwen3NextConfig(
         hidden_size=hidden, intermediate_size=int(m.get("feed_forward_length", 0) or 0), num_hidden_layers=layers,
         layer_types=["full_attention" if m.has(f"blk.{i}.attn_q.weight") else "linear_attention"
@@ -282,12 +289,7 @@ def _qwen3_5(m: Meta) -> Any:
     in every section)."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
-    layers = m.main_layers()
-    hidden, inner, value_heads = ssm_sizes(m)
-    attn_heads = int(m.need("attention.head_count"))
-    head_dim = int(m.get("attention.key_length", hidden // attn_heads))
-    rope = m.rope().get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
-    rope["partial_rotary_factor"] = int(m.get("rope.dimension_count", head_dim)) / head_dim
+    layers, hidden, inner, value_heads, attn_heads, head_dim, rope = _qwen_hybrid_sizes(m)
     sections = m.get("rope.dimension_sections")
     if sections is not None:
         rope.update(mrope_section=[int(s) for s in sections][:3], mrope_interleaved=True)
