@@ -95,16 +95,23 @@ def parse_llama_perplexity(output: str) -> dict[str, float]:
 
 
 def run_llama_perplexity(build: str, gguf: str, text: str, ctx: int, chunks: int, threads: int,
-                         base: str, as_base: bool) -> dict[str, float]:
+                         base: str, as_base: bool, attempts: int = 3) -> dict[str, float]:
     """One llama-perplexity run: the BF16 file writes its log-probabilities to ``base``, the others are compared
-    with them (KL divergence, same top token)."""
+    with them (KL divergence, same top token). llama.cpp's logger sometimes loses its last lines when the process
+    exits (seen on a loaded machine): a run whose summary is missing is repeated, up to ``attempts`` times."""
     cmd = [tool(build, "llama-perplexity"), "-m", gguf, "-f", text, "-c", str(ctx), "--chunks", str(chunks),
            "-t", str(threads), "--kl-divergence-base", base, *([] if as_base else ["--kl-divergence"])]
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-perplexity failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    figures = parse_llama_perplexity(proc.stdout + proc.stderr)
+    wanted = {"ppl"} if as_base else {"ppl_q", "kld", "same_top_p_pct"}
+    for attempt in range(attempts):
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-perplexity failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        figures = parse_llama_perplexity(proc.stdout + proc.stderr)
+        if wanted <= figures.keys():
+            break
+        print(f"llama-perplexity printed no {sorted(wanted - figures.keys())} for {gguf} (attempt {attempt + 1} "
+              f"of {attempts})", file=sys.stderr, flush=True)
     if "ppl_q" in figures:  # a --kl-divergence run states the file's own perplexity as PPL(Q)
         figures["ppl"] = figures.pop("ppl_q")
     return {**figures, "seconds": time.perf_counter() - t}
