@@ -14,7 +14,7 @@ A hybridserve run is ``bf16`` (the safetensors checkpoint in bf16), ``gguf:NAME`
 
     nice -n 19 python benchmarks/gguf_perplexity.py --model /root/bench/granite-1.3b \\
         --text /root/.pyenv/versions/3.11.7/lib/python3.11/LICENSE.txt --llama-cpp /root/peers/llama.cpp/build \\
-        --ctx 512 --chunks 6 --json /root/bench/s5/perplexity-1.3b.json
+        --ctx 512 --chunks 4 --json /root/bench/s5/perplexity-1.3b.json
 
 The folder holds model-bf16.gguf (benchmarks/make_gguf.py) and model-q8_0.gguf / model-q4_k_m.gguf
 (``llama-quantize model-bf16.gguf model-q8_0.gguf Q8_0``). Run it with the project on PYTHONPATH.
@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP", "/work/llama.cpp/build"),
                         help="llama.cpp build folder with llama-perplexity and llama-tokenize")
     parser.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
-    parser.add_argument("--chunks", type=int, default=6, help="chunks (llama-perplexity --chunks)")
+    parser.add_argument("--chunks", type=int, default=4, help="chunks (llama-perplexity --chunks)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", nargs="*", default=DEFAULT_RUNS, help="hybridserve runs (see above)")
     parser.add_argument("--llama-files", nargs="*", default=list(LLAMA_FILES),
