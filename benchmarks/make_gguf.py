@@ -7,7 +7,9 @@ pre-tokenizer by hashing its output on a test string; the grown tokenizer's hash
 so it is mapped to ``--pre`` (default ``gpt-2``: the byte-level GPT-2 split, which is what that
 tokenizer uses). The converter also reads ``layer_types`` as "mamba"/"attention" (the names of the
 published Granite-4.0-H configs), whereas transformers now writes "linear_attention"/"full_attention";
-a staged copy of the checkpoint (links to the weights, a rewritten config.json, the tokenizer files)
+a dense Granite hybrid (no experts) is staged with ``num_experts_per_tok`` 0, since the converter writes it as
+llama.cpp's ``expert_used_count`` and llama.cpp refuses a count above ``expert_count`` (0). A staged copy of the
+checkpoint (links to the weights, a rewritten config.json, the tokenizer files)
 is what gets converted, so the checkpoint folder itself only gains the GGUF files. The converter reads a
 Jamba checkpoint's tokenizer only as a Llama one (sentencepiece, or a BPE with byte fallback and a
 ``Sequence`` decoder): for Jamba the grown tokenizer is staged in that form (byte fallback on, its
@@ -35,6 +37,10 @@ BASE_TOKENIZER = os.path.join(REPO, "hybridserve", "default_model", "tokenizer.j
 LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention"}
 # families whose converter reads the tokenizer only as a Llama one (see the module docstring)
 LLAMA_VOCAB_FAMILIES = {"jamba"}
+# experts per token written for a Granite hybrid without experts: the converter copies num_experts_per_tok
+# (transformers' default 2) to expert_used_count beside expert_count 0, and llama.cpp's loader asserts
+# expert_used_count <= expert_count, so llama-quantize and every llama.cpp tool abort on such a file
+DENSE_GRANITE_EXPERTS_USED = 0
 
 
 def grow_tokenizer(tok: dict, size: int) -> dict:
@@ -111,12 +117,15 @@ def write_tokenizer(folder: str, config: dict, base: str) -> int:
 
 
 def converter_config(config: dict) -> dict:
-    """The checkpoint's config with ``layer_types`` in the converter's names and, for Bamba, the rotary size
+    """The checkpoint's config with ``layer_types`` in the converter's names; for Bamba, the rotary size
     ``attn_rotary_emb`` that the published Bamba configs carry (the converter writes RoPE's size only from it;
-    transformers now keeps it as ``partial_rotary_factor``)."""
+    transformers now keeps it as ``partial_rotary_factor``); for a dense Granite hybrid, ``num_experts_per_tok``
+    0 (``DENSE_GRANITE_EXPERTS_USED``)."""
     out = dict(config)
     if "layer_types" in out:
         out["layer_types"] = [LAYER_KINDS.get(kind, kind) for kind in out["layer_types"]]
+    if out.get("model_type") == "granitemoehybrid" and not out.get("num_local_experts"):
+        out["num_experts_per_tok"] = DENSE_GRANITE_EXPERTS_USED
     if out.get("model_type") == "bamba" and "attn_rotary_emb" not in out:
         head_dim = out["hidden_size"] // out["num_attention_heads"]
         factor = (out.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)

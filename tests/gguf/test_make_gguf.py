@@ -56,3 +56,18 @@ def test_bamba_config_gets_the_rotary_size_the_converter_reads():
 def test_vision_language_checkpoint_takes_its_vocab_from_text_config(tmp_path):
     tok = _staged(tmp_path, {"model_type": "qwen3_5", "text_config": {"vocab_size": 4150}})
     assert tokenizers.Tokenizer.from_str(json.dumps(tok)).get_vocab_size() == 4150
+
+
+def test_dense_granite_hybrid_is_staged_with_no_experts_used():
+    """llama.cpp aborts on expert_used_count > expert_count: the converter copies num_experts_per_tok (2 by
+    transformers' default) beside expert_count 0, so a dense Granite hybrid is staged with 0 experts used."""
+    from transformers import GraniteMoeHybridConfig
+
+    make_gguf = _make_gguf()
+    dense = GraniteMoeHybridConfig(num_local_experts=0).to_dict()
+    assert dense["num_experts_per_tok"] == 2  # transformers' default, what the converter would write
+    assert make_gguf.converter_config(dense)["num_experts_per_tok"] == 0
+    moe = GraniteMoeHybridConfig(num_local_experts=4, num_experts_per_tok=2).to_dict()
+    assert make_gguf.converter_config(moe)["num_experts_per_tok"] == 2
+    bamba = {"model_type": "bamba", "hidden_size": 256, "num_attention_heads": 4, "num_experts_per_tok": 2}
+    assert make_gguf.converter_config(bamba)["num_experts_per_tok"] == 2
