@@ -112,3 +112,29 @@ def test_dequantized_in_slices_straight_to_the_model_dtype(monkeypatch, name):
     for dtype in (torch.bfloat16, torch.float16):
         out = weight.dequantize(dtype)
         assert out.dtype == dtype and torch.equal(out, whole.to(dtype))
+
+
+def test_packing_frees_each_8bit_checkpoint_weight_as_it_goes(tmp_path, llama_256, monkeypatch):
+    """When the engine packs a Q8_0 file's linears for the 8-bit kernel, the codes of those already packed are
+    freed before the next is packed (before, every linear's codes stayed until all were packed: the codes and
+    their packed copies counted twice at the peak)."""
+    from hybridserve.kernels import gemm, linear_w8
+    from hybridserve.layers.packed_linear import is_fp8_linear, pack_kernel_linear_layers
+
+    if not gemm.available():
+        pytest.skip("the CPU kernels are not built here")
+    model = _build(write_gguf(llama_256, str(tmp_path / "model-Q8_0.gguf"), "Q8_0"))
+    coded = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and is_fp8_linear(m)]
+    assert len(coded) >= 3 * 7 + 1
+    alive: list[tuple[int, int]] = []  # (codes still held by every coded linear, those of the one being packed)
+    pack = linear_w8.pack
+
+    def watched_pack(codes, *args, **kwargs):
+        alive.append((sum(m.weight.numel() for m in coded), codes.numel()))
+        return pack(codes, *args, **kwargs)
+
+    monkeypatch.setattr(linear_w8, "pack", watched_pack)
+    pack_kernel_linear_layers(model)
+    assert len(alive) == len(coded)
+    assert alive[-1][0] == alive[-1][1]  # at the last one, every other's codes are gone
+    assert all(m.weight.numel() == 0 for m in coded)
