@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import gemm, hugepages, isa, linear_w4, linear_w8
+from hybridserve.kernels.heap import release_free_heap
 from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_f16
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.moe import FusedExperts
@@ -204,9 +205,13 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
             return linear_w8.pack(lin.weight.detach(), lin.weight_scale, lin.weight_group, out=slots[_key(lin.weight)])
         return pack_weight(lin.weight.detach())
 
+    released = [0]  # bytes of checkpoint 8-bit codes freed since the heap was last trimmed
+
     def make(lin: nn.Linear, packed: torch.Tensor) -> nn.Module:
         if is_fp8_linear(lin):
-            return W8Linear(lin, packed, lin.weight.dtype, lin.weight_group)
+            layer = W8Linear(lin, packed, lin.weight.dtype, lin.weight_group)
+            _release_codes(lin, released)
+            return layer
         if packed.data_ptr() in w4_slots:
             return W4Linear(lin.in_features, lin.out_features, packed, group, False, lin.bias)
         if packed.dtype == torch.uint8:
@@ -214,10 +219,29 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
         return KernelLinear(lin, packed)
 
     count = _replace_linears(model, pack_linear, make)
+    if released[0]:
+        release_free_heap()
     for block in experts:
         fmt = expert_format[id(block)]
         count += block.pack(pack_weight, fmt, group if fmt == linear_w4.INT4_FORMAT else w8_group)
     return count
+
+
+#: bytes of released 8-bit codes after which the C heap is trimmed (``kernels/heap.py``)
+TRIM_EVERY_BYTES = 64 << 20
+
+
+def _release_codes(linear: nn.Linear, released: list[int]) -> None:
+    """Free a packed checkpoint linear's 8-bit codes and scales now (``linear`` itself stays referenced until
+    packing ends; a checkpoint's codes are never shared with an unpacked layer), trimming the heap every
+    :data:`TRIM_EVERY_BYTES`."""
+    weight, scales = linear.weight, linear.weight_scale
+    released[0] += weight.numel() * weight.element_size() + scales.numel() * scales.element_size()
+    weight.data = weight.data.new_empty(0)
+    linear.weight_scale = scales.new_empty(0)
+    if released[0] >= TRIM_EVERY_BYTES:
+        release_free_heap()
+        released[0] = 0
 
 
 def pack_linear_layers(model: nn.Module, batch_hint: int = 32) -> int:

@@ -152,7 +152,8 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
     kv_scales: list[tuple[nn.Module, tuple[str, ...], torch.Tensor]] = []
     qc = fp8_checkpoint.fp8_config(model.hf_config)
     fp8_scales: dict[str, torch.Tensor] = {}
-    coded: dict[str, CodedWeight] = {}  # a GGUF file's quantized linear weights, kept quantized
+    coded: dict[str, tuple[int, ...]] = {}  # a GGUF file's quantized linear weights (installed as read): shapes
+    keep_fp32 = set(float32_parameters(model.hf_config, dtype, expected))
     for f, raw, name in checkpoint_tensors(path, renames, skip, model.hf_config):
         target = kv_scale_target(model, name)
         if target is not None:  # an fp8 KV scale: an attribute of its attention layer, not a weight
@@ -167,9 +168,14 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         tensor = f.get_tensor(raw)
         if isinstance(tensor, CodedWeight):
             if name in expected and _is_plain_linear_weight(model, name):
-                coded[name] = tensor
+                coded[name] = tuple(tensor.shape)
+                if coded[name] == tuple(expected[name].shape):  # else refused below, with every other bad shape
+                    _install_coded(model, name, tensor, device)  # now: no converted weight waits in memory
                 continue
-            tensor = tensor.dequantize()  # an embedding, an expert block, a layer that reads its own weight
+            # an embedding, an expert block, a layer that reads its own weight: in the dtype assigned below
+            tensor = tensor.dequantize(dtype if name in expected and name not in keep_fp32 else torch.float32)
+        elif qc is None and name in expected and name not in keep_fp32 and tensor.is_floating_point():
+            tensor = tensor.to(dtype)  # as assigned below; a float32 copy of a 16-bit model's weight is not kept
         loaded[name] = tensor
     fp8 = {} if qc is None else fp8_checkpoint.split_fp8(
         loaded, fp8_scales, qc, lambda n: keep_fp8 and n in expected and _is_plain_linear_weight(model, n))
@@ -188,14 +194,15 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         raise ValueError(f"checkpoint {path!r} does not match {type(model).__name__}: "
                          f"missing weights {missing[:20]}{'...' if len(missing) > 20 else ''}; "
                          f"unexpected weights {unexpected[:20]}{'...' if len(unexpected) > 20 else ''}")
-    bad = [f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(expected[n].shape)}"
-           for n, t in [*loaded.items(), *coded.items()] if tuple(t.shape) != tuple(expected[n].shape)]
+    shapes = {**{n: tuple(t.shape) for n, t in loaded.items()}, **coded}
+    bad = [f"{n}: checkpoint {shape} vs model {tuple(expected[n].shape)}"
+           for n, shape in shapes.items() if shape != tuple(expected[n].shape)]
     if bad:
         raise ValueError(f"checkpoint {path!r} has weights of the wrong shape: " + "; ".join(bad[:20]))
     bad = weight_checks.wrong_dtype_classes(loaded, expected)
     if bad:
         raise ValueError(f"checkpoint {path!r} has weights of the wrong dtype: " + "; ".join(bad[:20]))
-    model.to_empty(device=device)
+    materialize_meta(model, device)  # the coded linears installed above are not allocated again
     with torch.no_grad():
         for name, tensor in loaded.items():
             if name in fp8:
@@ -216,10 +223,6 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
         owner, attr = _owner(model, name)
         getattr(owner, attr).data = codes.to(device)
         owner.weight_scale, owner.weight_group = scales.to(device), group
-    for name, weight in coded.items():
-        owner, attr = _owner(model, name)
-        parent, child = _owner(model, name.rsplit(".", 1)[0])
-        install_coded(owner, attr, parent, child, weight, device)
     model.tie_weights_if_needed()
     for module, attrs, tensor in kv_scales:
         for attr in attrs:
@@ -258,6 +261,31 @@ def kv_scale_target(model: nn.Module, name: str) -> tuple[nn.Module, tuple[str, 
                 return module, attrs
         return None
     return None
+
+
+def _install_coded(model: nn.Module, name: str, weight: CodedWeight, device: torch.device) -> None:
+    """Install the coded weight ``name`` into its ``nn.Linear`` (``gguf.load.install_coded``) before the model's
+    other tensors are allocated: its layer's bias, still on the meta device, is allocated with them."""
+    owner, attr = _owner(model, name)
+    parent, child = _owner(model, name.rsplit(".", 1)[0])
+    install_coded(owner, attr, parent, child, weight, device)
+
+
+def materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)`` for the parameters and buffers still on the meta device only (those
+    already holding values, a coded weight installed at load, are kept); a tensor shared by several modules gets
+    one allocation."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in made:
+                    empty = torch.empty_like(tensor, device=device)
+                    made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
+                                        if isinstance(tensor, nn.Parameter) else empty)
+                table[key] = made[id(tensor)]
 
 
 def _is_plain_linear_weight(model: nn.Module, name: str) -> bool:

@@ -9,6 +9,9 @@ import torch
 from hybridserve.ops.linear_w4 import dequantize_w4
 from hybridserve.ops.linear_w8 import dequantize as dequantize_w8
 
+#: elements of a coded weight dequantized at a time (float32 temporaries of a few times 16 MiB)
+DEQUANTIZE_ELEMENTS = 1 << 22
+
 
 @dataclass(frozen=True)
 class CodedWeight:
@@ -28,8 +31,16 @@ class CodedWeight:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight (N, K)."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight (N, K) in ``dtype``: computed in float32 a slice of rows at a time and rounded once, so
+        that a large weight (a vocabulary's embedding) never has a whole float32 copy."""
+        out = torch.empty(self.shape, dtype=dtype)
+        step = max(1, DEQUANTIZE_ELEMENTS // max(1, self.shape[1]))
+        for r0 in range(0, self.shape[0], step):
+            out[r0:r0 + step] = self.rows(slice(r0, r0 + step))._dequantize_float32()
+        return out
+
+    def _dequantize_float32(self) -> torch.Tensor:
         if self.bits == 8:
             return dequantize_w8(self.codes, self.scales, self.group)
         return dequantize_w4(self.codes, self.scales, self.mins, self.group)

@@ -30,19 +30,21 @@ def _architecture(config: Any) -> str:
 
 
 class _Tensors:
-    """The converted tensors of one file, read like a safetensors file (``get_tensor``)."""
+    """The tensors of one file read like a safetensors file (``get_tensor``): each converted when asked for and
+    not kept here, so the loader holds only what it has not installed yet."""
 
-    def __init__(self, values: dict[str, tensors.Value]) -> None:
+    def __init__(self, values: tensors.CheckpointTensors) -> None:
         self.values = values
 
     def get_tensor(self, name: str) -> tensors.Value:
-        return self.values[name]
+        return self.values.get(name)
 
 
 def gguf_checkpoint_tensors(file: str, hf_config: Any, renames, skip: str | None
                             ) -> Iterator[tuple[_Tensors, str, str]]:
     """``(source, checkpoint name, renamed name)`` of every tensor of the file, as ``loader.checkpoint_tensors``
-    gives them for safetensors; ``source.get_tensor(name)`` is a float tensor or a :class:`CodedWeight`."""
+    gives them for safetensors; ``source.get_tensor(name)`` reads and converts the tensor then (a float tensor or
+    a :class:`CodedWeight`)."""
     import re
 
     from hybridserve.models.loader import _rename
@@ -51,7 +53,7 @@ def gguf_checkpoint_tensors(file: str, hf_config: Any, renames, skip: str | None
     arch = str(reader.metadata(r).get("general.architecture"))
     values = tensors.checkpoint_tensors(r, arch, hf_config, file)
     source = _Tensors(values)
-    for raw in values:
+    for raw in values.names():
         if skip is None or not re.match(skip, raw):
             yield source, raw, _rename(raw, renames)
 

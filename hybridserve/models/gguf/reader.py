@@ -93,6 +93,50 @@ def read_tensor(tensor: Any) -> torch.Tensor | CodedWeight:
 
         return torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape).astype(np.float32))
     fmt = FORMATS[kind]
-    decoded: tuple[Any, ...] = DECODERS[kind](data)
+    decoded = decode_rows(DECODERS[kind], data)
     mins = decoded[2] if len(decoded) == 3 else None
     return CodedWeight(decoded[0], decoded[1], mins, fmt.group, fmt.bits, kind)
+
+
+#: bytes of a block tensor decoded at a time (the decoders' numpy temporaries are several times this)
+DECODE_BYTES = 1 << 23
+
+
+def decode_rows(decoder: Any, raw: np.ndarray) -> tuple[Any, ...]:
+    """``decoder(raw)`` (a ``blocks.DECODERS`` function: rows are independent) a slice of rows at a time into
+    outputs allocated once, so that its temporaries stay a few times :data:`DECODE_BYTES`."""
+    rows = raw.reshape(-1, raw.shape[-1])  # (E, N, bytes) of stacked experts: E * N rows
+    step = max(1, DECODE_BYTES // max(1, rows.shape[1]))
+    if rows.shape[0] <= step:
+        return decoder(raw)
+    first = decoder(rows[:step])
+    outputs = tuple(None if part is None else torch.empty((rows.shape[0], part.shape[1]), dtype=part.dtype)
+                    for part in first)
+    for r0 in range(0, rows.shape[0], step):
+        parts = first if r0 == 0 else decoder(rows[r0:r0 + step])
+        for out, part in zip(outputs, parts):
+            if out is not None:
+                out[r0:r0 + step] = part
+    return outputs
+
+
+def read_released(reader: Any, tensor: Any) -> torch.Tensor | CodedWeight:
+    """:func:`read_tensor`, then the file pages it touched dropped from this process's resident memory
+    (``MADV_DONTNEED`` on the read-only map: the kernel's page cache keeps them, a later read maps them
+    again), so reading a whole file does not leave it counted in the process's RSS. The value read is a copy."""
+    value = read_tensor(tensor)
+    _release_pages(reader, int(tensor.data_offset), int(tensor.n_bytes))
+    return value
+
+
+def _release_pages(reader: Any, offset: int, size: int) -> None:
+    """Drop the resident pages of bytes ``[offset, offset + size)`` of the reader's file map (a no-op where the
+    platform has no ``madvise``)."""
+    import mmap
+
+    file_map = getattr(reader.data, "_mmap", None)
+    if file_map is None or not hasattr(mmap, "MADV_DONTNEED") or size <= 0:
+        return
+    start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(offset + size, len(file_map))
+    file_map.madvise(mmap.MADV_DONTNEED, start, end - start)

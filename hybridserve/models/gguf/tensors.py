@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from hybridserve.models.gguf.coded import CodedWeight, cat_rows
-from hybridserve.models.gguf.reader import read_tensor
+from hybridserve.models.gguf.reader import read_released
 
 Value = torch.Tensor | CodedWeight
 BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -240,8 +240,30 @@ def _field_int(reader: Any, key: str) -> int:
     return int(field.contents()) if field is not None else 0
 
 
-def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dict[str, Value]:
-    """Every tensor of the file under its checkpoint name, transforms undone (module docstring)."""
+class CheckpointTensors:
+    """The tensors of one file under their checkpoint names, each read and converted only when asked for
+    (:meth:`get`), so that a loader holds one converted tensor at a time: nothing is cached here."""
+
+    def __init__(self, reader: Any, parts: dict[str, tuple[Any, ...]], rules: ArchRules, hf_config: Any,
+                 shapes: dict[str, tuple[int, ...]], file: str) -> None:
+        self.reader, self.parts, self.rules = reader, parts, rules
+        self.hf_config, self.shapes, self.file = hf_config, shapes, file
+
+    def names(self) -> list[str]:
+        """Every checkpoint name the file gives, in file order."""
+        return list(self.parts)
+
+    def get(self, name: str) -> Value:
+        """The tensor ``name``: its GGUF tensors read (their file pages released), stacked when the converter
+        split it, the transforms undone (module docstring)."""
+        values = [read_released(self.reader, tensor) for tensor in self.parts[name]]
+        value = values[0] if len(values) == 1 else _stack(values, self.shapes[name])
+        del values
+        return _undo(name, value, self.rules, self.hf_config, self.shapes[name], self.file)
+
+
+def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> CheckpointTensors:
+    """Every tensor of the file under its checkpoint name (names resolved now, values read on demand)."""
     rules = RULES[arch]
     shapes = checkpoint_shapes(hf_config)
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or len(hf_config.layers_block_type))
@@ -249,8 +271,8 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
     reverse = reverse_names(rules.gguf_arch, layers)
     renamings = checkpoint_renamings(hf_config.model_type)
     parts_of = {part: target for target, parts in rules.merges for part in parts}
-    pending: dict[str, dict[str, Value]] = {}
-    out: dict[str, Value] = {}
+    pending: dict[str, dict[str, Any]] = {}
+    out: dict[str, tuple[Any, ...]] = {}
     unmatched: list[str] = []
     for tensor in reader.tensors:
         name = tensor.name
@@ -258,12 +280,11 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
         bid, local = (block.group(1), block.group(2)) if block else (None, name)
         if bid is not None and int(bid) >= layers and mtp_layers:
             continue  # a multi-token-prediction layer appended by the converter: not loaded
-        value = read_tensor(tensor)
         local_base, _, suffix = local.rpartition(".")
         merged = _in_model(parts_of[local].format(bid=bid), shapes, renamings) if bid is not None and (
             local in parts_of) else None
         if merged is not None:
-            pending.setdefault(merged, {})[local] = value
+            pending.setdefault(merged, {})[local] = tensor
             continue
         target = None
         if bid is not None and (local in rules.renames or local_base in rules.renames):
@@ -278,15 +299,15 @@ def checkpoint_tensors(reader: Any, arch: str, hf_config: Any, file: str) -> dic
         if target is None:
             unmatched.append(name)
             continue
-        out[target] = value
+        out[target] = (tensor,)
     for target, parts in pending.items():
         local_parts = next(p for _, p in rules.merges if set(parts) <= set(p))
         if set(parts) != set(local_parts):
             raise ValueError(f"{file}: {target} needs tensors {local_parts}, the file has {sorted(parts)}")
-        out[target] = _stack([parts[p] for p in local_parts], shapes[target])
+        out[target] = tuple(parts[p] for p in local_parts)
     if unmatched:
         raise ValueError(f"{file}: tensors with no {type(hf_config).__name__} weight: {unmatched[:10]}")
-    return {name: _undo(name, value, rules, hf_config, shapes[name], file) for name, value in out.items()}
+    return CheckpointTensors(reader, out, rules, hf_config, shapes, file)
 
 
 def _undo(name: str, value: Value, rules: ArchRules, hf_config: Any, shape: tuple[int, ...], file: str) -> Value:
