@@ -367,6 +367,8 @@ struct W4Widened {
 };
 #endif
 
+#include "gemm_w4a8.h"  // few-row calls on W4A8 (AVX-512 VNNI)
+
 template <typename A>
 int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const A* x, int64_t xs,
                  const uint8_t* packed, const A* bias, A* out, int64_t os) {
@@ -374,6 +376,11 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
     return 1;
   if (M == 0) return 0;
   const W4Layout L(N, K, group, has_mins != 0, packed);
+#if HS_HAVE_W4A8
+  if (M <= kW4a8MaxRows)
+    return has_mins ? w4a8_linear<true>(M, N, K, L, x, xs, bias, out, os)
+                    : w4a8_linear<false>(M, N, K, L, x, xs, bias, out, os);
+#endif
 #if HS_HAVE_BF16_DOT
   if constexpr (std::is_same_v<A, uint16_t>) {
 #if HS_HAVE_AMX
@@ -391,13 +398,17 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
 
 extern "C" {
 
-int hs_w4_path(int64_t rows) {
+int hs_w4_path(int act_dtype, int64_t rows) {
+#if HS_HAVE_W4A8
+  if (rows <= kW4a8MaxRows) return 3;
+#endif
 #if HS_HAVE_AMX
-  if (rows >= kW4AmxRows) return 1;
+  if (act_dtype == kBF16 && rows >= kW4AmxRows) return 1;
 #endif
 #if HS_HAVE_BF16_DOT
-  if (rows <= kW4DotMaxRows) return 2;
+  if (act_dtype == kBF16 && rows <= kW4DotMaxRows) return 2;
 #endif
+  (void)act_dtype;
   (void)rows;
   return 0;
 }
