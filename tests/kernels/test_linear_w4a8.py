@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.kernels import isa, linear_w4
+from hybridserve.kernels import isa, linear_w4, report
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4a8_ref, quantize_blocks_int8
 from hybridserve.ops.linear_w8 import quantize_rows_int8
 from tests.kernels.helpers import assert_bits_equal, needs_compiler
@@ -101,3 +101,11 @@ def test_w4a8_reference_is_within_the_activation_rounding_of_the_exact_product(w
     err = (y - exact).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item():.3g}"
     assert err.max() > 0  # the activation rounding is there
+
+
+@pytest.mark.parametrize("level", isa.LEVELS)
+def test_the_report_names_w4a8_at_the_levels_it_runs(level):
+    """``hybridserve env``'s 4-bit line (kernels/report.py) names W4A8 and its row limit where it runs."""
+    text = report.w4_variant(level)
+    assert ("W4A8" in text) == (level in W4A8_LEVELS), text
+    assert (f"up to {linear_w4.W4A8_MAX_ROWS} rows" in text) == (level in W4A8_LEVELS), text

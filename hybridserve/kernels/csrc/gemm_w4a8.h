@@ -24,8 +24,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && (!defined(HS_VECTOR_LANES) || HS_VECTOR_LANES == 16)
 #define HS_HAVE_W4A8 1
 
-constexpr int64_t kW4a8MaxRows = 8;  // rows up to which calls run on W4A8 (every activation dtype)
+constexpr int64_t kW4a8MaxRows = 15;  // rows up to which calls run on W4A8, every activation dtype (< kW4AmxRows)
 constexpr int kW4a8TileRows = 8;     // rows of a tile
+static_assert(kW4a8MaxRows < kW4AmxRows, "the AMX tiles take the calls W4A8 leaves");
 
 // Panels of a tile of MR rows: 2 x MR x NP sums (the float32 total and the group's int32) and the two nibble
 // vectors of a panel in the registers, the activation quads as memory broadcasts.
