@@ -109,3 +109,23 @@ def test_the_report_names_w4a8_at_the_levels_it_runs(level):
     text = report.w4_variant(level)
     assert ("W4A8" in text) == (level in W4A8_LEVELS), text
     assert (f"up to {linear_w4.W4A8_MAX_ROWS} rows" in text) == (level in W4A8_LEVELS), text
+
+
+@needs_compiler
+@pytest.mark.usefixtures("isa_level")
+@pytest.mark.parametrize("act", ACTS, ids=IDS.get)
+def test_activation_ties_round_half_to_even(isa_level, act):
+    """Blocks whose largest |x| is 127 quantize with 127 / max|x| = 1, so x = k + 0.5 lands on a tie: the
+    reference's codes round half to even, and the kernel's outputs (which see only the codes) are its bits."""
+    halves = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 127.0])
+    x = halves.repeat(1, 8)  # (1, 64): two blocks of 32, each with max |x| = 127
+    codes, scales = quantize_blocks_int8(x, 32)
+    assert codes[0, :8].tolist() == [0, 2, 2, 0, -2, 126, -126, 127] and torch.equal(scales, torch.ones(1, 2))
+    g = torch.Generator().manual_seed(5)
+    w_codes, w_scales, _ = _operands(24, 64, 32, False, g)
+    packed = linear_w4.pack(w_codes, w_scales, None, 32)
+    y = linear_w4.linear(x.to(act), packed, 24, 32, False, None)
+    if linear_w4.path(1, act) == linear_w4.W4A8_PATH:
+        assert_bits_equal(y, linear_w4a8_ref(x.to(act), w_codes, w_scales, None, 32), "W4A8 on ties")
+    else:
+        assert isa_level not in W4A8_LEVELS

@@ -45,27 +45,41 @@ struct W4a8Rows {
   int64_t G;
 };
 
-// Row x (K values) quantized into codes (nibble order), scales and sums (G blocks of gs k).
+// 8 activations as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+inline __m256 load8(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Row x (K values) quantized into codes (nibble order), scales and sums (G blocks of gs k), 8 k at a time (K and
+// gs are multiples of 8). The codes: x * (127 / max|x|) rounded by vcvtps2dq (nearest even), then clamped.
 template <typename A>
 void w4a8_quantize_row(int64_t K, int64_t gs, const A* x, int8_t* codes, float* scales, int32_t* sums) {
-  static constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // byte i of 8 holds k = kOrder[i]
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15);  // k = 0, 2, 4, 6, 1, ..
   for (int64_t g = 0, k0 = 0; k0 < K; ++g, k0 += gs) {
     const int64_t k1 = std::min(K, k0 + gs);
+    __m256 vmax = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x + k), magnitude));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
     float amax = 0.0f;
-    for (int64_t k = k0; k < k1; ++k) {
-      const float a = std::fabs(widen_scalar(x[k]));
-      amax = a > amax ? a : amax;
-    }
+    for (float a : lanes) amax = a > amax ? a : amax;
     scales[g] = amax > 0.0f ? amax / 127.0f : 1.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;  // codes are x * (127 / max|x|)
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);  // codes are x * (127 / max|x|)
+    __m256i vsum = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 8) {
+      const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + k), inv));
+      const __m256i c = _mm256_max_epi32(_mm256_min_epi32(n, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+      vsum = _mm256_add_epi32(vsum, c);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k), _mm_shuffle_epi8(_mm256_cvtepi32_epi8(c), order));
+    }
+    alignas(32) int32_t parts[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(parts), vsum);
     int32_t sum = 0;
-    for (int64_t k8 = k0; k8 < k1; k8 += 8)
-      for (int i = 0; i < 8; ++i) {
-        const float v = std::nearbyint(widen_scalar(x[k8 + kOrder[i]]) * inv);  // nearest even
-        const int8_t c = static_cast<int8_t>(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : (v == v ? v : 0.0f)));
-        codes[k8 + i] = c;
-        sum += c;
-      }
+    for (int32_t v : parts) sum += v;
     sums[g] = sum;
   }
 }
