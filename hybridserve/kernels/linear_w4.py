@@ -29,7 +29,9 @@ CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
 #: the dtype that names 4-bit codes where a weight format is a dtype (MoE experts' ``weight_format``)
 INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
-DOT_MAX_ROWS = 4  # rows up to which bf16 calls run on AVX-512 BF16 dot products (kW4DotMaxRows)
+W4A8_MAX_ROWS = 15  # rows up to which calls run on W4A8 at avx512_bf16 and amx (kW4a8MaxRows in csrc/gemm_w4a8.h)
+#: the path of activations quantized to int8 per group and integer sums (``ops/linear_w4.py: linear_w4a8_ref``)
+W4A8_PATH = "W4A8 on AVX-512 VNNI"
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 _PACK_PANELS = 256  # panels packed at a time (4096 rows)
 
@@ -153,14 +155,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, group: int,
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-#: where :func:`linear` runs a call, by rows (``hs_w4_path``' code)
-W4_PATHS = ("float32 vectors", "AMX-BF16 tiles", "AVX-512 BF16 dot products")
+#: where :func:`linear` runs a call, by rows and activation dtype (``hs_w4_path``' code)
+W4_PATHS = ("float32 vectors", "AMX-BF16 tiles", W4A8_PATH)
 
 
-def path(rows: int) -> str | None:
-    """Which path :func:`linear` takes for a bf16 call of ``rows`` rows here (one of :data:`W4_PATHS`); None
-    without the kernels."""
+def path(rows: int, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Which path :func:`linear` takes for a call of ``rows`` rows of ``dtype`` activations here (one of
+    :data:`W4_PATHS`); None without the kernels."""
     lib = _library()
     if lib is None:
         return None
-    return W4_PATHS[lib.hs_w4_path(rows)]
+    return W4_PATHS[lib.hs_w4_path(DTYPE_CODES[dtype], rows)]

@@ -84,14 +84,13 @@ def w4_variant(level: str | None = None) -> str:
     lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
     vector = (f"4-bit codes dequantized in registers ({lanes}), float32 sums per group times its float16 scale; "
               "in-features and group multiples of 8")
-    dot = (f"bf16 calls of up to {linear_w4.DOT_MAX_ROWS} rows (decode) on AVX-512 BF16 dot products over codes "
-           "made bf16 pairs by a table permute")
+    w4a8 = (f"calls of up to {linear_w4.W4A8_MAX_ROWS} rows (decode), every activation dtype, on W4A8: activations "
+            "quantized to int8 per weight group, nibble x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
     if level == "amx":
-        return (f"{level}: {dot}; bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over "
-                f"each column block's codes dequantized to bf16 once per row chunk; the rest (and fp16, float32 "
-                f"activations): {vector}")
+        return (f"{level}: {w4a8}; bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over "
+                f"each column block's codes dequantized to bf16 once per row chunk; the rest: {vector}")
     if level == "avx512_bf16":
-        return f"{level}: {dot}; the rest: {vector}"
+        return f"{level}: {w4a8}; the rest: {vector}"
     return f"{level}: every call: {vector}"
 
 

@@ -69,10 +69,17 @@ def test_cat_rows_refuses_mixed_formats():
 
 
 def test_w4_linear_runs_the_decoded_weight():
-    """Q4_0's codes and float16 scales in the 4-bit layer give the decoded weight's products."""
+    """Q4_0's codes and float16 scales in the 4-bit layer give the decoded weight's products (on the kernel's W4A8
+    path, few rows at avx512_bf16 and amx: the W4A8 reference's over the same codes and scales)."""
     from hybridserve.layers.linear_w4 import W4Linear
+    from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4a8_ref
+    from tests.kernels.helpers import on_w4a8
 
     w = coded("Q4_0", random_blocks("Q4_0", rows=5, cols=64, seed=3))
     layer = W4Linear.from_codes(64, 5, w.codes, w.scales, w.mins, w.group, None)
+    assert torch.equal(dequantize_w4(*layer.unpacked(), w.group), w.dequantize())
     x = torch.randn(3, 64)
-    assert torch.allclose(layer(x), x @ w.dequantize().T, atol=1e-5)
+    if on_w4a8(x, 64, w.group):
+        assert torch.equal(layer(x), linear_w4a8_ref(x, *layer.unpacked(), w.group))
+    else:
+        assert torch.allclose(layer(x), x @ w.dequantize().T, atol=1e-5)

@@ -11,6 +11,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.kernels import isa, linear_w4  # noqa: E402
 from hybridserve.layers.linear_w4 import W4Linear  # noqa: E402
 from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
 from hybridserve.models.gguf.blocks import decode_q4_k  # noqa: E402
@@ -18,6 +19,7 @@ from hybridserve.models.loader import load_hf_config  # noqa: E402
 from hybridserve.ops.linear_w4 import dequantize_w4  # noqa: E402
 from tests import checkpoints  # noqa: E402
 from tests.gguf.gguf_writer import GGUF_ARCH, write_gguf  # noqa: E402
+from tests.layers.test_int8_weights import compare_near_tie  # noqa: E402
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
 PROMPTS = [[5, 9, 33, 4, 7], list(range(3, 22))]
@@ -125,15 +127,28 @@ def wide_llama(tmp_path_factory):
                                         ("Q4_0", W4Linear), ("Q4_K", W4Linear),
                                         ("Q5_1", None)])
 def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_path, wide_llama, kind, layer):
+    """The 4-bit layers' few-row calls run on W4A8 at avx512_bf16 and amx (activations rounded to int8 too): there
+    the greedy tokens keep the near-tie rule against the twin's, and the logprob comparison runs at the avx512
+    level (activations as they are)."""
     file = write_gguf(wide_llama, str(tmp_path / f"model-{kind}.gguf"), kind)
     twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
-    llm, run = _run(file, dtype="float32")
+    _, reference = _run(twin, dtype="float32")
+    options = {}
+    if layer is W4Linear and linear_w4.path(1, torch.float32) == linear_w4.W4A8_PATH:
+        _, w4a8 = _run(file, dtype="float32")
+        _, steps = compare_near_tie(w4a8, reference)  # tokens equal up to a near-tie of the reference
+        assert steps > 0
+        options = {"cpu_isa": "avx512"}
+    previous = isa.cap()
+    try:
+        llm, run = _run(file, dtype="float32", **options)
+    finally:
+        isa.set_cap(previous)
     model = llm.engine.model
     if layer is None:  # a type read dequantized: no quantized layer at all
         assert not any(isinstance(m, (W8Linear, W4Linear)) for m in model.modules())
     else:
         assert sum(isinstance(m, layer) for m in model.modules()) >= 3 * 4  # q, k, v, o (or more) of 3 layers
-    _, reference = _run(twin, dtype="float32")
     for a, b in zip(reference, run):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -100,3 +100,12 @@ class Pool:
 
 def cu(lens) -> torch.Tensor:
     return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)  # (S+1,)
+
+
+def on_w4a8(x: torch.Tensor, in_features: int, group: int) -> bool:
+    """Whether the 4-bit kernel runs x (..., K) on its W4A8 path here (few rows at avx512_bf16 and amx), whose
+    outputs are ``linear_w4a8_ref``'s bits rather than ``linear_w4_ref``'s within rounding."""
+    from hybridserve.kernels import linear_w4
+
+    rows = x.reshape(-1, in_features).shape[0]
+    return linear_w4.covers(in_features, group) and linear_w4.path(rows, x.dtype) == linear_w4.W4A8_PATH

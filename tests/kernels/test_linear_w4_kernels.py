@@ -18,7 +18,7 @@ import torch
 from hybridserve.kernels import gemm, linear_w4
 from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_f16
 from hybridserve.layers.moe import FusedExperts
-from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref
+from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
 from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
 
 pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
@@ -36,7 +36,11 @@ def _operands(N, K, group, with_mins, g):
 
 
 def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
-    """y within the stated bound of the exact value, and of the reference (which obeys the same bound)."""
+    """y within the stated bound of the exact value, and of the reference (which obeys the same bound); a call on
+    W4A8 (few rows at avx512_bf16 and amx): linear_w4a8_ref's bits (tests/kernels/test_linear_w4a8.py)."""
+    if linear_w4.path(x.shape[0], x.dtype) == linear_w4.W4A8_PATH:
+        assert_bits_equal(y, linear_w4a8_ref(x, codes, scales, mins, group, b), f"{what} on W4A8")
+        return
     K = x.shape[-1]
     w = dequantize_w4(codes, scales, mins, group).double()
     exact = x.double() @ w.T
@@ -147,5 +151,9 @@ def test_moe_experts_in_4_bits_match_the_expert_loop(T, gated):
         assert_bits_equal(got, expected, "4-bit moe experts")
     e = int(index[0, 0])  # one expert's up projection against the reference over its weight's 4-bit values
     codes, scales = quantize_w4_f16(weights[up_name][e], group)
-    assert_within_ulps(block._linear(x[:1], up_name, e), linear_w4_ref(x[:1], codes, scales, None, group),
-                       torch.bfloat16, ulps=2, atol=1e-3, what="one expert's 4-bit up projection")
+    one = block._linear(x[:1], up_name, e)
+    if linear_w4.path(1) == linear_w4.W4A8_PATH:
+        assert_bits_equal(one, linear_w4a8_ref(x[:1], codes, scales, None, group), "one expert's W4A8 up projection")
+    else:
+        assert_within_ulps(one, linear_w4_ref(x[:1], codes, scales, None, group), torch.bfloat16, ulps=2, atol=1e-3,
+                           what="one expert's 4-bit up projection")

@@ -11,7 +11,8 @@ from torch import nn
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import linear_w4 as kernel
 from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_f16
-from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref
+from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
+from tests.kernels.helpers import on_w4a8
 
 
 def _operands(N, K, group, with_mins, seed=0):
@@ -44,14 +45,19 @@ def test_from_codes_keeps_the_codes_and_rounds_scales_and_mins_to_float16(N, K, 
 @pytest.mark.parametrize("N,K", [(37, 96), (5, 100)])
 def test_forward_equals_the_reference_over_the_float16_rounded_scales(N, K, group, with_mins, act):
     """Kernel or fallback (K = 100 is not a multiple of 8: the kernel declines it), the output is
-    ``linear_w4_ref`` over the scales and mins as packed, within the float32 sums' reordering."""
+    ``linear_w4_ref`` over the scales and mins as packed, within the float32 sums' reordering; on the kernel's
+    W4A8 path (these 6 rows at avx512_bf16 and amx) ``linear_w4a8_ref``'s bits."""
     codes, scales, mins = _operands(N, K, group, with_mins, seed=N + K)
     bias = torch.randn(N).to(act)
     layer = W4Linear.from_codes(K, N, codes, scales, mins, group, bias)
     x = torch.randn(3, 2, K).to(act)
     y = layer(x)
-    ref = linear_w4_ref(x, codes, scales.half().float(), None if mins is None else mins.half().float(), group, bias)
+    packed_mins = None if mins is None else mins.half().float()
     assert y.shape == (3, 2, N) and y.dtype == act
+    if on_w4a8(x, K, group):
+        assert torch.equal(y, linear_w4a8_ref(x, codes, scales.half().float(), packed_mins, group, bias))
+        return
+    ref = linear_w4_ref(x, codes, scales.half().float(), packed_mins, group, bias)
     w = dequantize_w4(codes, scales.half().float(), None if mins is None else mins.half().float(), group)
     mag = x.float().abs() @ w.abs().T + bias.float().abs()
     ulp = torch.finfo(act).eps * ref.float().abs()
@@ -109,7 +115,10 @@ def test_from_weight_keeps_the_bias_and_approximates_the_weight():
     assert ((dequantize_w4(codes, scales, None, 32) - lin.weight.detach()).abs() <= step * 0.5 * (1 + 2.0 ** -8)).all()
     x = torch.randn(4, 128)
     with torch.no_grad():
-        assert torch.allclose(layer(x), linear_w4_ref(x, codes, scales, None, 32, lin.bias), rtol=1e-5, atol=1e-5)
+        if on_w4a8(x, 128, 32):
+            assert torch.equal(layer(x), linear_w4a8_ref(x, codes, scales, None, 32, lin.bias))
+        else:
+            assert torch.allclose(layer(x), linear_w4_ref(x, codes, scales, None, 32, lin.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_packing_and_quantizing_in_slices_of_rows_keep_every_row():

@@ -9,9 +9,8 @@
 // K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
 //
 // Three paths:
-// * avx512_bf16 and amx, bf16 activations, up to kW4DotMaxRows rows (decode): AVX-512 BF16 dot products over codes
-//   made bf16 pairs by one table permute (w4dot_linear below): 1.2-1.3x the float32 vector path at 1-4 rows
-//   (K = N = 2048, one thread, Intel Xeon), behind it at 8.
+// * avx512_bf16 and amx, any activation dtype, up to kW4a8MaxRows rows (decode): W4A8, the activations quantized
+//   to int8 per group and the sums exact in int32 on AVX-512 VNNI (gemm_w4a8.h).
 // * every level, any activation dtype: the float32 vector path. Each word vector gives 8 k of 16 columns; a
 //   code becomes a float32 value in registers (AVX-512: one permute of a 16-entry table, indexed by the word
 //   shifted to its nibble; elsewhere a shift, a mask and a conversion), and a tile of MR rows sums x * c over a
@@ -27,7 +26,6 @@ namespace {
 
 constexpr int64_t kW4Codes = 8;       // codes per 32-bit word
 constexpr int64_t kW4AmxRows = 16;    // rows from which bf16 calls run on the AMX tiles (amx level)
-constexpr int64_t kW4DotMaxRows = 4;  // rows up to which bf16 calls run on dot products (avx512_bf16, amx)
 
 // Nibble J of each lane of w as a float32 value 0..15.
 template <int J>
@@ -176,138 +174,6 @@ int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int
   return 0;
 }
 
-#if HS_HAVE_BF16_DOT
-// The avx512_bf16 / amx path of few-row bf16 calls: the codes become bf16 pairs by one 16-bit table permute
-// and the products run on AVX-512 BF16 dot products (32 a vdpbf16ps) in place of a float32 multiply-add each.
-// Lane c of a word vector holds the 8 codes of column c: its low 16 bits k0..k3, its high 16 bits k4..k7, so
-// the word shifted right by 4i (per 16 bits) indexes the table with k_i (low half) and k_{i+4} (high half):
-// the pair (k_i, k_{i+4}). The activations are paired the same way once per call (xp: per row, per word, 4
-// pairs (x[8 k8 + i], x[8 k8 + i + 4])). The table holds each code's value as bf16 (code - 8, or the code with
-// mins), twice (vpermw reads 5 index bits; the fifth is the next code's). Exact: bf16 x times a small integer.
-template <bool Mins>
-inline __m512i w4_bf16_table() {
-  alignas(64) uint16_t t[32];
-  for (int j = 0; j < 32; ++j) {
-    const float v = static_cast<float>((j & 15) - (Mins ? 0 : 8));
-    uint32_t u;
-    __builtin_memcpy(&u, &v, 4);
-    t[j] = static_cast<uint16_t>(u >> 16);  // exact: a small integer
-  }
-  return _mm512_load_si512(t);
-}
-
-template <int MR, int NP, bool Mins>
-void w4dot_tile(int64_t K8, int64_t gw, int64_t G, const uint32_t* xp, int64_t xps, const float* xsum,
-                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const uint16_t* bias,
-                uint16_t* out, int64_t os, int64_t n0, int64_t N) {
-  const __m512i table = w4_bf16_table<Mins>();
-  __m512 acc[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t w0 = g * gw, w1 = std::min(K8, w0 + gw);
-    __m512 part[MR][NP];
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NP; ++j) part[r][j] = _mm512_setzero_ps();
-    for (int64_t k8 = w0; k8 < w1; ++k8) {
-      __m512i words[NP];
-      for (int p = 0; p < NP; ++p) {
-        const uint32_t* row = w + p * pe + k8 * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * kPanel), _MM_HINT_NTA);
-        words[p] = _mm512_loadu_si512(row);
-      }
-      for (int i = 0; i < 4; ++i) {
-        __m512bh b[NP];
-        for (int p = 0; p < NP; ++p)
-          b[p] = (__m512bh)_mm512_permutexvar_epi16(i == 0 ? words[p] : _mm512_srli_epi16(words[p], 4 * i), table);
-        for (int r = 0; r < MR; ++r) {
-          const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[r * xps + k8 * 4 + i]));
-          for (int p = 0; p < NP; ++p) part[r][p] = _mm512_dpbf16_ps(part[r][p], a, b[p]);
-        }
-      }
-    }
-    for (int p = 0; p < NP; ++p) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + p * ps + g * kPanel)));
-      if constexpr (Mins) {
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + p * ps + g * kPanel)));
-        for (int r = 0; r < MR; ++r)
-          acc[r][p] = _mm512_fmadd_ps(part[r][p], s, _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * G + g]), m, acc[r][p]));
-      } else {
-        for (int r = 0; r < MR; ++r) acc[r][p] = _mm512_fmadd_ps(part[r][p], s, acc[r][p]);
-      }
-    }
-  }
-  for (int p = 0; p < NP; ++p) {
-    const int64_t col = n0 + p * kPanel;
-    const int64_t valid = N - col < kPanel ? N - col : kPanel;
-    if (valid <= 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 b = bias != nullptr ? bf16_to_f32(_mm256_maskz_loadu_epi16(mask, bias + col)) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r)
-      _mm256_mask_storeu_epi16(out + r * os + col, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][p], b)));
-  }
-}
-
-template <int MR, int NP, bool Mins>
-void w4dot_tile_any(int np, int64_t K8, int64_t gw, int64_t G, const uint32_t* xp, int64_t xps, const float* xsum,
-                    const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps,
-                    const uint16_t* bias, uint16_t* out, int64_t os, int64_t n0, int64_t N) {
-  if constexpr (NP > 1) {
-    if (np < NP)
-      return w4dot_tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xp, xps, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
-  }
-  w4dot_tile<MR, NP, Mins>(K8, gw, G, xp, xps, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
-}
-
-constexpr int kW4DotRows = 4;  // rows of a dot-product tile
-constexpr int w4dot_panels(int MR) { return MR == 1 ? 8 : MR == 2 ? 6 : 4; }
-
-template <bool Mins, int MR>
-void w4dot_rows(int np, int64_t K8, int64_t gw, int64_t G, const uint32_t* xp, int64_t xps, const float* xsum,
-                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const uint16_t* bias,
-                uint16_t* out, int64_t os, int64_t n0, int64_t N) {
-  w4dot_tile_any<MR, w4dot_panels(MR), Mins>(np, K8, gw, G, xp, xps, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
-}
-
-// bf16 x (M, K) @ W.T + bias on dot products.
-template <bool Mins>
-int w4dot_linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const uint16_t* x, int64_t xs,
-                 const uint16_t* bias, uint16_t* out, int64_t os) {
-  static thread_local std::vector<uint32_t> pairs;  // (M, K/2): each row's k-pairs in the codes' order
-  static thread_local std::vector<float> sums;      // (M, G): each row's sum of x over each group (mins)
-  const int64_t xps = K / 2;
-  if (static_cast<int64_t>(pairs.size()) < M * xps) pairs.resize(M * xps);
-  if (static_cast<int64_t>(sums.size()) < M * L.G) sums.resize(M * L.G);
-  for (int64_t r = 0; r < M; ++r) {
-    const uint16_t* xr = x + r * xs;
-    for (int64_t k8 = 0; k8 < L.K8; ++k8)
-      for (int i = 0; i < 4; ++i)
-        pairs[r * xps + k8 * 4 + i] = static_cast<uint32_t>(xr[8 * k8 + i]) |
-                                      (static_cast<uint32_t>(xr[8 * k8 + i + 4]) << 16);
-    if constexpr (Mins)
-      for (int64_t g = 0; g < L.G; ++g) {
-        float s = 0.0f;
-        for (int64_t k = g * L.gs; k < std::min(K, (g + 1) * L.gs); ++k) s += widen_scalar(xr[k]);
-        sums[r * L.G + g] = s;
-      }
-  }
-  using Fn = void (*)(int, int64_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, const uint32_t*, int64_t,
-                      const _Float16*, const _Float16*, int64_t, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t);
-  static constexpr Fn table[kW4DotRows] = {w4dot_rows<Mins, 1>, w4dot_rows<Mins, 2>, w4dot_rows<Mins, 3>,
-                                           w4dot_rows<Mins, 4>};
-  const int64_t gw = L.gs / kW4Codes;
-  const uint32_t* xp = pairs.data();  // (the thread_local vectors are this thread's: their addresses, taken here,
-  const float* xsum = sums.data();    // are what the region's threads read)
-  for_row_tiles(M, N, K, K / 2, kW4DotRows, L.panels, w4dot_panels(M >= kW4DotRows ? kW4DotRows : static_cast<int>(M)),
-                [&](int64_t p0, int np, int64_t m0, int mr) {
-                  table[mr - 1](np, L.K8, gw, L.G, xp + m0 * xps, xps, xsum + m0 * L.G,
-                                L.words + p0 * L.pe, L.pe, L.scales + p0 * L.ps, Mins ? L.mins + p0 * L.ps : nullptr,
-                                L.ps, bias, out + m0 * os, os, p0 * kPanel, N);
-                });
-  return 0;
-}
-#endif
-
 #if HS_HAVE_AMX
 // float32 lanes rounded to bf16 (nearest even; the values are finite): the high halves of the lanes, in the
 // low (Low) or the high half of each 32-bit lane.
@@ -367,6 +233,8 @@ struct W4Widened {
 };
 #endif
 
+#include "gemm_w4a8.h"  // few-row calls on W4A8 (AVX-512 VNNI)
+
 template <typename A>
 int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const A* x, int64_t xs,
                  const uint8_t* packed, const A* bias, A* out, int64_t os) {
@@ -374,15 +242,14 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
     return 1;
   if (M == 0) return 0;
   const W4Layout L(N, K, group, has_mins != 0, packed);
-#if HS_HAVE_BF16_DOT
-  if constexpr (std::is_same_v<A, uint16_t>) {
-#if HS_HAVE_AMX
-    if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, W4Widened{&L, K}, bias, nullptr, out, os);
+#if HS_HAVE_W4A8
+  if (M <= kW4a8MaxRows)
+    return has_mins ? w4a8_linear<true>(M, N, K, L, x, xs, bias, out, os)
+                    : w4a8_linear<false>(M, N, K, L, x, xs, bias, out, os);
 #endif
-    if (M <= kW4DotMaxRows)
-      return has_mins ? w4dot_linear<true>(M, N, K, L, x, xs, bias, out, os)
-                      : w4dot_linear<false>(M, N, K, L, x, xs, bias, out, os);
-  }
+#if HS_HAVE_AMX
+  if constexpr (std::is_same_v<A, uint16_t>)
+    if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, W4Widened{&L, K}, bias, nullptr, out, os);
 #endif
   return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
 }
@@ -391,13 +258,14 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
 
 extern "C" {
 
-int hs_w4_path(int64_t rows) {
+int hs_w4_path(int act_dtype, int64_t rows) {
+#if HS_HAVE_W4A8
+  if (rows <= kW4a8MaxRows) return 2;
+#endif
 #if HS_HAVE_AMX
-  if (rows >= kW4AmxRows) return 1;
+  if (act_dtype == kBF16 && rows >= kW4AmxRows) return 1;
 #endif
-#if HS_HAVE_BF16_DOT
-  if (rows <= kW4DotMaxRows) return 2;
-#endif
+  (void)act_dtype;
   (void)rows;
   return 0;
 }

@@ -159,7 +159,7 @@ int hs_linear_w8(int act_dtype, int wfmt, int64_t M, int64_t N, int64_t K, int64
                  const uint8_t* packed, const void* bias, void* out, int64_t os);
 
 // ---- gemm.cpp (gemm_w4.h): linears over 4-bit group-wise weights (float16 scales, optional float16 mins)
-int hs_w4_path(int64_t rows);
+int hs_w4_path(int act_dtype, int64_t rows);
 int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,
                  int64_t xs, const uint8_t* packed, const void* bias, void* out, int64_t os);
 
