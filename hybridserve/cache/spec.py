@@ -63,7 +63,7 @@ class StateTensorSpec:
     """One named recurrent-state tensor, shape per sequence.
 
     In an 8-bit dtype (``int8``, ``float8_e4m3fn``: :func:`~hybridserve.cache.dtypes.is_coded_state_dtype`) the
-    tensor is stored as codes of ``shape`` plus a float32 scale per row, ``scale_shape = shape[:-1]``
+    tensor is stored as codes of ``shape`` plus a bfloat16 scale per row, ``scale_shape = shape[:-1]``
     (cache/state_codec.py); both live in the slot and ``nbytes`` counts both."""
 
     name: str
@@ -129,7 +129,7 @@ class LayerCacheSpec:
 
         K/V tensors are per token (``shape`` without the token axis, ``bytes`` per token); state
         tensors are per sequence. An 8-bit state tensor is two entries: its codes, then its row scales
-        (``"<name>_scale"``: :data:`SCALE_SUFFIX`, float32, with ``"scales": "<name>"``).
+        (``"<name>_scale"``: :data:`SCALE_SUFFIX`, bfloat16, with ``"scales": "<name>"``).
         """
         tensors = []
         if self.attention is not None:

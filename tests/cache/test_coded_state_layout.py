@@ -1,4 +1,4 @@
-"""8-bit temporal state in the specs, the slot layout and the pool: codes plus float32 row scales, counted
+"""8-bit temporal state in the specs, the slot layout and the pool: codes plus bfloat16 row scales, counted
 exactly, placed in the slot, handed to the ops as a CodedState, and carried by every slot copy."""
 
 from __future__ import annotations
