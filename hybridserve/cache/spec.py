@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 DType = Any
 #: the name of an 8-bit state tensor's row scales is its own name and this
 SCALE_SUFFIX = "_scale"
+#: the dtype of a stabilizer state (mLSTM's ``m``) beside 8-bit codes
+STABILIZER_BESIDE_CODES_DTYPE = "float32"
 
 __all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "ResolvedDtypes", "StateTensorSpec",
            "dtype_size"]
@@ -189,7 +191,7 @@ class CacheDtypes:
         """A temporal state in log space that rescales the others (mLSTM's running max ``m``): the temporal
         dtype when that is a float one, float32 beside 8-bit codes (an error in it would rescale the
         coded states' every row at once, and it is a few bytes)."""
-        return StateTensorSpec(name, tuple(shape), STATE_SCALE_DTYPE if is_coded_state_dtype(self.temporal)
+        return StateTensorSpec(name, tuple(shape), STABILIZER_BESIDE_CODES_DTYPE if is_coded_state_dtype(self.temporal)
                                else self.temporal)
 
     def attention(self, num_kv_heads: int, head_size: int, sliding_window: int | None = None) -> AttentionSpec:
