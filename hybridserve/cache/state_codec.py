@@ -11,9 +11,8 @@ code grid stochastically, down or up with the probability that keeps the mean ex
 The rounding noise is a counter-based hash, not a random generator, so a run is reproducible and independent of
 batch composition and slot placement: the uniform number for element ``e`` (flat index within one sequence's
 state tensor) of layer ``layer`` of a sequence with rounding key ``key`` (the request's seed, 0 when unset) whose
-state has absorbed ``position`` tokens is :func:`uniform_noise`: one 32-bit hash of (key, layer, element / 4)
-gives the 8-bit uniforms of 4 consecutive elements, and the position moves each of them along a Weyl sequence
-(``NOISE_STEP``). The CPU kernels compute the same hash, so the kernel and this reference agree code for
+state has absorbed ``position`` tokens is :func:`uniform_noise`: one 32-bit hash gives the 8-bit uniforms of 4
+consecutive elements. The CPU kernels compute the same hash, so the kernel and this reference agree code for
 code given the same float values.
 
 This module is the reference every 8-bit state path (plain bodies and C++ kernels) is tested against.
@@ -34,9 +33,6 @@ CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.bfloat16
 #: the elements that share one 32-bit noise hash (a byte each)
 NOISE_ELEMENTS_PER_HASH = 4
-#: what an element's noise byte advances by from one position to the next, mod 256 (odd, so an element visits all
-#: 256 values in turn; 159 / 256 is close to the golden ratio's fraction): a Weyl sequence in time
-NOISE_STEP = 159
 
 _MASK32 = 0xFFFFFFFF
 _FP8_E4M3_MIN_NORMAL_EXP = -6  # 2**-6, the smallest normal e4m3 magnitude
@@ -64,22 +60,21 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_keys(keys: torch.Tensor, layer: int) -> torch.Tensor:
-    """The per-sequence base of the noise hash: keys (S,) int64 rounding keys, layer the layer index -> (S,)
-    int64 in [0, 2**32)."""
-    return hash32(hash32(keys.to(torch.int64)) ^ layer)
+def row_keys(keys: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """The per-sequence base of the noise hash: keys (S,) int64 rounding keys, positions (S,) int64 tokens
+    absorbed after this update, layer the layer index -> (S,) int64 in [0, 2**32)."""
+    h = hash32(keys.to(torch.int64))
+    h = hash32(h ^ (positions.to(torch.int64) & _MASK32))
+    return hash32(h ^ layer)
 
 
 def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape: tuple[int, ...],
                   offset: int = 0) -> torch.Tensor:
     """Uniform numbers in (0, 1), float32 (S, *shape), 8 bits each: element e of sequence s, at flat index
     ``g = offset + e``, takes byte ``g % 4`` (the least significant first) of ``w = hash32(row_keys[s] + g // 4)``
-    plus ``NOISE_STEP * positions[s]``, mod 256, and is ``(byte + 0.5) / 256``. e is the flat index within
-    ``shape``; ``offset`` is where a tensor-parallel rank's slice starts in the whole tensor (any value), so each
-    element's noise is the same on any rank. The hash does not take the position: from one position to the next
-    an element's noise steps by NOISE_STEP / 256 around the circle, a low-discrepancy sequence in time, so the
-    roundings of a slowly changing element cancel over a few steps instead of adding up as independent draws."""
-    base = row_keys(keys, layer)  # (S,)
+    and is ``(byte + 0.5) / 256``. e is the flat index within ``shape``; ``offset`` is where a tensor-parallel
+    rank's slice starts in the whole tensor (any value), so each element's noise is the same on any rank."""
+    base = row_keys(keys, positions, layer)  # (S,)
     numel = 1
     for d in shape:
         numel *= d
@@ -89,7 +84,7 @@ def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape
     shifts = torch.arange(0, 32, 8, dtype=torch.int64)  # byte k of a word: bits 8k .. 8k + 7
     byte = ((w[:, :, None] >> shifts) & 0xFF).reshape(base.shape[0], -1)  # (S, 4 words): element 4 first_word on
     start = offset - first_word * NOISE_ELEMENTS_PER_HASH
-    byte = (byte[:, start:start + numel] + (positions.to(torch.int64) * NOISE_STEP)[:, None]) & 0xFF
+    byte = byte[:, start:start + numel]
     return ((byte.to(torch.float32) + 0.5) * (1.0 / 256)).reshape(base.shape[0], *shape)
 
 

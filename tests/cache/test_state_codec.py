@@ -52,11 +52,11 @@ def test_scales_are_bfloat16_rounded_up_and_codes_never_clip(dtype):
 def test_one_hash_gives_the_noise_of_four_elements():
     keys, positions, layer = torch.tensor([12345, 0, 2 ** 40 + 3]), torch.tensor([37, 2, 1000]), 5
     u = codec.uniform_noise(keys, positions, layer, (3, 10))  # (S, 3, 10)
-    base = codec.row_keys(keys, layer)
+    base = codec.row_keys(keys, positions, layer)
     flat = u.reshape(3, -1)
     for e in (0, 1, 2, 3, 4, 17, 29):
         word = codec.hash32(base + e // 4)  # (S,)
-        byte = (((word >> (8 * (e % 4))) & 0xFF) + codec.NOISE_STEP * positions) & 0xFF
+        byte = (word >> (8 * (e % 4))) & 0xFF
         assert torch.equal(flat[:, e], (byte.float() + 0.5) / 256)
     steps = flat * 256 - 0.5  # every value on the 8-bit grid, strictly inside (0, 1)
     assert torch.equal(steps, steps.round()) and (flat > 0).all() and (flat < 1).all()
@@ -83,15 +83,3 @@ def test_stochastic_rounding_keeps_the_mean():
     mean = codec.decode_rows(codes, scale).mean(0)
     assert ((mean - x[0]).abs() <= step * 0.03).all()
     assert ((mean - x[0]).abs().mean() <= step * 0.01)
-
-
-def test_an_elements_noise_steps_evenly_through_time():
-    """From one position to the next an element's noise advances by NOISE_STEP / 256 around the circle: over 256
-    consecutive positions it takes each of the 256 values once (a Weyl sequence), for every element, key and
-    layer, so its roundings spread evenly instead of clustering as independent draws can."""
-    positions = torch.arange(1000, 1256)
-    for key, layer in ((0, 0), (12345, 7)):
-        u = codec.uniform_noise(torch.full((256,), key), positions, layer, (2, 8))  # (positions, 2, 8)
-        steps = (u * 256 - 0.5).round().to(torch.int64).reshape(256, -1)
-        assert torch.equal(steps.sort(dim=0).values, torch.arange(256)[:, None].expand(256, 16))
-        assert torch.equal((steps[1:] - steps[:-1]) % 256, torch.full((255, 16), codec.NOISE_STEP))

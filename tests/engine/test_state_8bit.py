@@ -47,10 +47,10 @@ def _outputs(outs) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
             for o in outs for c in o.outputs]
 
 
-#: fp8_e4m3 state (3 mantissa bits) drifts past the parity bar on the tiny Kimi-Linear checkpoint: on the 70-token
-#: prompt its greedy path parts from HF's at the last of 12 tokens with HF's token outside its top 5;
-#: docs/state_precision.md
-FP8_DRIFTS = {"kimi_linear"}
+#: fp8_e4m3 state (3 mantissa bits) drifts past the parity bar on these two tiny checkpoints: every divergence is a
+#: near tie, but the greedy paths part from HF's after 1, 6, 0 (KDA) and 2, 5, 2 (mLSTM) of 12 tokens, with mean
+#: |Δlogprob| 7.9e-2 and 1.1e-1 on the steps before (int8: 3.7e-2 and 3.9e-2, passing); docs/state_precision.md
+FP8_DRIFTS = {"kimi_linear", "xlstm"}
 
 
 def _parity_cases() -> list:

@@ -481,7 +481,7 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
     const auto* next_scales = reinterpret_cast<const char*>(cs.scales + next.slot * cs.scale_stride + next.head * P);
     for (int64_t b = 0; b < P * static_cast<int64_t>(sizeof(uint16_t)); b += 64) __builtin_prefetch(next_scales + b);
   }
-  const NoiseSeed seed = cs.seed(s);
+  const uint32_t base = cs.base(s);
   NoiseBytes noise;
   for (int64_t q = 0; q < P; ++q) {
     const float xv = to_f32(xt[q]);
@@ -500,7 +500,7 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
     yt[q] = reduce_add(acc) + d * xv;
     float inv;
     row_scale<KIND>(reduce_max(mx), scales + q, &inv);
-    encode_vecs<KIND, NV>(v, inv, noise.fill(seed, static_cast<uint32_t>((h * P + q) * N), N), row);
+    encode_vecs<KIND, NV>(v, inv, noise.fill(base, static_cast<uint32_t>((h * P + q) * N), N), row);
   }
 }
 

@@ -3,10 +3,9 @@
 // for code: scale = max|x| / code_max rounded up to bfloat16 (stored as its bits), v = x * (1 / scale) with
 // that stored scale (0 for a zero row), int8 code = clamp(floor(v + u), -127, 127), e4m3 code = floor(|v| /
 // ulp + u) ulps (the e4m3 spacing of |v|'s binade, 2^-9 below the smallest normal), clamped to 448, with v's
-// sign; u = (byte + 0.5) / 256 with byte = (the (e mod 4)-th byte, least significant first, of hash32(base + e
-// / 4)) + 159 position, mod 256; e the element's flat index within one sequence's state tensor, base =
-// noise_base(key, layer), position the tokens absorbed after the update: one hash gives the noise of 4
-// elements, and each element's noise steps through a Weyl sequence in time (NoiseSeed).
+// sign; u = (byte + 0.5) / 256 with byte the (e mod 4)-th byte, least significant first, of hash32(base + e /
+// 4), e the element's flat index within one sequence's state tensor, base = noise_base(key, position, layer):
+// one hash gives the noise of 4 elements.
 //
 // The row loops run on register-wide vectors (vec16.h: vnf) at every ISA level; the rounding additions are
 // kept apart from the multiplies before them (no fused multiply-add), as PyTorch computes them.
@@ -64,24 +63,12 @@ inline vnu32 hash32(vnu32 x) {
   return x ^ (x >> 16);
 }
 
-// cache/state_codec.py: row_keys, for one sequence (key: its rounding key).
-inline uint32_t noise_base(int64_t key, int64_t layer) {
-  return hash32(hash32(static_cast<uint32_t>(key)) ^ static_cast<uint32_t>(layer));
-}
-
-// cache/state_codec.py: NOISE_STEP, the noise bytes' step from one position to the next (odd, so an element
-// visits all 256 values in turn; 159 / 256 is close to the golden ratio's fraction): a Weyl sequence in time.
-constexpr uint32_t kNoiseStep = 159;
-
-// A sequence's noise at one update: the hash base of its key and layer, and the byte added to every noise
-// byte at its position (tokens absorbed after the update).
-struct NoiseSeed {
-  uint32_t base;
-  uint8_t shift;
-};
-
-inline NoiseSeed noise_seed(int64_t key, int64_t position, int64_t layer) {
-  return NoiseSeed{noise_base(key, layer), static_cast<uint8_t>(static_cast<uint64_t>(position) * kNoiseStep)};
+// cache/state_codec.py: row_keys, for one sequence (key: its rounding key, position: tokens absorbed after
+// this update).
+inline uint32_t noise_base(int64_t key, int64_t position, int64_t layer) {
+  uint32_t h = hash32(static_cast<uint32_t>(key));
+  h = hash32(h ^ static_cast<uint32_t>(position));
+  return hash32(h ^ static_cast<uint32_t>(layer));
 }
 
 inline vnu32 lane_index() {
@@ -95,23 +82,19 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the noise bytes are re
 constexpr int64_t kNoisePerHash = 4;     // elements whose noise one 32-bit hash gives (a byte each)
 constexpr int64_t kNoiseChunk = 16 * kNativeLanes > 256 ? 16 * kNativeLanes : 256;  // most one fill covers
 
-typedef uint8_t vnu8 __attribute__((vector_size(4 * kNativeLanes)));
-
-// The noise bytes of a run of consecutive elements: fill(seed, e0, n) hashes the words e0 / 4 .. (e0 + n - 1)
-// / 4, adds the seed's shift to every byte, and returns p with p[i] the byte of element e0 + i (n <=
-// kNoiseChunk); the words are hashed a register-wide vector at a time, and a vector load past the n bytes
-// stays inside the buffer.
+// The noise bytes of a run of consecutive elements: fill(base, e0, n) hashes the words e0 / 4 .. (e0 + n - 1)
+// / 4 and returns p with p[i] the byte of element e0 + i (n <= kNoiseChunk); the words are hashed a
+// register-wide vector at a time, and a vector load past the n bytes stays inside the buffer.
 struct NoiseBytes {
   alignas(64) uint32_t words[kNoiseChunk / kNoisePerHash + 3 * kNativeLanes];
 
-  const uint8_t* fill(const NoiseSeed& seed, uint32_t e0, int64_t n) {
+  const uint8_t* fill(uint32_t base, uint32_t e0, int64_t n) {
     const uint32_t w0 = e0 / kNoisePerHash;
     const int64_t skip = e0 % kNoisePerHash;
     const int64_t count = (skip + n + kNoisePerHash - 1) / kNoisePerHash;
-    const vnu32 first = (seed.base + w0) + lane_index();
-    for (int64_t k = 0; k < count; k += kNativeLanes) {
-      *reinterpret_cast<vnu8*>(words + k) = (vnu8)hash32(first + static_cast<uint32_t>(k)) + seed.shift;
-    }
+    const vnu32 first = (base + w0) + lane_index();
+    for (int64_t k = 0; k < count; k += kNativeLanes)
+      *reinterpret_cast<vnu32*>(words + k) = hash32(first + static_cast<uint32_t>(k));
     return reinterpret_cast<const uint8_t*>(words) + skip;
   }
 };
@@ -346,13 +329,13 @@ inline float row_amax(const float* x, int64_t n) {
 
 // x (n,) float32 -> n codes at c and the row scale (bfloat16 bits); element i of the row has flat index e0 + i.
 template <int KIND>
-void encode_row(const float* x, int64_t n, const NoiseSeed& seed, uint32_t e0, uint8_t* c, uint16_t* scale) {
+void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scale) {
   float inv;
   row_scale<KIND>(row_amax(x, n), scale, &inv);
   NoiseBytes noise;
   for (int64_t start = 0; start < n; start += kNoiseChunk) {
     const int64_t len = n - start < kNoiseChunk ? n - start : kNoiseChunk;
-    const uint8_t* u = noise.fill(seed, e0 + static_cast<uint32_t>(start), len);
+    const uint8_t* u = noise.fill(base, e0 + static_cast<uint32_t>(start), len);
     const float* xs = x + start;
     uint8_t* cs = c + start;
     int64_t i = 0;
@@ -374,8 +357,8 @@ void encode_row(const float* x, int64_t n, const NoiseSeed& seed, uint32_t e0, u
 }
 
 // One layer's 8-bit state tensor in the pool: sequence s's codes at codes + slots[s] * code_stride, its row
-// scales (bfloat16 bits) at scales + slots[s] * scale_stride; its noise seed from keys[s] (null: every key 0),
-// positions[s] and the layer index.
+// scales (bfloat16 bits) at scales + slots[s] * scale_stride; its noise base from keys[s] (null: every key 0), positions[s]
+// and the layer index.
 struct CodedState {
   uint8_t* codes;
   int64_t code_stride;
@@ -386,7 +369,7 @@ struct CodedState {
   const int64_t* positions;
   int64_t layer;
 
-  NoiseSeed seed(int64_t s) const { return noise_seed(keys != nullptr ? keys[s] : 0, positions[s], layer); }
+  uint32_t base(int64_t s) const { return noise_base(keys != nullptr ? keys[s] : 0, positions[s], layer); }
 };
 
 // A state tensor's rows as the recurrences read and write them: the rows elements off .. off + rows * n of
@@ -424,9 +407,9 @@ template <int KIND> struct CodedRows {
   void store(int64_t s, int64_t off, int64_t rows, int64_t n, const float* in) const {
     uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
     uint16_t* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
-    const NoiseSeed seed = cs.seed(s);
+    const uint32_t base = cs.base(s);
     for (int64_t r = 0; r < rows; ++r)
-      encode_row<KIND>(in + r * n, n, seed, static_cast<uint32_t>(off + r * n), c + r * n, sc + r);
+      encode_row<KIND>(in + r * n, n, base, static_cast<uint32_t>(off + r * n), c + r * n, sc + r);
   }
 };
 
