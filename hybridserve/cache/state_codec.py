@@ -82,7 +82,8 @@ def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape
     end_word = (offset + numel + NOISE_ELEMENTS_PER_HASH - 1) // NOISE_ELEMENTS_PER_HASH
     w = hash32(base[:, None] + torch.arange(first_word, end_word, dtype=torch.int64)[None, :])  # (S, words)
     shifts = torch.arange(0, 32, 8, dtype=torch.int64)  # byte k of a word: bits 8k .. 8k + 7
-    byte = ((w[:, :, None] >> shifts) & 0xFF).reshape(base.shape[0], -1)  # (S, 4 words): element 4 first_word on
+    byte = ((w[:, :, None] >> shifts) & 0xFF).reshape(base.shape[0], w.shape[1] * NOISE_ELEMENTS_PER_HASH)
+    # (S, 4 words): element 4 first_word on
     start = offset - first_word * NOISE_ELEMENTS_PER_HASH
     byte = byte[:, start:start + numel]
     return ((byte.to(torch.float32) + 0.5) * (1.0 / 256)).reshape(base.shape[0], *shape)

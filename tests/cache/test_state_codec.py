@@ -83,3 +83,9 @@ def test_stochastic_rounding_keeps_the_mean():
     mean = codec.decode_rows(codes, scale).mean(0)
     assert ((mean - x[0]).abs() <= step * 0.03).all()
     assert ((mean - x[0]).abs().mean() <= step * 0.01)
+
+
+def test_no_sequences_give_no_noise():
+    """A write with no real rows (every row of a captured step padded) asks for the noise of 0 sequences."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert codec.uniform_noise(empty, empty, 3, (2, 8), offset=6).shape == (0, 2, 8)
