@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from hybridserve.cache.state_codec import CodedState
+from hybridserve.cache.state_codec import SCALE_DTYPE, CodedState
 from hybridserve.kernels import recurrent, recurrent_coded
 
 LAYOUTS = {"100m": dict(layers=10, H=24, P=64, N=64), "1.3b": dict(layers=20, H=64, P=64, N=128)}
@@ -36,7 +36,8 @@ def _pools(dtype: torch.dtype, layers: int, slots: int, shape: tuple[int, ...]) 
             codes = torch.randint(-100, 100, (slots, *shape), generator=g, dtype=torch.int8)
             if dtype != torch.int8:
                 codes = (codes.float() * 0.25).to(dtype)
-            pools.append(CodedState(codes, torch.rand(slots, *shape[:-1], generator=g) * 0.01, layer))
+            scale = (torch.rand(slots, *shape[:-1], generator=g) * 0.01).to(SCALE_DTYPE)
+            pools.append(CodedState(codes, scale, layer))
         else:
             pools.append((torch.randn(slots, *shape, generator=g) * 0.1).to(dtype))
     return pools

@@ -8,7 +8,7 @@ The four dtype knobs (docs/dtypes.md):
 * ``mamba_cache_dtype``: conv states; ``auto`` is the model dtype.
 * ``mamba_ssm_cache_dtype``: recurrent ("temporal") states; ``auto`` is a dtype the checkpoint
   declares (``mamba_ssm_cache_dtype`` or ``mamba_ssm_dtype``), else the resolved conv-state dtype;
-  ``int8`` and ``fp8_e4m3`` store 8-bit codes and a float32 scale per state row (docs/state_precision.md).
+  ``int8`` and ``fp8_e4m3`` store 8-bit codes and a bfloat16 scale per state row (docs/state_precision.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ DEFAULT_SNAPSHOT_INTERVAL = 512
 MODEL_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPE_NAMES = (*MODEL_DTYPE_NAMES, "fp8_e4m3", "fp8_e5m2")
 STATE_DTYPE_NAMES = MODEL_DTYPE_NAMES
-#: 8-bit temporal state: codes plus a float32 scale per state row (cache/state_codec.py, docs/state_precision.md)
+#: 8-bit temporal state: codes plus a bfloat16 scale per state row (cache/state_codec.py, docs/state_precision.md)
 CODED_STATE_DTYPE_NAMES = ("int8", "fp8_e4m3")
 #: what ``mamba_ssm_cache_dtype`` takes: the float state dtypes and the 8-bit coded ones
 TEMPORAL_STATE_DTYPE_NAMES = (*STATE_DTYPE_NAMES, *CODED_STATE_DTYPE_NAMES)
@@ -52,8 +52,9 @@ def conv_state_dtype(value: Any) -> str:
     if name in CODED_STATE_DTYPE_NAMES:
         raise ValueError(
             f"mamba_cache_dtype={value!r} is not valid: conv states stay in a float dtype. A conv state row is the "
-            f"last kernel-1 inputs of one channel (3 values for kernel 4), so 8-bit codes plus a float32 row scale "
-            f"take 7 bytes per channel against bfloat16's 6; use --mamba-ssm-cache-dtype {name} for the recurrent "
+            f"last kernel-1 inputs of one channel (3 values for kernel 4), so 8-bit codes plus a bfloat16 row scale "
+            f"take 5 bytes per channel against bfloat16's 6 (a sixth of the conv state saved for 8-bit rounding of "
+            f"every input); use --mamba-ssm-cache-dtype {name} for the recurrent "
             f"state "
             f"(allowed mamba_cache_dtype values: auto, {', '.join(STATE_DTYPE_NAMES)})")
     return canonical_option("mamba_cache_dtype", value, ("auto", *STATE_DTYPE_NAMES))

@@ -17,7 +17,7 @@ from tests.prefix_utils import released_everything
     ("dtype", "float64", "float32, bfloat16, float16"),
     ("kv_cache_dtype", "int8", "fp8_e4m3"),
     ("mamba_cache_dtype", "fp8_e4m3", "float32, bfloat16, float16"),
-    ("mamba_cache_dtype", "int8", "7 bytes per channel against bfloat16's 6"),  # 8-bit conv state: refused, why
+    ("mamba_cache_dtype", "int8", "5 bytes per channel against bfloat16's 6"),  # 8-bit conv state: refused, why
     ("mamba_ssm_cache_dtype", "int4", "int8, fp8_e4m3"),
     ("mamba_ssm_cache_dtype", "float8", "float32, bfloat16, float16"),
     ("device", "tpu", "auto, cpu, cuda"),
@@ -187,7 +187,7 @@ def test_the_cli_refuses_8_bit_conv_state_with_the_reason(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--mamba-cache-dtype", "int8"])
     err = capsys.readouterr().err
-    assert "--mamba-cache-dtype" in err and "7 bytes per channel" in err and "--mamba-ssm-cache-dtype int8" in err
+    assert "--mamba-cache-dtype" in err and "5 bytes per channel" in err and "--mamba-ssm-cache-dtype int8" in err
     with pytest.raises(SystemExit):
         main(["plan", "--mamba-cache-dtype", "float64"])
     assert "allowed values: auto, float32, bfloat16, float16" in capsys.readouterr().err

@@ -37,10 +37,10 @@ def torch_name(dtype: Any) -> str:
     return TORCH_NAMES.get(name, name)
 
 
-#: torch's names of the code dtypes of 8-bit state (cache/state_codec.py: codes plus a float32 scale per row)
+#: torch's names of the code dtypes of 8-bit state (cache/state_codec.py: codes plus a bfloat16 scale per row)
 CODED_STATE_TORCH_NAMES = ("int8", "float8_e4m3fn")
 #: the dtype of an 8-bit state's row scales
-STATE_SCALE_DTYPE = "float32"
+STATE_SCALE_DTYPE = "bfloat16"
 
 
 def is_coded_state_dtype(dtype: Any) -> bool:

@@ -2,7 +2,7 @@
 
 A **KV page** holds ``block_size`` tokens of K and V for *every* attention layer, so one block
 table per sequence serves all attention layers. A **state slot** holds one sequence's recurrent
-state for *every* state layer (an 8-bit state tensor as its codes, then its float32 row scales:
+state for *every* state layer (an 8-bit state tensor as its codes, then its bfloat16 row scales:
 cache/state_codec.py). Inside a page or slot each tensor starts at a multiple of
 ``ALIGN`` bytes, so every typed view is aligned whatever the mix of dtypes (fp8 KV beside
 float32 SSM state and bf16 conv state, say).

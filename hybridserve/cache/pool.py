@@ -135,7 +135,7 @@ class CachePool:
     # ----------------------------------------------------------------- views
     def _view(self, placement: TensorPlacement, stride_bytes: int, count: int) -> torch.Tensor:
         dtype = placement.dtype if isinstance(placement.dtype, torch.dtype) else getattr(torch, torch_name(
-            placement.dtype))  # a name: the float32 row scales of 8-bit state, say
+            placement.dtype))  # a name: the bfloat16 row scales of 8-bit state, say
         esize = dtype_size(dtype)
         typed = self.buffer.view(dtype)  # (num_bytes / esize,)
         inner = []

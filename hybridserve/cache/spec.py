@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 DType = Any
 #: the name of an 8-bit state tensor's row scales is its own name and this
 SCALE_SUFFIX = "_scale"
+#: the dtype of a stabilizer state (mLSTM's ``m``) beside 8-bit codes
+STABILIZER_BESIDE_CODES_DTYPE = "float32"
 
 __all__ = ["AttentionSpec", "CacheDtypes", "LatentAttentionSpec", "LayerCacheSpec", "ResolvedDtypes", "StateTensorSpec",
            "dtype_size"]
@@ -63,7 +65,7 @@ class StateTensorSpec:
     """One named recurrent-state tensor, shape per sequence.
 
     In an 8-bit dtype (``int8``, ``float8_e4m3fn``: :func:`~hybridserve.cache.dtypes.is_coded_state_dtype`) the
-    tensor is stored as codes of ``shape`` plus a float32 scale per row, ``scale_shape = shape[:-1]``
+    tensor is stored as codes of ``shape`` plus a bfloat16 scale per row, ``scale_shape = shape[:-1]``
     (cache/state_codec.py); both live in the slot and ``nbytes`` counts both."""
 
     name: str
@@ -129,7 +131,7 @@ class LayerCacheSpec:
 
         K/V tensors are per token (``shape`` without the token axis, ``bytes`` per token); state
         tensors are per sequence. An 8-bit state tensor is two entries: its codes, then its row scales
-        (``"<name>_scale"``: :data:`SCALE_SUFFIX`, float32, with ``"scales": "<name>"``).
+        (``"<name>_scale"``: :data:`SCALE_SUFFIX`, bfloat16, with ``"scales": "<name>"``).
         """
         tensors = []
         if self.attention is not None:
@@ -189,7 +191,7 @@ class CacheDtypes:
         """A temporal state in log space that rescales the others (mLSTM's running max ``m``): the temporal
         dtype when that is a float one, float32 beside 8-bit codes (an error in it would rescale the
         coded states' every row at once, and it is a few bytes)."""
-        return StateTensorSpec(name, tuple(shape), STATE_SCALE_DTYPE if is_coded_state_dtype(self.temporal)
+        return StateTensorSpec(name, tuple(shape), STABILIZER_BESIDE_CODES_DTYPE if is_coded_state_dtype(self.temporal)
                                else self.temporal)
 
     def attention(self, num_kv_heads: int, head_size: int, sliding_window: int | None = None) -> AttentionSpec:

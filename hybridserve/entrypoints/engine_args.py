@@ -48,7 +48,7 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *TEMPORAL_STATE_DTYPE_NAMES],
                         help="recurrent (SSM / linear-attention / delta-net / mLSTM) states (auto: the checkpoint's "
                              "declared state dtype, else the conv-state dtype; int8 and fp8_e4m3: 8-bit codes and a "
-                             "float32 scale per state row, docs/state_precision.md)")
+                             "bfloat16 scale per state row, docs/state_precision.md)")
 
 
 def _conv_state_dtype_arg(value: str) -> str:

@@ -1,7 +1,7 @@
 """The plain (PyTorch) bodies of the recurrent ops on 8-bit state: decode, run the float math, encode back.
 
 An 8-bit temporal state reaches an op as a :class:`~hybridserve.cache.state_codec.CodedState` (codes and
-float32 row scales in the pool). The plain bodies were written for float views of the pool, read and
+bfloat16 row scales in the pool). The plain bodies were written for float views of the pool, read and
 written at ``group.state_indices``. :func:`float_states` gives them exactly that: the groups' slots of every
 state tensor gathered into float32 tensors of their own (a float state tensor's slots in its own dtype, so its
 roundings are the ones it gets in place), the groups re-pointed at rows ``0..B-1`` of those, and on leaving,

@@ -26,7 +26,7 @@ DTYPE_CASES = {
     "float32 state": {"mamba_cache_dtype": "float32", "mamba_ssm_cache_dtype": "float32"},
     "fp8 KV": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8 KV, float32 state": {"kv_cache_dtype": "fp8_e4m3", "mamba_ssm_cache_dtype": "float32"},
-    "int8 state": {"mamba_ssm_cache_dtype": "int8"},  # codes and float32 row scales
+    "int8 state": {"mamba_ssm_cache_dtype": "int8"},  # codes and bfloat16 row scales
     "fp8 KV, fp8 state": {"kv_cache_dtype": "fp8_e4m3", "mamba_ssm_cache_dtype": "fp8_e4m3"},
 }
 
@@ -108,3 +108,46 @@ def test_captured_decode_costs_no_sequence(family):
             plan = plan_cache(config, EngineConfig(cache_memory=budget, max_model_len=4096, **options))
             ideal = budget // ideal_bytes_per_sequence(plan.layout, 4096)
             assert plan.max_concurrent_sequences == ideal, (options, budget)
+
+
+#: real-size families whose temporal state has rows of 64 or more (Mamba2 d_state 128, linear attention's and
+#: mLSTM's value heads): 8-bit codes plus a bfloat16 scale per row make their whole state (bf16 conv state
+#: included) at least 1.9x smaller than bf16 state
+HALVED_STATE_FAMILIES = ["mamba-codestral-7b", "bamba-9b", "granite-4.0-h-small", "nemotron-h-8b", "falcon-h1-7b",
+                         "minimax-text-01", "xlstm-7b"]
+
+
+@pytest.mark.parametrize("family", HALVED_STATE_FAMILIES)
+def test_8bit_state_is_1_9x_smaller_than_bf16(family):
+    """`hybridserve plan`'s figures: one sequence's state at int8 and fp8_e4m3 is >= 1.9x smaller than at bf16
+    (conv state bf16 in all three), and where the state is all a sequence holds (pure Mamba2: Codestral) a pool
+    fits >= 1.9x the 4,096-token sequences. Row scales in float32 (4 bytes per 128 codes) left Codestral at
+    1.89x and Bamba-9B at 1.90x (131.75 -> 69.75 and 59.40 -> 31.31 MiB)."""
+    config = _config(family)
+    budget = 16 * 2**30
+    plans = {dtype: plan_cache(config, EngineConfig(cache_memory=budget, mamba_cache_dtype="bfloat16",
+                                                    mamba_ssm_cache_dtype=dtype))
+             for dtype in ("bfloat16", "int8", "fp8_e4m3")}
+    state = {dtype: plan.layout.state_bytes_per_sequence for dtype, plan in plans.items()}
+    for dtype in ("int8", "fp8_e4m3"):
+        assert state["bfloat16"] >= 1.9 * state[dtype], (dtype, state)
+        if not plans[dtype].layout.has_kv:
+            fits = {d: max_sequences(plans[d].layout, budget, 4096) for d in ("bfloat16", dtype)}
+            assert fits[dtype] >= 1.9 * fits["bfloat16"], fits
+
+
+@pytest.mark.parametrize("family", list(REAL_CONFIGS))
+def test_8bit_state_row_scales_are_bfloat16(family):
+    """Every 8-bit temporal state tensor of a real-size config costs its codes plus 2 bytes per row, laid out as
+    a bfloat16 ``<name>_scale`` entry right behind its codes."""
+    config = _config(family)
+    plan = plan_cache(config, EngineConfig(cache_memory=CACHE_MEMORY, mamba_ssm_cache_dtype="int8"))
+    coded = [t for spec in plan.specs for t in spec.state if t.coded]
+    scales = {(p.layer, p.name): p for p in plan.layout.state_placements if p.name.endswith("_scale")}
+    assert len(scales) == len(coded)
+    for spec in plan.specs:
+        for t in spec.state:
+            if t.coded:
+                assert t.nbytes == math.prod(t.shape) + 2 * math.prod(t.shape[:-1])
+                placement = scales[(spec.index, t.scale_name)]
+                assert placement.dtype == "bfloat16" and placement.nbytes == 2 * math.prod(t.shape[:-1])

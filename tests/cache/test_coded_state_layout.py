@@ -1,4 +1,4 @@
-"""8-bit temporal state in the specs, the slot layout and the pool: codes plus float32 row scales, counted
+"""8-bit temporal state in the specs, the slot layout and the pool: codes plus bfloat16 row scales, counted
 exactly, placed in the slot, handed to the ops as a CodedState, and carried by every slot copy."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _mamba2_like(dtype) -> list[LayerCacheSpec]:
 def test_a_coded_spec_counts_codes_and_row_scales(dtype):
     t = StateTensorSpec("ssm", (4, 6, 16), dtype)
     assert t.coded and t.scale_shape == (4, 6)
-    assert t.nbytes == 4 * 6 * 16 * 1 + 4 * 6 * 4
+    assert t.nbytes == 4 * 6 * 16 * 1 + 4 * 6 * 2  # bfloat16 row scales
     float_t = StateTensorSpec("ssm", (4, 6, 16), torch.bfloat16)
     assert not float_t.coded and float_t.nbytes == 4 * 6 * 16 * 2
     spec = _mamba2_like(dtype)[0]
@@ -35,7 +35,7 @@ def test_a_coded_spec_counts_codes_and_row_scales(dtype):
     assert [(e["name"], e["dtype"], e["shape"], e["bytes"]) for e in tensors] == [
         ("conv", "bfloat16", [40, 3], 240),
         ("ssm", {torch.int8: "int8", torch.float8_e4m3fn: "fp8_e4m3"}[dtype], [4, 6, 16], 384),
-        ("ssm_scale", "float32", [4, 6], 96)]
+        ("ssm_scale", "bfloat16", [4, 6], 48)]
     assert sum(e["bytes"] for e in tensors) == spec.state_bytes_per_sequence
 
 
@@ -73,7 +73,7 @@ def test_the_pool_hands_out_codes_and_scales_in_the_slot(dtype):
         ssm = state["ssm"]
         assert isinstance(ssm, CodedState) and ssm.layer == layer
         assert ssm.codes.dtype == dtype and ssm.codes.shape == (pool.num_slots, 4, 6, 16)
-        assert ssm.scale.dtype == torch.float32 and ssm.scale.shape == (pool.num_slots, 4, 6)
+        assert ssm.scale.dtype == torch.bfloat16 and ssm.scale.shape == (pool.num_slots, 4, 6)
         base = pool.buffer.data_ptr()
         for view, name in ((ssm.codes, "ssm"), (ssm.scale, "ssm_scale")):  # zero-copy views at their placement
             place = next(p for p in layout.state_placements if (p.layer, p.name) == (layer, name))
@@ -113,12 +113,13 @@ def test_rank_slices_round_their_elements_as_the_whole_tensor_does(dtype):
     values = torch.randn(2, heads, rows, n)
     keys, positions = torch.tensor([3, 9]), torch.tensor([40, 7])
     idx = torch.tensor([0, 1])
-    whole = CodedState(torch.zeros(2, heads, rows, n, dtype=dtype), torch.zeros(2, heads, rows), layer=5)
+    whole = CodedState(torch.zeros(2, heads, rows, n, dtype=dtype), torch.zeros(2, heads, rows, dtype=torch.bfloat16),
+                       layer=5)
     whole.write(idx, values, keys, positions)
     half = heads // 2
     for rank in (0, 1):
-        shard = CodedState(torch.zeros(2, half, rows, n, dtype=dtype), torch.zeros(2, half, rows), layer=5,
-                           offset=rank * half * rows * n)
+        shard = CodedState(torch.zeros(2, half, rows, n, dtype=dtype), torch.zeros(2, half, rows, dtype=torch.bfloat16),
+                           layer=5, offset=rank * half * rows * n)
         shard.write(idx, values[:, rank * half:(rank + 1) * half], keys, positions)
         mine = slice(rank * half, (rank + 1) * half)
         assert torch.equal(shard.codes.view(torch.uint8), whole.codes[:, mine].view(torch.uint8))
@@ -144,7 +145,7 @@ def test_the_sharder_gives_each_rank_its_slice_offset():
 def test_coded_state_skips_padding_slots():
     """A negative slot (a padded row of a captured step) reads as zeros and is written nowhere."""
     codes = torch.randint(-127, 128, (4, 2, 8), dtype=torch.int8)
-    scale = torch.rand(4, 2)
+    scale = torch.rand(4, 2).to(torch.bfloat16)
     state = CodedState(codes, scale, layer=1)
     before_codes, before_scale = codes.clone(), scale.clone()
     values = torch.randn(2, 2, 8)

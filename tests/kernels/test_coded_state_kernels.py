@@ -94,6 +94,7 @@ def _steps(codes: torch.Tensor) -> torch.Tensor:
 def _near_boundary(x: torch.Tensor, scale: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Where the rounding position of x (the reference's float32 new state) lies within 8 float32 ulps (of
     the row's largest position) of an integer: where a last-ulp difference in x can move the code."""
+    scale = scale.to(torch.float32)  # the stored bfloat16 scale, which the codes are computed against
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     v = x * inv[..., None]
     if dtype == torch.int8:

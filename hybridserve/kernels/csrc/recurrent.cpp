@@ -1,7 +1,7 @@
 // CPU kernels for the recurrent layers: varlen causal depthwise conv and the Mamba2 (SSD) scan.
 //
 // Both read and write the pooled per-sequence state in place, through slot ids, in the state's own
-// dtype (float32, bfloat16 or float16; or 8-bit codes with float32 row scales, the *_coded entry points and
+// dtype (float32, bfloat16 or float16; or 8-bit codes with bfloat16 row scales, the *_coded entry points and
 // state_codec.h), and compute in float32. A negative slot id is a padding row (zero_rows): nothing of the
 // pool is read or written for it. One call covers a whole group of
 // sequences: a decode group (one token each) or a prefill group (a chunk each), given by cu_seqlens.
@@ -441,16 +441,23 @@ void mamba2_head(SsdPlanPtr plan, void* scratch, int64_t s, int64_t t0, int64_t 
                         wbuf);
 }
 
-// The single-token step of one head on an 8-bit state, in place: each row's N codes (NV vectors) are decoded
-// with its scale and updated in float32 in registers, read by y, and kept in a float32 scratch of the head
-// (work: P N + 3 P floats, in L1/L2) with the row's max; then the rows' new scales (one vector division for
-// many rows), then each row encoded back with the seeded stochastic rounding (state_codec.h). Three passes
-// without a dependency from one row to the next, so that rows overlap in the core.
+// A head of the pool: its sequence's slot (negative: none) and its index.
+struct NextHead {
+  int64_t slot;
+  int64_t head;
+};
+
+// The single-token step of one head on an 8-bit state, in place, one row at a time: the row's N codes (NV
+// vectors) are decoded with its scale and updated in float32 in registers, read by y and for their largest
+// magnitude; then the row's new scale, and the row encoded back from the registers with the seeded stochastic
+// rounding (state_codec.h: encode_vecs). Rows do not depend on one another, so they overlap in the core. The
+// codes and scales of the head this thread takes next (next: its pool slot, or negative for none) are
+// prefetched meanwhile, so the pass over the pool runs at memory speed.
 template <int KIND, int NV, typename AT>
 void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm,
                             int64_t b_stride, const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride,
-                            const CodedState& cs, float* y, int64_t y_stride, const ScanParams& p,
-                            float* __restrict__ work) {
+                            const CodedState& cs, const NextHead& next, float* y, int64_t y_stride,
+                            const ScanParams& p) {
   constexpr int64_t N = kNativeLanes * NV;
   const int64_t P = p.P, g = h / (p.H / p.G);
   float dtv = to_f32(dt[t * dt_stride + h]) + (p.dt_bias ? p.dt_bias[h] : 0.0f);
@@ -466,46 +473,34 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
   const vnf* bv = reinterpret_cast<const vnf*>(bt);
   const vnf* cv = reinterpret_cast<const vnf*>(ct);
   uint8_t* codes = cs.codes + cs.slots[s] * cs.code_stride + h * P * N;
-  float* scales = cs.scales + cs.slots[s] * cs.scale_stride + h * P;
-  float* __restrict__ values = work;           // (P, N) the new rows
-  float* __restrict__ amax = work + P * N;     // (P,) their largest magnitudes
-  float* __restrict__ inv = amax + P;          // (P,) 1 / their new scales
+  uint16_t* scales = cs.scales + cs.slots[s] * cs.scale_stride + h * P;
   const AT* xt = x + t * x_stride + h * P;
   float* yt = y + t * y_stride + h * P;
+  const uint8_t* next_codes = next.slot < 0 ? nullptr : cs.codes + next.slot * cs.code_stride + next.head * P * N;
+  if (next_codes != nullptr) {
+    const auto* next_scales = reinterpret_cast<const char*>(cs.scales + next.slot * cs.scale_stride + next.head * P);
+    for (int64_t b = 0; b < P * static_cast<int64_t>(sizeof(uint16_t)); b += 64) __builtin_prefetch(next_scales + b);
+  }
+  const uint32_t base = cs.base(s);
+  NoiseBytes noise;
   for (int64_t q = 0; q < P; ++q) {
     const float xv = to_f32(xt[q]);
     const float xdt = xv * dtv;
-    const uint8_t* row = codes + q * N;
-    const float scale = scales[q];
-    vnf* out = reinterpret_cast<vnf*>(values + q * N);
+    uint8_t* row = codes + q * N;
+    if (next_codes != nullptr)
+      for (int64_t b = 0; b < N; b += 64) __builtin_prefetch(next_codes + q * N + b);
+    const float scale = scale_value(scales[q]);
+    vnf v[NV];
     vnf acc{}, mx{};
     for (int i = 0; i < NV; ++i) {
-      const vnf v = decode_vec<KIND>(row + kNativeLanes * i, scale) * decay + xdt * bv[i];
-      out[i] = v;
-      acc += v * cv[i];
-      const vnf a = vabs(v);
-      mx = a > mx ? a : mx;
+      v[i] = decode_vec<KIND>(row + kNativeLanes * i, scale) * decay + xdt * bv[i];
+      acc += v[i] * cv[i];
+      mx = max_abs(mx, v[i]);
     }
     yt[q] = reduce_add(acc) + d * xv;
-    amax[q] = reduce_max(mx);
-  }
-#pragma omp simd
-  for (int64_t q = 0; q < P; ++q) {
-    const float sc = amax[q] / code_max(KIND);
-    scales[q] = sc;
-    inv[q] = sc > 0.0f ? 1.0f / sc : 0.0f;
-  }
-  const uint32_t base = cs.base(s);
-  const vnu32 lanes = lane_index();
-  for (int64_t q = 0; q < P; ++q) {
-    const vnf* in = reinterpret_cast<const vnf*>(values + q * N);
-    uint8_t* row = codes + q * N;
-    vnu32 idx = (base + static_cast<uint32_t>((h * P + q) * N)) + lanes;
-    for (int i = 0; i < NV; ++i, idx += kNativeLanes) {
-      vnf w = in[i] * inv[q];
-      keep_rounded(w);
-      encode_vec<KIND>(w, uniform_noise(idx), row + kNativeLanes * i);
-    }
+    float inv;
+    row_scale<KIND>(reduce_max(mx), scales + q, &inv);
+    encode_vecs<KIND, NV>(v, inv, noise.fill(base, static_cast<uint32_t>((h * P + q) * N), N), row);
   }
 }
 
@@ -517,14 +512,14 @@ inline bool coded_step_fits(int64_t N) {
 
 template <int KIND, typename AT>
 void mamba2_step_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm, int64_t b_stride,
-                       const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, const CodedState& cs, float* y,
-                       int64_t y_stride, const ScanParams& p, float* work) {
+                       const AT* Cm, int64_t c_stride, const AT* dt, int64_t dt_stride, const CodedState& cs,
+                       const NextHead& next, float* y, int64_t y_stride, const ScanParams& p) {
   switch (p.N / kNativeLanes) {
-    case 1: mamba2_step_head_coded<KIND, 1>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
-    case 2: mamba2_step_head_coded<KIND, 2>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
-    case 4: mamba2_step_head_coded<KIND, 4>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
-    case 8: mamba2_step_head_coded<KIND, 8>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work); break;
-    default: mamba2_step_head_coded<KIND, 16>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, y, y_stride, p, work);
+    case 1: mamba2_step_head_coded<KIND, 1>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, next, y, y_stride, p); break;
+    case 2: mamba2_step_head_coded<KIND, 2>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, next, y, y_stride, p); break;
+    case 4: mamba2_step_head_coded<KIND, 4>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, next, y, y_stride, p); break;
+    case 8: mamba2_step_head_coded<KIND, 8>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, next, y, y_stride, p); break;
+    default: mamba2_step_head_coded<KIND, 16>(t, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, cs, next, y, y_stride, p);
   }
 }
 
@@ -545,7 +540,7 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* x, 
 #pragma omp parallel
   {
     const FlushDenormals flush;  // decays exp(dt * A) can be subnormal: no slow assists on them
-    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N), sbuf(IO::coded ? P * N + 2 * P : 0);
+    std::vector<float> hbuf(P * N), wbuf(3 * P + 2 * N), sbuf(IO::coded ? P * N : 0);
     void* scratch_ptr = nullptr;
 #if defined(HS_MAMBA2_CHUNKED)
     std::unique_ptr<SsdScratch> scratch;
@@ -571,8 +566,11 @@ void mamba2_scan_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* x, 
         }
         if constexpr (IO::coded) {
           if (t1 - t0 == 1 && coded_step_fits(N)) {
-            mamba2_step_coded<IO::kind>(t0, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, io.cs, y,
-                                        y_stride, p, sbuf.data());
+            // the head this thread takes next: the next head, or the first head of the next sequence
+            const NextHead next = h + 1 < H ? NextHead{io.slot(s), h + 1}
+                                            : NextHead{s + 1 < num_seqs ? io.slot(s + 1) : -1, 0};
+            mamba2_step_coded<IO::kind>(t0, s, h, x, x_stride, Bm, b_stride, Cm, c_stride, dt, dt_stride, io.cs, next,
+                                        y, y_stride, p);
             continue;
           }
           io.load(s, h * P * N, P, N, sbuf.data());
@@ -1093,7 +1091,7 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 
 // ---- 8-bit (coded) state: the same recurrences over codes and row scales (state_codec.h). Each takes, in
 // place of a float state and its slot stride: codes (int8 or e4m3 bytes, code_dtype 3 or 4) with their slot
-// stride, the float32 row scales (the state's shape less its last axis) with theirs, the sequences' rounding
+// stride, the bfloat16 row scales (the state's shape less its last axis) with theirs, the sequences' rounding
 // keys (null: all 0) and positions (tokens absorbed after this call) and the layer index, which seed the
 // stochastic rounding. A decode head is updated row by row in place (Mamba2) or through a float32 scratch of
 // one head (the others); a prefill head's state is decoded once and its final state encoded once.
@@ -1102,7 +1100,7 @@ int hs_mamba2_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const 
                          const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
                          const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,
                          const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
-                         void* codes, int64_t code_stride, float* scales, int64_t scale_stride, const int64_t* keys,
+                         void* codes, int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
                          const int64_t* positions, int64_t layer, float* y, int64_t y_stride, int64_t H, int64_t P,
                          int64_t G, int64_t N) {
   if (G < 1 || H % G != 0) return 1;
@@ -1120,7 +1118,7 @@ int hs_mamba1_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const 
                          const int64_t* slots, const void* x, int64_t xs, const void* dt, int64_t dts, const float* A,
                          const void* B, int64_t bs, const void* C, int64_t cs, const float* D, const void* z,
                          int64_t zs, const float* dt_bias, int dt_softplus, void* codes, int64_t code_stride,
-                         float* scales, int64_t scale_stride, const int64_t* keys, const int64_t* positions,
+                         uint16_t* scales, int64_t scale_stride, const int64_t* keys, const int64_t* positions,
                          int64_t layer, void* y, int64_t ys, int64_t Dm, int64_t N) {
   if (N < 1 || N > kMaxStateN) return 1;
   const CodedState st{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
@@ -1134,7 +1132,7 @@ int hs_mamba1_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const 
 
 int hs_linear_attention_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                               const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
-                              int64_t head_stride, const float* decay, void* codes, int64_t code_stride, float* scales,
+                              int64_t head_stride, const float* decay, void* codes, int64_t code_stride, uint16_t* scales,
                               int64_t scale_stride, const int64_t* keys, const int64_t* positions, int64_t layer,
                               void* y, int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
   const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions, layer};
@@ -1149,7 +1147,7 @@ int hs_linear_attention_coded(int act_dtype, int code_dtype, int64_t num_seqs, c
 int hs_gated_delta_rule_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                               const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
                               const float* A_log, const float* dt_bias, int l2norm, float beta_scale, void* codes,
-                              int64_t code_stride, float* scales, int64_t scale_stride, const int64_t* keys,
+                              int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
                               const int64_t* positions, int64_t layer, void* out, int64_t os, int64_t Hk, int64_t Hv,
                               int64_t Dk, int64_t Dv) {
   if (Hk < 1 || Hv % Hk != 0 || Dv > 1024) return 1;
@@ -1164,7 +1162,7 @@ int hs_gated_delta_rule_coded(int act_dtype, int code_dtype, int64_t num_seqs, c
 int hs_kda_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
                  const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* f,
                  int64_t fs, const void* b, int64_t bs, const float* A_log, const float* dt_bias, int l2norm,
-                 void* codes, int64_t code_stride, float* scales, int64_t scale_stride, const int64_t* keys,
+                 void* codes, int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
                  const int64_t* positions, int64_t layer, const void* gate, int64_t gs, const float* norm_w,
                  float norm_eps, void* out, int64_t os, int64_t H, int64_t Dk, int64_t Dv) {
   if (H < 1 || Dk < 1 || Dv < 1 || (gate != nullptr && norm_w == nullptr)) return 1;
@@ -1183,8 +1181,8 @@ int hs_kda_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t*
 int hs_mlstm_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
                    const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* o,
                    int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap,
-                   void* c_codes, int64_t c_code_stride, float* c_scales, int64_t c_scale_stride, void* n_codes,
-                   int64_t n_code_stride, float* n_scales, int64_t n_scale_stride, const int64_t* keys,
+                   void* c_codes, int64_t c_code_stride, uint16_t* c_scales, int64_t c_scale_stride, void* n_codes,
+                   int64_t n_code_stride, uint16_t* n_scales, int64_t n_scale_stride, const int64_t* keys,
                    const int64_t* positions, int64_t layer, int m_dtype, void* m_states, int64_t m_stride,
                    const void* norm_w, const void* norm_b, float norm_eps, float eps, void* out, int64_t out_stride,
                    int64_t H, int64_t Dk, int64_t Dv) {

@@ -1,9 +1,11 @@
-// 8-bit recurrent state rows in the kernels: the codes (int8 or float8 e4m3fn) and float32 row scale of
+// 8-bit recurrent state rows in the kernels: the codes (int8 or float8 e4m3fn) and bfloat16 row scale of
 // cache/state_codec.py, decoded to float32 and encoded back with the same seeded stochastic rounding, code
-// for code: scale = max|x| / code_max, v = x * (1 / scale) (0 for a zero row), int8 code = clamp(floor(v +
-// u), -127, 127), e4m3 code = floor(|v| / ulp + u) ulps (the e4m3 spacing of |v|'s binade, 2^-9 below the
-// smallest normal), clamped to 448, with v's sign; u = (hash32(base + e) >> 8) * 2^-24, e the element's
-// flat index within one sequence's state tensor, base = noise_base(key, position, layer).
+// for code: scale = max|x| / code_max rounded up to bfloat16 (stored as its bits), v = x * (1 / scale) with
+// that stored scale (0 for a zero row), int8 code = clamp(floor(v + u), -127, 127), e4m3 code = floor(|v| /
+// ulp + u) ulps (the e4m3 spacing of |v|'s binade, 2^-9 below the smallest normal), clamped to 448, with v's
+// sign; u = (byte + 0.5) / 256 with byte the (e mod 4)-th byte, least significant first, of hash32(base + e /
+// 4), e the element's flat index within one sequence's state tensor, base = noise_base(key, position, layer):
+// one hash gives the noise of 4 elements.
 //
 // The row loops run on register-wide vectors (vec16.h: vnf) at every ISA level; the rounding additions are
 // kept apart from the multiplies before them (no fused multiply-add), as PyTorch computes them.
@@ -75,11 +77,27 @@ inline vnu32 lane_index() {
   return v;
 }
 
-// The uniform numbers of the elements whose hash inputs (base + flat index, mod 2^32) are idx.
-inline vnf uniform_noise(vnu32 idx) {
-  const vnu32 h = hash32(idx);
-  return __builtin_convertvector(h >> 8, vnf) * 0x1p-24f;
-}
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the noise bytes are read from the hash words' memory");
+
+constexpr int64_t kNoisePerHash = 4;     // elements whose noise one 32-bit hash gives (a byte each)
+constexpr int64_t kNoiseChunk = 16 * kNativeLanes > 256 ? 16 * kNativeLanes : 256;  // most one fill covers
+
+// The noise bytes of a run of consecutive elements: fill(base, e0, n) hashes the words e0 / 4 .. (e0 + n - 1)
+// / 4 and returns p with p[i] the byte of element e0 + i (n <= kNoiseChunk); the words are hashed a
+// register-wide vector at a time, and a vector load past the n bytes stays inside the buffer.
+struct NoiseBytes {
+  alignas(64) uint32_t words[kNoiseChunk / kNoisePerHash + 3 * kNativeLanes];
+
+  const uint8_t* fill(uint32_t base, uint32_t e0, int64_t n) {
+    const uint32_t w0 = e0 / kNoisePerHash;
+    const int64_t skip = e0 % kNoisePerHash;
+    const int64_t count = (skip + n + kNoisePerHash - 1) / kNoisePerHash;
+    const vnu32 first = (base + w0) + lane_index();
+    for (int64_t k = 0; k < count; k += kNativeLanes)
+      *reinterpret_cast<vnu32*>(words + k) = hash32(first + static_cast<uint32_t>(k));
+    return reinterpret_cast<const uint8_t*>(words) + skip;
+  }
+};
 
 // The sum and the largest lane of a register-wide vector, as a tree of shuffles.
 inline float reduce_add(vnf v) {
@@ -146,6 +164,11 @@ inline void store_bytes(vni32 v, uint8_t* c) {  // v's lanes in [-128, 255]: the
 #else
   for (int i = 0; i < kNativeLanes; ++i) c[i] = static_cast<uint8_t>(v[i]);
 #endif
+}
+
+// The uniform numbers (byte + 0.5) / 256 of kNativeLanes noise bytes (NoiseBytes), exactly.
+inline vnf noise_vec(const uint8_t* bytes) {
+  return __builtin_convertvector(load_u8(bytes), vnf) * 0x1p-8f + 0x1p-9f;
 }
 
 template <int KIND> inline vnf decode_vec(const uint8_t* c, float scale);
@@ -218,16 +241,75 @@ template <int KIND> void decode_row(const uint8_t* c, float scale, int64_t n, fl
   }
 }
 
-// The row's scale (max|x| / code_max) and the reciprocal v = x * inv takes (0 for a zero row).
-template <int KIND> inline void row_scale(float amax, float* scale, float* inv) {
-  const float s = amax / code_max(KIND);
-  *scale = s;
+// A stored bfloat16 row scale (its bits) as float32.
+inline float scale_value(uint16_t bits) {
+  const uint32_t b = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+}
+
+// s >= 0 rounded up to bfloat16 (cache/state_codec.py: scale_up): its bits, and the float32 value they hold.
+inline uint16_t scale_round_up(float s, float* value) {
+  uint32_t b;
+  std::memcpy(&b, &s, sizeof b);
+  if ((b & 0x7fffffffu) < 0x7f800000u) b = (b + 0xffffu) & 0xffff0000u;  // finite: up to the next bfloat16
+  std::memcpy(value, &b, sizeof b);
+  *value = scale_value(static_cast<uint16_t>(b >> 16));
+  return static_cast<uint16_t>(b >> 16);
+}
+
+// The row's scale (max|x| / code_max, up to bfloat16: its bits at scale) and the reciprocal v = x * inv takes
+// (0 for a zero row).
+template <int KIND> inline void row_scale(float amax, uint16_t* scale, float* inv) {
+  float s;
+  *scale = scale_round_up(amax / code_max(KIND), &s);
   *inv = s > 0.0f ? 1.0f / s : 0.0f;
 }
 
 inline vnf vabs(vnf v) {
   const vnu32 bits = reinterpret_cast<const vnu32&>(v) & 0x7fffffffu;
   return reinterpret_cast<const vnf&>(bits);
+}
+
+// max(m, |v|) lane by lane (m >= 0).
+inline vnf max_abs(vnf m, vnf v) {
+#if defined(__AVX512DQ__) && !defined(HS_VECTOR_LANES)
+  return (vnf)_mm512_range_ps((__m512)m, (__m512)v, 0x0B);  // the larger magnitude, sign cleared
+#else
+  const vnf a = vabs(v);
+  return a > m ? a : m;
+#endif
+}
+
+// NV register-wide vectors v of a row (N = NV * kNativeLanes values) -> their codes at c: v * inv rounded
+// (encode_vec) with the noise bytes u of the row's elements (NoiseBytes).
+template <int KIND, int NV> inline void encode_vecs(const vnf* v, float inv, const uint8_t* u, uint8_t* c) {
+#if defined(__AVX512BW__) && !defined(HS_VECTOR_LANES)
+  if constexpr (KIND == kCodeInt8 && NV % 4 == 0) {
+    // four vectors at a time: floor in the conversion, packed to bytes with saturation at 127 (two packs and
+    // one lane permutation instead of four narrowing stores), then the -127 floor on the bytes
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int i = 0; i < NV; i += 4) {
+      __m512i r[4];
+      for (int k = 0; k < 4; ++k) {
+        vnf w = v[i + k] * inv;
+        keep_rounded(w);
+        const vnf t = w + noise_vec(u + kNativeLanes * (i + k));
+        r[k] = _mm512_cvt_roundps_epi32((__m512)t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      }
+      const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(r[0], r[1]), _mm512_packs_epi32(r[2], r[3]));
+      const __m512i codes = _mm512_max_epi8(_mm512_permutexvar_epi32(order, bytes), _mm512_set1_epi8(-127));
+      _mm512_storeu_si512(c + kNativeLanes * i, codes);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < NV; ++i) {
+    vnf w = v[i] * inv;
+    keep_rounded(w);
+    encode_vec<KIND>(w, noise_vec(u + kNativeLanes * i), c + kNativeLanes * i);
+  }
 }
 
 inline float row_amax(const float* x, int64_t n) {
@@ -245,35 +327,42 @@ inline float row_amax(const float* x, int64_t n) {
   return r;
 }
 
-// x (n,) float32 -> n codes at c and the row scale; element i of the row has flat index e0 + i.
-template <int KIND> void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, float* scale) {
+// x (n,) float32 -> n codes at c and the row scale (bfloat16 bits); element i of the row has flat index e0 + i.
+template <int KIND>
+void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scale) {
   float inv;
   row_scale<KIND>(row_amax(x, n), scale, &inv);
-  int64_t i = 0;
-  vnu32 idx = (base + e0) + lane_index();
-  for (; i + kNativeLanes <= n; i += kNativeLanes, idx += kNativeLanes) {
-    vnf v = *reinterpret_cast<const vnf*>(x + i) * inv;
-    keep_rounded(v);
-    encode_vec<KIND>(v, uniform_noise(idx), c + i);
-  }
-  if (i < n) {
-    float tail[kNativeLanes] = {};
-    uint8_t out[kNativeLanes];
-    std::memcpy(tail, x + i, (n - i) * sizeof(float));
-    vnf v = *reinterpret_cast<const vnf*>(tail) * inv;
-    keep_rounded(v);
-    encode_vec<KIND>(v, uniform_noise(idx), out);
-    std::memcpy(c + i, out, n - i);
+  NoiseBytes noise;
+  for (int64_t start = 0; start < n; start += kNoiseChunk) {
+    const int64_t len = n - start < kNoiseChunk ? n - start : kNoiseChunk;
+    const uint8_t* u = noise.fill(base, e0 + static_cast<uint32_t>(start), len);
+    const float* xs = x + start;
+    uint8_t* cs = c + start;
+    int64_t i = 0;
+    for (; i + kNativeLanes <= len; i += kNativeLanes) {
+      vnf v = *reinterpret_cast<const vnf*>(xs + i) * inv;
+      keep_rounded(v);
+      encode_vec<KIND>(v, noise_vec(u + i), cs + i);
+    }
+    if (i < len) {
+      float tail[kNativeLanes] = {};
+      uint8_t out[kNativeLanes];
+      std::memcpy(tail, xs + i, (len - i) * sizeof(float));
+      vnf v = *reinterpret_cast<const vnf*>(tail) * inv;
+      keep_rounded(v);
+      encode_vec<KIND>(v, noise_vec(u + i), out);
+      std::memcpy(cs + i, out, len - i);
+    }
   }
 }
 
 // One layer's 8-bit state tensor in the pool: sequence s's codes at codes + slots[s] * code_stride, its row
-// scales at scales + slots[s] * scale_stride; its noise base from keys[s] (null: every key 0), positions[s]
+// scales (bfloat16 bits) at scales + slots[s] * scale_stride; its noise base from keys[s] (null: every key 0), positions[s]
 // and the layer index.
 struct CodedState {
   uint8_t* codes;
   int64_t code_stride;
-  float* scales;
+  uint16_t* scales;
   int64_t scale_stride;
   const int64_t* slots;
   const int64_t* keys;
@@ -312,12 +401,12 @@ template <int KIND> struct CodedRows {
   int64_t slot(int64_t s) const { return cs.slots[s]; }  // negative: a padding row
   void load(int64_t s, int64_t off, int64_t rows, int64_t n, float* out) const {
     const uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
-    const float* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
-    for (int64_t r = 0; r < rows; ++r) decode_row<KIND>(c + r * n, sc[r], n, out + r * n);
+    const uint16_t* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
+    for (int64_t r = 0; r < rows; ++r) decode_row<KIND>(c + r * n, scale_value(sc[r]), n, out + r * n);
   }
   void store(int64_t s, int64_t off, int64_t rows, int64_t n, const float* in) const {
     uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
-    float* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
+    uint16_t* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
     const uint32_t base = cs.base(s);
     for (int64_t r = 0; r < rows; ++r)
       encode_row<KIND>(in + r * n, n, base, static_cast<uint32_t>(off + r * n), c + r * n, sc + r);
