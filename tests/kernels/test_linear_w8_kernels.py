@@ -100,7 +100,7 @@ def test_linear_w8_at_the_amx_tile_shape_classes(M, N, K, fmt):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_many_row_calls_equal_few_row_calls_bit_for_bit(threads):
     """A call of 300 rows over 4 column blocks (two row chunks at K = 1090: codes widened per block, the next
-    block's widened while one computes, the copies read again by the second chunk) gives each row the bits
+    block's widened while one computes, widened again by the second chunk) gives each row the bits
     that calls of 16 rows give it (codes widened per k-step at amx; every level's rows are independent)."""
     g = torch.Generator().manual_seed(11)
     N, K = 100, 1090
