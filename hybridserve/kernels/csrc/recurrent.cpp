@@ -764,36 +764,8 @@ void linear_attention_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT
   }
 }
 
-// Sequence s's state elements [off, off + count) as bytes in memory (a coded state's codes; its scales are a
-// few lines), to be requested into L1 before they are loaded; {null, 0} for a padding row.
-struct StateBytes {
-  const char* first;
-  int64_t bytes;
-};
-template <typename ST>
-StateBytes state_bytes(const PlainRows<ST>& io, int64_t s, int64_t off, int64_t count) {
-  if (io.slot(s) < 0) return {nullptr, 0};
-  return {reinterpret_cast<const char*>(io.base + io.slot(s) * io.slot_stride + off),
-          count * static_cast<int64_t>(sizeof(ST))};
-}
-template <int KIND>
-StateBytes state_bytes(const CodedRows<KIND>& io, int64_t s, int64_t off, int64_t count) {
-  if (io.slot(s) < 0) return {nullptr, 0};
-  return {reinterpret_cast<const char*>(io.cs.codes + io.cs.slots[s] * io.cs.code_stride + off), count};
-}
-
-// Requests the cache lines of `ahead` into L1 in `parts` equal shares, share `part` now: spread over a loop
-// of `parts` iterations, the whole state arrives while the loop computes.
-inline void request_share(const StateBytes& ahead, int64_t part, int64_t parts) {
-  const int64_t lines = (ahead.bytes + 63) / 64;
-  for (int64_t l = part * lines / parts; l < (part + 1) * lines / parts; ++l)
-    __builtin_prefetch(ahead.first + 64 * l, 0, 3);
-}
-
 // Qwen3-Next's gated delta rule, one (sequence, value head) per iteration: the head's state S (Dk,
-// Dv) in float32 through the sequence's tokens, stored back at its end. While the first token's decay pass
-// runs, the state of the next (sequence, head) in loop order (the thread's next iteration, or past its share)
-// is requested into L1, so a decode step's state pass overlaps its memory reads with the arithmetic. Value head h reads key head
+// Dv) in float32 through the sequence's tokens, stored back at its end. Value head h reads key head
 // h / R (R = Hv / Hk). Per token, from the conv output [q (Hk Dk) | k (Hk Dk) | v (Hv Dv)] and the
 // b, a projection (per key head [b (R) | a (R)]):
 //   beta = beta_scale * sigmoid(b) (OLMo-Hybrid's negative eigenvalues: beta_scale 2);
@@ -817,11 +789,8 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* con
           continue;
         }
         io.load(s, h * Dk * Dv, Dk, Dv, S.data());
-        const int64_t next_s = h + 1 < Hv ? s : s + 1, next_h = h + 1 < Hv ? h + 1 : 0;
-        const StateBytes ahead = next_s < num_seqs ? state_bytes(io, next_s, next_h * Dk * Dv, Dk * Dv) : StateBytes{};
         const float A = std::exp(A_log[h]);
         for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-          const bool first = t == cu_seqlens[s];
           const AT* row = conv + t * cs;
           float qq = 0.0f, kk = 0.0f;
           for (int64_t i = 0; i < Dk; ++i) {
@@ -841,7 +810,6 @@ void gated_delta_impl(int64_t num_seqs, const int64_t* cu_seqlens, const AT* con
           const AT* v = row + 2 * Hk * Dk + h * Dv;
           for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
           for (int64_t i = 0; i < Dk; ++i) {
-            if (first && ahead.first != nullptr) request_share(ahead, i, Dk);
             float* Si = &S[i * Dv];
             for (int64_t j = 0; j < Dv; ++j) {
               Si[j] *= decay;
