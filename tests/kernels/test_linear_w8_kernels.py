@@ -79,7 +79,7 @@ def test_linear_w8_matches_the_reference(M, N, K, group, fmt, act):
     (16, 48, 64),     # codes widened per k-step (32 rows or fewer), an odd panel count
     (33, 40, 2050),   # codes widened per column block, a partial row group, a k tail
     (20, 33, 1090),   # per k-step with a partial group (two tiles of different strides), a 1-pair k tail
-    (600, 24, 8192),  # several row chunks of the per-block widening (512 rows at K = 8192)
+    (600, 24, 8192),  # several row chunks of the per-block widening (64 rows a chunk at K = 8192)
 ])
 def test_linear_w8_at_the_amx_tile_shape_classes(M, N, K, fmt):
     """bf16 activations over 8-bit codes at shapes that take each branch of the AMX path (codes widened per
@@ -99,11 +99,12 @@ def test_linear_w8_at_the_amx_tile_shape_classes(M, N, K, fmt):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_many_row_calls_equal_few_row_calls_bit_for_bit(threads):
-    """A call of 300 rows over 4 column blocks (two row chunks at K = 1090: codes widened per block, the next
-    block's widened while one computes, the copies read again by the second chunk) gives each row the bits
-    that calls of 16 rows give it (codes widened per k-step at amx; every level's rows are independent)."""
+    """A call of 300 rows over 4 column blocks (two row chunks at K = 2050: codes widened per block into a
+    two-block ring, the next block's widened while one computes, widened again by the second chunk) gives each
+    row the bits that calls of 16 rows give it (codes widened per k-step at amx; every level's rows are
+    independent)."""
     g = torch.Generator().manual_seed(11)
-    N, K = 100, 1090
+    N, K = 100, 2050
     q, s = _codes(N, K, torch.int8, 0, g)
     x = torch.randn(300, K, generator=g).to(torch.bfloat16)
     b = torch.randn(N, generator=g).to(torch.bfloat16)

@@ -617,10 +617,15 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
   for (int64_t e = 0; e < E; ++e) active += assigned[e].empty() ? 0 : 1;
   if (active >= 2 && T_ * k <= kExpertRows * active) {
     // Few rows per expert (decode): the experts run in parallel, each on one thread (its linears' own
-    // parallel regions nest, one thread each), into one buffer; the sums then go in expert order as below,
-    // so the result is the same bits as one expert at a time (a linear's bits do not depend on threads).
+    // parallel regions nest, one thread each), into one buffer; then, in the same region, the tokens split
+    // between the threads and each sums its experts' outputs in expert order, as above, so the result is the
+    // same bits as one expert at a time (a linear's bits do not depend on threads, a token's sum only on
+    // its own adds).
     std::vector<int64_t> offset(E + 1, 0);
     for (int64_t e = 0; e < E; ++e) offset[e + 1] = offset[e] + static_cast<int64_t>(assigned[e].size());
+    std::vector<int64_t> y_row(T_ * k);  // assignment a's row in y
+    for (int64_t e = 0; e < E; ++e)
+      for (size_t r = 0; r < assigned[e].size(); ++r) y_row[assigned[e][r]] = offset[e] + static_cast<int64_t>(r);
     std::vector<T> y(T_ * k * H);
     int failed = 0;
 #pragma omp parallel reduction(| : failed)
@@ -629,10 +634,19 @@ int moe_experts_impl(int64_t T_, int64_t H, int64_t I, int64_t E, int64_t k, con
 #pragma omp for schedule(dynamic)
       for (int64_t e = 0; e < E; ++e)
         if (!assigned[e].empty()) failed |= expert(e, &y[offset[e] * H], xb, hb, ab);
+      std::vector<int64_t> order(k);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T_; ++t) {
+        // the token's assignments in expert order (ties: in assignment order), the order accumulate adds them
+        for (int64_t j = 0; j < k; ++j) order[j] = t * k + j;
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return index[a] < index[b]; });
+        float* sum = &acc[t * H];
+        for (const int64_t a : order) add_weighted(sum, &y[y_row[a] * H], to_f32(weight[a]), H);
+        for (int64_t d = 0; d < H; ++d)
+          out[t * os + d] = from_f32<T>(shared != nullptr ? rnd<T>(sum[d]) + to_f32(shared[t * ss + d]) : sum[d]);
+      }
     }
-    if (failed) return 1;
-    for (int64_t e = 0; e < E; ++e) accumulate(e, &y[offset[e] * H]);
-    return round_sums();
+    return failed;
   }
   // many rows per expert (prefill): one expert at a time, each linear on every thread
   std::vector<T> xb, hb, ab, y;

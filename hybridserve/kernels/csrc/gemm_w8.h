@@ -275,24 +275,25 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
 // The amx path's weight sources for 8-bit codes ([K][16] per panel, pe bytes apart), widened exactly to the
 // bf16 k-pair layout (as above); the tiles sum x * codes and amx_store multiplies by the column scales.
 //
-// Calls of many rows: the thread's scratch holds a widened copy of every column block the thread owns (up to
-// kWholeBytes; past that, one block's copy, widened again for every row chunk), kept between calls (the largest
-// layer's share per thread: 17 MB for a 2048 x 8512 weight). In the first row chunk, while a block's row blocks
-// compute on the tiles, each k-step widens a share of the next block's codes into its copy (WidenAhead): the
-// vector work overlaps the tile products, and only a thread's first block is widened before its tiles start.
-// The later chunks' row blocks read the copies (PanelTiles), requesting the next block's into L2.
+// Calls of many rows: each thread widens its column blocks into a ring of two block copies in its scratch
+// (2 x 2 x K x 16 bf16: 128 KiB at K = 2048, so they stay in L2), block b into slot b % 2. While a block's row
+// blocks compute on the tiles, each k-step widens a share of the next block's codes into the other slot
+// (Ahead): the vector work overlaps the tile products, and only a thread's first block of each row chunk is
+// widened before its tiles start. Every row chunk (of kChunkBytes of activations) widens its blocks again from
+// the codes, so a chunk reads the 8-bit codes from memory (half the bf16 weights' bytes) and no widened copy
+// goes through memory.
 template <int F>
 struct WidenedPanels {
-  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
-  static constexpr int64_t kWholeBytes = 64 << 20;
+  // Each row chunk widens the codes again, so the chunks are twice the 16-bit path's: 1 MiB of activations and
+  // the 128 KiB ring share a 2 MiB L2 (every AMX CPU's): a 1024-row int8 linear (K = 2048, N = 8512, one
+  // thread) took 0.92x the time with 512 KiB chunks.
+  static constexpr int64_t kChunkBytes = 2 * kAmxChunkBytes;
   using Block = PanelTiles;
   const uint8_t* codes;
   int64_t K;
   struct Scratch {
-    std::vector<uint16_t> data;
-    int64_t first = 0;   // the first panel the copies start at
-    bool whole = false;  // a copy per block (else one block's, rewritten)
-    int64_t ahead_panel = -1;  // the block being widened ahead (its first panel), and its k-pairs done so far
+    std::vector<uint16_t> data;  // the two slots
+    int64_t ahead_panel = -1;    // the block being widened ahead (its first panel), and its k-pairs done so far
     int64_t ahead_done = 0;
   };
   static Scratch& scratch() {
@@ -307,62 +308,46 @@ struct WidenedPanels {
       _mm512_storeu_si512(dst + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
     }
   }
-  // The next block's work while a block computes: in the first row chunk (whole copies), widening its codes,
-  // per_step k-pairs a k-step; otherwise requesting its bytes into L2.
+  // The next block's work while a block computes: widening its codes into its slot, per_step k-pairs a k-step.
   struct Ahead {
-    TileAhead lines{};
-    const uint8_t* first = nullptr;  // the next block's codes, its copy, its k-pairs (over its panels)
+    const uint8_t* first = nullptr;  // the next block's codes, its slot, its k-pairs (over its panels)
     uint16_t* dst = nullptr;
     int64_t K = 0, total = 0, per_step = 0;
     int64_t* done = nullptr;  // Scratch::ahead_done
     inline void step() {
-      lines.step();
       if (done == nullptr || *done >= total) return;
       const int64_t to = std::min(total, *done + per_step);
       widen(first, K, *done, to, dst);
       *done = to;
     }
   };
-  void begin(int64_t p_begin, int64_t p_end) const {  // this thread's panels for this call
+  // The slot of the block whose first panel is p (blocks are two panels)
+  uint16_t* slot(Scratch& s, int64_t p) const { return s.data.data() + ((p / 2) % 2) * 2 * K * kPanel; }
+  void begin(int64_t, int64_t) const {  // this thread's panels for this call
     Scratch& s = scratch();
-    const int64_t pe = K * kPanel;
-    s.first = p_begin;
-    s.whole = (p_end - p_begin) * pe * 2 <= kWholeBytes;
     s.ahead_panel = -1;
-    const int64_t need = (s.whole ? p_end - p_begin : 2) * pe;
-    if (static_cast<int64_t>(s.data.size()) < need) s.data.resize(need);
+    if (static_cast<int64_t>(s.data.size()) < 4 * K * kPanel) s.data.resize(4 * K * kPanel);
   }
-  Ahead ahead(int64_t p, int np, int64_t chunk, int64_t row_steps) const {
+  Ahead ahead(int64_t p, int np, int64_t /*chunk*/, int64_t row_steps) const {
     Scratch& s = scratch();
-    const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
+    s.ahead_panel = p;
+    s.ahead_done = 0;
     Ahead a;
-    if (chunk == 0 && s.whole) {
-      s.ahead_panel = p;
-      s.ahead_done = 0;
-      a.first = codes + p * pe;
-      a.dst = s.data.data() + (p - s.first) * pe;
-      a.K = K;
-      a.total = np * (K / 2);
-      a.per_step = (a.total + std::max<int64_t>(row_steps, 1) - 1) / std::max<int64_t>(row_steps, 1);
-      a.done = &s.ahead_done;
-    } else if (s.whole) {  // the widened copies, read again
-      const char* begin = reinterpret_cast<const char*>(s.data.data() + (p - s.first) * pe);
-      a.lines = lines_ahead(begin, begin + np * pe * 2, row_steps);
-    } else {  // the codes
-      a.lines = lines_ahead(reinterpret_cast<const char*>(codes + p * pe),
-                            reinterpret_cast<const char*>(codes + (p + np) * pe), row_steps);
-    }
+    a.first = codes + p * K * kPanel;
+    a.dst = slot(s, p);
+    a.K = K;
+    a.total = np * (K / 2);
+    a.per_step = (a.total + std::max<int64_t>(row_steps, 1) - 1) / std::max<int64_t>(row_steps, 1);
+    a.done = &s.ahead_done;
     return a;
   }
-  PanelTiles block(int64_t p, int np, int64_t chunk) const {
+  PanelTiles block(int64_t p, int np, int64_t /*chunk*/) const {
     Scratch& s = scratch();
-    const int64_t pe = K * kPanel;
-    uint16_t* dst = s.whole ? s.data.data() + (p - s.first) * pe : s.data.data();
-    if (chunk == 0 || !s.whole) {  // widen what the block before did not
-      const int64_t from = chunk == 0 && s.ahead_panel == p ? s.ahead_done : 0;
-      widen(codes + p * pe, K, from, np * (K / 2), dst);
-    }
-    return PanelTiles{dst, pe};
+    uint16_t* dst = slot(s, p);
+    const int64_t from = s.ahead_panel == p ? s.ahead_done : 0;  // widen what the block before did not
+    widen(codes + p * K * kPanel, K, from, np * (K / 2), dst);
+    s.ahead_panel = -1;
+    return PanelTiles{dst, K * kPanel};
   }
 };
 
