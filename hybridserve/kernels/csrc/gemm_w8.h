@@ -274,95 +274,21 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
 #if HS_HAVE_AMX
 // The amx path's weight sources for 8-bit codes ([K][16] per panel, pe bytes apart), widened exactly to the
 // bf16 k-pair layout (as above); the tiles sum x * codes and amx_store multiplies by the column scales.
-//
-// Calls of many rows: the thread's scratch holds a widened copy of every column block the thread owns (up to
-// kWholeBytes; past that, one block's copy, widened again for every row chunk), kept between calls (the largest
-// layer's share per thread: 17 MB for a 2048 x 8512 weight). In the first row chunk, while a block's row blocks
-// compute on the tiles, each k-step widens a share of the next block's codes into its copy (WidenAhead): the
-// vector work overlaps the tile products, and only a thread's first block is widened before its tiles start.
-// The later chunks' row blocks read the copies (PanelTiles), requesting the next block's into L2.
+// Calls of many rows widen each k-pair once per call (gemm_amx.h's CallWidened over W8Pairs).
 template <int F>
-struct WidenedPanels {
-  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
-  static constexpr int64_t kWholeBytes = 64 << 20;
-  using Block = PanelTiles;
+struct W8Pairs {
   const uint8_t* codes;
   int64_t K;
-  struct Scratch {
-    std::vector<uint16_t> data;
-    int64_t first = 0;   // the first panel the copies start at
-    bool whole = false;  // a copy per block (else one block's, rewritten)
-    int64_t ahead_panel = -1;  // the block being widened ahead (its first panel), and its k-pairs done so far
-    int64_t ahead_done = 0;
-  };
-  static Scratch& scratch() {
-    static thread_local Scratch s;
-    return s;
-  }
-  // Widens k-pairs of one panel range [from, to) (counted over the block: panel j's pair kk is j * K/2 + kk)
-  static void widen(const uint8_t* first, int64_t K, int64_t from, int64_t to, uint16_t* dst) {
+  int64_t units() const { return K / 2; }
+  const char* bytes(int64_t p) const { return reinterpret_cast<const char*>(codes + p * K * kPanel); }
+  // k-pairs [from, to) of the panels from p on (panel j's pair kk is j * K/2 + kk) into dst
+  void widen(int64_t p, int64_t from, int64_t to, uint16_t* dst) const {
     const int64_t pairs = K / 2, pe = K * kPanel;
+    const uint8_t* first = codes + p * pe;
     for (int64_t i = from; i < to; ++i) {
       const int64_t j = i / pairs, kk = i - j * pairs;
       _mm512_storeu_si512(dst + j * pe + kk * 2 * kPanel, widen_pair_bf16<F>(first + j * pe, kk));
     }
-  }
-  // The next block's work while a block computes: in the first row chunk (whole copies), widening its codes,
-  // per_step k-pairs a k-step; otherwise requesting its bytes into L2.
-  struct Ahead {
-    TileAhead lines{};
-    const uint8_t* first = nullptr;  // the next block's codes, its copy, its k-pairs (over its panels)
-    uint16_t* dst = nullptr;
-    int64_t K = 0, total = 0, per_step = 0;
-    int64_t* done = nullptr;  // Scratch::ahead_done
-    inline void step() {
-      lines.step();
-      if (done == nullptr || *done >= total) return;
-      const int64_t to = std::min(total, *done + per_step);
-      widen(first, K, *done, to, dst);
-      *done = to;
-    }
-  };
-  void begin(int64_t p_begin, int64_t p_end) const {  // this thread's panels for this call
-    Scratch& s = scratch();
-    const int64_t pe = K * kPanel;
-    s.first = p_begin;
-    s.whole = (p_end - p_begin) * pe * 2 <= kWholeBytes;
-    s.ahead_panel = -1;
-    const int64_t need = (s.whole ? p_end - p_begin : 2) * pe;
-    if (static_cast<int64_t>(s.data.size()) < need) s.data.resize(need);
-  }
-  Ahead ahead(int64_t p, int np, int64_t chunk, int64_t row_steps) const {
-    Scratch& s = scratch();
-    const int64_t pe = K * kPanel;  // bytes of a panel's codes, and bf16 elements of its widened copy
-    Ahead a;
-    if (chunk == 0 && s.whole) {
-      s.ahead_panel = p;
-      s.ahead_done = 0;
-      a.first = codes + p * pe;
-      a.dst = s.data.data() + (p - s.first) * pe;
-      a.K = K;
-      a.total = np * (K / 2);
-      a.per_step = (a.total + std::max<int64_t>(row_steps, 1) - 1) / std::max<int64_t>(row_steps, 1);
-      a.done = &s.ahead_done;
-    } else if (s.whole) {  // the widened copies, read again
-      const char* begin = reinterpret_cast<const char*>(s.data.data() + (p - s.first) * pe);
-      a.lines = lines_ahead(begin, begin + np * pe * 2, row_steps);
-    } else {  // the codes
-      a.lines = lines_ahead(reinterpret_cast<const char*>(codes + p * pe),
-                            reinterpret_cast<const char*>(codes + (p + np) * pe), row_steps);
-    }
-    return a;
-  }
-  PanelTiles block(int64_t p, int np, int64_t chunk) const {
-    Scratch& s = scratch();
-    const int64_t pe = K * kPanel;
-    uint16_t* dst = s.whole ? s.data.data() + (p - s.first) * pe : s.data.data();
-    if (chunk == 0 || !s.whole) {  // widen what the block before did not
-      const int64_t from = chunk == 0 && s.ahead_panel == p ? s.ahead_done : 0;
-      widen(codes + p * pe, K, from, np * (K / 2), dst);
-    }
-    return PanelTiles{dst, pe};
   }
 };
 
@@ -422,7 +348,7 @@ int w8_amx_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const float* scales = reinterpret_cast<const float*>(packed + panels * K * kPanel);  // (panels * 16,)
   if (M <= kW8StepRows) return amx_linear(M, N, K, x, xs, StepWidened<F>{packed, K}, bias, scales, out, os);
-  return amx_linear(M, N, K, x, xs, WidenedPanels<F>{packed, K}, bias, scales, out, os);
+  return amx_linear(M, N, K, x, xs, CallWidened<W8Pairs<F>>{W8Pairs<F>{packed, K}, K}, bias, scales, out, os);
 }
 #endif
 #endif
