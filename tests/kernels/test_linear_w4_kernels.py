@@ -79,6 +79,8 @@ def test_linear_w4_matches_the_reference(M, N, K, group, with_mins, act):
     (33, 40, 1096, 64),    # a partial row group and a k tail past the last 32-k step (1096 = 34 x 32 + 8)
     (20, 33, 520, 32),     # two row groups of different strides (the partial one padded), a 4-pair k tail
     (600, 24, 2048, 64),   # several row chunks of the tiles' schedule
+    (300, 100, 1024, 32),  # several column blocks and row chunks: each block widened once per call (the next
+                           # block's words while one computes), the copies read again by the later chunks
 ])
 def test_linear_w4_at_the_amx_tile_shape_classes(M, N, K, group, with_mins):
     """bf16 activations at shapes that take each branch of the AMX path at the amx level (row groups, tails,

@@ -73,6 +73,95 @@ struct PackedPanels {
   }
 };
 
+// Weights of many-row calls widened to bf16 once per call (the 4-bit codes, whose dequantization costs more
+// vector work a weight than reading the copy back; 8-bit codes are widened again per row chunk, gemm_w8.h): Src widens the "units"
+// [from, to) of the panels starting at p (counted over those panels, units() a panel: k-pairs for 8-bit codes,
+// 8-k words for 4-bit ones) into the bf16 k-pair layout at dst (panel j at dst + j * K * kPanel), and gives the
+// address of panel p's codes (bytes(p); panels are contiguous).
+//
+// The thread's scratch holds a widened copy of every column block the thread owns (up to kWholeBytes; past that,
+// one block's copy, widened again for every row chunk), kept between calls (the largest layer's share per thread:
+// 17 MB for a 2048 x 8512 weight). In the first row chunk, while a block's row blocks compute on the tiles, each
+// k-step widens a share of the next block's codes into its copy (Ahead): the vector work overlaps the tile
+// products, and only a thread's first block is widened before its tiles start. The later chunks' row blocks read
+// the copies, requesting the next block's into L2. So a call widens each weight once whatever its row count.
+template <typename Src>
+struct CallWidened {
+  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
+  static constexpr int64_t kWholeBytes = 64 << 20;
+  using Block = PanelTiles;
+  Src src;
+  int64_t K;
+  struct Scratch {
+    std::vector<uint16_t> data;
+    int64_t first = 0;         // the first panel the copies start at
+    bool whole = false;        // a copy per block (else one block's, rewritten)
+    int64_t ahead_panel = -1;  // the block being widened ahead (its first panel), and its units done so far
+    int64_t ahead_done = 0;
+  };
+  static Scratch& scratch() {
+    static thread_local Scratch s;
+    return s;
+  }
+  // The next block's work while a block computes: in the first row chunk (whole copies), widening its codes,
+  // per_step units a k-step; otherwise requesting its bytes into L2.
+  struct Ahead {
+    TileAhead lines{};
+    const Src* src = nullptr;
+    int64_t p = 0;  // the next block's first panel, its copy, its units (over its panels)
+    uint16_t* dst = nullptr;
+    int64_t total = 0, per_step = 0;
+    int64_t* done = nullptr;  // Scratch::ahead_done
+    inline void step() {
+      lines.step();
+      if (done == nullptr || *done >= total) return;
+      const int64_t to = std::min(total, *done + per_step);
+      src->widen(p, *done, to, dst);
+      *done = to;
+    }
+  };
+  void begin(int64_t p_begin, int64_t p_end) const {  // this thread's panels for this call
+    Scratch& s = scratch();
+    const int64_t pe = K * kPanel;
+    s.first = p_begin;
+    s.whole = (p_end - p_begin) * pe * 2 <= kWholeBytes;
+    s.ahead_panel = -1;
+    const int64_t need = (s.whole ? p_end - p_begin : 2) * pe;
+    if (static_cast<int64_t>(s.data.size()) < need) s.data.resize(need);
+  }
+  Ahead ahead(int64_t p, int np, int64_t chunk, int64_t row_steps) const {
+    Scratch& s = scratch();
+    const int64_t pe = K * kPanel;  // bf16 elements of a panel's widened copy
+    Ahead a;
+    if (chunk == 0 && s.whole) {
+      s.ahead_panel = p;
+      s.ahead_done = 0;
+      a.src = &src;
+      a.p = p;
+      a.dst = s.data.data() + (p - s.first) * pe;
+      a.total = np * src.units();
+      a.per_step = (a.total + std::max<int64_t>(row_steps, 1) - 1) / std::max<int64_t>(row_steps, 1);
+      a.done = &s.ahead_done;
+    } else if (s.whole) {  // the widened copies, read again
+      const char* begin = reinterpret_cast<const char*>(s.data.data() + (p - s.first) * pe);
+      a.lines = lines_ahead(begin, begin + np * pe * 2, row_steps);
+    } else {  // the codes
+      a.lines = lines_ahead(src.bytes(p), src.bytes(p + np), row_steps);
+    }
+    return a;
+  }
+  PanelTiles block(int64_t p, int np, int64_t chunk) const {
+    Scratch& s = scratch();
+    const int64_t pe = K * kPanel;
+    uint16_t* dst = s.whole ? s.data.data() + (p - s.first) * pe : s.data.data();
+    if (chunk == 0 || !s.whole) {  // widen what the block before did not
+      const int64_t from = chunk == 0 && s.ahead_panel == p ? s.ahead_done : 0;
+      src.widen(p, from, np * src.units(), dst);
+    }
+    return PanelTiles{dst, pe};
+  }
+};
+
 // C (+)= A x B over `steps` k-steps of 32: MT A tiles (16-row groups at a0, a1, row strides in bytes) by NP
 // panels of `b` (its tile(j, step)); ahead.step() once per k-step (the next block's weights).
 template <int MT, int NP, typename Tiles, typename Ahead>

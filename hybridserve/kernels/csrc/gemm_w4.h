@@ -17,9 +17,9 @@
 //   group, then adds that sum times the group's scale, and the rows' group sums of x times the mins (without
 //   mins: minus 8 times the scale), once per group. One row (decode) reads each code once: half a byte a weight.
 // * amx level, bf16 activations and kW4AmxRows rows or more: the AMX-BF16 tiles of gemm_amx.h. Each 32-column
-//   block's codes are dequantized (c s + m, one fused multiply-add, rounded once to bf16) into a thread's
-//   L2-sized scratch in the bf16 k-pair layout of an AMX B tile, once per row chunk, and the tiles run over it:
-//   the widening is paid once per block and chunk, the products at the tiles' rate.
+//   block's codes are dequantized (c s + m, one fused multiply-add, rounded once to bf16) into the thread's
+//   copy in the bf16 k-pair layout of an AMX B tile, once per call (gemm_amx.h: CallWidened, overlapped with
+//   the tiles of the block before), and the tiles run over it at their rate.
 #pragma once
 
 namespace {
@@ -185,50 +185,37 @@ inline __m512i round_bf16(__m512 v) {
   return Low ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
 }
 
-// The weights of the amx path: each block's panels dequantized into a thread's scratch (the bf16 k-pair layout,
-// pe = K x 16 elements a panel), once per block and row chunk; the next block's codes requested into L2 meanwhile.
-struct W4Widened {
-  static constexpr int64_t kChunkBytes = kAmxChunkBytes;
-  using Block = PanelTiles;
-  using Ahead = TileAhead;
+// The weights of the amx path: the 8-k words of a panel dequantized into the bf16 k-pair layout, each code
+// (c s + m, one fused multiply-add) rounded once to bf16; gemm_amx.h's CallWidened does so once per call.
+struct W4Words {
   const W4Layout* L;
-  int64_t K;
-  void begin(int64_t, int64_t) const {}
-  TileAhead ahead(int64_t p, int np, int64_t /*chunk*/, int64_t row_steps) const {
-    return lines_ahead(reinterpret_cast<const char*>(L->words + p * L->pe),
-                       reinterpret_cast<const char*>(L->words + (p + np) * L->pe), row_steps);
-  }
-  // panel p's weights, (c s + m) rounded to bf16, as [K/2][16][2] at dst
-  void widen(int64_t p, uint16_t* dst) const {
-    const uint32_t* w = L->words + p * L->pe;
-    const int64_t gw = L->gs / kW4Codes;
-    for (int64_t g = 0; g < L->G; ++g) {
-      const __m512 s = reinterpret_cast<__m512>(load_halfs(L->scales + p * L->ps + g * kPanel));
-      const __m512 m = L->mins != nullptr ? reinterpret_cast<__m512>(load_halfs(L->mins + p * L->ps + g * kPanel))
-                                          : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
-      for (int64_t k8 = g * gw; k8 < std::min(L->K8, (g + 1) * gw); ++k8) {
-        const vu words = load_vec<vu>(w + k8 * kPanel);
-        uint16_t* d = dst + k8 * 4 * 2 * kPanel;  // 4 k-pairs of 16 columns
-        const auto pair = [&](auto even, auto odd, int i) {
-          const __m512i lo = round_bf16<true>(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m));
-          const __m512i hi = round_bf16<false>(_mm512_fmadd_ps(reinterpret_cast<__m512>(odd), s, m));
-          _mm512_storeu_si512(d + i * 2 * kPanel, _mm512_or_si512(lo, hi));
-        };
-        pair(nibble<0>(words), nibble<1>(words), 0);
-        pair(nibble<2>(words), nibble<3>(words), 1);
-        pair(nibble<4>(words), nibble<5>(words), 2);
-        pair(nibble<6>(words), nibble<7>(words), 3);
+  int64_t units() const { return L->K8; }
+  const char* bytes(int64_t p) const { return reinterpret_cast<const char*>(L->words + p * L->pe); }
+  // words [from, to) of the panels from p on (panel j's word k8 is j * K8 + k8) into dst (panel j at j * 8 K8 x 16)
+  void widen(int64_t p, int64_t from, int64_t to, uint16_t* dst) const {
+    const int64_t gw = L->gs / kW4Codes, pe = L->K8 * kW4Codes * kPanel;
+    int64_t cached = -1;  // the (panel, group) whose scale and min vectors are loaded
+    __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+    for (int64_t i = from; i < to; ++i) {
+      const int64_t j = i / L->K8, k8 = i - j * L->K8, g = k8 / gw, key = j * L->G + g;
+      if (key != cached) {
+        const int64_t at = (p + j) * L->ps + g * kPanel;
+        s = reinterpret_cast<__m512>(load_halfs(L->scales + at));
+        m = L->mins != nullptr ? reinterpret_cast<__m512>(load_halfs(L->mins + at)) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+        cached = key;
       }
+      const vu words = load_vec<vu>(L->words + (p + j) * L->pe + k8 * kPanel);
+      uint16_t* d = dst + j * pe + k8 * 4 * 2 * kPanel;  // 4 k-pairs of 16 columns
+      const auto pair = [&](auto even, auto odd, int n) {
+        const __m512i lo = round_bf16<true>(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m));
+        const __m512i hi = round_bf16<false>(_mm512_fmadd_ps(reinterpret_cast<__m512>(odd), s, m));
+        _mm512_storeu_si512(d + n * 2 * kPanel, _mm512_or_si512(lo, hi));
+      };
+      pair(nibble<0>(words), nibble<1>(words), 0);
+      pair(nibble<2>(words), nibble<3>(words), 1);
+      pair(nibble<4>(words), nibble<5>(words), 2);
+      pair(nibble<6>(words), nibble<7>(words), 3);
     }
-  }
-  PanelTiles block(int64_t p, int np, int64_t /*chunk*/) const {
-    static thread_local std::vector<uint16_t> scratch;
-    const int64_t pe = K * kPanel;
-    if (static_cast<int64_t>(scratch.size()) < 2 * pe + 32) scratch.resize(2 * pe + 32);
-    // 64-byte aligned: the tiles load whole lines
-    uint16_t* base = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-    for (int j = 0; j < np; ++j) widen(p + j, base + j * pe);
-    return PanelTiles{base, pe};
   }
 };
 #endif
@@ -249,7 +236,7 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
 #endif
 #if HS_HAVE_AMX
   if constexpr (std::is_same_v<A, uint16_t>)
-    if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, W4Widened{&L, K}, bias, nullptr, out, os);
+    if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W4Words>{W4Words{&L}, K}, bias, nullptr, out, os);
 #endif
   return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
 }
