@@ -47,16 +47,18 @@ def _outputs(outs) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
             for o in outs for c in o.outputs]
 
 
-#: fp8_e4m3 state (3 mantissa bits) drifts past the parity bar on these two tiny checkpoints: every divergence is a
-#: near tie, but the greedy paths part from HF's after 1, 6, 0 (KDA) and 2, 5, 2 (mLSTM) of 12 tokens, with mean
-#: |Δlogprob| 7.9e-2 and 1.1e-1 on the steps before (int8: 3.7e-2 and 3.9e-2, passing); docs/state_precision.md
-FP8_DRIFTS = {"kimi_linear", "xlstm"}
+#: 8-bit state that drifts past the parity bar on these tiny checkpoints: every divergence is a near tie, but the
+#: greedy paths part from HF's before half the tokens. fp8_e4m3 (3 mantissa bits): after 1, 6, 0 (KDA) and 2, 5, 2
+#: (mLSTM) of 12 tokens, mean |Δlogprob| 7.9e-2 and 1.1e-1 on the steps before. int8 on mLSTM (its exponential
+#: gates amplify single code flips): after 2, 5, 4 at rounding key 0 with the 8-bit noise of one hash per 4
+#: elements, mean |Δlogprob| 3.1e-2 (other keys compare 15-20 of 36); docs/state_precision.md
+PARITY_DRIFTS = {("kimi_linear", "fp8_e4m3"), ("xlstm", "fp8_e4m3"), ("xlstm", "int8")}
 
 
 def _parity_cases() -> list:
     return [pytest.param(family, state, marks=pytest.mark.xfail(
-        strict=True, reason="fp8_e4m3 state parts from HF before half the tokens (docs/state_precision.md)"))
-        if state == "fp8_e4m3" and family in FP8_DRIFTS else (family, state)
+        strict=True, reason=f"{state} state parts from HF before half the tokens (docs/state_precision.md)"))
+        if (family, state) in PARITY_DRIFTS else (family, state)
         for family in FAMILIES for state in CODES]
 
 
