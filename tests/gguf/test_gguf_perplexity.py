@@ -1,21 +1,14 @@
 """benchmarks/gguf_perplexity.py: hybridserve scores the chunks and positions llama-perplexity scores, and the
 figures are read from llama-perplexity's own output lines."""
 
-import importlib.util
-import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+from tests.gguf.benchmark_script import load_benchmark
 
 
 def _gguf_perplexity():
-    path = os.path.join(ROOT, "benchmarks", "gguf_perplexity.py")
-    spec = importlib.util.spec_from_file_location("gguf_perplexity", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gguf_perplexity")
 
 
 def test_chunks_and_scored_positions_are_llama_perplexitys():

@@ -1,23 +1,17 @@
 """benchmarks/make_gguf.py's staging: what llama.cpp's converter is given for Jamba, Bamba and a vision-language
 checkpoint (the converter itself runs in benchmarks/gguf_accuracy.py, not here)."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-tokenizers = pytest.importorskip("tokenizers")
+from tests.gguf.benchmark_script import load_benchmark
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+tokenizers = pytest.importorskip("tokenizers")
 
 
 def _make_gguf():
-    spec = importlib.util.spec_from_file_location("make_gguf", os.path.join(ROOT, "benchmarks", "make_gguf.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("make_gguf")
 
 
 def _staged(tmp_path, config: dict) -> dict:

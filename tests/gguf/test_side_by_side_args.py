@@ -1,19 +1,14 @@
 """benchmarks/side_by_side.py's --hybridserve-gguf: hybridserve loads the GGUF file llama.cpp runs."""
 
-import importlib.util
 import os
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+from tests.gguf.benchmark_script import load_benchmark
 
 
 def _side_by_side():
-    spec = importlib.util.spec_from_file_location("side_by_side", os.path.join(ROOT, "benchmarks", "side_by_side.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("side_by_side")
 
 
 def test_hybridserve_loads_the_gguf_file_only_when_asked(tmp_path):

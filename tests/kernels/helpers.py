@@ -109,3 +109,14 @@ def on_w4a8(x: torch.Tensor, in_features: int, group: int) -> bool:
 
     rows = x.reshape(-1, in_features).shape[0]
     return linear_w4.covers(in_features, group) and linear_w4.path(rows, x.dtype) == linear_w4.W4A8_PATH
+
+
+def w4_operands(N: int, K: int, group: int, with_mins: bool, g: torch.Generator):
+    """Random 4-bit codes (N, K) and float16-exact scales (and mins) (N, G), as the packed buffer keeps them."""
+    from hybridserve.kernels import linear_w4
+
+    G = linear_w4.num_groups(K, group)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scales = ((torch.rand(N, G, generator=g) + 0.5) / (8 * K ** 0.5)).half().float()
+    mins = (-torch.rand(N, G, generator=g) / K ** 0.5).half().float() if with_mins else None
+    return codes, scales, mins

@@ -19,20 +19,14 @@ from hybridserve.kernels import gemm, linear_w4
 from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_f16
 from hybridserve.layers.moe import FusedExperts
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
-from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
+from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler, w4_operands
 
 pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
-def _operands(N, K, group, with_mins, g):
-    """Random codes, float16-exact scales (and mins), as the packed buffer keeps them."""
-    G = linear_w4.num_groups(K, group)
-    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    scales = ((torch.rand(N, G, generator=g) + 0.5) / (8 * K ** 0.5)).half().float()
-    mins = (-torch.rand(N, G, generator=g) / K ** 0.5).half().float() if with_mins else None
-    return codes, scales, mins
+_operands = w4_operands
 
 
 def _assert_within_bound(y, x, codes, scales, mins, group, b, what):

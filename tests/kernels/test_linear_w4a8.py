@@ -13,20 +13,14 @@ import torch
 from hybridserve.kernels import isa, linear_w4, report
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4a8_ref, quantize_blocks_int8
 from hybridserve.ops.linear_w8 import quantize_rows_int8
-from tests.kernels.helpers import assert_bits_equal, needs_compiler
+from tests.kernels.helpers import assert_bits_equal, needs_compiler, w4_operands
 
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 W4A8_LEVELS = ("avx512_bf16", "amx")
 
 
-def _operands(N, K, group, with_mins, g):
-    """Random codes, float16-exact scales (and mins), as the packed buffer keeps them."""
-    G = linear_w4.num_groups(K, group)
-    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
-    scales = ((torch.rand(N, G, generator=g) + 0.5) / (8 * K ** 0.5)).half().float()
-    mins = (-torch.rand(N, G, generator=g) / K ** 0.5).half().float() if with_mins else None
-    return codes, scales, mins
+_operands = w4_operands
 
 
 @needs_compiler
