@@ -120,3 +120,16 @@ def w4_operands(N: int, K: int, group: int, with_mins: bool, g: torch.Generator)
     scales = ((torch.rand(N, G, generator=g) + 0.5) / (8 * K ** 0.5)).half().float()
     mins = (-torch.rand(N, G, generator=g) / K ** 0.5).half().float() if with_mins else None
     return codes, scales, mins
+
+
+def random_experts(E: int, H: int, I: int, gated: bool, seed: int):
+    """A bf16 FusedExperts block of E experts (hidden H, intermediate I; silu-gated or relu2) with N(0, 0.2)
+    weights drawn after ``torch.manual_seed(seed)``."""
+    from hybridserve.layers.moe import FusedExperts
+
+    torch.manual_seed(seed)
+    block = FusedExperts(E, H, I, "silu" if gated else "relu2", gated=gated)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    return block.to(torch.bfloat16)

@@ -17,9 +17,8 @@ import torch
 
 from hybridserve.kernels import gemm, linear_w4
 from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_f16
-from hybridserve.layers.moe import FusedExperts
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
-from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler, w4_operands
+from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler, random_experts, w4_operands
 
 pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
@@ -124,12 +123,7 @@ def test_moe_experts_in_4_bits_match_the_expert_loop(T, gated):
     """The experts kernel over 4-bit expert weights against the per-expert loop over the same 4-bit linears
     (relu2 bit for bit, silu within 2 bf16 ulps: the kernel's exp), and the loop against linear_w4_ref."""
     E, H, I, k, group = 8, 96, 40, 2, 32
-    torch.manual_seed(T)
-    block = FusedExperts(E, H, I, "silu" if gated else "relu2", gated=gated)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.2)
-    block = block.to(torch.bfloat16)
+    block = random_experts(E, H, I, gated, T)
     up_name = "gate_up_proj" if gated else "up_proj"
     weights = {name: getattr(block, name).detach().clone() for name in (up_name, "down_proj")}
     assert block.pack(lambda w: linear_w4.pack(*quantize_w4_f16(w, group), None, group), INT4_FORMAT, group) == 2 * E

@@ -9,19 +9,13 @@ import pytest
 import torch
 
 from hybridserve.kernels import gemm
-from hybridserve.layers.moe import FusedExperts
-from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
+from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler, random_experts
 
 pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
 
 
 def _block(E, H, I, gated, seed):
-    torch.manual_seed(seed)
-    block = FusedExperts(E, H, I, "silu" if gated else "relu2", gated=gated)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, 0.2)
-    block = block.to(torch.bfloat16)
+    block = random_experts(E, H, I, gated, seed)
     assert block.pack(gemm.pack) == 2 * E
     return block
 
