@@ -45,6 +45,9 @@
 #include "dtypes.h"
 #include "vecmath.h"
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <cpuid.h>
 #include <cstring>
@@ -243,6 +246,39 @@ template <typename V, typename T> inline V load_vec(const T* p) {
   return v;
 }
 
+// fp16 <-> float32 vectors on F16C's vcvtph2ps / vcvtps2ph (nearest even): GCC 12 converts _Float16 vectors one
+// lane at a time, which made every fp16 weight, int4 scale and fp16 output a scalar conversion.
+inline vf widen_halfs(const _Float16* p) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return reinterpret_cast<const vf&>(v);
+  }
+#endif
+#if defined(__F16C__)
+  if constexpr (kLanes == 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return reinterpret_cast<const vf&>(v);
+  }
+#endif
+  return __builtin_convertvector(load_vec<vh>(p), vf);
+}
+inline vh narrow_halfs(vf y) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m256i h = _mm512_cvtps_ph(reinterpret_cast<const __m512&>(y), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return reinterpret_cast<const vh&>(h);
+  }
+#endif
+#if defined(__F16C__)
+  if constexpr (kLanes == 8) {
+    const __m128i h = _mm256_cvtps_ph(reinterpret_cast<const __m256&>(y), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return reinterpret_cast<const vh&>(h);
+  }
+#endif
+  return __builtin_convertvector(y, vh);
+}
+
 // The two float32 vectors of one k-pair (k even, k odd) for lanes [v * kLanes, (v + 1) * kLanes) of a
 // panel: bf16 from the [Kp/2][16][2] layout, fp16 from the [Kp][16] layout.
 inline void widen_pair(const uint16_t* panel, int64_t kk, int v, vf& even, vf& odd) {
@@ -251,8 +287,8 @@ inline void widen_pair(const uint16_t* panel, int64_t kk, int v, vf& even, vf& o
   odd = reinterpret_cast<vf>(raw & 0xffff0000u);
 }
 inline void widen_pair(const _Float16* panel, int64_t kk, int v, vf& even, vf& odd) {
-  even = __builtin_convertvector(load_vec<vh>(panel + 2 * kk * kPanel + v * kLanes), vf);
-  odd = __builtin_convertvector(load_vec<vh>(panel + (2 * kk + 1) * kPanel + v * kLanes), vf);
+  even = widen_halfs(panel + 2 * kk * kPanel + v * kLanes);
+  odd = widen_halfs(panel + (2 * kk + 1) * kPanel + v * kLanes);
 }
 inline void widen_pair(const float* panel, int64_t kk, int v, vf& even, vf& odd) {  // [Kp][16], as fp16
   even = load_vec<vf>(panel + 2 * kk * kPanel + v * kLanes);
@@ -269,7 +305,7 @@ inline void store_vec(uint16_t* out, vf y, int valid) {  // bf16: nearest even, 
   else for (int i = 0; i < valid; ++i) out[i] = h[i];
 }
 inline void store_vec(_Float16* out, vf y, int valid) {
-  const vh h = __builtin_convertvector(y, vh);
+  const vh h = narrow_halfs(y);
   if (valid == kLanes) __builtin_memcpy(out, &h, sizeof h);
   else for (int i = 0; i < valid; ++i) out[i] = h[i];
 }

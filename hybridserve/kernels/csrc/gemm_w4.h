@@ -41,7 +41,7 @@ inline vf nibble(vu w) {
   return __builtin_convertvector(reinterpret_cast<vi32>((w >> (4 * J)) & 15u), vf);
 }
 
-inline vf load_halfs(const _Float16* p) { return __builtin_convertvector(load_vec<vh>(p), vf); }
+inline vf load_halfs(const _Float16* p) { return widen_halfs(p); }
 
 // Registers: 2 x MR x NP x kVecs sums (the tile's and the group's), NP x kVecs words, a code and MR broadcasts.
 constexpr int w4_max_rows() { return kLanes == 16 ? 8 : 2; }

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -18,7 +18,22 @@ typedef uint32_t v16u32 __attribute__((vector_size(64)));
 typedef _Float16 v16h __attribute__((vector_size(32), aligned(2)));
 
 inline v16f load16(const float* p) { return *reinterpret_cast<const v16f*>(p); }
-inline v16f load16(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const v16h*>(p), v16f); }
+// fp16 on F16C's vcvtph2ps where the build has it (GCC 12 converts _Float16 vectors one lane at a time).
+inline v16f load16(const _Float16* p) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<const v16f&>(v);
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  v16f v;
+  __builtin_memcpy(&v, &lo, sizeof lo);
+  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+#else
+  return __builtin_convertvector(*reinterpret_cast<const v16h*>(p), v16f);
+#endif
+}
 inline v16f load16(const BF16* p) {
   const v16u32 bits = __builtin_convertvector(*reinterpret_cast<const v16u16*>(p), v16u32) << 16;
   return reinterpret_cast<const v16f&>(bits);
@@ -43,7 +58,21 @@ typedef _Float16 vnh __attribute__((vector_size(2 * kNativeLanes), aligned(2)));
 
 // kNativeLanes values of each storage dtype as float32 (as load16, a native vector at a time).
 inline vnf loadn(const float* p) { return *reinterpret_cast<const vnf*>(p); }
-inline vnf loadn(const _Float16* p) { return __builtin_convertvector(*reinterpret_cast<const vnh*>(p), vnf); }
+inline vnf loadn(const _Float16* p) {
+#if defined(__AVX512F__)
+  if constexpr (kNativeLanes == 16) {
+    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return reinterpret_cast<const vnf&>(v);
+  }
+#endif
+#if defined(__F16C__)
+  if constexpr (kNativeLanes == 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return reinterpret_cast<const vnf&>(v);
+  }
+#endif
+  return __builtin_convertvector(*reinterpret_cast<const vnh*>(p), vnf);
+}
 inline vnf loadn(const BF16* p) {
   const vnu32 bits = __builtin_convertvector(*reinterpret_cast<const vnu16*>(p), vnu32) << 16;
   return reinterpret_cast<const vnf&>(bits);
