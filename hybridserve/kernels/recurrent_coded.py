@@ -31,9 +31,9 @@ def _library():
 
 def coded_ok(state: object, shape: tuple[int, ...]) -> bool:
     """Whether ``state`` is a CodedState of per-slot ``shape`` the kernels take: CPU, a code dtype they know,
-    each slot's codes (``shape``) and scales (``shape[:-1]``) contiguous, and the noise numbered from 0 (a
-    tensor-parallel rank's slice, ``offset`` > 0, runs the plain body)."""
-    if not isinstance(state, CodedState) or state.offset != 0 or _library() is None:
+    each slot's codes (``shape``) and scales (``shape[:-1]``) contiguous. (A tensor-parallel rank's slice is
+    taken too: the kernels number its noise from its ``offset``.)"""
+    if not isinstance(state, CodedState) or _library() is None:
         return False
     codes, scale = state.codes, state.scale
     return (codes.dtype in CODE_DTYPES and codes.device.type == "cpu" and scale.device.type == "cpu"
@@ -64,9 +64,10 @@ def group_ok(state: object, shape: tuple[int, ...], act_dtype: torch.dtype, keys
 
 
 def _state_args(state: CodedState, keys: torch.Tensor | None, positions: torch.Tensor) -> tuple:
-    """codes, their slot stride, scales, theirs, keys (or None), positions, layer: the kernels' state arguments."""
+    """codes, their slot stride, scales, theirs, keys (or None), positions, layer, the noise's element offset: the
+    kernels' state arguments."""
     return (state.codes.data_ptr(), state.codes.stride(0), state.scale.data_ptr(), state.scale.stride(0), ptr(keys),
-            positions.data_ptr(), int(state.layer))
+            positions.data_ptr(), int(state.layer), int(state.offset))
 
 
 def mamba2_scan(state: CodedState, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -229,7 +230,7 @@ def mlstm(states: tuple[CodedState, CodedState, torch.Tensor], q: torch.Tensor, 
                              state_indices.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                              v.data_ptr(), v.stride(0), o.data_ptr(), o.stride(0), i.data_ptr(), i.stride(0),
                              f.data_ptr(), f.stride(0), float(gate_cap) if gate_cap is not None else 0.0,
-                             *c_args[:4], *n_args[:4], *c_args[4:], DTYPE_CODES[m.dtype], m.data_ptr(), m.stride(0),
-                             norm_weight.data_ptr(), ptr(norm_bias), float(norm_eps), float(eps), out.data_ptr(),
-                             out.stride(0), H, Dk, Dv), "hs_mlstm_coded")
+                             *c_args[:4], *n_args[:4], *c_args[4:], n_args[7], DTYPE_CODES[m.dtype], m.data_ptr(),
+                             m.stride(0), norm_weight.data_ptr(), ptr(norm_bias), float(norm_eps), float(eps),
+                             out.data_ptr(), out.stride(0), H, Dk, Dv), "hs_mlstm_coded")
     return True

@@ -43,12 +43,13 @@ class CodedPool:
     """num_slots slots of 8-bit state of per-slot ``shape``: codes and scales of random values (seeded), a copy
     of both kept to check that slots outside a call keep their bytes."""
 
-    def __init__(self, num_slots: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int, spread: float = 1.0):
+    def __init__(self, num_slots: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int, spread: float = 1.0,
+                 offset: int = 0):
         g = torch.Generator().manual_seed(seed)
         values = torch.randn(num_slots, *shape, generator=g) * spread
         codes, scale = encode_rows(values, dtype, None)
-        self.shape, self.dtype = shape, dtype
-        self.state = CodedState(codes.clone(), scale.clone(), LAYER)
+        self.shape, self.dtype, self.offset = shape, dtype, offset
+        self.state = CodedState(codes.clone(), scale.clone(), LAYER, offset)
         self.codes_before, self.scale_before = codes, scale
 
     def decoded(self) -> torch.Tensor:
@@ -62,7 +63,7 @@ class CodedPool:
         boundary."""
         S = slots.numel()
         key_t = keys if keys is not None else torch.zeros(S, dtype=torch.int64)
-        noise = uniform_noise(key_t, positions, LAYER, self.shape)
+        noise = uniform_noise(key_t, positions, LAYER, self.shape, self.offset)
         ref_codes, ref_scale = encode_rows(new_state, self.dtype, noise)
         got_codes, got_scale = self.state.codes[slots], self.state.scale[slots]
         torch.testing.assert_close(got_scale, ref_scale, rtol=4 * 2.0 ** -24, atol=0.0, msg=f"{what}: scales")
@@ -128,6 +129,9 @@ def _group(lens, slots, keys=True):
 
 
 DECODE, MIXED = [1, 1, 1, 1], [1, 9, 1, 70]
+# where a tensor-parallel rank's slice starts in the whole state tensor (the noise's element numbering): 0, and a
+# start inside a 4-element noise word
+OFFSETS = [0, 1030]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +143,8 @@ DECODE, MIXED = [1, 1, 1, 1], [1, 9, 1, 70]
 @pytest.mark.parametrize("N,P,G", [(128, 64, 2), (64, 32, 1), (48, 16, 1)])  # 48: no fused row step
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
-def test_mamba2_scan_coded_matches_codec(code, act_dtype, N, P, G, lens):
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_mamba2_scan_coded_matches_codec(code, act_dtype, N, P, G, lens, offset):
     g = torch.Generator().manual_seed(N + P)
     H, T = 4, sum(lens)
     x = torch.randn(T, H * P, generator=g).to(act_dtype)
@@ -148,7 +153,7 @@ def test_mamba2_scan_coded_matches_codec(code, act_dtype, N, P, G, lens):
     A = -torch.exp(torch.rand(H, generator=g) * 2 - 1)
     D, dt_bias = torch.randn(H, generator=g), torch.randn(H, generator=g) * 0.5 - 1.0
     cu_t, slots, keys, positions = _group(lens, [5, 0, 3, 8])
-    pool = CodedPool(9, (H, P, N), code, seed=N)
+    pool = CodedPool(9, (H, P, N), code, seed=N, offset=offset)
     y = torch.full((T, H * P), 7.25)
     assert recurrent_coded.mamba2_scan(pool.state, x, dt, A, B, C, D, dt_bias, True, NO_LIMIT, cu_t, slots, keys,
                                        positions, y)
@@ -213,7 +218,8 @@ def test_mamba2_scan_coded_declines_uncovered_calls():
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
-def test_mamba1_scan_coded_matches_codec(code, act_dtype, lens):
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_mamba1_scan_coded_matches_codec(code, act_dtype, lens, offset):
     from hybridserve.ops.selective_scan import selective_scan_varlen_ref
 
     g = torch.Generator().manual_seed(5)
@@ -224,7 +230,7 @@ def test_mamba1_scan_coded_matches_codec(code, act_dtype, lens):
     A = -torch.rand(Dm, N, generator=g) - 0.1
     D, dt_bias = torch.randn(Dm, generator=g), torch.randn(Dm, generator=g) * 0.3
     cu_t, slots, keys, positions = _group(lens, [6, 1, 3, 0])
-    pool = CodedPool(8, (Dm, N), code, seed=6)
+    pool = CodedPool(8, (Dm, N), code, seed=6, offset=offset)
     y = torch.full((T, Dm), float("nan")).to(act_dtype)
     assert recurrent_coded.mamba1_scan(pool.state, x, dt, A, B, C, D, z, dt_bias, True, cu_t, slots, keys,
                                        positions, y)
@@ -244,7 +250,8 @@ def test_mamba1_scan_coded_matches_codec(code, act_dtype, lens):
 
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
-def test_linear_attention_coded_matches_codec(code, lens):
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_linear_attention_coded_matches_codec(code, lens, offset):
     from hybridserve.ops.linear_attention import linear_attention_varlen_ref
 
     g = torch.Generator().manual_seed(8)
@@ -252,7 +259,7 @@ def test_linear_attention_coded_matches_codec(code, lens):
     qkv = torch.randn(T, H * 3 * D, generator=g) * 0.5
     decay = torch.rand(H, generator=g) * 0.5
     cu_t, slots, keys, positions = _group(lens, [3, 0, 5, 1], keys=False)
-    pool = CodedPool(6, (H, D, D), code, seed=9)
+    pool = CodedPool(6, (H, D, D), code, seed=9, offset=offset)
     y = torch.full((T, H * D), float("nan"))
     assert recurrent_coded.linear_attention(pool.state, qkv, H, D, decay, cu_t, slots, keys, positions, y)
     plain = pool.decoded()
@@ -267,7 +274,8 @@ def test_linear_attention_coded_matches_codec(code, lens):
 
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
-def test_gated_delta_rule_coded_matches_codec(code, lens):
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_gated_delta_rule_coded_matches_codec(code, lens, offset):
     from hybridserve.ops.gated_delta import gated_delta_rule_varlen_ref
 
     g = torch.Generator().manual_seed(10)
@@ -276,7 +284,7 @@ def test_gated_delta_rule_coded_matches_codec(code, lens):
     ba = torch.randn(T, 2 * Hv, generator=g)
     A_log, dt_bias = torch.randn(Hv, generator=g) * 0.5, torch.randn(Hv, generator=g) * 0.5
     cu_t, slots, keys, positions = _group(lens, [4, 0, 2, 5])
-    pool = CodedPool(6, (Hv, Dk, Dv), code, seed=11)
+    pool = CodedPool(6, (Hv, Dk, Dv), code, seed=11, offset=offset)
     out = torch.full((T, Hv * Dv), float("nan"))
     assert recurrent_coded.gated_delta_rule(pool.state, conv, ba, A_log, dt_bias, True, cu_t, slots, keys,
                                             positions, out, Hk)
@@ -297,7 +305,8 @@ def test_gated_delta_rule_coded_matches_codec(code, lens):
 
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
-def test_kda_coded_matches_codec(code, lens):
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_kda_coded_matches_codec(code, lens, offset):
     g = torch.Generator().manual_seed(12)
     H, Dk, Dv, T = 3, 16, 16, sum(lens)
     q, k, v, f = (torch.randn(T, H * Dk, generator=g) for _ in range(4))
@@ -305,7 +314,7 @@ def test_kda_coded_matches_codec(code, lens):
     A_log, dt_bias = torch.randn(H, generator=g) * 0.5, torch.randn(H * Dk, generator=g)
     norm_w = torch.randn(Dv, generator=g)
     cu_t, slots, keys, positions = _group(lens, [4, 0, 2, 5])
-    pool = CodedPool(6, (H, Dk, Dv), code, seed=13)
+    pool = CodedPool(6, (H, Dk, Dv), code, seed=13, offset=offset)
     out = torch.full((T, H * Dv), float("nan"))
     assert recurrent_coded.kda(pool.state, q, k, v, f, b, A_log, dt_bias, True, cu_t, slots, keys, positions, out,
                                gate, norm_w, 1e-6)
@@ -324,7 +333,8 @@ def test_kda_coded_matches_codec(code, lens):
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16], ids=["m_f32", "m_bf16"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
-def test_mlstm_coded_matches_codec(code, m_dtype, lens):
+@pytest.mark.parametrize("offset", OFFSETS)
+def test_mlstm_coded_matches_codec(code, m_dtype, lens, offset):
     g = torch.Generator().manual_seed(14)
     H, Dk, Dv, T = 2, 16, 32, sum(lens)
     q, k = (torch.randn(T, H * Dk, generator=g) for _ in range(2))
@@ -332,7 +342,9 @@ def test_mlstm_coded_matches_codec(code, m_dtype, lens):
     i, f = (torch.randn(T, H, generator=g) * 2 for _ in range(2))
     norm_w, norm_b = torch.randn(H * Dv, generator=g), torch.randn(H * Dv, generator=g)
     cu_t, slots, keys, positions = _group(lens, [4, 0, 2, 5])
-    C_pool, n_pool = CodedPool(6, (H, Dk, Dv), code, seed=15), CodedPool(6, (H, Dk), code, seed=16, spread=3.0)
+    # a rank's slices of C and n start at their own elements (H heads from head offset / 2 on, say)
+    C_pool = CodedPool(6, (H, Dk, Dv), code, seed=15, offset=offset * Dk * Dv)
+    n_pool = CodedPool(6, (H, Dk), code, seed=16, spread=3.0, offset=offset * Dk)
     m = (torch.randn(6, H, generator=g) * 2).to(m_dtype)
     m_before = m.clone()
     out = torch.full((T, H * Dv), float("nan"))

@@ -358,7 +358,7 @@ void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* 
 
 // One layer's 8-bit state tensor in the pool: sequence s's codes at codes + slots[s] * code_stride, its row
 // scales (bfloat16 bits) at scales + slots[s] * scale_stride; its noise base from keys[s] (null: every key 0), positions[s]
-// and the layer index.
+// and the layer index; its elements numbered for the noise from offset on (0 but on a tensor-parallel rank's slice).
 struct CodedState {
   uint8_t* codes;
   int64_t code_stride;
@@ -368,6 +368,7 @@ struct CodedState {
   const int64_t* keys;
   const int64_t* positions;
   int64_t layer;
+  int64_t offset;  // the flat index of this tensor's first element in the whole tensor (a tensor-parallel slice)
 
   uint32_t base(int64_t s) const { return noise_base(keys != nullptr ? keys[s] : 0, positions[s], layer); }
 };
@@ -409,7 +410,7 @@ template <int KIND> struct CodedRows {
     uint16_t* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
     const uint32_t base = cs.base(s);
     for (int64_t r = 0; r < rows; ++r)
-      encode_row<KIND>(in + r * n, n, base, static_cast<uint32_t>(off + r * n), c + r * n, sc + r);
+      encode_row<KIND>(in + r * n, n, base, static_cast<uint32_t>(cs.offset + off + r * n), c + r * n, sc + r);
   }
 };
 
