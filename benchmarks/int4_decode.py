@@ -7,6 +7,7 @@ round. Every round samples the same stretch of a shared machine's drifting speed
 ratios are what to quote.
 
     python benchmarks/int4_decode.py --model /tmp/bench-granite-1.3b --rounds 5
+    python benchmarks/int4_decode.py --model DIR --cpu-isa avx2   # the kernel paths of a CPU of that class
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import statistics
 import time
 
 
-def _engine(model: str, quantization: str, group: int | None, max_len: int):
+def _engine(model: str, quantization: str, group: int | None, max_len: int, cpu_isa: str):
     from hybridserve.config import EngineConfig
     from hybridserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantization=quantization,
-                                  quantization_group_size=group, cache_memory="1GiB", max_num_seqs=2,
+                                  quantization_group_size=group, cache_memory="1GiB", max_num_seqs=2, cpu_isa=cpu_isa,
                                   max_model_len=max_len, enable_progress_bar=False,
                                   enable_prefix_caching=False))  # each round's prefill computed, not a cache hit
 
@@ -51,16 +52,20 @@ def main() -> None:
     parser.add_argument("--groups", default="32", help="int4 group sizes, comma-separated")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="write every round's figures here")
+    parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16)")
     a = parser.parse_args()
-    import torch
 
     from hybridserve.kernels import isa
+
+    isa.cap_torch(a.cpu_isa)  # before torch dispatches anything: ATen reads its cap once
+
+    import torch
 
     torch.set_num_threads(a.threads)
     max_len = max(a.prompt + a.output, a.prefill + 1) + 8
     specs = {"bf16": ("none", None), "int8": ("int8", None),
              **{f"int4_g{g}": ("int4", int(g)) for g in a.groups.split(",")}}
-    engines = {name: _engine(a.model, q, g, max_len) for name, (q, g) in specs.items()}
+    engines = {name: _engine(a.model, q, g, max_len, a.cpu_isa) for name, (q, g) in specs.items()}
     vocab = engines["bf16"].hf_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (a.prompt,), generator=g).tolist()
