@@ -35,7 +35,10 @@ MESSAGES = [{"role": "user", "content": "Describe a novel as JSON."}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("so-server") / "server.log"
-    proc = ServerProcess(default_model_path(), str(log), "--served-model-name", MODEL, "--cache-memory", "32MiB")
+    # a compile limit well above the default 5 s: the over-a-limit cases below must meet llguidance's parser limits,
+    # not the clock (a loaded 2-core machine took over 5 s to reach "too many expressions")
+    proc = ServerProcess(default_model_path(), str(log), "--served-model-name", MODEL, "--cache-memory", "32MiB",
+                         "--max-grammar-compile-seconds", "60")
     try:
         proc.wait_healthy()
         yield proc
