@@ -88,6 +88,21 @@ def decode_q6_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(scales.reshape(rows, -1).copy())
 
 
+def decode_q6_k_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K rows -> the format of ``ops/linear_w6k.py``: codes (N, K) uint8 0..63, sub-scales (N, K / 16) int8
+    and super-scales (N, K / 256) float32 (the fp16 d)."""
+    b, rows = _blocks(raw, FORMATS["Q6_K"])
+    n = b.shape[0]
+    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _fp16(b[:, 208:210])
+    low_shifted = ql.reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    low = (low_shifted & 0x0F).reshape(n, 2, 4, 32)
+    high_shifted = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    high = (high_shifted & 0x03).reshape(n, 2, 4, 32)
+    codes = (low | (high << 4)).reshape(n, QK_K)
+    return (torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(sc.reshape(rows, -1).copy()),
+            torch.from_numpy(d.reshape(rows, -1).copy()))
+
+
 def decode_q5_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0 rows -> codes (N, K) int8 in -16..15 and scales (N, K / 32) float32: an fp16 d, 32 high bits (a
     little-endian uint32, bit j for element j), 16 bytes of low nibbles (elements 0..15 low, 16..31 high)."""
