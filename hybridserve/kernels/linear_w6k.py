@@ -91,7 +91,8 @@ def pack(codes: torch.Tensor, sub_scales: torch.Tensor, super_scales: torch.Tens
     N, K = codes.shape
     size = packed_bytes(N, K)
     if out is not None and (out.dtype != torch.uint8 or out.numel() != size or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous uint8 CPU tensor of {size} bytes, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(f"out must be a contiguous uint8 CPU tensor of {size} bytes, "
+                         f"got {out.dtype} {tuple(out.shape)}")
     packed = torch.empty(size, dtype=torch.uint8) if out is None else out
     panels, KB = -(-N // PANEL), K // SUPER_BLOCK
     dest = packed.view(panels, KB, BLOCK_BYTES)

@@ -58,9 +58,8 @@ def test_pack_unpack_round_trip_and_refuses_bad_k():
 def test_dequantize_is_ggufs_q6_k():
     """The format's values are gguf's: (d * sc) * (q - 32), as ``gguf.quants.dequantize`` rounds it."""
     gguf = pytest.importorskip("gguf")
-    from tests.gguf.gguf_writer import encode_q6_k
-
     from hybridserve.models.gguf.blocks import decode_q6_k_parts
+    from tests.gguf.gguf_writer import encode_q6_k
 
     w = torch.randn(5, 512, generator=torch.Generator().manual_seed(3)).numpy()
     raw = encode_q6_k(w)
