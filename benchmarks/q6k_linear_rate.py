@@ -24,13 +24,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
     parser.add_argument("--distinct", type=int, default=2, help="distinct copies of each weight cycled through")
     parser.add_argument("--engines", default="q6k,int8,bf16", help="of q6k, int8, bf16")
+    parser.add_argument("--level", default="auto", help="the ISA level to cap the kernels at (kernels/isa.py)")
+    parser.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16, float16 or float32")
     a = parser.parse_args()
     import torch
 
-    from hybridserve.kernels import gemm, linear_w6k, linear_w8
+    from hybridserve.kernels import gemm, isa, linear_w6k, linear_w8
     from hybridserve.ops.linear_w6k import CODE_OFFSET, dequantize_w6k
 
     torch.set_num_threads(a.threads)
+    isa.set_cap(a.level)
+    act = getattr(torch, a.dtype)
     K, N = a.k, a.n
     g = torch.Generator().manual_seed(0)
     weights = []
@@ -52,11 +56,11 @@ def main() -> None:
             packs8.append(linear_w8.pack(q, scales, 16))
         calls["int8"] = [lambda x, p=p: linear_w8.linear(x, p, N, torch.int8, 16, None) for p in packs8]
     if "bf16" in engines:
-        packs16 = [gemm.pack(dequantize_w6k(*w).bfloat16()) for w in weights]
+        packs16 = [gemm.pack(dequantize_w6k(*w).to(act)) for w in weights]
         calls["bf16"] = [lambda x, p=p: gemm.linear(x, p, N, None) for p in packs16]
     del weights
     for rows in (int(r) for r in a.rows.split(",")):
-        x = torch.randn(rows, K).bfloat16()
+        x = torch.randn(rows, K).to(act)
         times: dict[str, list[float]] = {e: [] for e in calls}
         for _ in range(a.repeats):
             for name, fns in calls.items():
@@ -67,7 +71,7 @@ def main() -> None:
                     n += 1
                 times[name].append((time.perf_counter() - t0) / n * 1e3)
         parts = [f"{name} {statistics.median(ts):.3f} ms" for name, ts in times.items()]
-        print(f"{rows} rows, K={K}, N={N}: " + ", ".join(parts), flush=True)
+        print(f"{isa.level_in_force()}, {a.dtype}, {rows} rows, K={K}, N={N}: " + ", ".join(parts), flush=True)
 
 
 if __name__ == "__main__":
