@@ -17,8 +17,9 @@ from torch import nn
 from hybridserve.config import LOAD_QUANTIZATIONS, EngineConfig
 from hybridserve.engine.decode_capture import try_capture
 from hybridserve.kernels import enable_cpu_kernels, gemm, isa, linear_w4, linear_w8, unavailable_reason
-from hybridserve.kernels.report import w4_variant, w8_variant
+from hybridserve.kernels.report import w4_variant, w6k_variant, w8_variant
 from hybridserve.layers.linear_w4 import W4Linear
+from hybridserve.layers.linear_w6k import W6KLinear
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.packed_linear import (
     copy_remaining_parameters,
@@ -44,6 +45,7 @@ class CpuFastPaths:
     torch_16bit_linears: int = 0  # 16-bit linears left on torch's matmul
     w8_linears: dict[str, int] = field(default_factory=dict)  # 8-bit linears by code dtype (int8, fp8 e4m3)
     w4_linears: int = 0  # 4-bit linears and expert blocks
+    w6k_linears: int = 0  # GGUF Q6_K linears (an LM head among them)
     quantization: str = "none"  # what the engine applied: none, int8, w8a8, int4, fp8 (a checkpoint's fp8 weights)
     decode_captured: bool = False
     decode_reason: str | None = None
@@ -58,6 +60,8 @@ class CpuFastPaths:
                             "torch_16bit": self.torch_16bit_linears, "8bit": dict(self.w8_linears)},
                 "weights": {"quantization": self.quantization, "kernel": w8_variant() if self.w8_linears else None,
                             **({"4bit": {"linears": self.w4_linears, "kernel": w4_variant()}} if self.w4_linears
+                               else {}),
+                            **({"q6_k": {"linears": self.w6k_linears, "kernel": w6k_variant()}} if self.w6k_linears
                                else {})},
                 "decode": {"captured": self.decode_captured, "reason": self.decode_reason},
                 **({} if self.verify_captured is None else
@@ -149,6 +153,7 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.packed_linears = pack_kernel_linear_layers(model, config.quantization, group)
         report.w8_linears = _count_w8_linears(model)
         report.w4_linears = _count_w4_linears(model)
+        report.w6k_linears = sum(1 for m in model.modules() if isinstance(m, W6KLinear))
         report.quantization = (config.quantization if config.quantization in LOAD_QUANTIZATIONS
                                else "fp8" if report.w8_linears else "none")
         if config.quantization == "w8a8" and linear_w8.w8a8_sums() == "integer vectors":

@@ -198,6 +198,23 @@ def test_tied_q6_k_embedding_gives_a_6_bit_lm_head(tmp_path):
             assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
 
 
+def test_env_names_the_q6_k_kernel(tmp_path, capsys):
+    """``hybridserve env --model`` counts a Q6_K file's 6-bit linears and names their kernel's paths."""
+    import json
+
+    from hybridserve.entrypoints.cli import main
+
+    path = str(tmp_path / "llama")
+    checkpoints.build(checkpoints.llama_config(hidden_size=256), path, std=0.03, dtype=torch.bfloat16)
+    file = write_gguf(path, str(tmp_path / "model-Q6_K.gguf"), "Q6_K")
+    assert main(["env", "--json", "--model", file]) == 0
+    report = json.loads(capsys.readouterr().out)
+    q6k = report["model"]["weights"]["q6_k"]
+    # q, k, v, o, gate, up of 3 layers (down's 96 in-features are no whole super-block: F32), and the LM head
+    assert q6k["linears"] == 3 * 6 + 1
+    assert q6k["kernel"] == report["kernels"]["ops"]["linear_w6k"]["variant"]
+
+
 def test_8bit_gguf_weights_are_dequantized_without_the_cpu_kernels(tmp_path, wide_llama):
     """With --no-cpu-kernels the int8 codes of a Q8_0 file are dequantized at start (no W8Linear), same output."""
     file = write_gguf(wide_llama, str(tmp_path / "model-Q8_0.gguf"), "Q8_0")
