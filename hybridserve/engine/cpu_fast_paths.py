@@ -28,6 +28,7 @@ from hybridserve.layers.packed_linear import (
     pack_linear_layers,
 )
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.ops.linear_w6k import dequantize_w6k
 from hybridserve.ops.linear_w8 import dequantize
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,29 @@ def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
                             "(the 8-bit kernel is not available)")
 
 
+def _dequantize_q6k_linears(model: nn.Module, report: CpuFastPaths) -> None:
+    """Without the kernels, give every Q6_K linear (a GGUF file's) a plain ``nn.Linear`` over its dequantized weight
+    in the model dtype, so that no call dequantizes it again; a tied LM head is then tied to the embedding again
+    (the same values: the embedding was dequantized from the same blocks)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
+                 torch.float32)
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, W6KLinear):
+                with torch.device("meta"):
+                    linear = nn.Linear(child.in_features, child.out_features, bias=False)
+                linear.weight = nn.Parameter(dequantize_w6k(*child.unpacked()).to(dtype), requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
+                count += 1
+    if count:
+        tie = getattr(model, "tie_weights_if_needed", None)
+        if callable(tie):
+            tie()
+        report.notes.append(f"{count} Q6_K linears dequantized to {dtype} (the Q6_K kernel is not available)")
+
+
 def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
     """Cap the ISA, switch the model's layers to the compiled kernels and pack its 16-bit linears."""
     level = isa.set_cap(config.cpu_isa)
@@ -161,6 +185,8 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
                            "below avx512_bf16), about 100 GFLOP/s on 2 cores: slower than 'int8' or bf16 for "
                            "batched steps (docs/quantization.md)", report.isa)
     _dequantize_unpacked_fp8(model, report)
+    if not report.kernels:
+        _dequantize_q6k_linears(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take
     if report.packed_linears or report.onednn_linears:

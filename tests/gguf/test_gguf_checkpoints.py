@@ -198,6 +198,25 @@ def test_tied_q6_k_embedding_gives_a_6_bit_lm_head(tmp_path):
             assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
 
 
+def test_q6_k_linears_are_dequantized_without_the_cpu_kernels(tmp_path):
+    """With --no-cpu-kernels a Q6_K file's linears become plain linears over their dequantized weights at start
+    (no call dequantizes again) and the tied LM head is the embedding again: the dequantized twin's tokens."""
+    path = str(tmp_path / "llama-tied")
+    checkpoints.build(checkpoints.llama_config(hidden_size=256, tie_word_embeddings=True), path, std=0.03,
+                      dtype=torch.bfloat16)
+    file = write_gguf(path, str(tmp_path / "model-Q6_K.gguf"), "Q6_K", quantize_embeddings=True)
+    twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
+    _, reference = _run(twin, dtype="float32", cpu_kernels=False)
+    llm, plain = _run(file, dtype="float32", cpu_kernels=False)
+    model = llm.engine.model
+    assert not any(isinstance(m, W6KLinear) for m in model.modules())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for a, b in zip(reference, plain):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
+
+
 def test_env_names_the_q6_k_kernel(tmp_path, capsys):
     """``hybridserve env --model`` counts a Q6_K file's 6-bit linears and names their kernel's paths."""
     import json
