@@ -27,7 +27,8 @@ constexpr int kW6kA8TileRows = 4;      // rows of a tile
 static_assert(kW6kA8MaxRows < kW6kAmxRows, "the AMX tiles take the calls the int8 path leaves");
 
 // Panels of a tile of MR rows: 3 x MR x NP sums (float32 total, super-block and sub-block int32), the panel's three
-// code vectors, a quad and its sub-scales in the registers.
+// code vectors, a quad and its sub-scales in the registers (the rows' 5 broadcasts per sub-block besides, or on the
+// stack).
 constexpr int w6k_a8_panels(int MR) {
   const int np = 24 / (3 * MR);
   return np < 1 ? 1 : (np > 8 ? 8 : np);
@@ -85,6 +86,13 @@ __attribute__((optimize("fp-contract=off"))) void w6k_a8_tile(const W6kLayout& L
       for (int p = 0; p < NP; ++p) t[r][p] = _mm512_setzero_si512();
     for (int g = 0; g < 16; ++g) {
       const int64_t k0 = b * kW6kSuper + g * 16;
+      __m512i xb[MR][5];  // each row's 4 quads of activation codes and its -32 x sum, broadcast once for the panels
+      for (int r = 0; r < MR; ++r) {
+        int32_t quads[4];
+        __builtin_memcpy(quads, xr.codes + r * xs + k0, sizeof quads);
+        for (int j = 0; j < 4; ++j) xb[r][j] = _mm512_set1_epi32(quads[j]);
+        xb[r][4] = _mm512_set1_epi32(xr.offsets[r * (xs / 16) + k0 / 16]);
+      }
       for (int p = 0; p < NP; ++p) {
         const uint8_t* blk = L.block(p0 + p, b);
         const uint8_t* sub = blk + g * kW6kSubBytes;
@@ -98,14 +106,10 @@ __attribute__((optimize("fp-contract=off"))) void w6k_a8_tile(const W6kLayout& L
         const __m512i q3 = reinterpret_cast<__m512i>(w6k_quad<3>(lo01, lo23, hi));
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kW6kScaleAt + g * kPanel)));
         for (int r = 0; r < MR; ++r) {
-          const int8_t* xq = xr.codes + r * xs + k0;
-          int32_t quad[4];
-          __builtin_memcpy(quad, xq, 16);
-          __m512i isum = _mm512_set1_epi32(xr.offsets[r * (xs / 16) + k0 / 16]);
-          isum = _mm512_dpbusd_epi32(isum, q0, _mm512_set1_epi32(quad[0]));
-          isum = _mm512_dpbusd_epi32(isum, q1, _mm512_set1_epi32(quad[1]));
-          isum = _mm512_dpbusd_epi32(isum, q2, _mm512_set1_epi32(quad[2]));
-          isum = _mm512_dpbusd_epi32(isum, q3, _mm512_set1_epi32(quad[3]));
+          __m512i isum = _mm512_dpbusd_epi32(xb[r][4], q0, xb[r][0]);
+          isum = _mm512_dpbusd_epi32(isum, q1, xb[r][1]);
+          isum = _mm512_dpbusd_epi32(isum, q2, xb[r][2]);
+          isum = _mm512_dpbusd_epi32(isum, q3, xb[r][3]);
           t[r][p] = _mm512_add_epi32(t[r][p], _mm512_mullo_epi32(isum, sc));
         }
       }
