@@ -10,7 +10,9 @@ hybridserve runs the same chunks (the ids of ``llama-tokenize``, the first token
 the vocab adds one, as llama-perplexity does) as prompts with ``prompt_logprobs`` and scores the same positions:
 the perplexity, and the mean |Δlogprob| of the text's tokens against its bf16 run of the safetensors checkpoint.
 A hybridserve run is ``bf16`` (the safetensors checkpoint in bf16), ``gguf:NAME`` (the file model-NAME.gguf, with
-``dtype=auto``) or a ``--quantization`` value of the safetensors checkpoint (``int8``, ``int4``, ...).
+``dtype=auto``) or a ``--quantization`` value of the safetensors checkpoint (``int8``, ``int4``, ...), each
+optionally ``/N`` (the prompts prefilled N tokens a step, so that the linears take few-row calls, as in decode)
+and ``@LEVEL`` (run with ``--cpu-isa LEVEL``), in that order: ``gguf:q6_k/8@avx512``.
 
     nice -n 19 python benchmarks/gguf_perplexity.py --model /root/bench/granite-1.3b \\
         --text /root/.pyenv/versions/3.11.7/lib/python3.11/LICENSE.txt --llama-cpp /root/peers/llama.cpp/build \\
@@ -140,7 +142,17 @@ def save(results: dict, path: str | None) -> None:
 
 
 def run_options(run: str, model: str) -> tuple[str, dict]:
-    """(the path hybridserve loads, its options) for a run name of --runs."""
+    """(the path hybridserve loads, its options) for a run name of --runs; ``RUN@LEVEL`` runs RUN with the kernels
+    capped at ISA level LEVEL (``--cpu-isa``: ``gguf:q6_k@avx512`` keeps the activations of the few-row calls
+    unrounded, where avx512_bf16 and amx quantize them to int8)."""
+    if "@" in run:
+        run, level = run.split("@", 1)
+        path, options = run_options(run, model)
+        return path, {**options, "cpu_isa": level}
+    if "/" in run:  # RUN/N: prefill in steps of N tokens (as decode steps: the kernels' few-row paths)
+        run, tokens = run.split("/", 1)
+        path, options = run_options(run, model)
+        return path, {**options, "max_num_batched_tokens": int(tokens)}
     if run == "bf16":
         return model, {"dtype": "bfloat16"}
     if run.startswith("gguf:"):

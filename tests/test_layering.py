@@ -199,6 +199,7 @@ KERNEL_IMPORTERS_ALLOWED = {
     "layers.packed_linear": "it packs weights into the kernels' own formats (a layer that owns a kernel layout)",
     "layers.linear_w8": "the int8 linear's weight format is the kernel's (packed with layers.packed_linear)",
     "layers.linear_w4": "the 4-bit linear's weight format is the kernel's (packed by its constructors)",
+    "layers.linear_w6k": "the Q6_K linear's weight format is the kernel's (packed by its constructor)",
     "layers.mlp": "not yet moved to an op entry (issue 34 part 4)",
     "layers.norms": "not yet moved to an op entry (issue 34 part 4)",
     "layers.rotary": "not yet moved to an op entry (issue 34 part 4)",

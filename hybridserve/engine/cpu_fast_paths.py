@@ -17,8 +17,9 @@ from torch import nn
 from hybridserve.config import LOAD_QUANTIZATIONS, EngineConfig
 from hybridserve.engine.decode_capture import try_capture
 from hybridserve.kernels import enable_cpu_kernels, gemm, isa, linear_w4, linear_w8, unavailable_reason
-from hybridserve.kernels.report import w4_variant, w8_variant
+from hybridserve.kernels.report import w4_variant, w6k_variant, w8_variant
 from hybridserve.layers.linear_w4 import W4Linear
+from hybridserve.layers.linear_w6k import W6KLinear
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.packed_linear import (
     copy_remaining_parameters,
@@ -27,6 +28,7 @@ from hybridserve.layers.packed_linear import (
     pack_linear_layers,
 )
 from hybridserve.layers.rotary import RotaryEmbedding
+from hybridserve.ops.linear_w6k import dequantize_w6k
 from hybridserve.ops.linear_w8 import dequantize
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ class CpuFastPaths:
     torch_16bit_linears: int = 0  # 16-bit linears left on torch's matmul
     w8_linears: dict[str, int] = field(default_factory=dict)  # 8-bit linears by code dtype (int8, fp8 e4m3)
     w4_linears: int = 0  # 4-bit linears and expert blocks
+    w6k_linears: int = 0  # GGUF Q6_K linears (an LM head among them)
     quantization: str = "none"  # what the engine applied: none, int8, w8a8, int4, fp8 (a checkpoint's fp8 weights)
     decode_captured: bool = False
     decode_reason: str | None = None
@@ -58,6 +61,8 @@ class CpuFastPaths:
                             "torch_16bit": self.torch_16bit_linears, "8bit": dict(self.w8_linears)},
                 "weights": {"quantization": self.quantization, "kernel": w8_variant() if self.w8_linears else None,
                             **({"4bit": {"linears": self.w4_linears, "kernel": w4_variant()}} if self.w4_linears
+                               else {}),
+                            **({"q6_k": {"linears": self.w6k_linears, "kernel": w6k_variant()}} if self.w6k_linears
                                else {})},
                 "decode": {"captured": self.decode_captured, "reason": self.decode_reason},
                 **({} if self.verify_captured is None else
@@ -126,6 +131,29 @@ def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
                             "(the 8-bit kernel is not available)")
 
 
+def _dequantize_q6k_linears(model: nn.Module, report: CpuFastPaths) -> None:
+    """Without the kernels, give every Q6_K linear (a GGUF file's) a plain ``nn.Linear`` over its dequantized weight
+    in the model dtype, so that no call dequantizes it again; a tied LM head is then tied to the embedding again
+    (the same values: the embedding was dequantized from the same blocks)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
+                 torch.float32)
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, W6KLinear):
+                with torch.device("meta"):
+                    linear = nn.Linear(child.in_features, child.out_features, bias=False)
+                linear.weight = nn.Parameter(dequantize_w6k(*child.unpacked()).to(dtype), requires_grad=False)
+                linear.bias = child.bias
+                setattr(parent, name, linear)
+                count += 1
+    if count:
+        tie = getattr(model, "tie_weights_if_needed", None)
+        if callable(tie):
+            tie()
+        report.notes.append(f"{count} Q6_K linears dequantized to {dtype} (the Q6_K kernel is not available)")
+
+
 def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
     """Cap the ISA, switch the model's layers to the compiled kernels and pack its 16-bit linears."""
     level = isa.set_cap(config.cpu_isa)
@@ -149,6 +177,7 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
         report.packed_linears = pack_kernel_linear_layers(model, config.quantization, group)
         report.w8_linears = _count_w8_linears(model)
         report.w4_linears = _count_w4_linears(model)
+        report.w6k_linears = sum(1 for m in model.modules() if isinstance(m, W6KLinear))
         report.quantization = (config.quantization if config.quantization in LOAD_QUANTIZATIONS
                                else "fp8" if report.w8_linears else "none")
         if config.quantization == "w8a8" and linear_w8.w8a8_sums() == "integer vectors":
@@ -156,6 +185,8 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
                            "below avx512_bf16), about 100 GFLOP/s on 2 cores: slower than 'int8' or bf16 for "
                            "batched steps (docs/quantization.md)", report.isa)
     _dequantize_unpacked_fp8(model, report)
+    if not report.kernels:
+        _dequantize_q6k_linears(model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take
     if report.packed_linears or report.onednn_linears:

@@ -101,7 +101,8 @@ def print_report(report: dict) -> None:
             print("  linears: " + ", ".join(f"{k} {v}" for k, v in model["linears"].items()))
         weights = model.get("weights")
         if weights is not None:
-            four = weights.get("4bit")
+            four, q6k = weights.get("4bit"), weights.get("q6_k")
             print(f"  weights: quantization {weights['quantization']}"
                   + (f"; 8-bit kernel {weights['kernel']}" if weights["kernel"] else "")
-                  + (f"; 4-bit linears and expert blocks {four['linears']}, kernel {four['kernel']}" if four else ""))
+                  + (f"; 4-bit linears and expert blocks {four['linears']}, kernel {four['kernel']}" if four else "")
+                  + (f"; Q6_K linears {q6k['linears']}, kernel {q6k['kernel']}" if q6k else ""))

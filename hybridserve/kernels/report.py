@@ -16,6 +16,7 @@ OPS = {
     "linear_w8": ("gemm", "8-bit weight linears and MoE experts (int8, fp8 e4m3)"),
     "linear_w8a8": ("gemm", "int8 weight linears with int8 activations (--quantization w8a8)"),
     "linear_w4": ("gemm", "4-bit group-wise weight linears and MoE experts (--quantization int4)"),
+    "linear_w6k": ("gemm", "GGUF Q6_K weight linears kept 6-bit (and a tied Q6_K LM head)"),
     "rms_norm": ("pointwise", "RMS norm (with the residual add)"),
     "gated_rms_norm": ("pointwise", "Mamba2 gated group RMS norm"),
     "silu_mul": ("pointwise", "silu(a) * b"),
@@ -49,6 +50,8 @@ def _variant(op: str, level: str) -> str:
         return w8_variant(level)
     if op == "linear_w4":
         return w4_variant(level)
+    if op == "linear_w6k":
+        return w6k_variant(level)
     if op == "linear_w8a8":
         from hybridserve.kernels import linear_w8
 
@@ -91,6 +94,24 @@ def w4_variant(level: str | None = None) -> str:
                 f"each column block's codes dequantized to bf16 once per row chunk; the rest: {vector}")
     if level == "avx512_bf16":
         return f"{level}: {w4a8}; the rest: {vector}"
+    return f"{level}: every call: {vector}"
+
+
+def w6k_variant(level: str | None = None) -> str:
+    """The Q6_K weight linears' variant at ``level`` (default: the level in force): which path each shape class
+    (calls by rows, activation dtype) takes."""
+    from hybridserve.kernels import linear_w6k
+
+    level = level or isa.level_in_force()
+    lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
+    vector = f"6-bit codes widened to float32 in registers ({lanes}), float32 sums per 16 times d * sc"
+    a8 = (f"calls of up to {linear_w6k.A8_MAX_ROWS} rows (decode), every activation dtype, on int8 activations "
+          "per 256 k: 6-bit x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
+    if level == "amx":
+        return (f"{level}: {a8}; bf16 calls of {linear_w6k.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles "
+                f"over codes widened to bf16 once per call; the rest: {vector}")
+    if level == "avx512_bf16":
+        return f"{level}: {a8}; the rest: {vector}"
     return f"{level}: every call: {vector}"
 
 

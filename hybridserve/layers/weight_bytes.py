@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from hybridserve.layers.linear_w4 import INT4_FORMAT, W4Linear
+from hybridserve.layers.linear_w6k import W6KLinear
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.moe import FusedExperts
 
@@ -31,7 +32,7 @@ def _address_and_bytes(t: torch.Tensor) -> tuple[int, int]:
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes per dtype of every parameter, buffer and packed weight, each tensor once (a tied weight and
     its packed copy are two). 8-bit packs count under their codes' dtype, with their float32 scales; 4-bit packs
-    under ``int4``, with their float16 scales."""
+    under ``int4``, with their float16 scales; Q6_K packs under ``q6_k``."""
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
 
@@ -45,8 +46,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         for name, t in list(m._parameters.items()) + list(m._buffers.items()):
             if t is not None:
                 label = _name(t.dtype)
-                if name == "packed_weight" and isinstance(m, (W8Linear, W4Linear)):
-                    label = "int4" if isinstance(m, W4Linear) else _name(m.fmt)
+                if name == "packed_weight" and isinstance(m, (W8Linear, W4Linear, W6KLinear)):
+                    label = "int4" if isinstance(m, W4Linear) else "q6_k" if isinstance(m, W6KLinear) else _name(m.fmt)
                 add(t, label)
         if isinstance(m, FusedExperts) and m.packed is not None:
             for t in (t for ts in m.packed.values() for t in ts):

@@ -80,11 +80,13 @@ class CausalLM(nn.Module):
         return self.compute_logits(hidden)
 
     def tie_weights_if_needed(self) -> None:
-        """Share the LM head with the embeddings when the config ties them."""
+        """Share the LM head with the embeddings when the config ties them (an LM head that holds its own coded
+        copy instead, with no such parameter, is left as it is: a GGUF file's Q6_K head, ``models/loader.py``)."""
         if getattr(self.hf_config, "tie_word_embeddings", False):
             for dst, src in self.tied_weights.items():
                 owner, name = _resolve(self, dst)
-                setattr(owner, name, _resolve_param(self, src))
+                if name in owner._parameters:
+                    setattr(owner, name, _resolve_param(self, src))
 
 
 

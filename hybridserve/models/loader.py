@@ -172,6 +172,8 @@ def load_weights(model: CausalLM, path: str, dtype: torch.dtype, device: torch.d
                 if coded[name] == tuple(expected[name].shape):  # else refused below, with every other bad shape
                     _install_coded(model, name, tensor, device)  # now: no converted weight waits in memory
                 continue
+            for head in _coded_tied_heads(model, name, tensor, tied):  # a tied Q6_K LM head: its own 6-bit copy
+                _install_coded(model, head, tensor, device)
             # an embedding, an expert block, a layer that reads its own weight: in the dtype assigned below
             tensor = tensor.dequantize(dtype if name in expected and name not in keep_fp32 else torch.float32)
         elif qc is None and name in expected and name not in keep_fp32 and tensor.is_floating_point():
@@ -286,6 +288,21 @@ def materialize_meta(model: nn.Module, device: torch.device) -> None:
                     made[id(tensor)] = (nn.Parameter(empty, requires_grad=tensor.requires_grad)
                                         if isinstance(tensor, nn.Parameter) else empty)
                 table[key] = made[id(tensor)]
+
+
+def _coded_tied_heads(model: nn.Module, name: str, weight: CodedWeight, tied: set[str]) -> list[str]:
+    """The tied weights (an LM head tied to the embedding ``name``) that take their own copy of ``weight``, a
+    GGUF file's Q6_K embedding: plain linears of its shape, run 6-bit (``layers/linear_w6k.py``) instead of on the
+    embedding dequantized (``CausalLM.tie_weights_if_needed`` then leaves them)."""
+    if weight.bits != 6:
+        return []
+    heads = []
+    for dst in sorted(tied):
+        if model.tied_weights.get(dst) == name and _is_plain_linear_weight(model, dst):
+            owner, attr = _owner(model, dst)
+            if tuple(getattr(owner, attr).shape) == tuple(weight.shape):
+                heads.append(dst)
+    return heads
 
 
 def _is_plain_linear_weight(model: nn.Module, name: str) -> bool:

@@ -9,6 +9,7 @@ gguf = pytest.importorskip("gguf")
 
 from hybridserve.models.gguf.blocks import DECODERS, FORMATS  # noqa: E402
 from hybridserve.models.gguf.coded import CodedWeight, cat_rows  # noqa: E402
+from hybridserve.models.gguf.reader import coded_weight  # noqa: E402
 
 # byte offsets of each block's fp16 fields, which random bytes could make NaN or infinite
 FP16_FIELDS = {"Q8_0": (0,), "Q6_K": (208,), "Q5_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2)}
@@ -27,11 +28,7 @@ def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def coded(name: str, raw: np.ndarray) -> CodedWeight:
-    fmt = FORMATS[name]
-    out = DECODERS[name](raw)
-    codes, scales = out[0], out[1]
-    mins = out[2] if len(out) == 3 else None
-    return CodedWeight(codes, scales, mins, fmt.group, fmt.bits, name)
+    return coded_weight(name, DECODERS[name](raw))
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -48,6 +45,11 @@ def test_codes_are_in_the_engine_formats(name):
     w = coded(name, random_blocks(name, rows=3, cols=256, seed=1))
     if w.bits == 8:
         assert w.codes.dtype == torch.int8
+    elif w.bits == 6:  # Q6_K: codes 0..63, int8 sub-scales per 16, float16 d per 256
+        assert w.codes.dtype == torch.uint8 and int(w.codes.max()) <= 63
+        assert w.scales.dtype == torch.int8 and tuple(w.scales.shape) == (3, 16)
+        assert torch.equal(w.super_scales, w.super_scales.half().float()) and tuple(w.super_scales.shape) == (3, 1)
+        return
     else:
         assert w.codes.dtype == torch.uint8 and int(w.codes.max()) <= 15
     assert w.scales.dtype == torch.float32 and tuple(w.scales.shape) == (3, 256 // w.group)
@@ -83,3 +85,30 @@ def test_w4_linear_runs_the_decoded_weight():
         assert torch.equal(layer(x), linear_w4a8_ref(x, *layer.unpacked(), w.group))
     else:
         assert torch.allclose(layer(x), x @ w.dequantize().T, atol=1e-5)
+
+
+def test_q6_k_rows_and_cat_rows_keep_values():
+    """A Q6_K weight's rows (a permutation, slices stacked again) keep their codes, sub-scales and d together."""
+    w = coded("Q6_K", random_blocks("Q6_K", rows=4, cols=512, seed=4))
+    order = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(w.rows(order).dequantize(), w.dequantize()[order])
+    both = cat_rows([w.rows(slice(0, 2)), w.rows(slice(2, 4))])
+    assert torch.equal(both.dequantize(), w.dequantize())
+
+
+def test_w6k_linear_runs_the_decoded_weight():
+    """Q6_K's codes, sub-scales and d in the 6-bit layer are the decoded weight exactly; its products are the int8
+    path's reference (few rows at avx512_bf16 and amx) or the float32 product's."""
+    from hybridserve.kernels import linear_w6k
+    from hybridserve.layers.linear_w6k import W6KLinear
+    from hybridserve.ops.linear_w6k import dequantize_w6k, linear_w6k_a8_ref
+
+    w = coded("Q6_K", random_blocks("Q6_K", rows=5, cols=512, seed=3))
+    layer = W6KLinear.from_codes(w.codes, w.scales, w.super_scales)
+    assert torch.equal(dequantize_w6k(*layer.unpacked()), w.dequantize())
+    x = torch.randn(3, 512)
+    if linear_w6k.path(3, x.dtype) == linear_w6k.A8_PATH:
+        assert torch.equal(layer(x), linear_w6k_a8_ref(x, *layer.unpacked()))
+    else:
+        expected = x.double() @ w.dequantize().double().T
+        assert torch.allclose(layer(x).double(), expected, rtol=1e-5, atol=1e-4 * expected.abs().max().item())

@@ -11,8 +11,9 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
-from hybridserve.kernels import isa, linear_w4  # noqa: E402
+from hybridserve.kernels import isa, linear_w4, linear_w6k  # noqa: E402
 from hybridserve.layers.linear_w4 import W4Linear  # noqa: E402
+from hybridserve.layers.linear_w6k import W6KLinear  # noqa: E402
 from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
 from hybridserve.models.gguf.blocks import decode_q4_k  # noqa: E402
 from hybridserve.models.loader import load_hf_config  # noqa: E402
@@ -123,18 +124,26 @@ def wide_llama(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("kind,layer", [("Q8_0", W8Linear), ("Q6_K", W8Linear), ("Q5_0", W8Linear),
+def _on_int8_activations(layer) -> bool:
+    """Whether the quantized layers' few-row float32 calls quantize their activations here (W4A8, Q6_K's int8
+    path: avx512_bf16 and amx)."""
+    if layer is W4Linear:
+        return linear_w4.path(1, torch.float32) == linear_w4.W4A8_PATH
+    return layer is W6KLinear and linear_w6k.path(1, torch.float32) == linear_w6k.A8_PATH
+
+
+@pytest.mark.parametrize("kind,layer", [("Q8_0", W8Linear), ("Q6_K", W6KLinear), ("Q5_0", W8Linear),
                                         ("Q4_0", W4Linear), ("Q4_K", W4Linear),
                                         ("Q5_1", None)])
 def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_path, wide_llama, kind, layer):
-    """The 4-bit layers' few-row calls run on W4A8 at avx512_bf16 and amx (activations rounded to int8 too): there
-    the greedy tokens keep the near-tie rule against the twin's, and the logprob comparison runs at the avx512
-    level (activations as they are)."""
+    """The 4-bit and Q6_K layers' few-row calls run on int8 activations at avx512_bf16 and amx (W4A8, Q6_K's int8
+    path): there the greedy tokens keep the near-tie rule against the twin's, and the logprob comparison runs at
+    the avx512 level (activations as they are). Q6_K covers the untied ``output.weight`` too."""
     file = write_gguf(wide_llama, str(tmp_path / f"model-{kind}.gguf"), kind)
     twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
     _, reference = _run(twin, dtype="float32")
     options = {}
-    if layer is W4Linear and linear_w4.path(1, torch.float32) == linear_w4.W4A8_PATH:
+    if _on_int8_activations(layer):
         _, w4a8 = _run(file, dtype="float32")
         _, steps = compare_near_tie(w4a8, reference)  # tokens equal up to a near-tie of the reference
         assert steps > 0
@@ -149,11 +158,80 @@ def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_pa
         assert not any(isinstance(m, (W8Linear, W4Linear)) for m in model.modules())
     else:
         assert sum(isinstance(m, layer) for m in model.modules()) >= 3 * 4  # q, k, v, o (or more) of 3 layers
+    if layer is W6KLinear:
+        assert isinstance(model.lm_head, W6KLinear)  # the file's output.weight
     for a, b in zip(reference, run):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
             for t, x in la.items():
                 assert abs(x.logprob - lb[t].logprob) < 2e-3
+
+
+def test_tied_q6_k_embedding_gives_a_6_bit_lm_head(tmp_path):
+    """A tied checkpoint whose ``token_embd`` is Q6_K (as in llama.cpp's Q4_K_M files): the LM head is a W6KLinear
+    over the file's blocks (no bf16 copy of the embedding packed for it), the embedding lookup reads the
+    dequantized table, and the tokens are the dequantized twin's (the near-tie rule on int8 activations; logprobs
+    within 2e-3 at the avx512 level)."""
+    path = str(tmp_path / "llama-tied")
+    checkpoints.build(checkpoints.llama_config(hidden_size=256, tie_word_embeddings=True), path, std=0.03,
+                      dtype=torch.bfloat16)
+    file = write_gguf(path, str(tmp_path / "model-Q6_K.gguf"), "Q6_K", quantize_embeddings=True)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(file).tensors}
+    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
+    twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
+    _, reference = _run(twin, dtype="float32")
+    if _on_int8_activations(W6KLinear):
+        _, int8_run = _run(file, dtype="float32")
+        _, steps = compare_near_tie(int8_run, reference)
+        assert steps > 0
+    previous = isa.cap()
+    try:
+        llm, run = _run(file, dtype="float32", cpu_isa="avx512")
+    finally:
+        isa.set_cap(previous)
+    model = llm.engine.model
+    assert isinstance(model.lm_head, W6KLinear) and not hasattr(model.lm_head, "weight")
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    for a, b in zip(reference, run):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
+
+
+def test_q6_k_linears_are_dequantized_without_the_cpu_kernels(tmp_path):
+    """With --no-cpu-kernels a Q6_K file's linears become plain linears over their dequantized weights at start
+    (no call dequantizes again) and the tied LM head is the embedding again: the dequantized twin's tokens."""
+    path = str(tmp_path / "llama-tied")
+    checkpoints.build(checkpoints.llama_config(hidden_size=256, tie_word_embeddings=True), path, std=0.03,
+                      dtype=torch.bfloat16)
+    file = write_gguf(path, str(tmp_path / "model-Q6_K.gguf"), "Q6_K", quantize_embeddings=True)
+    twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
+    _, reference = _run(twin, dtype="float32", cpu_kernels=False)
+    llm, plain = _run(file, dtype="float32", cpu_kernels=False)
+    model = llm.engine.model
+    assert not any(isinstance(m, W6KLinear) for m in model.modules())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for a, b in zip(reference, plain):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert all(abs(x.logprob - lb[t].logprob) < 2e-3 for t, x in la.items())
+
+
+def test_env_names_the_q6_k_kernel(tmp_path, capsys):
+    """``hybridserve env --model`` counts a Q6_K file's 6-bit linears and names their kernel's paths."""
+    import json
+
+    from hybridserve.entrypoints.cli import main
+
+    path = str(tmp_path / "llama")
+    checkpoints.build(checkpoints.llama_config(hidden_size=256), path, std=0.03, dtype=torch.bfloat16)
+    file = write_gguf(path, str(tmp_path / "model-Q6_K.gguf"), "Q6_K")
+    assert main(["env", "--json", "--model", file]) == 0
+    report = json.loads(capsys.readouterr().out)
+    q6k = report["model"]["weights"]["q6_k"]
+    # q, k, v, o, gate, up of 3 layers (down's 96 in-features are no whole super-block: F32), and the LM head
+    assert q6k["linears"] == 3 * 6 + 1
+    assert q6k["kernel"] == report["kernels"]["ops"]["linear_w6k"]["variant"]
 
 
 def test_8bit_gguf_weights_are_dequantized_without_the_cpu_kernels(tmp_path, wide_llama):

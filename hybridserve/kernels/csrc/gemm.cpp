@@ -499,6 +499,7 @@ int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
 #include "gemm_w8.h"  // the 8-bit weight linears, on the vector helpers above
 #include "gemm_w8a8.h"  // 8-bit weights times 8-bit activations (W8A8)
 #include "gemm_w4.h"  // the 4-bit group-wise weight linears
+#include "gemm_w6k.h"  // GGUF Q6_K weights kept 6-bit
 
 extern "C" {
 
@@ -862,5 +863,5 @@ int hs_router_topk(int logits_dtype, int weight_dtype, int64_t T, int64_t E, int
 HS_REGISTRY(HS_KERNEL(hs_gemm_supported) HS_KERNEL(hs_gemm_amx_rows) HS_KERNEL(hs_pack_bf16) HS_KERNEL(hs_pack_f16) HS_KERNEL(hs_linear_bf16)
             HS_KERNEL(hs_linear_f16) HS_KERNEL(hs_pack_f32) HS_KERNEL(hs_linear_f32_packed) HS_KERNEL(hs_moe_experts) HS_KERNEL(hs_router_topk) HS_KERNEL(hs_linear_f32)
             HS_KERNEL(hs_router_grouped_sigmoid) HS_KERNEL(hs_pack_w8) HS_KERNEL(hs_linear_w8)
-            HS_KERNEL(hs_w4_path) HS_KERNEL(hs_linear_w4)
+            HS_KERNEL(hs_w4_path) HS_KERNEL(hs_linear_w4) HS_KERNEL(hs_w6k_path) HS_KERNEL(hs_linear_w6k)
             HS_KERNEL(hs_w8a8_sums) HS_KERNEL(hs_linear_w8a8))

@@ -165,6 +165,11 @@ int hs_w4_path(int act_dtype, int64_t rows);
 int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,
                  int64_t xs, const uint8_t* packed, const void* bias, void* out, int64_t os);
 
+// ---- gemm.cpp (gemm_w6k.h): linears over GGUF Q6_K weights (6-bit codes, int8 sub-scales, float16 d)
+int hs_w6k_path(int act_dtype, int64_t rows);
+int hs_linear_w6k(int act_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs, const uint8_t* packed,
+                  const void* bias, void* out, int64_t os);
+
 // ---- gemm.cpp (gemm_w8a8.h): int8 weights (a scale per output channel) times int8 activations (a scale per row)
 int hs_w8a8_sums();
 int hs_linear_w8a8(int act_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs, const uint8_t* packed,

@@ -7,7 +7,7 @@ them) and returns codes, scales and mins whose values equal ``gguf.quants.dequan
 GGUF      block (llama.cpp's ggml-quants)                  engine format
 ========  ==============================================  ===================================================
 Q8_0      32 int8 codes, an fp16 scale d                   8-bit: int8 codes, scale d per 32 (group 32)
-Q6_K      256 6-bit codes, an int8 scale per 16, fp16 d    8-bit: int8 codes q - 32, scale d * sc (group 16)
+Q6_K      256 6-bit codes, an int8 scale per 16, fp16 d    Q6_K (ops/linear_w6k.py): codes q, sc, d as they are
 Q5_0      32 5-bit codes, an fp16 scale d                  8-bit: int8 codes q - 16, scale d (group 32)
 Q4_0      32 4-bit codes, an fp16 scale d                  4-bit centred: codes q, scale d, no mins (group 32)
 Q4_K      256 4-bit codes, 6-bit scale and min per 32,     4-bit with mins: codes q, scale d * sc,
@@ -15,7 +15,8 @@ Q4_K      256 4-bit codes, 6-bit scale and min per 32,     4-bit with mins: code
 ========  ==============================================  ===================================================
 
 The products d * sc and dmin * m are exact in float32 (an fp16 times a 6- or 8-bit integer), so
-``codes * scale + min`` (``ops/linear_w4.py``) and ``codes * scale`` (``ops/linear_w8.py``) round as gguf does.
+``codes * scale + min`` (``ops/linear_w4.py``), ``codes * scale`` (``ops/linear_w8.py``) and
+``(d * sc) * (q - 32)`` (``ops/linear_w6k.py``) round as gguf does.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ class BlockFormat:
     name: str
     block_elements: int
     block_bytes: int
-    bits: int  # 8: int8 codes (kernels/linear_w8.py); 4: codes 0..15 (ops/linear_w4.py)
+    bits: int  # 8: int8 codes (kernels/linear_w8.py); 6: Q6_K (ops/linear_w6k.py); 4: codes 0..15 (linear_w4.py)
     group: int
 
 
 FORMATS = {
     "Q8_0": BlockFormat("Q8_0", 32, 34, 8, 32),
-    "Q6_K": BlockFormat("Q6_K", QK_K, 210, 8, 16),
+    "Q6_K": BlockFormat("Q6_K", QK_K, 210, 6, 16),
     "Q5_0": BlockFormat("Q5_0", 32, 22, 8, 32),
     "Q4_0": BlockFormat("Q4_0", 32, 18, 4, 32),
     "Q4_K": BlockFormat("Q4_K", QK_K, 144, 4, 32),
@@ -72,8 +73,9 @@ def decode_q8_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(d.reshape(rows, -1).copy())
 
 
-def decode_q6_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K rows -> codes (N, K) int8 in -32..31 and scales (N, K / 16) float32 (d * sc)."""
+def decode_q6_k_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K rows -> the format of ``ops/linear_w6k.py``: codes (N, K) uint8 0..63, sub-scales (N, K / 16) int8
+    and super-scales (N, K / 256) float32 (the fp16 d)."""
     b, rows = _blocks(raw, FORMATS["Q6_K"])
     n = b.shape[0]
     ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208].view(np.int8), _fp16(b[:, 208:210])
@@ -83,9 +85,9 @@ def decode_q6_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     low = (low_shifted & 0x0F).reshape(n, 2, 4, 32)
     high_shifted = qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     high = (high_shifted & 0x03).reshape(n, 2, 4, 32)
-    codes = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, QK_K)
-    scales = d[:, None] * sc.astype(np.float32)  # (n, 16): exact
-    return torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(scales.reshape(rows, -1).copy())
+    codes = (low | (high << 4)).reshape(n, QK_K)
+    return (torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(sc.reshape(rows, -1).copy()),
+            torch.from_numpy(d.reshape(rows, -1).copy()))
 
 
 def decode_q5_0(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,5 +141,5 @@ def decode_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
             torch.from_numpy(mins.reshape(rows, -1).copy()))
 
 
-DECODERS = {"Q8_0": decode_q8_0, "Q6_K": decode_q6_k, "Q5_0": decode_q5_0, "Q4_0": decode_q4_0,
+DECODERS = {"Q8_0": decode_q8_0, "Q6_K": decode_q6_k_parts, "Q5_0": decode_q5_0, "Q4_0": decode_q4_0,
             "Q4_K": decode_q4_k}

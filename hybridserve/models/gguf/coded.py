@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hybridserve.ops.linear_w4 import dequantize_w4
+from hybridserve.ops.linear_w6k import dequantize_w6k
 from hybridserve.ops.linear_w8 import dequantize as dequantize_w8
 
 #: elements of a coded weight dequantized at a time (float32 temporaries of a few times 16 MiB)
@@ -18,7 +19,9 @@ class CodedWeight:
     """A weight (N, K) as ``codes`` (N, K) with ``scales`` (N, G) float32 and, 4-bit with mins, ``mins`` (N, G),
     for G groups of ``group`` in-features. ``bits`` 8: int8 codes, ``W = codes * scale``
     (``ops/linear_w8.py``); 4: codes 0..15, ``W = codes * scale + min`` or, without mins, ``(codes - 8) * scale``
-    (``ops/linear_w4.py``). ``source`` names the GGUF type it came from."""
+    (``ops/linear_w4.py``); 6 (Q6_K): codes 0..63, ``scales`` the int8 sub-scales (N, K / 16) and
+    ``super_scales`` the float16 d (N, K / 256), ``W = (d * sc) * (codes - 32)`` (``ops/linear_w6k.py``).
+    ``source`` names the GGUF type it came from."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -26,6 +29,7 @@ class CodedWeight:
     group: int
     bits: int
     source: str
+    super_scales: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -43,13 +47,16 @@ class CodedWeight:
     def _dequantize_float32(self) -> torch.Tensor:
         if self.bits == 8:
             return dequantize_w8(self.codes, self.scales, self.group)
+        if self.bits == 6:
+            return dequantize_w6k(self.codes, self.scales, self.super_scales)
         return dequantize_w4(self.codes, self.scales, self.mins, self.group)
 
     def rows(self, index: torch.Tensor | slice) -> CodedWeight:
         """The output channels ``index`` selects (row-wise quantization makes this exact)."""
-        mins = None if self.mins is None else self.mins[index]
+        mins = None if self.mins is None else self.mins[index].contiguous()
+        sup = None if self.super_scales is None else self.super_scales[index].contiguous()
         return replace(self, codes=self.codes[index].contiguous(), scales=self.scales[index].contiguous(),
-                       mins=None if mins is None else mins.contiguous())
+                       mins=mins, super_scales=sup)
 
     def matches(self, other: CodedWeight) -> bool:
         """Whether ``other`` is of the same format, so their rows can be stacked into one weight."""
@@ -63,5 +70,6 @@ def cat_rows(parts: list[CodedWeight]) -> CodedWeight:
     if not all(first.matches(p) for p in parts[1:]):
         raise ValueError("cat_rows takes weights of one format")
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
+    sup = None if first.super_scales is None else torch.cat([p.super_scales for p in parts])  # type: ignore[misc]
     return replace(first, codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                   mins=mins)
+                   mins=mins, super_scales=sup)

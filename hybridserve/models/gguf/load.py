@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hybridserve.layers.linear_w4 import W4Linear
+from hybridserve.layers.linear_w6k import W6KLinear
 from hybridserve.models.gguf import configs, reader, tensors
 from hybridserve.models.gguf.coded import CodedWeight
 
@@ -63,12 +64,18 @@ def install_coded(owner: Any, attr: str, parent: nn.Module, child: str, weight: 
     """Put a coded weight into the ``nn.Linear`` ``owner`` (``parent.<child>``): 8-bit as int8 codes with
     ``weight_scale`` and ``weight_group`` (packed later for the 8-bit kernel, ``layers/packed_linear.py``), 4-bit
     by replacing the layer with a :class:`~hybridserve.layers.linear_w4.W4Linear` (the 4-bit kernel's packed
-    layout; its scales and mins in float16: Q4_0's are float16 already, Q4_K's ``d * sc`` products are rounded)."""
+    layout; its scales and mins in float16: Q4_0's are float16 already, Q4_K's ``d * sc`` products are rounded),
+    Q6_K by replacing it with a :class:`~hybridserve.layers.linear_w6k.W6KLinear` (its values exactly)."""
+    bias = None if owner.bias is None else owner.bias.data
+    if weight.bits == 6:
+        assert weight.super_scales is not None
+        setattr(parent, child, W6KLinear.from_codes(weight.codes.to(device), weight.scales.to(device),
+                                                     weight.super_scales.to(device), bias))
+        return
     if weight.bits == 8:
         setattr(owner, attr, nn.Parameter(weight.codes.to(device), requires_grad=False))  # int8: no gradient
         owner.weight_scale, owner.weight_group = weight.scales.to(device), weight.group
         return
-    bias = None if owner.bias is None else owner.bias.data
     layer = W4Linear.from_codes(owner.in_features, owner.out_features, weight.codes.to(device),
                                 weight.scales.to(device), None if weight.mins is None else weight.mins.to(device),
                                 weight.group, bias)

@@ -92,8 +92,14 @@ def read_tensor(tensor: Any) -> torch.Tensor | CodedWeight:
         import gguf
 
         return torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape).astype(np.float32))
+    return coded_weight(kind, decode_rows(DECODERS[kind], data))
+
+
+def coded_weight(kind: str, decoded: tuple[Any, ...]) -> CodedWeight:
+    """The CodedWeight of block type ``kind`` from its decoder's parts (``blocks.DECODERS``)."""
     fmt = FORMATS[kind]
-    decoded = decode_rows(DECODERS[kind], data)
+    if fmt.bits == 6:  # Q6_K: codes, sub-scales, super-scales
+        return CodedWeight(decoded[0], decoded[1], None, fmt.group, fmt.bits, kind, decoded[2])
     mins = decoded[2] if len(decoded) == 3 else None
     return CodedWeight(decoded[0], decoded[1], mins, fmt.group, fmt.bits, kind)
 
