@@ -13,6 +13,8 @@ float dtype: torch's round-to-nearest-even), and for ``int8`` or ``fp8_e4m3`` a 
 unpatched), ``nearest``, ``subtractive`` (subtractive dither), ``-weyl`` (noise low-discrepancy in time), ``-g<K>``
 (K 8-bit scales per row). Everything but the engine's own ``stochastic`` is patched in for the measurement only.
 The default is today's five: bfloat16/nearest, int8 and fp8_e4m3 each stochastic and nearest.
+``--keys`` runs each 8-bit variant once per rounding key (the request seed its noise is keyed on) and averages
+the figures over them (``mean_per_key`` in the JSON lists each); the default is key 0.
 
     python benchmarks/state_precision.py --default-model
     python benchmarks/state_precision.py --family bamba mamba qwen3_next --json /tmp/drift.json
