@@ -5,50 +5,74 @@ a text of ``--prompt`` random tokens plus ``--generated`` tokens that a float32-
 from them is fed to the engine ONE TOKEN PER STEP (``max_num_batched_tokens=1``), so every token's update
 rounds the stored state, as decoding does. At every position the logprob of the text's next token is taken
 (prompt logprobs); the figure of a variant is the mean and max |Δlogprob| against the float32-state run,
-over all positions and over the generated half. Variants: ``bfloat16`` state (torch's round-to-nearest-even),
-``int8`` and ``fp8_e4m3`` with the engine's seeded stochastic rounding, and the same two with round-to-nearest
-(``encode_rows`` with ``noise=None``, patched in for the measurement only). Plain PyTorch bodies
-(``cpu_kernels=False``) for all.
+over all positions and over the generated half. Plain PyTorch bodies (``cpu_kernels=False``) for all.
+
+``--variants`` names what is measured, each ``<state dtype>/<rounding>``: ``bfloat16/nearest`` (or another
+float dtype: torch's round-to-nearest-even), and for ``int8`` or ``fp8_e4m3`` a rounding scheme of
+``state_rounding.py``, ``<base>[-weyl][-g<K>]``: ``stochastic`` (the engine's seeded stochastic rounding, run
+unpatched), ``nearest``, ``subtractive`` (subtractive dither), ``-weyl`` (noise low-discrepancy in time), ``-g<K>``
+(K 8-bit scales per row). Everything but the engine's own ``stochastic`` is patched in for the measurement only.
+The default is today's five: bfloat16/nearest, int8 and fp8_e4m3 each stochastic and nearest.
+``--keys`` runs each 8-bit variant once per rounding key (the request seed its noise is keyed on) and averages
+the figures over them (``mean_per_key`` in the JSON lists each); the default is key 0.
 
     python benchmarks/state_precision.py --default-model
     python benchmarks/state_precision.py --family bamba mamba qwen3_next --json /tmp/drift.json
+    python benchmarks/state_precision.py --family mamba2 --variants bfloat16/nearest int8/stochastic \\
+        int8/subtractive int8/subtractive-weyl int8/stochastic-g2 int8/subtractive-g2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 
 import torch
 
-from hybridserve import LLM, SamplingParams
-from hybridserve.cache import state_codec
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import state_rounding  # noqa: E402
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.cache.state_codec import CODE_DTYPES  # noqa: E402
 
 TEMPORAL_FAMILIES = ["bamba", "mamba2", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "zamba2",
                      "falcon_h1", "minimax", "qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "xlstm"]
-VARIANTS = [("bfloat16", "nearest"), ("int8", "stochastic"), ("int8", "nearest"), ("fp8_e4m3", "stochastic"),
-            ("fp8_e4m3", "nearest")]
+DEFAULT_VARIANTS = ["bfloat16/nearest", "int8/stochastic", "int8/nearest", "fp8_e4m3/stochastic",
+                    "fp8_e4m3/nearest"]
+FLOAT_STATE_DTYPES = ["bfloat16", "float16"]
+#: the engine's own rounding (run unpatched)
+ENGINE_ROUNDING = state_rounding.Rounding("stochastic")
 
 
-@contextmanager
-def round_to_nearest():
-    """CodedState.write with round-to-nearest codes instead of the seeded stochastic rounding."""
-    original = state_codec.CodedState.write
-
-    def write(self, idx, values, keys, positions):
-        codes, scale = state_codec.encode_rows(values, self.codes.dtype, None)
-        self.codes.view(torch.uint8).index_copy_(0, idx, codes.view(torch.uint8))
-        self.scale.index_copy_(0, idx, scale)
-
-    state_codec.CodedState.write = write  # type: ignore[method-assign]
+def parse_variant(name: str) -> tuple[str, state_rounding.Rounding]:
+    """``<state dtype>/<rounding>`` -> (state dtype, rounding); a ValueError naming the bad value and the
+    allowed ones (the flag: ``--variants``)."""
+    state_dtype, _, rounding = name.partition("/")
+    if state_dtype in FLOAT_STATE_DTYPES:
+        if rounding != "nearest":
+            raise ValueError(f"--variants {name!r}: a float state dtype rounds to nearest only "
+                             f"('{state_dtype}/nearest')")
+        return state_dtype, state_rounding.Rounding("nearest")
+    if state_dtype not in CODE_DTYPES:
+        raise ValueError(f"--variants {name!r}: unknown state dtype {state_dtype!r}; allowed: "
+                         f"{FLOAT_STATE_DTYPES + list(CODE_DTYPES)}")
     try:
-        yield
-    finally:
-        state_codec.CodedState.write = original  # type: ignore[method-assign]
+        return state_dtype, state_rounding.parse_rounding(rounding)
+    except ValueError as e:
+        raise ValueError(f"--variants {name!r}: {e}") from None
+
+
+def _patch(state_dtype: str, rounding: state_rounding.Rounding):
+    """The rounding patched in for an 8-bit state, none for float state or the engine's own stochastic."""
+    if state_dtype not in CODE_DTYPES or rounding == ENGINE_ROUNDING:
+        return nullcontext()
+    return state_rounding.patched(rounding)
 
 
 def _engine(path: str, state_dtype: str, **extra) -> LLM:
@@ -65,35 +89,48 @@ def _text(path: str, vocab: int, prompt_len: int, generated: int) -> list[int]:
     return prompt + list(out.outputs[0].token_ids)
 
 
-def _logprobs(path: str, text: list[int], state_dtype: str, rounding: str) -> list[float]:
-    """The logprob of each next token of ``text`` (positions 1..len-1), fed one token per step."""
-    with (round_to_nearest() if rounding == "nearest" else _nothing()):
+def _logprobs(path: str, text: list[int], state_dtype: str,
+              rounding: state_rounding.Rounding = ENGINE_ROUNDING, key: int = 0) -> list[float]:
+    """The logprob of each next token of ``text`` (positions 1..len-1), fed one token per step; ``key`` is the
+    request's seed, which 8-bit state's rounding is keyed on."""
+    with _patch(state_dtype, rounding):
         llm = _engine(path, state_dtype, max_num_batched_tokens=1)
-        out = llm.generate([{"prompt_token_ids": text}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, seed=key)
+        out = llm.generate([{"prompt_token_ids": text}], params)[0]
     return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], text[1:])]
 
 
-@contextmanager
-def _nothing():
-    yield
-
-
-def measure(path: str, label: str, prompt_len: int, generated: int) -> dict:
+def measure(path: str, label: str, prompt_len: int, generated: int, variants: list[str] = DEFAULT_VARIANTS,
+            keys: tuple[int, ...] = (0,)) -> dict:
+    """The figures of each variant (``<state dtype>/<rounding>``) on one checkpoint: mean, max and
+    generated-half mean |Δlogprob| against float32 state, and ``x_bf16`` (the mean over bfloat16 state's,
+    when bfloat16/nearest is among the variants). An 8-bit variant runs once per rounding key in ``keys``:
+    its mean is the keys' average (``mean_per_key`` lists each), its max their max; a float one runs once."""
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
     text = _text(path, vocab, prompt_len, generated)
     start = time.perf_counter()
-    ref = _logprobs(path, text, "float32", "stochastic")
-    result = {"model": label, "positions": len(ref), "variants": {}}
-    for state_dtype, rounding in VARIANTS:
-        lps = _logprobs(path, text, state_dtype, rounding)
-        diffs = [abs(a - b) for a, b in zip(lps, ref)]
-        tail = diffs[prompt_len - 1:]  # positions predicting the generated half
-        result["variants"][f"{state_dtype}/{rounding}"] = {
-            "mean": sum(diffs) / len(diffs), "max": max(diffs), "mean_generated": sum(tail) / max(len(tail), 1)}
+    ref = _logprobs(path, text, "float32")
+    result: dict = {"model": label, "positions": len(ref), "variants": {}}
+    for name in variants:
+        state_dtype, rounding = parse_variant(name)
+        per_key = [_figures([abs(a - b) for a, b in zip(_logprobs(path, text, state_dtype, rounding, key), ref)],
+                            prompt_len) for key in (keys if state_dtype in CODE_DTYPES else keys[:1])]
+        result["variants"][name] = {
+            "mean": sum(f["mean"] for f in per_key) / len(per_key), "max": max(f["max"] for f in per_key),
+            "mean_generated": sum(f["mean_generated"] for f in per_key) / len(per_key),
+            "mean_per_key": [f["mean"] for f in per_key]}
+    bf16 = result["variants"].get("bfloat16/nearest", {}).get("mean")
+    for figures in result["variants"].values():
+        figures["x_bf16"] = figures["mean"] / bf16 if bf16 else None
     result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _figures(diffs: list[float], prompt_len: int) -> dict:
+    tail = diffs[prompt_len - 1:]  # positions predicting the generated half
+    return {"mean": sum(diffs) / len(diffs), "max": max(diffs), "mean_generated": sum(tail) / max(len(tail), 1)}
 
 
 def main() -> None:
@@ -103,8 +140,17 @@ def main() -> None:
                         "(all temporal-state families with 'all')")
     parser.add_argument("--prompt", type=int, default=520)
     parser.add_argument("--generated", type=int, default=520)
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
+                        help="<state dtype>/<rounding> each (see above); default: %(default)s")
+    parser.add_argument("--keys", type=int, nargs="+", default=[0],
+                        help="rounding keys (request seeds): each 8-bit variant's figures average over them")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
+    for name in args.variants:
+        try:
+            parse_variant(name)
+        except ValueError as e:
+            parser.error(str(e))
     torch.set_num_threads(1)
     models: list[tuple[str, str]] = []
     if args.default_model:
@@ -117,12 +163,14 @@ def main() -> None:
 
         tmp = tempfile.mkdtemp()
         models += [(make(tmp, family), family) for family in families]
-    print(f"CPU: {platform.processor() or platform.machine()}; {args.prompt} + {args.generated} tokens, one per step")
+    print(f"CPU: {platform.processor() or platform.machine()}; {args.prompt} + {args.generated} tokens, one per step; "
+          f"rounding keys {args.keys}")
     results = []
     for path, label in models:
-        r = measure(path, label, args.prompt, args.generated)
+        r = measure(path, label, args.prompt, args.generated, args.variants, tuple(args.keys))
         results.append(r)
-        cells = "  ".join(f"{k} {v['mean']:.2e}" for k, v in r["variants"].items())
+        cells = "  ".join(f"{k} {v['mean']:.2e}" + (f" ({v['x_bf16']:.1f}x)" if v["x_bf16"] else "")
+                          for k, v in r["variants"].items())
         print(f"{label:18s} {cells}  ({r['seconds']:.0f} s)", flush=True)
         if args.json:
             with open(args.json, "w") as f:
