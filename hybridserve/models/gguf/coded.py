@@ -48,6 +48,8 @@ class CodedWeight:
         if self.bits == 8:
             return dequantize_w8(self.codes, self.scales, self.group)
         if self.bits == 6:
+            if self.super_scales is None:
+                raise ValueError("a 6-bit (Q6_K) weight needs its super-block scales d")
             return dequantize_w6k(self.codes, self.scales, self.super_scales)
         return dequantize_w4(self.codes, self.scales, self.mins, self.group)
 
