@@ -131,12 +131,10 @@ def _dequantize_unpacked_fp8(model: nn.Module, report: CpuFastPaths) -> None:
                             "(the 8-bit kernel is not available)")
 
 
-def _dequantize_q6k_linears(model: nn.Module, report: CpuFastPaths) -> None:
+def _dequantize_q6k_linears(model: nn.Module, dtype: torch.dtype, report: CpuFastPaths) -> None:
     """Without the kernels, give every Q6_K linear (a GGUF file's) a plain ``nn.Linear`` over its dequantized weight
-    in the model dtype, so that no call dequantizes it again; a tied LM head is then tied to the embedding again
-    (the same values: the embedding was dequantized from the same blocks)."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype.itemsize > 1),
-                 torch.float32)
+    in the model dtype ``dtype``, so that no call dequantizes it again; a tied LM head is then tied to the embedding
+    again (the same values: the embedding was dequantized from the same blocks)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -185,8 +183,8 @@ def prepare_model(model: nn.Module, config: EngineConfig) -> CpuFastPaths:
                            "below avx512_bf16), about 100 GFLOP/s on 2 cores: slower than 'int8' or bf16 for "
                            "batched steps (docs/quantization.md)", report.isa)
     _dequantize_unpacked_fp8(model, report)
-    if not report.kernels:
-        _dequantize_q6k_linears(model, report)
+    if not report.kernels and hasattr(model, "hf_config"):  # (a GGUF file's model: a CausalLM)
+        _dequantize_q6k_linears(model, config.resolve_dtypes(model.hf_config).model, report)
     if config.cpu_weight_prepack:
         report.onednn_linears = pack_linear_layers(model)  # the bf16 linears the kernels do not take
     if report.packed_linears or report.onednn_linears:
