@@ -65,8 +65,7 @@ def _variant(op: str, level: str) -> str:
 def w8_variant(level: str | None = None) -> str:
     """The 8-bit weight linears' variant at ``level`` (default: the level in force)."""
     level = level or isa.level_in_force()
-    lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
-    fma = f"8-bit codes widened to float32 in registers ({lanes}), float32 sums, a scale per channel"
+    fma = f"8-bit codes widened to float32 in registers ({_vector_lanes(level)}), float32 sums, a scale per channel"
     if level == "amx":
         from hybridserve.kernels import gemm
 
@@ -78,23 +77,34 @@ def w8_variant(level: str | None = None) -> str:
     return f"{level}: {fma}"
 
 
+def _vector_lanes(level: str) -> str:
+    """The float32 vector path's registers at ``level``, in words."""
+    return {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
+
+
+def _coded_variant(level: str, few_rows: str, amx_rows: str, vector: str) -> str:
+    """The paths of a coded-weight linear (4-bit, Q6_K) at ``level``: the few-row integer path at avx512_bf16 and
+    amx, the AMX tiles for many bf16 rows at amx, the float32 vector path for the rest."""
+    if level == "amx":
+        return f"{level}: {few_rows}; {amx_rows}; the rest: {vector}"
+    if level == "avx512_bf16":
+        return f"{level}: {few_rows}; the rest: {vector}"
+    return f"{level}: every call: {vector}"
+
+
 def w4_variant(level: str | None = None) -> str:
     """The 4-bit weight linears' variant at ``level`` (default: the level in force): which path each shape class
     (calls by rows, activation dtype) takes."""
     from hybridserve.kernels import linear_w4
 
     level = level or isa.level_in_force()
-    lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
-    vector = (f"4-bit codes dequantized in registers ({lanes}), float32 sums per group times its float16 scale; "
-              "in-features and group multiples of 8")
+    vector = (f"4-bit codes dequantized in registers ({_vector_lanes(level)}), float32 sums per group times its "
+              "float16 scale; in-features and group multiples of 8")
     w4a8 = (f"calls of up to {linear_w4.W4A8_MAX_ROWS} rows (decode), every activation dtype, on W4A8: activations "
             "quantized to int8 per weight group, nibble x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
-    if level == "amx":
-        return (f"{level}: {w4a8}; bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over "
-                f"each column block's codes dequantized to bf16 once per row chunk; the rest: {vector}")
-    if level == "avx512_bf16":
-        return f"{level}: {w4a8}; the rest: {vector}"
-    return f"{level}: every call: {vector}"
+    amx = (f"bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over each column block's "
+           "codes dequantized to bf16 once per row chunk")
+    return _coded_variant(level, w4a8, amx, vector)
 
 
 def w6k_variant(level: str | None = None) -> str:
@@ -103,16 +113,12 @@ def w6k_variant(level: str | None = None) -> str:
     from hybridserve.kernels import linear_w6k
 
     level = level or isa.level_in_force()
-    lanes = {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
-    vector = f"6-bit codes widened to float32 in registers ({lanes}), float32 sums per 16 times d * sc"
+    vector = f"6-bit codes widened to float32 in registers ({_vector_lanes(level)}), float32 sums per 16 times d * sc"
     a8 = (f"calls of up to {linear_w6k.A8_MAX_ROWS} rows (decode), every activation dtype, on int8 activations "
           "per 256 k: 6-bit x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
-    if level == "amx":
-        return (f"{level}: {a8}; bf16 calls of {linear_w6k.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles "
-                f"over codes widened to bf16 once per call; the rest: {vector}")
-    if level == "avx512_bf16":
-        return f"{level}: {a8}; the rest: {vector}"
-    return f"{level}: every call: {vector}"
+    amx = (f"bf16 calls of {linear_w6k.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over codes widened to "
+           "bf16 once per call")
+    return _coded_variant(level, a8, amx, vector)
 
 
 def mamba2_scan_variant(level: str | None = None) -> str:
