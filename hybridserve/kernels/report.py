@@ -82,14 +82,17 @@ def _vector_lanes(level: str) -> str:
     return {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
 
 
-def _coded_variant(level: str, few_rows: str, amx_rows: str, vector: str) -> str:
+def _coded_variant(level: str, few_rows: str, amx_rows: str, vector: str, widened_rows: int) -> str:
     """The paths of a coded-weight linear (4-bit, Q6_K) at ``level``: the few-row integer path at avx512_bf16 and
-    amx, the AMX tiles for many bf16 rows at amx, the float32 vector path for the rest."""
+    amx, the AMX tiles for many bf16 rows at amx, float32 panels decoded once per row block for the other calls of
+    ``widened_rows`` rows or more, the float32 vector path for the rest."""
+    panels = (f"codes decoded once per row block into float32 panels, float32 tiles over them "
+              f"({_vector_lanes(level)})")
     if level == "amx":
-        return f"{level}: {few_rows}; {amx_rows}; the rest: {vector}"
+        return f"{level}: {few_rows}; {amx_rows}; other calls of more rows: {panels}"
     if level == "avx512_bf16":
-        return f"{level}: {few_rows}; the rest: {vector}"
-    return f"{level}: every call: {vector}"
+        return f"{level}: {few_rows}; more rows: {panels}"
+    return f"{level}: calls of {widened_rows}+ rows: {panels}; fewer rows: {vector}"
 
 
 def w4_variant(level: str | None = None) -> str:
@@ -104,7 +107,7 @@ def w4_variant(level: str | None = None) -> str:
             "quantized to int8 per weight group, nibble x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
     amx = (f"bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over each column block's "
            "codes dequantized to bf16 once per row chunk")
-    return _coded_variant(level, w4a8, amx, vector)
+    return _coded_variant(level, w4a8, amx, vector, linear_w4.WIDENED_ROWS)
 
 
 def w6k_variant(level: str | None = None) -> str:
@@ -118,7 +121,7 @@ def w6k_variant(level: str | None = None) -> str:
           "per 256 k: 6-bit x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
     amx = (f"bf16 calls of {linear_w6k.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over codes widened to "
            "bf16 once per call")
-    return _coded_variant(level, a8, amx, vector)
+    return _coded_variant(level, a8, amx, vector, linear_w6k.WIDENED_ROWS)
 
 
 def mamba2_scan_variant(level: str | None = None) -> str:

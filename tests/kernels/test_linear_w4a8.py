@@ -56,11 +56,17 @@ def test_few_row_calls_are_the_w4a8_reference_bit_for_bit(isa_level, N, K, group
 @needs_compiler
 @pytest.mark.usefixtures("isa_level")
 def test_more_rows_than_the_w4a8_tiles_leave_it(isa_level):
-    """From W4A8_MAX_ROWS + 1 rows a call takes the other paths (AMX tiles or dequantized float32 vectors)."""
+    """From W4A8_MAX_ROWS + 1 rows a call takes the other paths: AMX tiles for bf16 at amx, else float32 panels
+    decoded once per row block (as every call of WIDENED_ROWS+ rows does below avx512_bf16)."""
     rows = linear_w4.W4A8_MAX_ROWS + 1
+    panels, vectors = linear_w4.W4_PATHS[3], linear_w4.W4_PATHS[0]
     for act in ACTS:
-        assert linear_w4.path(rows, act) != linear_w4.W4A8_PATH
+        on_tiles = isa_level == "amx" and act == torch.bfloat16
+        assert linear_w4.path(rows, act) == (linear_w4.W4_PATHS[1] if on_tiles else panels)
         assert (linear_w4.path(1, act) == linear_w4.W4A8_PATH) == (isa_level in W4A8_LEVELS)
+        if isa_level not in W4A8_LEVELS:
+            assert linear_w4.path(linear_w4.WIDENED_ROWS - 1, act) == vectors
+            assert linear_w4.path(linear_w4.WIDENED_ROWS, act) == panels
     assert isa.level_in_force() == isa_level
 
 

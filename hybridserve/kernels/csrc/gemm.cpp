@@ -354,8 +354,10 @@ void store_rows(const vf (&acc)[MR][NV], const A* bias, const float* sc, int64_t
 
 // out[r, n0 + c] = sum_k xf[r, k] W[n0 + c, k] + bias for MR rows and NP panels (columns past N skipped).
 // xf: float32 rows of stride xs, zero-padded to Kp; w: the first panel; pe: elements per panel.
-template <int MR, int NP, typename W>
-void vtile(int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out, int64_t os,
+// A: the dtype of the bias and the output (the weights' own, or float32 weights widened from codes:
+// gemm_widened.h).
+template <int MR, int NP, typename W, typename A = W>
+void vtile(int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const A* bias, A* out, int64_t os,
            int64_t n0, int64_t N) {
   constexpr int NV = NP * kVecs;
   vf acc[MR][NV];
@@ -385,28 +387,28 @@ void vtile(int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, cons
   store_rows<MR, NV>(acc, bias, nullptr, 0, out, os, n0, N);
 }
 
-template <int MR, int NP, typename W>
-void vtile_any(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out,
+template <int MR, int NP, typename W, typename A>
+void vtile_any(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const A* bias, A* out,
                int64_t os, int64_t n0, int64_t N) {
   if constexpr (NP > 1) {
-    if (np < NP) return vtile_any<MR, NP - 1>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
+    if (np < NP) return vtile_any<MR, NP - 1, W, A>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
   }
-  vtile<MR, NP>(K2, xf, xs, w, pe, bias, out, os, n0, N);
+  vtile<MR, NP, W, A>(K2, xf, xs, w, pe, bias, out, os, n0, N);
 }
 
-template <typename W, int MR>
-void vrows(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const W* bias, W* out,
+template <typename W, typename A, int MR>
+void vrows(int np, int64_t K2, const float* xf, int64_t xs, const W* w, int64_t pe, const A* bias, A* out,
            int64_t os, int64_t n0, int64_t N) {
-  vtile_any<MR, vpanels<W>(MR)>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
+  vtile_any<MR, vpanels<W>(MR), W, A>(np, K2, xf, xs, w, pe, bias, out, os, n0, N);
 }
 
-template <typename W>
-using VRowsFn = void (*)(int, int64_t, const float*, int64_t, const W*, int64_t, const W*, W*, int64_t, int64_t,
+template <typename W, typename A>
+using VRowsFn = void (*)(int, int64_t, const float*, int64_t, const W*, int64_t, const A*, A*, int64_t, int64_t,
                          int64_t);
 
-template <typename W, int... R>
+template <typename W, typename A, int... R>
 constexpr auto vrows_table(std::integer_sequence<int, R...>) {
-  return std::array<VRowsFn<W>, sizeof...(R)>{vrows<W, R + 1>...};
+  return std::array<VRowsFn<W, A>, sizeof...(R)>{vrows<W, A, R + 1>...};
 }
 
 // x (M, K) in W's dtype, row stride xs -> float32 rows of stride fs (the pad column K of an odd K
@@ -433,24 +435,33 @@ const float* widened_rows(int64_t M, int64_t K, int64_t fs, const W* x, int64_t 
   return scratch.data();
 }
 
-// The float32 paths' schedule: rows in blocks whose float32 copy (rows of Kf floats) stays in L2 (~192 KiB)
-// while every panel passes over it; in a block, the groups of `group` panels in parallel, each over its
-// row tiles of up to kRows rows: tile(first panel, panels, first row, rows).
-template <typename Tile>
-void for_row_tiles(int64_t M, int64_t N, int64_t K, int64_t Kf, int kRows, int64_t panels, int64_t group,
-                   const Tile& tile) {
-  const int64_t block = std::max<int64_t>(kRows, (192 * 1024 / (4 * Kf)) / kRows * kRows);
+// The float32 paths' schedule: rows in blocks whose float32 copy (rows of Kf floats) stays in L2 (~192 KiB,
+// at least min_block rows) while every panel passes over it; in a block, the groups of `group` panels in
+// parallel: block(first panel, panels, first row, rows).
+template <typename Block>
+void for_panel_groups(int64_t M, int64_t N, int64_t K, int64_t Kf, int kRows, int64_t panels, int64_t group,
+                      int64_t min_block, const Block& block_fn) {
+  const int64_t fit = (192 * 1024 / (4 * Kf)) / kRows * kRows;
+  const int64_t block = std::max<int64_t>(std::max<int64_t>(kRows, min_block), fit);
   const int64_t groups = (panels + group - 1) / group;
   const bool parallel = groups > 1 && (N * K >= (1 << 15) || M * N * K >= (1 << 19));
   for (int64_t b0 = 0; b0 < M; b0 += block) {
     const int64_t rows = std::min(block, M - b0);
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int np = static_cast<int>(std::min(group, panels - g * group));
-      for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows)
-        tile(g * group, np, m0, static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0)));
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      block_fn(g * group, static_cast<int>(std::min(group, panels - g * group)), b0, rows);
   }
+}
+
+// for_panel_groups with each group over its row tiles of up to kRows rows: tile(first panel, panels, first
+// row, rows).
+template <typename Tile>
+void for_row_tiles(int64_t M, int64_t N, int64_t K, int64_t Kf, int kRows, int64_t panels, int64_t group,
+                   const Tile& tile) {
+  for_panel_groups(M, N, K, Kf, kRows, panels, group, kRows, [&](int64_t p0, int np, int64_t b0, int64_t rows) {
+    for (int64_t m0 = b0; m0 < b0 + rows; m0 += kRows)
+      tile(p0, np, m0, static_cast<int>(std::min<int64_t>(kRows, b0 + rows - m0)));
+  });
 }
 
 // The vector path: out (M, N) = x (M, K) @ W.T + bias, W packed in panels of Kp = K rounded up to even.
@@ -463,7 +474,7 @@ int vlinear(int64_t M, int64_t N, int64_t K, const W* x, int64_t xs, const W* pa
   const int64_t fs = float_stride(Kp);
   const float* xf = widened_rows(M, K, fs, x, xs);
   constexpr int kRows = max_rows<W>();
-  static constexpr auto table = vrows_table<W>(std::make_integer_sequence<int, kRows>{});
+  static constexpr auto table = vrows_table<W, W>(std::make_integer_sequence<int, kRows>{});
   // narrower row tiles take at least as many panels, so a tail tile covers its group too
   for_row_tiles(M, N, K, Kp, kRows, panels, vpanels<W>(M >= kRows ? kRows : static_cast<int>(M)),
                 [&](int64_t p0, int np, int64_t m0, int mr) {
@@ -496,6 +507,7 @@ int pack(int64_t N, int64_t K, const W* w, int64_t ws, W* out) {
 
 }  // namespace
 
+#include "gemm_widened.h"  // coded weights widened to float32 panels once per row block (many rows)
 #include "gemm_w8.h"  // the 8-bit weight linears, on the vector helpers above
 #include "gemm_w8a8.h"  // 8-bit weights times 8-bit activations (W8A8)
 #include "gemm_w4.h"  // the 4-bit group-wise weight linears

@@ -8,10 +8,12 @@
 //   [panels][G][16] float16 scales; with mins, [panels][G][16] float16 mins (pad columns 0).
 // K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
 //
-// Three paths:
+// Four paths:
 // * avx512_bf16 and amx, any activation dtype, up to kW4a8MaxRows rows (decode): W4A8, the activations quantized
 //   to int8 per group and the sums exact in int32 on AVX-512 VNNI (gemm_w4a8.h).
-// * every level, any activation dtype: the float32 vector path. Each word vector gives 8 k of 16 columns; a
+// * every level, kW4WidenedRows rows or more where no path above or below takes them: each panel group's codes
+//   dequantized once per row block into float32 panels, the float32 tiles over them (gemm_widened.h).
+// * every level, fewer rows: the float32 vector path. Each word vector gives 8 k of 16 columns; a
 //   code becomes a float32 value in registers (AVX-512: one permute of a 16-entry table, indexed by the word
 //   shifted to its nibble; elsewhere a shift, a mask and a conversion), and a tile of MR rows sums x * c over a
 //   group, then adds that sum times the group's scale, and the rows' group sums of x times the mins (without
@@ -81,7 +83,7 @@ void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, cons
       vu words[NV];
       for (int p = 0; p < NP; ++p) {
         const uint32_t* row = w + p * pe + k8 * kPanel;
-        __builtin_prefetch(row + 8 * kPanel, 0, 0);  // 8 lines ahead in this panel
+        __builtin_prefetch(row + 8 * kPanel, 0, 3);  // 8 lines ahead in this panel, all levels (gemm_w8.h: w8tile)
         for (int v = 0; v < kVecs; ++v) words[p * kVecs + v] = load_vec<vu>(row + v * kLanes);
       }
       w4_nibble_step<MR, NV, 0>(part, words, xf + k8 * kW4Codes, xs);
@@ -174,6 +176,36 @@ int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int
   return 0;
 }
 
+// Rows from which the float32 vector path decodes each panel group once per row block (gemm_widened.h) rather
+// than once per row tile.
+constexpr int64_t kW4WidenedRows = 4;
+
+// Codes J.. of a word vector dequantized (c s + m, one rounding) into rows J.. of 8 float32 panel rows at d.
+template <int J>
+inline void w4_store_codes(vu words, vf s, vf m, float* d) {
+  const vf w = nibble<J>(words) * s + m;
+  __builtin_memcpy(d + J * kPanel, &w, sizeof w);
+  if constexpr (J + 1 < kW4Codes) w4_store_codes<J + 1>(words, s, m, d);
+}
+
+// The float32 panels of gemm_widened.h: panels [p0, p0 + np) dequantized, [np][K][16] at dst.
+struct W4FloatPanels {
+  const W4Layout* L;
+  void operator()(int64_t p0, int np, float* dst) const {
+    const int64_t gw = L->gs / kW4Codes, pe = L->K8 * kW4Codes * kPanel;
+    for (int j = 0; j < np; ++j)
+      for (int64_t g = 0; g < L->G; ++g)
+        for (int v = 0; v < kVecs; ++v) {
+          const int64_t at = (p0 + j) * L->ps + g * kPanel + v * kLanes;
+          const vf s = load_halfs(L->scales + at);
+          const vf m = L->mins != nullptr ? load_halfs(L->mins + at) : -8.0f * s;  // centred: (c - 8) s
+          for (int64_t k8 = g * gw; k8 < std::min(L->K8, (g + 1) * gw); ++k8)
+            w4_store_codes<0>(load_vec<vu>(L->words + (p0 + j) * L->pe + k8 * kPanel + v * kLanes), s, m,
+                              dst + j * pe + k8 * kW4Codes * kPanel + v * kLanes);
+        }
+  }
+};
+
 #if HS_HAVE_AMX
 // float32 lanes rounded to bf16 (nearest even; the values are finite): the high halves of the lanes, in the
 // low (Low) or the high half of each 32-bit lane.
@@ -238,6 +270,7 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
   if constexpr (std::is_same_v<A, uint16_t>)
     if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W4Words>{W4Words{&L}, K}, bias, nullptr, out, os);
 #endif
+  if (M >= kW4WidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W4FloatPanels{&L});
   return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
 }
 
@@ -253,8 +286,7 @@ int hs_w4_path(int act_dtype, int64_t rows) {
   if (act_dtype == kBF16 && rows >= kW4AmxRows) return 1;
 #endif
   (void)act_dtype;
-  (void)rows;
-  return 0;
+  return rows >= kW4WidenedRows ? 3 : 0;
 }
 
 int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,

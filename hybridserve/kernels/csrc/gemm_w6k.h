@@ -13,12 +13,14 @@
 //   bits of hi moved to bits 4-5: 0.75 bytes a weight;
 //   then sc [16 sub-blocks][16] int8, d [16] float16, 32 bytes of padding (3392 bytes: 53 cache lines).
 //
-// Three paths:
+// Four paths:
 // * avx512_bf16 and amx, any activation dtype, up to kW6kA8MaxRows rows (decode): the activations quantized to
 //   int8 per super-block, the sums exact in int32 on AVX-512 VNNI (gemm_w6k_vnni.h).
 // * amx level, bf16 activations and kW6kAmxRows rows or more: each panel's codes widened to bf16 ((d sc) (q - 32)
 //   rounded to float32, then to bf16) once per call (gemm_amx.h: CallWidened), then AMX-BF16 tiles.
-// * every other call: the float32 vector path. Each sub-block's codes become float32 values q - 32 in registers,
+// * other calls of kW6kWidenedRows rows or more: each panel group's weights (d sc) (q - 32) in float32, decoded
+//   once per row block, under the float32 tiles (gemm_widened.h).
+// * fewer rows: the float32 vector path. Each sub-block's codes become float32 values q - 32 in registers,
 //   a tile of MR rows sums x (q - 32) over the sub-block and adds that sum times d sc once per sub-block.
 #pragma once
 
@@ -89,7 +91,7 @@ void w6k_tile(const W6kLayout& L, int64_t p0, const float* xf, int64_t xs, const
       for (int p = 0; p < NP; ++p) {
         const uint8_t* blk = L.block(p0 + p, b);
         const uint8_t* sub = blk + g * kW6kSubBytes;
-        __builtin_prefetch(sub + 4 * kW6kSubBytes, 0, 0);
+        __builtin_prefetch(sub + 4 * kW6kSubBytes, 0, 3);  // all levels (gemm_w8.h: w8tile)
         const vf d = widen_halfs(reinterpret_cast<const _Float16*>(blk + kW6kDAt));
         for (int v = 0; v < kVecs; ++v) {
           const int j = p * kVecs + v;
@@ -152,6 +154,44 @@ int w6k_linear_float(int64_t M, int64_t N, int64_t K, const W6kLayout& L, const 
   return 0;
 }
 
+// Rows from which the float32 vector path decodes each panel group once per row block (gemm_widened.h) rather
+// than once per row tile.
+constexpr int64_t kW6kWidenedRows = 4;
+
+// Quads J.. of one sub-block's vectors (lanes of 16 columns) as float32 weights (d sc) (q - 32), rounded once (as
+// gguf computes them), into the sub-block's 16 float32 panel rows at d.
+template <int J>
+inline void w6k_store_quads(vu lo01, vu lo23, vu hi, vf scale, float* d) {
+  const vu q = w6k_quad<J>(lo01, lo23, hi);
+  for (int i = 0; i < 4; ++i) {
+    const vf w = scale * (__builtin_convertvector(reinterpret_cast<vi32>((q >> (8 * i)) & 0xffu), vf) - 32.0f);
+    __builtin_memcpy(d + (4 * J + i) * kPanel, &w, sizeof w);
+  }
+  if constexpr (J < 3) w6k_store_quads<J + 1>(lo01, lo23, hi, scale, d);
+}
+
+// The float32 panels of gemm_widened.h: panels [p0, p0 + np) dequantized, [np][K][16] at dst.
+struct W6kFloatPanels {
+  const W6kLayout* L;
+  void operator()(int64_t p0, int np, float* dst) const {
+    const int64_t pe = L->KB * kW6kSuper * kPanel;
+    for (int j = 0; j < np; ++j)
+      for (int64_t b = 0; b < L->KB; ++b) {
+        const uint8_t* blk = L->block(p0 + j, b);
+        for (int g = 0; g < 16; ++g) {
+          const uint8_t* sub = blk + g * kW6kSubBytes;
+          for (int v = 0; v < kVecs; ++v) {
+            const vf d = widen_halfs(reinterpret_cast<const _Float16*>(blk + kW6kDAt) + v * kLanes);
+            const vf sc = __builtin_convertvector(reinterpret_cast<vi32>(extend8<true>(blk + kW6kScaleAt + g * kPanel + v * kLanes)), vf);
+            w6k_store_quads<0>(load_vec<vu>(sub + 4 * v * kLanes), load_vec<vu>(sub + 64 + 4 * v * kLanes),
+                               load_vec<vu>(sub + 128 + 4 * v * kLanes), d * sc,  // d sc: exact
+                               dst + j * pe + (b * kW6kSuper + g * 16) * kPanel + v * kLanes);
+          }
+        }
+      }
+  }
+};
+
 #if HS_HAVE_AMX
 // The weights of the amx path: a unit is one sub-block of 16 k of a panel, widened into the bf16 k-pair layout
 // (8 pairs of 16 columns), each weight (d sc) (q - 32) rounded to float32 (as gguf computes it), then to bf16.
@@ -210,6 +250,7 @@ int w6k_linear_any(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
   if constexpr (std::is_same_v<A, uint16_t>)
     if (M >= kW6kAmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W6kBlocks>{W6kBlocks{&L}, K}, bias, nullptr, out, os);
 #endif
+  if (M >= kW6kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W6kFloatPanels{&L});
   return w6k_linear_float(M, N, K, L, x, xs, bias, out, os);
 }
 
@@ -217,7 +258,8 @@ int w6k_linear_any(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
 
 extern "C" {
 
-// 2: int8 activations on VNNI, 1: AMX-BF16 tiles over widened codes, 0: the float32 vector path.
+// 2: int8 activations on VNNI, 1: AMX-BF16 tiles over widened codes, 3: float32 panels decoded once per row block,
+// 0: the float32 vector path.
 int hs_w6k_path(int act_dtype, int64_t rows) {
 #if HS_HAVE_W6K_A8
   if (rows <= kW6kA8MaxRows) return 2;
@@ -226,8 +268,7 @@ int hs_w6k_path(int act_dtype, int64_t rows) {
   if (act_dtype == kBF16 && rows >= kW6kAmxRows) return 1;
 #endif
   (void)act_dtype;
-  (void)rows;
-  return 0;
+  return rows >= kW6kWidenedRows ? 3 : 0;
 }
 
 int hs_linear_w6k(int act_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs, const uint8_t* packed,
