@@ -1,7 +1,8 @@
-"""W4A8, the few-row path of the 4-bit weight linears (``csrc/gemm_w4a8.h``): at the avx512_bf16 and amx levels,
-calls of 1 to ``W4A8_MAX_ROWS`` rows quantize their activations to int8 per block of the weight's group and sum
-the products exactly in int32, and give ``linear_w4a8_ref``'s outputs bit for bit (the kernel's float32 steps are
-the reference's, in its order, each rounded once); below those levels the calls keep the float32 vector path.
+"""W4A8, the few-row path of the 4-bit weight linears (``csrc/gemm_w4a8.h``): from the avx2 level on (AVX-512 VNNI
+at avx512_bf16 and amx, AVX2 integer vectors at avx2 and avx512), calls of 1 to ``W4A8_MAX_ROWS`` rows quantize
+their activations to int8 per block of the weight's group and sum the products exactly in int32, and give
+``linear_w4a8_ref``'s outputs bit for bit (the kernel's float32 steps are the reference's, in its order, each
+rounded once); at the generic level the calls keep the float32 vector path.
 And the reference itself: its blocks are ``quantize_rows_int8``'s rows, and it stays within the activation
 rounding's bound of the exact product."""
 
@@ -17,7 +18,7 @@ from tests.kernels.helpers import assert_bits_equal, needs_compiler, w4_operands
 
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-W4A8_LEVELS = ("avx512_bf16", "amx")
+W4A8_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 _operands = w4_operands
@@ -57,7 +58,7 @@ def test_few_row_calls_are_the_w4a8_reference_bit_for_bit(isa_level, N, K, group
 @pytest.mark.usefixtures("isa_level")
 def test_more_rows_than_the_w4a8_tiles_leave_it(isa_level):
     """From W4A8_MAX_ROWS + 1 rows a call takes the other paths: AMX tiles for bf16 at amx, else float32 panels
-    decoded once per row block (as every call of WIDENED_ROWS+ rows does below avx512_bf16)."""
+    decoded once per row block (as every call of WIDENED_ROWS+ rows does at the generic level)."""
     rows = linear_w4.W4A8_MAX_ROWS + 1
     panels, vectors = linear_w4.W4_PATHS[3], linear_w4.W4_PATHS[0]
     for act in ACTS:

@@ -9,8 +9,8 @@
 // K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
 //
 // Four paths:
-// * avx512_bf16 and amx, any activation dtype, up to kW4a8MaxRows rows (decode): W4A8, the activations quantized
-//   to int8 per group and the sums exact in int32 on AVX-512 VNNI (gemm_w4a8.h).
+// * avx2 and above, any activation dtype, up to kW4a8MaxRows rows (decode): W4A8, the activations quantized to int8
+//   per group and the sums exact in int32 on AVX-512 VNNI or AVX2 integer vectors (gemm_w4a8.h).
 // * every level, kW4WidenedRows rows or more where no path above or below takes them: each panel group's codes
 //   dequantized once per row block into float32 panels, the float32 tiles over them (gemm_widened.h).
 // * every level, fewer rows: the float32 vector path. Each word vector gives 8 k of 16 columns; a

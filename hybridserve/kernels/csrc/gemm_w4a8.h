@@ -1,6 +1,7 @@
 // W4A8: 4-bit group-wise weights times activations quantized to int8 per block of the weight's group, the sums
-// exact in int32 on AVX-512 VNNI (the avx512_bf16 and amx levels; few-row calls, kW4a8MaxRows). Included by
-// gemm_w4.h inside its anonymous namespace (W4Layout, for_row_tiles, store_vec, widen_scalar).
+// exact in int32 (few-row calls, kW4a8MaxRows): on AVX-512 VNNI at the avx512_bf16 and amx levels, on AVX2's
+// vpmaddubsw / vpmaddwd at the avx2 and avx512 levels (gemm_w4a8_avx2.h). Included by gemm_w4.h inside its
+// anonymous namespace (W4Layout, for_row_tiles, store_vec, widen_scalar).
 // The reference, step for step: ops/linear_w4.py: linear_w4a8_ref.
 //
 // Activations. Each row is cut into blocks of the weight's group (the last may be short), and each block is
@@ -20,21 +21,18 @@
 // So the outputs are the reference's bit for bit, and a row's output depends on its own values only.
 #pragma once
 
-// (a test build of the 8-lane vectors, HS_VECTOR_LANES, keeps the paths below it)
+// (a test build of the 8-lane vectors, HS_VECTOR_LANES, takes the AVX2 sums)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && (!defined(HS_VECTOR_LANES) || HS_VECTOR_LANES == 16)
+#define HS_HAVE_W4A8_VNNI 1
+#else
+#define HS_HAVE_W4A8_VNNI 0
+#endif
+
+#if HS_HAVE_W4A8_VNNI || (defined(__AVX2__) && defined(__F16C__))
 #define HS_HAVE_W4A8 1
 
 constexpr int64_t kW4a8MaxRows = 15;  // rows up to which calls run on W4A8, every activation dtype (< kW4AmxRows)
-// rows of a tile: 8 rows read the weights once (tiles of 4 ran 0.84-0.87x as fast at 8 rows, weights from memory)
-constexpr int kW4a8TileRows = 8;
 static_assert(kW4a8MaxRows < kW4AmxRows, "the AMX tiles take the calls W4A8 leaves");
-
-// Panels of a tile of MR rows: 2 x MR x NP sums (the float32 total and the group's int32) and the two nibble
-// vectors of a panel in the registers, the activation quads as memory broadcasts.
-constexpr int w4a8_panels(int MR) {
-  const int np = 26 / (2 * MR);
-  return np < 1 ? 1 : (np > 8 ? 8 : np);
-}
 
 // The quantized rows of one call: codes (M rows of K8 x 8 bytes in the nibble order above), block scales and
 // block code sums (M rows of G each).
@@ -74,7 +72,10 @@ void w4a8_quantize_row(int64_t K, int64_t gs, const A* x, int8_t* codes, float* 
       const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + k), inv));
       const __m256i c = _mm256_max_epi32(_mm256_min_epi32(n, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
       vsum = _mm256_add_epi32(vsum, c);
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k), _mm_shuffle_epi8(_mm256_cvtepi32_epi8(c), order));
+      // the 8 codes as bytes in k order (in range: the packs do not saturate), then in the nibble order
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      const __m128i bytes = _mm_packs_epi16(words, words);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k), _mm_shuffle_epi8(bytes, order));
     }
     alignas(32) int32_t parts[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(parts), vsum);
@@ -82,6 +83,17 @@ void w4a8_quantize_row(int64_t K, int64_t gs, const A* x, int8_t* codes, float* 
     for (int32_t v : parts) sum += v;
     sums[g] = sum;
   }
+}
+
+#if HS_HAVE_W4A8_VNNI
+// rows of a tile: 8 rows read the weights once (tiles of 4 ran 0.84-0.87x as fast at 8 rows, weights from memory)
+constexpr int kW4a8TileRows = 8;
+
+// Panels of a tile of MR rows: 2 x MR x NP sums (the float32 total and the group's int32) and the two nibble
+// vectors of a panel in the registers, the activation quads as memory broadcasts.
+constexpr int w4a8_panels(int MR) {
+  const int np = 26 / (2 * MR);
+  return np < 1 ? 1 : (np > 8 ? 8 : np);
 }
 
 // out[r, n0 + c] for MR rows and NP panels: w, the first panel's words ([K8][16] each, pe words apart); sc, mn:
@@ -145,6 +157,10 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
     for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][p] + b, valid);
   }
 }
+
+#else
+#include "gemm_w4a8_avx2.h"  // w4a8_tile on AVX2 integer vectors
+#endif
 
 template <int MR, int NP, bool Mins, typename A>
 void w4a8_tile_any(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const uint32_t* w, int64_t pe,

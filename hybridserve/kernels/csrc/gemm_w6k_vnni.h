@@ -17,7 +17,7 @@
 #pragma once
 
 // (a test build of the 8-lane vectors, HS_VECTOR_LANES, keeps the paths below it)
-#if HS_HAVE_W4A8
+#if HS_HAVE_W4A8_VNNI
 #define HS_HAVE_W6K_A8 1
 
 namespace {
