@@ -25,11 +25,11 @@ from hybridserve.ops.linear_w6k import CODE_OFFSET, SUB_BLOCK, SUPER_BLOCK
 
 BLOCK_BYTES = 3392  # bytes of one super-block of one panel (kW6kBlockBytes in csrc/gemm_w6k.h)
 _CODE_BYTES = 16 * 192  # the sixteen sub-blocks' codes
-A8_MAX_ROWS = 15  # rows up to which calls run on int8 activations at avx512_bf16 and amx (kW6kA8MaxRows)
+A8_MAX_ROWS = 15  # rows up to which calls run on int8 activations from the avx2 level on (kW6kA8MaxRows)
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW6kAmxRows)
 WIDENED_ROWS = 4  # rows from which other calls decode the codes once per row block (kW6kWidenedRows)
 #: the path of activations quantized to int8 per super-block and integer sums (``linear_w6k_a8_ref``)
-A8_PATH = "Q6_K x int8 activations on AVX-512 VNNI"
+A8_PATH = "Q6_K x int8 activations, exact integer sums"  # AVX-512 VNNI at avx512_bf16 and amx, AVX2 below
 #: where :func:`linear` runs a call, by ``hs_w6k_path``' code
 W6K_PATHS = ("float32 vectors", "AMX-BF16 tiles", A8_PATH, "float32 panels decoded once per row block")
 _PACK_PANELS = 256  # panels packed at a time (4096 rows)

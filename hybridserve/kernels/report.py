@@ -82,6 +82,14 @@ def _vector_lanes(level: str) -> str:
     return {"generic": "portable vectors", "avx2": "AVX2 + FMA, 8 lanes"}.get(level, "AVX-512 + FMA, 16 lanes")
 
 
+def _integer_sums(level: str) -> str | None:
+    """The instructions of the coded-weight linears' few-row integer sums at ``level``, in words (None: no such
+    path there)."""
+    if level in ("avx512_bf16", "amx"):
+        return "AVX-512 VNNI (vpdpbusd)"
+    return "AVX2 integer vectors (vpmaddubsw, vpmaddwd)" if level in ("avx2", "avx512") else None
+
+
 def _coded_variant(level: str, few_rows: str | None, amx_rows: str, vector: str, widened_rows: int) -> str:
     """The paths of a coded-weight linear (4-bit, Q6_K) at ``level``: the few-row integer path where ``few_rows``
     names one, the AMX tiles for many bf16 rows at amx, float32 panels decoded once per row block for the other
@@ -103,8 +111,7 @@ def w4_variant(level: str | None = None) -> str:
     level = level or isa.level_in_force()
     vector = (f"4-bit codes dequantized in registers ({_vector_lanes(level)}), float32 sums per group times its "
               "float16 scale; in-features and group multiples of 8")
-    sums = ("AVX-512 VNNI (vpdpbusd)" if level in ("avx512_bf16", "amx")
-            else "AVX2 integer vectors (vpmaddubsw, vpmaddwd)" if level in ("avx2", "avx512") else None)
+    sums = _integer_sums(level)
     w4a8 = None if sums is None else (
         f"calls of up to {linear_w4.W4A8_MAX_ROWS} rows (decode), every activation dtype, on W4A8: activations "
         f"quantized to int8 per weight group, nibble x int8 sums exact in int32 on {sums}")
@@ -120,9 +127,10 @@ def w6k_variant(level: str | None = None) -> str:
 
     level = level or isa.level_in_force()
     vector = f"6-bit codes widened to float32 in registers ({_vector_lanes(level)}), float32 sums per 16 times d * sc"
-    a8 = None if level not in ("avx512_bf16", "amx") else (
+    sums = _integer_sums(level)
+    a8 = None if sums is None else (
         f"calls of up to {linear_w6k.A8_MAX_ROWS} rows (decode), every activation dtype, on int8 activations "
-        "per 256 k: 6-bit x int8 sums exact in int32 on AVX-512 VNNI (vpdpbusd)")
+        f"per 256 k: 6-bit x int8 sums exact in int32 on {sums}")
     amx = (f"bf16 calls of {linear_w6k.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over codes widened to "
            "bf16 once per call")
     return _coded_variant(level, a8, amx, vector, linear_w6k.WIDENED_ROWS)

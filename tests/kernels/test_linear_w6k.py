@@ -1,7 +1,8 @@
-"""The Q6_K weight linears (``csrc/gemm_w6k.h``, ``gemm_w6k_vnni.h``) at every ISA level this CPU runs (the
-``isa_level`` fixture): few-row calls at avx512_bf16 and amx are ``linear_w6k_a8_ref``'s outputs bit for bit (int8
-activations per super-block, integer sums); the other calls (16+ rows, the levels without VNNI; the AMX tiles for
-bf16 at amx) are within the stated bound of the exact product. And the packing: ``unpack(pack(...))`` is the
+"""The Q6_K weight linears (``csrc/gemm_w6k.h``, ``gemm_w6k_vnni.h``, ``gemm_w6k_avx2.h``) at every ISA level this
+CPU runs (the ``isa_level`` fixture): few-row calls from the avx2 level on (AVX-512 VNNI at avx512_bf16 and amx,
+AVX2 integer vectors at avx2 and avx512) are ``linear_w6k_a8_ref``'s outputs bit for bit (int8 activations per
+super-block, integer sums); the other calls (16+ rows, the generic level; the AMX tiles for bf16 at amx) are within
+the stated bound of the exact product. And the packing: ``unpack(pack(...))`` is the
 identity, K not a multiple of 256 is refused naming it.
 
 The stated bound of the float paths: one ulp of the activation dtype of the exact value (float64 over the
@@ -20,7 +21,7 @@ from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_c
 
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-A8_LEVELS = ("avx512_bf16", "amx")
+A8_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 
 
 def q6k_operands(N: int, K: int, g: torch.Generator):
@@ -72,7 +73,7 @@ def test_dequantize_is_ggufs_q6_k():
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
 @pytest.mark.parametrize("N,K", [(16, 256), (129, 768), (33, 1024)])
 def test_few_row_calls(isa_level, N, K, act):
-    """1..15 rows: at avx512_bf16 and amx the int8 reference's bits; below, within the float bound."""
+    """1..15 rows: from the avx2 level on the int8 reference's bits; at generic, within the float bound."""
     g = torch.Generator().manual_seed(N + K)
     codes, sub, d = q6k_operands(N, K, g)
     packed = linear_w6k.pack(codes, sub, d)
@@ -83,7 +84,7 @@ def test_few_row_calls(isa_level, N, K, act):
         x = wide[:M].to(act)[:, 5:K + 5]  # rows further apart than K
         on_a8 = linear_w6k.path(M, act) == linear_w6k.A8_PATH
         assert on_a8 == (isa_level in A8_LEVELS), f"{M} rows at {isa_level}: {linear_w6k.path(M, act)}"
-        if not on_a8:  # below avx512_bf16: from WIDENED_ROWS rows, float32 panels decoded once per row block
+        if not on_a8:  # generic: from WIDENED_ROWS rows, float32 panels decoded once per row block
             assert linear_w6k.path(M, act) == linear_w6k.W6K_PATHS[0 if M < linear_w6k.WIDENED_ROWS else 3]
         for bias in (b, None):
             y = linear_w6k.linear(x, packed, N, bias)

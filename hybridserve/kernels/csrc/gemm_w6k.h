@@ -14,8 +14,8 @@
 //   then sc [16 sub-blocks][16] int8, d [16] float16, 32 bytes of padding (3392 bytes: 53 cache lines).
 //
 // Four paths:
-// * avx512_bf16 and amx, any activation dtype, up to kW6kA8MaxRows rows (decode): the activations quantized to
-//   int8 per super-block, the sums exact in int32 on AVX-512 VNNI (gemm_w6k_vnni.h).
+// * avx2 and above, any activation dtype, up to kW6kA8MaxRows rows (decode): the activations quantized to int8 per
+//   super-block, the sums exact in int32 on AVX-512 VNNI or AVX2 integer vectors (gemm_w6k_vnni.h).
 // * amx level, bf16 activations and kW6kAmxRows rows or more: each panel's codes widened to bf16 ((d sc) (q - 32)
 //   rounded to float32, then to bf16) once per call (gemm_amx.h: CallWidened), then AMX-BF16 tiles.
 // * other calls of kW6kWidenedRows rows or more: each panel group's weights (d sc) (q - 32) in float32, decoded

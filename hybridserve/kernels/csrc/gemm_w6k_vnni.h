@@ -1,6 +1,7 @@
-// Q6_K weights times activations quantized to int8 per super-block of 256 k, the sums exact in int32 on AVX-512
-// VNNI (the avx512_bf16 and amx levels; few-row calls, kW6kA8MaxRows). Included by gemm_w6k.h (W6kLayout,
-// w6k_quad, for_row_tiles, store_vec, widen_scalar; load8 from gemm_w4a8.h).
+// Q6_K weights times activations quantized to int8 per super-block of 256 k, the sums exact in int32 (few-row
+// calls, kW6kA8MaxRows): on AVX-512 VNNI at the avx512_bf16 and amx levels, on AVX2's vpmaddubsw / vpmaddwd at the
+// avx2 and avx512 levels (gemm_w6k_avx2.h). Included by gemm_w6k.h (W6kLayout, w6k_quad, for_row_tiles,
+// store_vec, widen_scalar; load8 and w4a8_store_lane from gemm_w4a8.h).
 // The reference, step for step: ops/linear_w6k.py: linear_w6k_a8_ref.
 //
 // Activations. Each row is cut into super-blocks of 256 k, each quantized as ops/linear_w8.py: quantize_rows_int8
@@ -16,23 +17,14 @@
 // So the outputs are the reference's bit for bit, and a row's output depends on its own values only.
 #pragma once
 
-// (a test build of the 8-lane vectors, HS_VECTOR_LANES, keeps the paths below it)
-#if HS_HAVE_W4A8_VNNI
+// (a test build of the 8-lane vectors, HS_VECTOR_LANES, takes the AVX2 sums, as gemm_w4a8.h does)
+#if HS_HAVE_W4A8
 #define HS_HAVE_W6K_A8 1
 
 namespace {
 
 constexpr int64_t kW6kA8MaxRows = 15;  // rows up to which calls run on int8 activations (< kW6kAmxRows)
-constexpr int kW6kA8TileRows = 4;      // rows of a tile
 static_assert(kW6kA8MaxRows < kW6kAmxRows, "the AMX tiles take the calls the int8 path leaves");
-
-// Panels of a tile of MR rows: 3 x MR x NP sums (float32 total, super-block and sub-block int32), the panel's three
-// code vectors, a quad and its sub-scales in the registers (the rows' 5 broadcasts per sub-block besides, or on the
-// stack).
-constexpr int w6k_a8_panels(int MR) {
-  const int np = 24 / (3 * MR);
-  return np < 1 ? 1 : (np > 8 ? 8 : np);
-}
 
 // The quantized rows of one call: codes (M rows of K), super-block scales (M rows of KB), sub-block code sums
 // times -32 (M rows of K / 16).
@@ -61,7 +53,8 @@ void w6k_quantize_row(int64_t K, const A* x, int8_t* codes, float* scales, int32
       for (int h = 0; h < 2; ++h) {
         const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + k + 8 * h), inv));
         c[h] = _mm256_max_epi32(_mm256_min_epi32(n, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k + 8 * h), _mm256_cvtepi32_epi8(c[h]));
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(c[h]), _mm256_extracti128_si256(c[h], 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k + 8 * h), _mm_packs_epi16(words, words));  // in range
       }
       alignas(32) int32_t parts[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(parts), _mm256_add_epi32(c[0], c[1]));
@@ -70,6 +63,17 @@ void w6k_quantize_row(int64_t K, const A* x, int8_t* codes, float* scales, int32
       offsets[k / 16] = -32 * sum;
     }
   }
+}
+
+#if HS_HAVE_W4A8_VNNI
+constexpr int kW6kA8TileRows = 4;  // rows of a tile
+
+// Panels of a tile of MR rows: 3 x MR x NP sums (float32 total, super-block and sub-block int32), the panel's three
+// code vectors, a quad and its sub-scales in the registers (the rows' 5 broadcasts per sub-block besides, or on the
+// stack).
+constexpr int w6k_a8_panels(int MR) {
+  const int np = 24 / (3 * MR);
+  return np < 1 ? 1 : (np > 8 ? 8 : np);
 }
 
 // out[r, n0 + c] for MR rows and NP panels from panel p0; xs: the codes' row stride.
@@ -132,6 +136,10 @@ __attribute__((optimize("fp-contract=off"))) void w6k_a8_tile(const W6kLayout& L
     for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][p] + bv, valid);
   }
 }
+
+#else
+#include "gemm_w6k_avx2.h"  // w6k_a8_tile on AVX2 integer vectors
+#endif
 
 template <int MR, int NP, typename A>
 void w6k_a8_tile_any(int np, const W6kLayout& L, int64_t p0, const W6kA8Rows& xr, int64_t xs, const A* bias, A* out,
