@@ -21,6 +21,8 @@ from hybridserve.kernels._abi import DTYPE_CODES, check
 from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_operands
 from hybridserve.kernels.gemm import W8_FORMATS as FORMATS  # the 8-bit weight dtypes and their codes
 
+AMX_ROWS = 4  # rows from which bf16 calls run on the AMX tiles at the amx level (kW8AmxRows in csrc/gemm_w8.h)
+
 
 def num_groups(in_features: int, group: int) -> int:
     """Scale groups per output channel: one when ``group`` is 0 or covers the whole row."""

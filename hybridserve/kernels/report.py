@@ -67,9 +67,9 @@ def w8_variant(level: str | None = None) -> str:
     level = level or isa.level_in_force()
     fma = f"8-bit codes widened to float32 in registers ({_vector_lanes(level)}), float32 sums, a scale per channel"
     if level == "amx":
-        from hybridserve.kernels import gemm
+        from hybridserve.kernels import linear_w8
 
-        return (f"{level}: bf16 calls of {gemm.amx_rows()}+ rows on AMX-BF16 tiles over codes widened exactly to bf16 "
+        return (f"{level}: bf16 calls of {linear_w8.AMX_ROWS}+ rows on AMX-BF16 tiles over codes widened exactly to bf16 "
                 f"(per k-step up to 32 rows, once per call above); others {fma}")
     if level == "avx512_bf16":
         return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
