@@ -31,6 +31,9 @@ def _peak_rss_mib() -> float:
 
 
 def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> None:
+    from hybridserve.kernels import isa
+
+    isa.cap_torch(args.get("cpu_isa", "auto"))  # before torch dispatches anything (a spawned process)
     import torch
 
     from hybridserve.config import EngineConfig
@@ -38,7 +41,7 @@ def run_hybridserve(args: dict, prompts: list[list[int]], queue: mp.Queue) -> No
     from hybridserve.sampling_params import SamplingParams
 
     torch.set_num_threads(args["threads"])
-    engine = LLMEngine(EngineConfig(model=args["model"], dtype=args["dtype"],
+    engine = LLMEngine(EngineConfig(model=args["model"], dtype=args["dtype"], cpu_isa=args.get("cpu_isa", "auto"),
                                     mamba_ssm_cache_dtype=args["mamba_ssm_cache_dtype"],
                                     quantization=args.get("quantization", "auto"),
                                     cache_memory=args["cache_memory"], max_num_seqs=max(len(prompts), 1),

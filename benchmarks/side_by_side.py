@@ -124,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP", "/work/llama.cpp/build"),
                         help="llama.cpp build folder (or its bin/) holding llama-batched-bench and llama-bench")
     parser.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: MODEL/model-<dtype>.gguf)")
+    parser.add_argument("--cpu-isa", default="auto",
+                        help="cap hybridserve's kernels (and torch's) at this ISA level (kernels/isa.py), e.g. avx2 "
+                             "for the paths of an AVX2-only CPU; the other engines are built for a level of their own")
     parser.add_argument("--hybridserve-gguf", action="store_true",
                         help="hybridserve loads the --gguf file too (in --dtype, its quantized weights as they are) "
                              "instead of MODEL; HF and vLLM still load MODEL")
@@ -172,7 +175,7 @@ def engine_runners(a: argparse.Namespace, engines: list[str], prompts: list[list
     """name -> a function that runs this shape once on that engine and returns its result dict."""
     n, plen, olen = len(prompts), len(prompts[0]), args["output_len"]
     extra = shlex.split(a.llama_cpp_args)
-    mine = {**args, "model": hybridserve_model(a)}
+    mine = {**args, "model": hybridserve_model(a), "cpu_isa": a.cpu_isa}
     runners = {"hybridserve": lambda: _in_subprocess(run_hybridserve, mine, prompts),
                "hf-transformers": lambda: _in_subprocess(run_hf, args, prompts),
                "vllm-cpu": lambda: run_vllm(a.vllm_venv, a.model, prompts, olen, a.threads, a.dtype),
