@@ -72,8 +72,11 @@ def w8_variant(level: str | None = None) -> str:
         return (f"{level}: bf16 calls of {linear_w8.AMX_ROWS}+ rows on AMX-BF16 tiles over codes widened exactly to bf16 "
                 f"(per k-step up to 32 rows, once per call above); others {fma}")
     if level == "avx512_bf16":
-        return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per call "
-                f"to bf16; others {fma}")
+        from hybridserve.kernels import gemm
+
+        if gemm.uses_bf16_dot():
+            return (f"{level}: bf16 calls of 4+ rows on AVX-512 BF16 dot products over codes widened once per "
+                    f"call to bf16; others {fma}")
     return f"{level}: {fma}"
 
 
