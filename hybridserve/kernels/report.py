@@ -69,8 +69,8 @@ def w8_variant(level: str | None = None) -> str:
     if level == "amx":
         from hybridserve.kernels import linear_w8
 
-        return (f"{level}: bf16 calls of {linear_w8.AMX_ROWS}+ rows on AMX-BF16 tiles over codes widened exactly to bf16 "
-                f"(per k-step up to 32 rows, once per call above); others {fma}")
+        return (f"{level}: bf16 calls of {linear_w8.AMX_ROWS}+ rows on AMX-BF16 tiles over codes widened exactly to "
+                f"bf16 (per k-step up to 32 rows, once per call above); others {fma}")
     if level == "avx512_bf16":
         from hybridserve.kernels import gemm
 

@@ -18,6 +18,15 @@ inline void w4a8_store_lane(float* out, float v) { *out = v; }
 inline void w4a8_store_lane(_Float16* out, float v) { *out = static_cast<_Float16>(v); }
 inline void w4a8_store_lane(uint16_t* out, float v) { *out = from_f32<BF16>(v).bits; }  // nearest even, as store_vec
 
+// Columns [col, col + valid) of one output row: 8 float32 sums plus the bias, each rounded once to A.
+template <typename A>
+inline void w4a8_store8(A* row, __m256 sums, const A* bias, int64_t col, int valid) {
+  alignas(32) float y[8];
+  _mm256_store_ps(y, sums);
+  for (int i = 0; i < valid; ++i)
+    w4a8_store_lane(row + col + i, y[i] + (bias != nullptr ? widen_scalar(bias[col + i]) : 0.0f));
+}
+
 // out[r, n0 + c] for MR rows and one panel (NP = 1): w, the panel's words ([K8][16]); sc, mn: its scales and mins
 // ([G][16]); gw: words a group.
 template <int MR, int NP, bool Mins, typename A>
@@ -60,7 +69,8 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
     for (int v = 0; v < 2; ++v) {
       const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kPanel + 8 * v)));
       __m256 m = _mm256_setzero_ps();
-      if constexpr (Mins) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * kPanel + 8 * v)));
+      if constexpr (Mins)
+        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * kPanel + 8 * v)));
       for (int r = 0; r < MR; ++r) {
         const __m256 sx = _mm256_set1_ps(xr.scales[r * xr.G + g]);
         const int32_t q = xr.sums[r * xr.G + g];
@@ -79,11 +89,6 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
     const int64_t col = n0 + 8 * v;
     const int valid = static_cast<int>(N - col < 8 ? N - col : 8);
     if (valid <= 0) break;
-    for (int r = 0; r < MR; ++r) {
-      alignas(32) float y[8];
-      _mm256_store_ps(y, acc[r][v]);
-      for (int i = 0; i < valid; ++i)
-        w4a8_store_lane(out + r * os + col + i, y[i] + (bias != nullptr ? widen_scalar(bias[col + i]) : 0.0f));
-    }
+    for (int r = 0; r < MR; ++r) w4a8_store8(out + r * os, acc[r][v], bias, col, valid);
   }
 }

@@ -1,6 +1,6 @@
 // The Q6_K int8-activation tile on AVX2 integer vectors (the avx2 and avx512 levels, and the 8-lane test builds):
 // the same exact int32 sums as the AVX-512 VNNI tile of gemm_w6k_vnni.h, hence the same outputs bit for bit.
-// Included by gemm_w6k_vnni.h (W6kA8Rows, W6kLayout, w6k_quad).
+// Included by gemm_w6k_vnni.h (W6kA8Rows, W6kLayout, w6k_quad; w4a8_store8 from gemm_w4a8_avx2.h).
 //
 // vpmaddubsw multiplies the unsigned 6-bit code bytes by the signed activation codes and adds adjacent products
 // into int16 lanes (|sum| <= 2 x 63 x 127 = 16002); two quads' such sums add in int16 without overflow (32004 <
@@ -71,11 +71,6 @@ __attribute__((optimize("fp-contract=off"))) void w6k_a8_tile(const W6kLayout& L
     const int64_t col = n0 + 8 * v;
     const int valid = static_cast<int>(N - col < 8 ? N - col : 8);
     if (valid <= 0) break;
-    for (int r = 0; r < MR; ++r) {
-      alignas(32) float y[8];
-      _mm256_store_ps(y, acc[r][v]);
-      for (int i = 0; i < valid; ++i)
-        w4a8_store_lane(out + r * os + col + i, y[i] + (bias != nullptr ? widen_scalar(bias[col + i]) : 0.0f));
-    }
+    for (int r = 0; r < MR; ++r) w4a8_store8(out + r * os, acc[r][v], bias, col, valid);
   }
 }

@@ -1,7 +1,7 @@
 // Q6_K weights times activations quantized to int8 per super-block of 256 k, the sums exact in int32 (few-row
 // calls, kW6kA8MaxRows): on AVX-512 VNNI at the avx512_bf16 and amx levels, on AVX2's vpmaddubsw / vpmaddwd at the
 // avx2 and avx512 levels (gemm_w6k_avx2.h). Included by gemm_w6k.h (W6kLayout, w6k_quad, for_row_tiles,
-// store_vec, widen_scalar; load8 and w4a8_store_lane from gemm_w4a8.h).
+// store_vec, widen_scalar; load8 from gemm_w4a8.h).
 // The reference, step for step: ops/linear_w6k.py: linear_w6k_a8_ref.
 //
 // Activations. Each row is cut into super-blocks of 256 k, each quantized as ops/linear_w8.py: quantize_rows_int8
