@@ -72,7 +72,7 @@ def test_cat_rows_refuses_mixed_formats():
 
 def test_w4_linear_runs_the_decoded_weight():
     """Q4_0's codes and float16 scales in the 4-bit layer give the decoded weight's products (on the kernel's W4A8
-    path, few rows at avx512_bf16 and amx: the W4A8 reference's over the same codes and scales)."""
+    path, few rows from the avx2 level on: the W4A8 reference's over the same codes and scales)."""
     from hybridserve.layers.linear_w4 import W4Linear
     from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4a8_ref
     from tests.kernels.helpers import on_w4a8
@@ -98,7 +98,7 @@ def test_q6_k_rows_and_cat_rows_keep_values():
 
 def test_w6k_linear_runs_the_decoded_weight():
     """Q6_K's codes, sub-scales and d in the 6-bit layer are the decoded weight exactly; its products are the int8
-    path's reference (few rows at avx512_bf16 and amx) or the float32 product's."""
+    path's reference (few rows from the avx2 level on) or the float32 product's."""
     from hybridserve.kernels import linear_w6k
     from hybridserve.layers.linear_w6k import W6KLinear
     from hybridserve.ops.linear_w6k import dequantize_w6k, linear_w6k_a8_ref

@@ -126,7 +126,7 @@ def wide_llama(tmp_path_factory):
 
 def _on_int8_activations(layer) -> bool:
     """Whether the quantized layers' few-row float32 calls quantize their activations here (W4A8, Q6_K's int8
-    path: avx512_bf16 and amx)."""
+    path: the avx2 level and above)."""
     if layer is W4Linear:
         return linear_w4.path(1, torch.float32) == linear_w4.W4A8_PATH
     return layer is W6KLinear and linear_w6k.path(1, torch.float32) == linear_w6k.A8_PATH
@@ -136,9 +136,9 @@ def _on_int8_activations(layer) -> bool:
                                         ("Q4_0", W4Linear), ("Q4_K", W4Linear),
                                         ("Q5_1", None)])
 def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_path, wide_llama, kind, layer):
-    """The 4-bit and Q6_K layers' few-row calls run on int8 activations at avx512_bf16 and amx (W4A8, Q6_K's int8
+    """The 4-bit and Q6_K layers' few-row calls run on int8 activations from the avx2 level on (W4A8, Q6_K's int8
     path): there the greedy tokens keep the near-tie rule against the twin's, and the logprob comparison runs at
-    the avx512 level (activations as they are). Q6_K covers the untied ``output.weight`` too."""
+    the generic level (activations as they are). Q6_K covers the untied ``output.weight`` too."""
     file = write_gguf(wide_llama, str(tmp_path / f"model-{kind}.gguf"), kind)
     twin = _dequantized_twin(file, str(tmp_path / "twin.gguf"))
     _, reference = _run(twin, dtype="float32")
@@ -147,7 +147,7 @@ def test_quantized_gguf_runs_quantized_and_equals_its_dequantized_weights(tmp_pa
         _, w4a8 = _run(file, dtype="float32")
         _, steps = compare_near_tie(w4a8, reference)  # tokens equal up to a near-tie of the reference
         assert steps > 0
-        options = {"cpu_isa": "avx512"}
+        options = {"cpu_isa": "generic"}
     previous = isa.cap()
     try:
         llm, run = _run(file, dtype="float32", **options)
@@ -171,7 +171,7 @@ def test_tied_q6_k_embedding_gives_a_6_bit_lm_head(tmp_path):
     """A tied checkpoint whose ``token_embd`` is Q6_K (as in llama.cpp's Q4_K_M files): the LM head is a W6KLinear
     over the file's blocks (no bf16 copy of the embedding packed for it), the embedding lookup reads the
     dequantized table, and the tokens are the dequantized twin's (the near-tie rule on int8 activations; logprobs
-    within 2e-3 at the avx512 level)."""
+    within 2e-3 at the generic level)."""
     path = str(tmp_path / "llama-tied")
     checkpoints.build(checkpoints.llama_config(hidden_size=256, tie_word_embeddings=True), path, std=0.03,
                       dtype=torch.bfloat16)
@@ -186,7 +186,7 @@ def test_tied_q6_k_embedding_gives_a_6_bit_lm_head(tmp_path):
         assert steps > 0
     previous = isa.cap()
     try:
-        llm, run = _run(file, dtype="float32", cpu_isa="avx512")
+        llm, run = _run(file, dtype="float32", cpu_isa="generic")
     finally:
         isa.set_cap(previous)
     model = llm.engine.model

@@ -103,7 +103,7 @@ def cu(lens) -> torch.Tensor:
 
 
 def on_w4a8(x: torch.Tensor, in_features: int, group: int) -> bool:
-    """Whether the 4-bit kernel runs x (..., K) on its W4A8 path here (few rows at avx512_bf16 and amx), whose
+    """Whether the 4-bit kernel runs x (..., K) on its W4A8 path here (few rows from the avx2 level on), whose
     outputs are ``linear_w4a8_ref``'s bits rather than ``linear_w4_ref``'s within rounding."""
     from hybridserve.kernels import linear_w4
 

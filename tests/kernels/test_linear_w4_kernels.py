@@ -30,7 +30,7 @@ _operands = w4_operands
 
 def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
     """y within the stated bound of the exact value, and of the reference (which obeys the same bound); a call on
-    W4A8 (few rows at avx512_bf16 and amx): linear_w4a8_ref's bits (tests/kernels/test_linear_w4a8.py)."""
+    W4A8 (few rows from the avx2 level on): linear_w4a8_ref's bits (tests/kernels/test_linear_w4a8.py)."""
     if linear_w4.path(x.shape[0], x.dtype) == linear_w4.W4A8_PATH:
         assert_bits_equal(y, linear_w4a8_ref(x, codes, scales, mins, group, b), f"{what} on W4A8")
         return

@@ -46,7 +46,7 @@ def test_from_codes_keeps_the_codes_and_rounds_scales_and_mins_to_float16(N, K, 
 def test_forward_equals_the_reference_over_the_float16_rounded_scales(N, K, group, with_mins, act):
     """Kernel or fallback (K = 100 is not a multiple of 8: the kernel declines it), the output is
     ``linear_w4_ref`` over the scales and mins as packed, within the float32 sums' reordering; on the kernel's
-    W4A8 path (these 6 rows at avx512_bf16 and amx) ``linear_w4a8_ref``'s bits."""
+    W4A8 path (these 6 rows from the avx2 level on) ``linear_w4a8_ref``'s bits."""
     codes, scales, mins = _operands(N, K, group, with_mins, seed=N + K)
     bias = torch.randn(N).to(act)
     layer = W4Linear.from_codes(K, N, codes, scales, mins, group, bias)
