@@ -22,6 +22,7 @@ from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_oper
 from hybridserve.kernels.gemm import W8_FORMATS as FORMATS  # the 8-bit weight dtypes and their codes
 
 AMX_ROWS = 4  # rows from which bf16 calls run on the AMX tiles at the amx level (kW8AmxRows in csrc/gemm_w8.h)
+W8A8_VNNI_ROWS = 8  # rows up to which W8A8 sums on AVX-512 VNNI where the tiles take more (kW8a8VnniRows)
 
 
 def num_groups(in_features: int, group: int) -> int:
@@ -83,8 +84,8 @@ W8A8_SUMS = ("integer vectors", "AVX-512 VNNI", "AMX-INT8 tiles")
 
 def w8a8_sums() -> str | None:
     """Where :func:`linear_w8a8` sums its int8 products here (one of :data:`W8A8_SUMS`: AMX-INT8 tiles at the amx
-    level on a CPU with AMX-INT8, AVX-512 VNNI at avx512_bf16 and at amx without AMX-INT8, integer vectors at the
-    levels below); None without the kernels."""
+    level on a CPU with AMX-INT8, there up to :data:`W8A8_VNNI_ROWS` rows on AVX-512 VNNI; AVX-512 VNNI at
+    avx512_bf16 and at amx without AMX-INT8, integer vectors at the levels below); None without the kernels."""
     lib = _library()
     return None if lib is None else W8A8_SUMS[lib.hs_w8a8_sums()]
 

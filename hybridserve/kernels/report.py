@@ -56,7 +56,9 @@ def _variant(op: str, level: str) -> str:
         from hybridserve.kernels import linear_w8
 
         sums = linear_w8.w8a8_sums() or "integer vectors"
-        return f"{level}: activations quantized per row, exact int32 sums on {sums}, every row count"
+        if linear_w8.w8a8_on_tiles():
+            sums = f"AVX-512 VNNI up to {linear_w8.W8A8_VNNI_ROWS} rows, {sums} above"
+        return f"{level}: activations quantized per row, exact int32 sums on {sums}"
     if op == "mamba2_scan":
         return mamba2_scan_variant(level)
     return f"{level}: compiled"
