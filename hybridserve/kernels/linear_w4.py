@@ -29,7 +29,7 @@ CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
 #: the dtype that names 4-bit codes where a weight format is a dtype (MoE experts' ``weight_format``)
 INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
-WIDENED_ROWS = 4  # rows from which other calls decode the codes once per row block (kW4WidenedRows)
+WIDENED_ROWS = 4  # rows from which other calls decode the codes once per row block (csrc/gemm_widened.h)
 W4A8_MAX_ROWS = 15  # rows up to which calls run on W4A8 from the avx2 level on (kW4a8MaxRows in csrc/gemm_w4a8.h)
 #: the path of activations quantized to int8 per group and integer sums (``ops/linear_w4.py: linear_w4a8_ref``):
 #: AVX-512 VNNI at avx512_bf16 and amx, AVX2 integer vectors at avx2 and avx512

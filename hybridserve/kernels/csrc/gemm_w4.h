@@ -11,7 +11,7 @@
 // Four paths:
 // * avx2 and above, any activation dtype, up to kW4a8MaxRows rows (decode): W4A8, the activations quantized to int8
 //   per group and the sums exact in int32 on AVX-512 VNNI or AVX2 integer vectors (gemm_w4a8.h).
-// * every level, kW4WidenedRows rows or more where no path above or below takes them: each panel group's codes
+// * every level, kWidenedRows rows or more where no path above or below takes them: each panel group's codes
 //   dequantized once per row block into float32 panels, the float32 tiles over them (gemm_widened.h).
 // * every level, fewer rows: the float32 vector path. Each word vector gives 8 k of 16 columns; a
 //   code becomes a float32 value in registers (AVX-512: one permute of a 16-entry table, indexed by the word
@@ -176,10 +176,6 @@ int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int
   return 0;
 }
 
-// Rows from which the float32 vector path decodes each panel group once per row block (gemm_widened.h) rather
-// than once per row tile.
-constexpr int64_t kW4WidenedRows = 4;
-
 // Codes J.. of a word vector dequantized (c s + m, one rounding) into rows J.. of 8 float32 panel rows at d.
 template <int J>
 inline void w4_store_codes(vu words, vf s, vf m, float* d) {
@@ -270,7 +266,7 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
   if constexpr (std::is_same_v<A, uint16_t>)
     if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W4Words>{W4Words{&L}, K}, bias, nullptr, out, os);
 #endif
-  if (M >= kW4WidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W4FloatPanels{&L});
+  if (M >= kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W4FloatPanels{&L});
   return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
 }
 
@@ -286,7 +282,7 @@ int hs_w4_path(int act_dtype, int64_t rows) {
   if (act_dtype == kBF16 && rows >= kW4AmxRows) return 1;
 #endif
   (void)act_dtype;
-  return rows >= kW4WidenedRows ? 3 : 0;
+  return rows >= kWidenedRows ? 3 : 0;
 }
 
 int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,

@@ -18,7 +18,7 @@
 //   super-block, the sums exact in int32 on AVX-512 VNNI or AVX2 integer vectors (gemm_w6k_vnni.h).
 // * amx level, bf16 activations and kW6kAmxRows rows or more: each panel's codes widened to bf16 ((d sc) (q - 32)
 //   rounded to float32, then to bf16) once per call (gemm_amx.h: CallWidened), then AMX-BF16 tiles.
-// * other calls of kW6kWidenedRows rows or more: each panel group's weights (d sc) (q - 32) in float32, decoded
+// * other calls of kWidenedRows rows or more: each panel group's weights (d sc) (q - 32) in float32, decoded
 //   once per row block, under the float32 tiles (gemm_widened.h).
 // * fewer rows: the float32 vector path. Each sub-block's codes become float32 values q - 32 in registers,
 //   a tile of MR rows sums x (q - 32) over the sub-block and adds that sum times d sc once per sub-block.
@@ -154,10 +154,6 @@ int w6k_linear_float(int64_t M, int64_t N, int64_t K, const W6kLayout& L, const 
   return 0;
 }
 
-// Rows from which the float32 vector path decodes each panel group once per row block (gemm_widened.h) rather
-// than once per row tile.
-constexpr int64_t kW6kWidenedRows = 4;
-
 // Quads J.. of one sub-block's vectors (lanes of 16 columns) as float32 weights (d sc) (q - 32), rounded once (as
 // gguf computes them), into the sub-block's 16 float32 panel rows at d.
 template <int J>
@@ -250,7 +246,7 @@ int w6k_linear_any(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
   if constexpr (std::is_same_v<A, uint16_t>)
     if (M >= kW6kAmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W6kBlocks>{W6kBlocks{&L}, K}, bias, nullptr, out, os);
 #endif
-  if (M >= kW6kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W6kFloatPanels{&L});
+  if (M >= kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W6kFloatPanels{&L});
   return w6k_linear_float(M, N, K, L, x, xs, bias, out, os);
 }
 
@@ -268,7 +264,7 @@ int hs_w6k_path(int act_dtype, int64_t rows) {
   if (act_dtype == kBF16 && rows >= kW6kAmxRows) return 1;
 #endif
   (void)act_dtype;
-  return rows >= kW6kWidenedRows ? 3 : 0;
+  return rows >= kWidenedRows ? 3 : 0;
 }
 
 int hs_linear_w6k(int act_dtype, int64_t M, int64_t N, int64_t K, const void* x, int64_t xs, const uint8_t* packed,

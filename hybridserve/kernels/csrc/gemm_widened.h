@@ -6,12 +6,16 @@
 // once for the block's rows rather than once per row tile pays from a few rows on. Included by gemm.cpp after the
 // float32 vector path.
 //
-// A widened weight is the format's dequantized value in float32 (one fused multiply-add of code, scale and min,
-// rounded once), summed with x in float32 in k order; the result, plus the bias, is rounded once to the
-// activation dtype.
+// A widened weight is the format's dequantized value rounded once to float32, summed with x in float32 in k order;
+// the result, plus the bias, is rounded once to the activation dtype.
 #pragma once
 
 namespace {
+
+// Rows from which a coded-weight call that no integer or matrix-unit path takes decodes its codes once per row
+// block here rather than once per row tile (4-bit and Q6_K alike: kernels/linear_w4.py and linear_w6k.py
+// WIDENED_ROWS).
+constexpr int64_t kWidenedRows = 4;
 
 // Rows per block at least (the row block of for_panel_groups otherwise holds ~192 KiB of float32 activations:
 // 24 rows at K = 2048, 6 at 8192): each group's panels are decoded once per block, so the decode is shared by at
