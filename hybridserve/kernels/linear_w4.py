@@ -30,6 +30,9 @@ CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
 INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
 WIDENED_ROWS = 4  # rows from which other calls decode the codes once per row block (csrc/gemm_widened.h)
+#: rows from which bf16 calls at avx512_bf16 run on the dot products over codes widened to bf16 once per call, where
+#: the CPU prefers those dot products (AMD Zen 4/5; kDotWidenedRows in csrc/gemm_widened.h)
+DOT_ROWS = 16
 W4A8_MAX_ROWS = 15  # rows up to which calls run on W4A8 from the avx2 level on (kW4a8MaxRows in csrc/gemm_w4a8.h)
 #: the path of activations quantized to int8 per group and integer sums (``ops/linear_w4.py: linear_w4a8_ref``):
 #: AVX-512 VNNI at avx512_bf16 and amx, AVX2 integer vectors at avx2 and avx512
@@ -158,7 +161,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, group: int,
 
 
 #: where :func:`linear` runs a call, by rows and activation dtype (``hs_w4_path``' code)
-W4_PATHS = ("float32 vectors", "AMX-BF16 tiles", W4A8_PATH, "float32 panels decoded once per row block")
+W4_PATHS = ("float32 vectors", "AMX-BF16 tiles", W4A8_PATH, "float32 panels decoded once per row block",
+            "bf16 dot products over codes widened to bf16 once per call")
 
 
 def path(rows: int, dtype: torch.dtype = torch.bfloat16) -> str | None:

@@ -28,10 +28,14 @@ _CODE_BYTES = 16 * 192  # the sixteen sub-blocks' codes
 A8_MAX_ROWS = 15  # rows up to which calls run on int8 activations from the avx2 level on (kW6kA8MaxRows)
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW6kAmxRows)
 WIDENED_ROWS = 4  # rows from which other calls decode the codes once per row block (csrc/gemm_widened.h)
+#: rows from which bf16 calls at avx512_bf16 run on the dot products over codes widened to bf16 once per call, where
+#: the CPU prefers those dot products (AMD Zen 4/5; kDotWidenedRows in csrc/gemm_widened.h)
+DOT_ROWS = 16
 #: the path of activations quantized to int8 per super-block and integer sums (``linear_w6k_a8_ref``)
 A8_PATH = "Q6_K x int8 activations, exact integer sums"  # VNNI at avx512_bf16 and amx, AVX2 at avx2, avx512
 #: where :func:`linear` runs a call, by ``hs_w6k_path``' code
-W6K_PATHS = ("float32 vectors", "AMX-BF16 tiles", A8_PATH, "float32 panels decoded once per row block")
+W6K_PATHS = ("float32 vectors", "AMX-BF16 tiles", A8_PATH, "float32 panels decoded once per row block",
+             "bf16 dot products over codes widened to bf16 once per call")
 _PACK_PANELS = 256  # panels packed at a time (4096 rows)
 
 

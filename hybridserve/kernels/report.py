@@ -95,14 +95,23 @@ def _integer_sums(level: str) -> str | None:
     return "AVX2 integer vectors (vpmaddubsw, vpmaddwd)" if level in ("avx2", "avx512") else None
 
 
-def _coded_variant(level: str, few_rows: str | None, amx_rows: str, vector: str, widened_rows: int) -> str:
+def _coded_variant(level: str, few_rows: str | None, amx_rows: str, vector: str, widened_rows: int,
+                   dot_rows: int) -> str:
     """The paths of a coded-weight linear (4-bit, Q6_K) at ``level``: the few-row integer path where ``few_rows``
-    names one, the AMX tiles for many bf16 rows at amx, float32 panels decoded once per row block for the other
-    calls of ``widened_rows`` rows or more, the float32 vector path for the rest."""
+    names one, the AMX tiles for many bf16 rows at amx, at avx512_bf16 on CPUs that prefer its dot products the
+    dot products over codes widened to bf16 for bf16 calls of ``dot_rows`` rows or more, float32 panels decoded
+    once per row block for the other calls of ``widened_rows`` rows or more, the float32 vector path for the rest."""
     panels = (f"codes decoded once per row block into float32 panels, float32 tiles over them "
               f"({_vector_lanes(level)})")
     if level == "amx":
         return f"{level}: {few_rows}; {amx_rows}; other calls of more rows: {panels}"
+    if level == "avx512_bf16":
+        from hybridserve.kernels import gemm
+
+        if gemm.uses_bf16_dot():
+            dot = (f"bf16 calls of {dot_rows}+ rows (prefill, batches) on AVX-512 BF16 dot products over the codes "
+                   "dequantized to bf16 once per call")
+            return f"{level}: {few_rows}; {dot}; other calls of more rows: {panels}"
     if few_rows is not None:
         return f"{level}: {few_rows}; more rows: {panels}"
     return f"{level}: calls of {widened_rows}+ rows: {panels}; fewer rows: {vector}"
@@ -122,7 +131,7 @@ def w4_variant(level: str | None = None) -> str:
         f"quantized to int8 per weight group, nibble x int8 sums exact in int32 on {sums}")
     amx = (f"bf16 calls of {linear_w4.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over each column block's "
            "codes dequantized to bf16 once per row chunk")
-    return _coded_variant(level, w4a8, amx, vector, linear_w4.WIDENED_ROWS)
+    return _coded_variant(level, w4a8, amx, vector, linear_w4.WIDENED_ROWS, linear_w4.DOT_ROWS)
 
 
 def w6k_variant(level: str | None = None) -> str:
@@ -138,7 +147,7 @@ def w6k_variant(level: str | None = None) -> str:
         f"per 256 k: 6-bit x int8 sums exact in int32 on {sums}")
     amx = (f"bf16 calls of {linear_w6k.AMX_ROWS}+ rows (prefill, batches) on AMX-BF16 tiles over codes widened to "
            "bf16 once per call")
-    return _coded_variant(level, a8, amx, vector, linear_w6k.WIDENED_ROWS)
+    return _coded_variant(level, a8, amx, vector, linear_w6k.WIDENED_ROWS, linear_w6k.DOT_ROWS)
 
 
 def mamba2_scan_variant(level: str | None = None) -> str:

@@ -111,6 +111,19 @@ def on_w4a8(x: torch.Tensor, in_features: int, group: int) -> bool:
     return linear_w4.covers(in_features, group) and linear_w4.path(rows, x.dtype) == linear_w4.W4A8_PATH
 
 
+def coded_many_rows_path(paths: tuple[str, ...], isa_level: str, act: torch.dtype) -> str:
+    """The path a coded-weight linear (4-bit, Q6_K; ``paths`` its module's path names) takes for calls of 16+
+    rows: the AMX tiles for bf16 at amx, the bf16 dot products at avx512_bf16 on CPUs that prefer them, else the
+    float32 panels."""
+    from hybridserve.kernels import gemm
+
+    if act == torch.bfloat16 and isa_level == "amx":
+        return paths[1]
+    if act == torch.bfloat16 and isa_level == "avx512_bf16" and gemm.uses_bf16_dot():
+        return paths[4]
+    return paths[3]
+
+
 def w4_operands(N: int, K: int, group: int, with_mins: bool, g: torch.Generator):
     """Random 4-bit codes (N, K) and float16-exact scales (and mins) (N, G), as the packed buffer keeps them."""
     from hybridserve.kernels import linear_w4

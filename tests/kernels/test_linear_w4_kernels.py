@@ -7,8 +7,9 @@ The stated bound. The vector path sums x * c over a group in float32 (c the raw 
 times the group's scale and the group's sum of x times its min (without mins: -8 times the scale): its output
 is within one ulp of the activation dtype of the exact value (float64 over the dequantized weight), plus
 (K + 4) float32 roundings of the sum of |x| (|c| s + |m|) (the sums in any order, the products with scale
-and min, the bias). The AMX path rounds each dequantized weight to bf16 first: 2^-8 of the sum of |x w| more
-(half a bf16 ulp, with room for the float32 fused multiply-add before it)."""
+and min, the bias). The AMX path and the bf16 dot products of AMD's avx512_bf16 level round each dequantized
+weight to bf16 first: 2^-8 of the sum of |x w| more (half a bf16 ulp, with room for the float32 fused multiply-add
+before it); identity rows show that rounding is the only one."""
 
 from __future__ import annotations
 
@@ -18,11 +19,19 @@ import torch
 from hybridserve.kernels import gemm, linear_w4
 from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_f16
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
-from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler, random_experts, w4_operands
+from tests.kernels.helpers import (
+    assert_bits_equal,
+    assert_within_ulps,
+    coded_many_rows_path,
+    needs_compiler,
+    random_experts,
+    w4_operands,
+)
 
 pytestmark = [needs_compiler, pytest.mark.usefixtures("isa_level")]
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+BF16_WEIGHT_PATHS = (linear_w4.W4_PATHS[1], linear_w4.W4_PATHS[4])  # the weights rounded to bf16 first
 
 
 _operands = w4_operands
@@ -41,7 +50,7 @@ def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
     offset = 8 * s if mins is None else mins.double().abs().repeat_interleave(group, dim=1)[:, :K]
     terms = x.double().abs() @ (codes.double() * s + offset).T
     rounding = x.double().abs() @ w.abs().T
-    on_tiles = y.dtype == torch.bfloat16 and linear_w4.path(x.shape[0]) == "AMX-BF16 tiles"
+    on_tiles = y.dtype == torch.bfloat16 and linear_w4.path(x.shape[0]) in BF16_WEIGHT_PATHS
     if b is not None:
         exact, terms = exact + b.double(), terms + b.double().abs()
     atol = (K + 4) * 2.0 ** -24 * terms + (2.0 ** -8 * rounding if on_tiles else 0)
@@ -85,6 +94,22 @@ def test_linear_w4_at_the_amx_tile_shape_classes(M, N, K, group, with_mins):
     y = linear_w4.linear(x, linear_w4.pack(codes, scales, mins, group), N, group, with_mins, b)
     assert y is not None
     _assert_within_bound(y, x, codes, scales, mins, group, b, "4-bit linear")
+
+
+@pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
+@pytest.mark.parametrize("group", [32, 64])
+def test_identity_rows_give_each_weight_rounded_once_to_bf16(isa_level, group, with_mins):
+    """A bf16 call of the identity's K rows (a many-row path at every level) gives W.T: each weight is c s + m
+    rounded once to bf16, whether the path widens it to float32 or to bf16 (the AMX tiles, the bf16 dot products)
+    before its one product (a zero weight's sum is +0: the expected zeros are made +0)."""
+    g = torch.Generator().manual_seed(group + with_mins)
+    N, K = 40, 136
+    codes, scales, mins = _operands(N, K, group, with_mins, g)
+    y = linear_w4.linear(torch.eye(K).to(torch.bfloat16), linear_w4.pack(codes, scales, mins, group), N, group,
+                         with_mins, None)
+    assert linear_w4.path(K) == coded_many_rows_path(linear_w4.W4_PATHS, isa_level, torch.bfloat16)
+    expected = (dequantize_w4(codes, scales, mins, group) + 0.0).to(torch.bfloat16).T
+    assert_bits_equal(y, expected, f"weights at {isa_level}")
 
 
 def test_calls_the_kernel_does_not_cover_are_declined():

@@ -14,7 +14,7 @@ import torch
 from hybridserve.kernels import isa, linear_w4, report
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4a8_ref, quantize_blocks_int8
 from hybridserve.ops.linear_w8 import quantize_rows_int8
-from tests.kernels.helpers import assert_bits_equal, needs_compiler, w4_operands
+from tests.kernels.helpers import assert_bits_equal, coded_many_rows_path, needs_compiler, w4_operands
 
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -57,13 +57,14 @@ def test_few_row_calls_are_the_w4a8_reference_bit_for_bit(isa_level, N, K, group
 @needs_compiler
 @pytest.mark.usefixtures("isa_level")
 def test_more_rows_than_the_w4a8_tiles_leave_it(isa_level):
-    """From W4A8_MAX_ROWS + 1 rows a call takes the other paths: AMX tiles for bf16 at amx, else float32 panels
-    decoded once per row block (as every call of WIDENED_ROWS+ rows does at the generic level)."""
+    """From W4A8_MAX_ROWS + 1 rows a call takes the other paths: AMX tiles for bf16 at amx, bf16 dot products at
+    avx512_bf16 where the CPU prefers them, else float32 panels decoded once per row block (as every call of
+    WIDENED_ROWS+ rows does at the generic level)."""
     rows = linear_w4.W4A8_MAX_ROWS + 1
+    assert rows == linear_w4.DOT_ROWS == linear_w4.AMX_ROWS
     panels, vectors = linear_w4.W4_PATHS[3], linear_w4.W4_PATHS[0]
     for act in ACTS:
-        on_tiles = isa_level == "amx" and act == torch.bfloat16
-        assert linear_w4.path(rows, act) == (linear_w4.W4_PATHS[1] if on_tiles else panels)
+        assert linear_w4.path(rows, act) == coded_many_rows_path(linear_w4.W4_PATHS, isa_level, act)
         assert (linear_w4.path(1, act) == linear_w4.W4A8_PATH) == (isa_level in W4A8_LEVELS)
         if isa_level not in W4A8_LEVELS:
             assert linear_w4.path(linear_w4.WIDENED_ROWS - 1, act) == vectors

@@ -2,12 +2,13 @@
 CPU runs (the ``isa_level`` fixture): few-row calls from the avx2 level on (AVX-512 VNNI at avx512_bf16 and amx,
 AVX2 integer vectors at avx2 and avx512) are ``linear_w6k_a8_ref``'s outputs bit for bit (int8 activations per
 super-block, integer sums); the other calls (16+ rows, the generic level; the AMX tiles for bf16 at amx) are within
-the stated bound of the exact product. And the packing: ``unpack(pack(...))`` is the
-identity, K not a multiple of 256 is refused naming it.
+the stated bound of the exact product; identity rows give each weight rounded once to bf16 on every path. And the
+packing: ``unpack(pack(...))`` is the identity, K not a multiple of 256 is refused naming it.
 
 The stated bound of the float paths: one ulp of the activation dtype of the exact value (float64 over the
 dequantized weight) plus (K + 8) float32 roundings of sum |x w| (the float32 vector path: each sub-block's sum in
-float32, times its exact scale d sc); the AMX path rounds each weight to bf16 first: 2^-8 of sum |x w| more."""
+float32, times its exact scale d sc); the AMX path and the bf16 dot products of AMD's avx512_bf16 level round each
+weight to bf16 first: 2^-8 of sum |x w| more."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import torch
 from hybridserve.kernels import linear_w6k, report
 from hybridserve.ops.linear_w4 import quantize_blocks_int8
 from hybridserve.ops.linear_w6k import dequantize_w6k, linear_w6k_a8_ref
-from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, needs_compiler
+from tests.kernels.helpers import assert_bits_equal, assert_within_ulps, coded_many_rows_path, needs_compiler
 
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 A8_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
+BF16_WEIGHT_PATHS = (linear_w6k.W6K_PATHS[1], linear_w6k.W6K_PATHS[4])  # the weights rounded to bf16 first
 
 
 def q6k_operands(N: int, K: int, g: torch.Generator):
@@ -38,7 +40,7 @@ def _assert_within_bound(y, x, codes, sub, d, bias, what):
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
     magnitude = x.double().abs() @ w.abs().T
     slack = (K + 8) * 2.0 ** -24 * magnitude
-    if linear_w6k.path(x.shape[0], x.dtype) == linear_w6k.W6K_PATHS[1]:
+    if linear_w6k.path(x.shape[0], x.dtype) in BF16_WEIGHT_PATHS:
         slack = slack + 2.0 ** -8 * magnitude
     assert_within_ulps(y, exact.float(), x.dtype, 1.0, slack.float(), what)
 
@@ -100,7 +102,8 @@ def test_few_row_calls(isa_level, N, K, act):
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
 @pytest.mark.parametrize("M", [16, 37, 70])
 def test_many_row_calls(isa_level, M, act):
-    """16+ rows: never the int8 path; within the float bound (AMX tiles for bf16 at amx)."""
+    """16+ rows: never the int8 path; within the float bound (AMX tiles for bf16 at amx, bf16 dot products at
+    avx512_bf16 where the CPU prefers them)."""
     g = torch.Generator().manual_seed(M)
     N, K = 45, 768
     codes, sub, d = q6k_operands(N, K, g)
@@ -108,10 +111,23 @@ def test_many_row_calls(isa_level, M, act):
     x = torch.randn(M, K, generator=g).to(act)
     b = torch.randn(N, generator=g).to(act)
     assert linear_w6k.path(M, act) != linear_w6k.A8_PATH
-    on_tiles = isa_level == "amx" and act == torch.bfloat16
-    assert linear_w6k.path(M, act) == linear_w6k.W6K_PATHS[1 if on_tiles else 3]
+    assert linear_w6k.path(M, act) == coded_many_rows_path(linear_w6k.W6K_PATHS, isa_level, act)
     y = linear_w6k.linear(x, packed, N, b)
     _assert_within_bound(y, x, codes, sub, d, b, f"{M} rows at {isa_level}")
+
+
+@needs_compiler
+@pytest.mark.usefixtures("isa_level")
+def test_identity_rows_give_each_weight_rounded_once_to_bf16(isa_level):
+    """A bf16 call of the identity's K rows (a many-row path at every level) gives W.T: each weight is the format's
+    value (d sc) (q - 32) rounded once to bf16, whether the path widens it to float32 or to bf16 (the AMX tiles,
+    the bf16 dot products) before its one product."""
+    g = torch.Generator().manual_seed(11)
+    N, K = 45, 512
+    codes, sub, d = q6k_operands(N, K, g)
+    y = linear_w6k.linear(torch.eye(K).to(torch.bfloat16), linear_w6k.pack(codes, sub, d), N, None)
+    assert linear_w6k.path(K) == coded_many_rows_path(linear_w6k.W6K_PATHS, isa_level, torch.bfloat16)
+    assert_bits_equal(y, (dequantize_w6k(codes, sub, d) + 0.0).to(torch.bfloat16).T, f"weights at {isa_level}")
 
 
 def test_a8_reference_is_within_the_activation_rounding():

@@ -8,7 +8,7 @@
 //   [panels][G][16] float16 scales; with mins, [panels][G][16] float16 mins (pad columns 0).
 // K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
 //
-// Four paths:
+// Five paths:
 // * avx2 and above, any activation dtype, up to kW4a8MaxRows rows (decode): W4A8, the activations quantized to int8
 //   per group and the sums exact in int32 on AVX-512 VNNI or AVX2 integer vectors (gemm_w4a8.h).
 // * every level, kWidenedRows rows or more where no path above or below takes them: each panel group's codes
@@ -22,6 +22,8 @@
 //   block's codes are dequantized (c s + m, one fused multiply-add, rounded once to bf16) into the thread's
 //   copy in the bf16 k-pair layout of an AMX B tile, once per call (gemm_amx.h: CallWidened, overlapped with
 //   the tiles of the block before), and the tiles run over it at their rate.
+// * avx512_bf16 level on CPUs that prefer its dot products (bf16_dot_preferred), bf16 activations and
+//   kDotWidenedRows rows or more: the same bf16 weights, widened once per call, under vdpbf16ps (gemm_widened.h).
 #pragma once
 
 namespace {
@@ -202,19 +204,21 @@ struct W4FloatPanels {
   }
 };
 
-#if HS_HAVE_AMX
-// float32 lanes rounded to bf16 (nearest even; the values are finite): the high halves of the lanes, in the
-// low (Low) or the high half of each 32-bit lane.
-template <bool Low>
-inline __m512i round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  return Low ? _mm512_srli_epi32(r, 16) : _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+#if HS_HAVE_BF16_DOT
+// Two vectors of 16 float32 weights (k even and k odd of 16 columns) as one k-pair vector of bf16 (k even in the low
+// half of each 32-bit lane), each rounded to nearest even once: one conversion of both and a word permute. The
+// conversion treats subnormal inputs as zero; the coded formats' weights are multiples of 2^-24 (float16 scales and
+// mins times small integers), so none is subnormal in float32 and every weight keeps its nearest bf16.
+inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  // words 0-15: even's columns, 16-31: odd's; word 2c <- c, word 2c + 1 <- 16 + c
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even)));
 }
 
-// The weights of the amx path: the 8-k words of a panel dequantized into the bf16 k-pair layout, each code
-// (c s + m, one fused multiply-add) rounded once to bf16; gemm_amx.h's CallWidened does so once per call.
+// The weights of the amx path and of the dot-product path of many bf16 rows (gemm_widened.h): the 8-k words of a
+// panel dequantized into the bf16 k-pair layout, each code (c s + m, one fused multiply-add) rounded once to bf16;
+// gemm_amx.h's CallWidened and dot_widened_linear do so once per call.
 struct W4Words {
   const W4Layout* L;
   int64_t units() const { return L->K8; }
@@ -235,9 +239,8 @@ struct W4Words {
       const vu words = load_vec<vu>(L->words + (p + j) * L->pe + k8 * kPanel);
       uint16_t* d = dst + j * pe + k8 * 4 * 2 * kPanel;  // 4 k-pairs of 16 columns
       const auto pair = [&](auto even, auto odd, int n) {
-        const __m512i lo = round_bf16<true>(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m));
-        const __m512i hi = round_bf16<false>(_mm512_fmadd_ps(reinterpret_cast<__m512>(odd), s, m));
-        _mm512_storeu_si512(d + n * 2 * kPanel, _mm512_or_si512(lo, hi));
+        _mm512_storeu_si512(d + n * 2 * kPanel, bf16_pairs(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m),
+                                                          _mm512_fmadd_ps(reinterpret_cast<__m512>(odd), s, m)));
       };
       pair(nibble<0>(words), nibble<1>(words), 0);
       pair(nibble<2>(words), nibble<3>(words), 1);
@@ -266,6 +269,11 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
   if constexpr (std::is_same_v<A, uint16_t>)
     if (M >= kW4AmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W4Words>{W4Words{&L}, K}, bias, nullptr, out, os);
 #endif
+#if HS_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<A, uint16_t>)
+    if (M >= kDotWidenedRows && bf16_dot_preferred())
+      return dot_widened_linear(M, N, K, x, xs, W4Words{&L}, bias, out, os);
+#endif
   if (M >= kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W4FloatPanels{&L});
   return has_mins ? w4linear<true>(M, N, K, L, x, xs, bias, out, os) : w4linear<false>(M, N, K, L, x, xs, bias, out, os);
 }
@@ -274,12 +282,17 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
 
 extern "C" {
 
+// 2: W4A8, 1: AMX-BF16 tiles over widened codes, 4: bf16 dot products over codes widened once per call, 3: float32
+// panels decoded once per row block, 0: the float32 vector path.
 int hs_w4_path(int act_dtype, int64_t rows) {
 #if HS_HAVE_W4A8
   if (rows <= kW4a8MaxRows) return 2;
 #endif
 #if HS_HAVE_AMX
   if (act_dtype == kBF16 && rows >= kW4AmxRows) return 1;
+#endif
+#if HS_HAVE_BF16_DOT
+  if (act_dtype == kBF16 && rows >= kDotWidenedRows && bf16_dot_preferred()) return 4;
 #endif
   (void)act_dtype;
   return rows >= kWidenedRows ? 3 : 0;

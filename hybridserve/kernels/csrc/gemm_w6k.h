@@ -1,6 +1,6 @@
 // Linear layers over GGUF Q6_K weights kept 6-bit, y = x @ W.T (+ b), activations bf16, fp16 or float32
 // (kernels/linear_w6k.py; the format: ops/linear_w6k.py). Included by gemm.cpp after gemm_w4.h (it uses the
-// float32 vector helpers, vi32, for_row_tiles and, at the amx level, gemm_amx.h's CallWidened and round_bf16).
+// float32 vector helpers, vi32, for_row_tiles and, at the amx level, gemm_amx.h's CallWidened; bf16_pairs).
 //
 // A weight W (N, K), K a multiple of 256, of codes q (0..63) with an int8 sub-scale sc per 16 k and a float16 d per
 // 256 k (W[n, k] = (d sc) (q - 32)) is packed per panel of 16 output columns, super-block after super-block
@@ -13,11 +13,13 @@
 //   bits of hi moved to bits 4-5: 0.75 bytes a weight;
 //   then sc [16 sub-blocks][16] int8, d [16] float16, 32 bytes of padding (3392 bytes: 53 cache lines).
 //
-// Four paths:
+// Five paths:
 // * avx2 and above, any activation dtype, up to kW6kA8MaxRows rows (decode): the activations quantized to int8 per
 //   super-block, the sums exact in int32 on AVX-512 VNNI or AVX2 integer vectors (gemm_w6k_vnni.h).
 // * amx level, bf16 activations and kW6kAmxRows rows or more: each panel's codes widened to bf16 ((d sc) (q - 32)
 //   rounded to float32, then to bf16) once per call (gemm_amx.h: CallWidened), then AMX-BF16 tiles.
+// * avx512_bf16 level on CPUs that prefer its dot products (bf16_dot_preferred), bf16 activations and
+//   kDotWidenedRows rows or more: the same bf16 weights, widened once per call, under vdpbf16ps (gemm_widened.h).
 // * other calls of kWidenedRows rows or more: each panel group's weights (d sc) (q - 32) in float32, decoded
 //   once per row block, under the float32 tiles (gemm_widened.h).
 // * fewer rows: the float32 vector path. Each sub-block's codes become float32 values q - 32 in registers,
@@ -188,8 +190,8 @@ struct W6kFloatPanels {
   }
 };
 
-#if HS_HAVE_AMX
-// The weights of the amx path: a unit is one sub-block of 16 k of a panel, widened into the bf16 k-pair layout
+#if HS_HAVE_BF16_DOT
+// The weights of the amx path and of the dot-product path of many bf16 rows (gemm_widened.h): a unit is one sub-block of 16 k of a panel, widened into the bf16 k-pair layout
 // (8 pairs of 16 columns), each weight (d sc) (q - 32) rounded to float32 (as gguf computes it), then to bf16.
 struct W6kBlocks {
   const W6kLayout* L;
@@ -218,8 +220,7 @@ struct W6kBlocks {
             const __m512i c = _mm512_and_si512(_mm512_srli_epi32(w, 8 * i), bytes);
             return _mm512_mul_ps(scale, _mm512_sub_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(32.0f)));
           };
-          const __m512i lo = round_bf16<true>(value(2 * h)), hi16 = round_bf16<false>(value(2 * h + 1));
-          _mm512_storeu_si512(out + (2 * q + h) * 2 * kPanel, _mm512_or_si512(lo, hi16));
+          _mm512_storeu_si512(out + (2 * q + h) * 2 * kPanel, bf16_pairs(value(2 * h), value(2 * h + 1)));
         }
       }
     }
@@ -246,6 +247,11 @@ int w6k_linear_any(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
   if constexpr (std::is_same_v<A, uint16_t>)
     if (M >= kW6kAmxRows) return amx_linear(M, N, K, x, xs, CallWidened<W6kBlocks>{W6kBlocks{&L}, K}, bias, nullptr, out, os);
 #endif
+#if HS_HAVE_BF16_DOT
+  if constexpr (std::is_same_v<A, uint16_t>)
+    if (M >= kDotWidenedRows && bf16_dot_preferred())
+      return dot_widened_linear(M, N, K, x, xs, W6kBlocks{&L}, bias, out, os);
+#endif
   if (M >= kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W6kFloatPanels{&L});
   return w6k_linear_float(M, N, K, L, x, xs, bias, out, os);
 }
@@ -254,14 +260,17 @@ int w6k_linear_any(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
 
 extern "C" {
 
-// 2: int8 activations on VNNI, 1: AMX-BF16 tiles over widened codes, 3: float32 panels decoded once per row block,
-// 0: the float32 vector path.
+// 2: int8 activations on VNNI, 1: AMX-BF16 tiles over widened codes, 4: bf16 dot products over codes widened once
+// per call, 3: float32 panels decoded once per row block, 0: the float32 vector path.
 int hs_w6k_path(int act_dtype, int64_t rows) {
 #if HS_HAVE_W6K_A8
   if (rows <= kW6kA8MaxRows) return 2;
 #endif
 #if HS_HAVE_AMX
   if (act_dtype == kBF16 && rows >= kW6kAmxRows) return 1;
+#endif
+#if HS_HAVE_BF16_DOT
+  if (act_dtype == kBF16 && rows >= kDotWidenedRows && bf16_dot_preferred()) return 4;
 #endif
   (void)act_dtype;
   return rows >= kWidenedRows ? 3 : 0;

@@ -46,4 +46,45 @@ int widened_linear(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
   return 0;
 }
 
+#if HS_HAVE_BF16_DOT
+// Rows from which bf16 calls over coded weights take dot_widened_linear, where the CPU prefers the dot products
+// (kernels/linear_w4.py and linear_w6k.py DOT_ROWS); fewer rows stay on the paths that read each code once.
+constexpr int64_t kDotWidenedRows = 16;
+
+// Calls of many bf16 rows over coded weights (4-bit, Q6_K) at the avx512_bf16 level on CPUs whose bf16 dot products
+// beat the float32 vector path (bf16_dot_preferred: AMD Zen 4/5), where float32 tiles run at half the rate of
+// vdpbf16ps: each panel group's codes are dequantized once per call into the 16-bit kernel's bf16 k-pair layout in
+// the thread's scratch, each weight rounded once to bf16 (Src::widen, the amx path's weights, the same bits), and
+// the 16-bit kernel's row tiles run every row over them (float32 sums, k-pair after k-pair). While the row tiles
+// compute, they request the next group's codes into L2, so its widening does not wait on memory. Src widens units
+// [from, to) of the panels from p on (Src::units() a panel) to dst (panel j at j * K * 16) and gives the address of
+// panel p's codes (Src::bytes; panels contiguous). K even.
+template <typename Src>
+int dot_widened_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs, const Src& src,
+                       const uint16_t* bias, uint16_t* out, int64_t os) {
+  const int64_t K2 = K / 2, pe = K * kPanel, panels = (N + kPanel - 1) / kPanel, units = src.units();
+  const int64_t group = max_panels(8), groups = (panels + group - 1) / group, tiles = (M + 7) / 8;
+#pragma omp parallel for schedule(static) if (groups > 1)
+  for (int64_t g = 0; g < groups; ++g) {
+    static thread_local std::vector<uint16_t> scratch;  // this group's bf16 panels
+    const int64_t p0 = g * group;
+    const int nr = static_cast<int>(std::min(group, panels - p0));
+    if (static_cast<int64_t>(scratch.size()) < nr * pe) scratch.resize(nr * pe);
+    src.widen(p0, 0, nr * units, scratch.data());
+    const int64_t next_panels = g + 1 < groups ? std::min(group, panels - p0 - nr) : 0;
+    const char* next = src.bytes(p0 + nr);
+    const char* next_end = next_panels > 0 ? src.bytes(p0 + nr + next_panels) : next;
+    const int per_step = static_cast<int>(((next_end - next) / 64 + tiles * K2 - 1) / (tiles * K2));  // lines a step
+    const int64_t slice = per_step * K2 * 64;  // bytes each row tile requests
+    for (int64_t m0 = 0, t = 0; m0 < M; m0 += 8, ++t) {
+      const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
+      const char* begin = std::min(next + t * slice, next_end);
+      kRows[mr](nr, K2, x + m0 * xs, xs, scratch.data(), pe, bias, nullptr, out + m0 * os, os, p0 * kPanel, N,
+                Ahead{begin, std::min(begin + slice, next_end), per_step});
+    }
+  }
+  return 0;
+}
+#endif
+
 }  // namespace
