@@ -191,8 +191,9 @@ struct W6kFloatPanels {
 };
 
 #if HS_HAVE_BF16_DOT
-// The weights of the amx path and of the dot-product path of many bf16 rows (gemm_widened.h): a unit is one sub-block of 16 k of a panel, widened into the bf16 k-pair layout
-// (8 pairs of 16 columns), each weight (d sc) (q - 32) rounded to float32 (as gguf computes it), then to bf16.
+// The weights of the amx path and of the dot-product path of many bf16 rows (gemm_widened.h): a unit is one
+// sub-block of 16 k of a panel, widened into the bf16 k-pair layout (8 pairs of 16 columns), each weight
+// (d sc) (q - 32) rounded to float32 (as gguf computes it), then to bf16.
 struct W6kBlocks {
   const W6kLayout* L;
   int64_t units() const { return L->KB * 16; }
