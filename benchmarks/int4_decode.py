@@ -8,14 +8,26 @@ ratios are what to quote.
 
     python benchmarks/int4_decode.py --model /tmp/bench-granite-1.3b --rounds 5
     python benchmarks/int4_decode.py --model DIR --cpu-isa avx2   # the kernel paths of a CPU of that class
+
+``--gguf FILE`` adds an engine that loads that GGUF file (a ``llama-quantize`` output of the same checkpoint, its
+quantized weights as they are), and ``--llama-cpp BUILD`` then runs ``llama-bench -p 0 -n OUTPUT`` on the same file
+right after the engines' one-stream runs of each round, so that llama.cpp's decode and the file's decode in
+hybridserve sample the same minutes of a shared machine:
+
+    python benchmarks/int4_decode.py --model DIR --gguf DIR/model-q4_k_m.gguf --llama-cpp LLAMA_BUILD --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_cpp_runner
 
 
 def _engine(model: str, quantization: str, group: int | None, max_len: int, cpu_isa: str):
@@ -53,7 +65,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="write every round's figures here")
     parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16)")
+    parser.add_argument("--gguf", default=None, help="also run an engine that loads this GGUF file")
+    parser.add_argument("--llama-cpp", default=None, help="llama.cpp build folder: llama-bench on the --gguf file")
     a = parser.parse_args()
+    if a.llama_cpp and not a.gguf:
+        parser.error("--llama-cpp times llama.cpp on the --gguf file: give --gguf FILE")
 
     from hybridserve.kernels import isa
 
@@ -66,6 +82,8 @@ def main() -> None:
     specs = {"bf16": ("none", None), "int8": ("int8", None),
              **{f"int4_g{g}": ("int4", int(g)) for g in a.groups.split(",")}}
     engines = {name: _engine(a.model, q, g, max_len, a.cpu_isa) for name, (q, g) in specs.items()}
+    if a.gguf:
+        engines["gguf"] = _engine(a.gguf, "auto", None, max_len, a.cpu_isa)
     vocab = engines["bf16"].hf_config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (a.prompt,), generator=g).tolist()
@@ -80,6 +98,8 @@ def main() -> None:
         for name, engine in order:
             seconds, ttft = _generate(engine, prompt, a.output)
             row[f"decode_{name}"] = (a.output - 1) / (seconds - ttft)
+        if a.llama_cpp:
+            row["decode_llama_cpp"] = llama_cpp_runner.decode_rate(a.llama_cpp, a.gguf, a.output, a.threads)
         for name, engine in order:
             row[f"prefill_{name}"] = a.prefill / _generate(engine, long_prompt, 1)[1]
         rounds.append(row)
@@ -96,6 +116,9 @@ def main() -> None:
             print(f"{name}: decode / int8 {ratio(f'decode_{name}', 'decode_int8'):.2f}, decode / bf16 "
                   f"{ratio(f'decode_{name}', 'decode_bf16'):.2f}, prefill / bf16 "
                   f"{ratio(f'prefill_{name}', 'prefill_bf16'):.2f} (medians of per-round ratios)")
+    if a.llama_cpp:
+        print(f"gguf: decode / llama.cpp on the same file {ratio('decode_gguf', 'decode_llama_cpp'):.2f} (median of "
+              f"per-round ratios)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "cpu": isa.cpu_info().model, "rounds": rounds}, f, indent=2)

@@ -49,19 +49,6 @@ def _generate(engine, prompts: list[list[int]], output: int) -> tuple[float, flo
     return time.perf_counter() - start, statistics.median(first.values())
 
 
-def _llama_decode(folder: str, gguf: str, output: int, threads: int) -> float:
-    """llama-bench's one-stream decode rate of ``output`` tokens from an empty context (mean of 3), tok/s."""
-    binary = llama_cpp_runner.tool(folder, "llama-bench")
-    rc, out, err, _ = llama_cpp_runner._run([binary, "-m", gguf, "-p", "0", "-n", str(output), "-t", str(threads),
-                                             "-r", "3", "-o", "json"])
-    tests = json.loads(out[out.index("["):]) if rc == 0 and "[" in out else []
-    decode = next((t for t in tests if t.get("n_gen") == output), None)
-    if decode is None:
-        print(f"llama-bench failed (exit {rc}):\n{err[-2000:]}", file=sys.stderr)
-        return float("nan")
-    return decode["avg_ts"]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -101,7 +88,8 @@ def main() -> None:
         if a.llama_cpp:
             for label, gguf in (("q8_0", a.gguf_q8), ("bf16", a.gguf_bf16)):
                 if gguf:
-                    row[f"llama_cpp_decode_{label}"] = _llama_decode(a.llama_cpp, gguf, a.output, a.threads)
+                    row[f"llama_cpp_decode_{label}"] = llama_cpp_runner.decode_rate(a.llama_cpp, gguf, a.output,
+                                                                                     a.threads)
         for q, engine in order:
             seconds, _ = _generate(engine, prompts, a.output)
             row[f"batched_{q}"] = a.requests * a.output / seconds

@@ -110,3 +110,19 @@ def run_one_stream(folder: str, gguf: str, plen: int, olen: int, threads: int,
     return {"engine": "llama.cpp", "prompt": plen, "output": olen, "prefill_tok_s": prefill["avg_ts"],
             "prefill_tok_s_stddev": prefill["stddev_ts"], "decode_tok_s": decode["avg_ts"],
             "decode_tok_s_stddev": decode["stddev_ts"], "repetitions": len(decode.get("samples_ts", []))}
+
+
+def decode_rate(folder: str, gguf: str, output: int, threads: int) -> float:
+    """llama-bench's one-stream decode rate of ``output`` tokens from an empty context (mean of 3), tok/s (nan when
+    it fails, its error printed)."""
+    binary = tool(folder, "llama-bench")
+    if binary is None:
+        raise FileNotFoundError(f"no llama-bench in {folder}")
+    rc, out, err, _ = _run([binary, "-m", gguf, "-p", "0", "-n", str(output), "-t", str(threads), "-r", "3", "-o",
+                            "json"])
+    tests = json.loads(out[out.index("["):]) if rc == 0 and "[" in out else []
+    decode = next((t for t in tests if t.get("n_gen") == output), None)
+    if decode is None:
+        print(f"llama-bench failed (exit {rc}):\n{err[-2000:]}", file=sys.stderr)
+        return float("nan")
+    return decode["avg_ts"]
