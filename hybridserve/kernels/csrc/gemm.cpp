@@ -98,6 +98,15 @@ struct PackedBf16 {
   }
 };
 
+// Row tile t's share of the bytes [next, next_end) that a panel group's `tiles` row tiles of K2 k-pair steps
+// each request while they compute (the next group's weights or codes, so that they come from L2 when it starts).
+inline Ahead tile_ahead(const char* next, const char* next_end, int64_t tiles, int64_t K2, int64_t t) {
+  const int per_step = static_cast<int>(((next_end - next) / 64 + tiles * K2 - 1) / (tiles * K2));  // lines a step
+  const int64_t slice = per_step * K2 * 64;  // bytes a row tile requests
+  const char* begin = std::min(next + t * slice, next_end);
+  return Ahead{begin, std::min(begin + slice, next_end), per_step};
+}
+
 template <int MR, int NR, typename Weights>
 void tile_over(int64_t K2, const uint16_t* x, int64_t xs, const Weights& weights, const uint16_t* bias,
                const float* scale, uint16_t* out, int64_t os, int64_t n0, int64_t N, Ahead ahead) {

@@ -271,7 +271,7 @@ int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, c
 #endif
 #if HS_HAVE_BF16_DOT
   if constexpr (std::is_same_v<A, uint16_t>)
-    if (M >= kDotWidenedRows && bf16_dot_preferred())
+    if (dot_widened_takes(M))
       return dot_widened_linear(M, N, K, x, xs, W4Words{&L}, bias, out, os);
 #endif
   if (M >= kWidenedRows) return widened_linear(M, N, K, x, xs, bias, out, os, W4FloatPanels{&L});
@@ -292,7 +292,7 @@ int hs_w4_path(int act_dtype, int64_t rows) {
   if (act_dtype == kBF16 && rows >= kW4AmxRows) return 1;
 #endif
 #if HS_HAVE_BF16_DOT
-  if (act_dtype == kBF16 && rows >= kDotWidenedRows && bf16_dot_preferred()) return 4;
+  if (act_dtype == kBF16 && dot_widened_takes(rows)) return 4;
 #endif
   (void)act_dtype;
   return rows >= kWidenedRows ? 3 : 0;

@@ -256,12 +256,9 @@ int w8_dot_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64_t xs
     const char* next = reinterpret_cast<const char*>(packed + (g * group + nr) * pe);
     const int64_t next_panels = g + 1 < groups ? std::min(group, panels - (g + 1) * group) : 0;
     const char* next_end = next + next_panels * pe;
-    const int per_step = static_cast<int>((next_panels * pe / 64 + tiles * K2 - 1) / (tiles * K2));
-    const int64_t slice = per_step * K2 * 64;
     for (int64_t m0 = 0, t = 0; m0 < M; m0 += 8, ++t) {
       const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
-      const char* begin = std::min(next + t * slice, next_end);
-      const Ahead ahead{begin, std::min(begin + slice, next_end), per_step};
+      const Ahead ahead = tile_ahead(next, next_end, tiles, K2, t);
       if (t == 0)  // widens the group's codes into the scratch as it computes
         kWidenRows<F>[mr](nr, K2, x, xs, packed + g * group * pe, pe, scratch.data(), K * kPanel, bias, scales, out,
                           os, g * group * kPanel, N, ahead);

@@ -51,6 +51,10 @@ int widened_linear(int64_t M, int64_t N, int64_t K, const A* x, int64_t xs, cons
 // (kernels/linear_w4.py and linear_w6k.py DOT_ROWS); fewer rows stay on the paths that read each code once.
 constexpr int64_t kDotWidenedRows = 16;
 
+// Whether a bf16 call of `rows` rows over coded weights takes dot_widened_linear (the kernels' dispatch and the
+// path codes they report, hs_w4_path / hs_w6k_path, alike).
+inline bool dot_widened_takes(int64_t rows) { return rows >= kDotWidenedRows && bf16_dot_preferred(); }
+
 // Calls of many bf16 rows over coded weights (4-bit, Q6_K) at the avx512_bf16 level on CPUs whose bf16 dot products
 // beat the float32 vector path (bf16_dot_preferred: AMD Zen 4/5), where float32 tiles run at half the rate of
 // vdpbf16ps: each panel group's codes are dequantized once per call into the 16-bit kernel's bf16 k-pair layout in
@@ -74,13 +78,10 @@ int dot_widened_linear(int64_t M, int64_t N, int64_t K, const uint16_t* x, int64
     const int64_t next_panels = g + 1 < groups ? std::min(group, panels - p0 - nr) : 0;
     const char* next = src.bytes(p0 + nr);
     const char* next_end = next_panels > 0 ? src.bytes(p0 + nr + next_panels) : next;
-    const int per_step = static_cast<int>(((next_end - next) / 64 + tiles * K2 - 1) / (tiles * K2));  // lines a step
-    const int64_t slice = per_step * K2 * 64;  // bytes each row tile requests
     for (int64_t m0 = 0, t = 0; m0 < M; m0 += 8, ++t) {
       const int mr = M - m0 >= 8 ? 8 : static_cast<int>(M - m0);
-      const char* begin = std::min(next + t * slice, next_end);
       kRows[mr](nr, K2, x + m0 * xs, xs, scratch.data(), pe, bias, nullptr, out + m0 * os, os, p0 * kPanel, N,
-                Ahead{begin, std::min(begin + slice, next_end), per_step});
+                tile_ahead(next, next_end, tiles, K2, t));
     }
   }
   return 0;
