@@ -5,6 +5,7 @@ rest (Python and small PyTorch ops), averaged over decode steps (or for the firs
     python benchmarks/profile_step.py --model DIR --prefill          # the first (prefill) step instead
     python benchmarks/profile_step.py --model DIR --no-cpu-kernels   # the plain-PyTorch paths
     python benchmarks/profile_step.py --model DIR --enforce-eager    # decode through the modules
+    python benchmarks/profile_step.py --model DIR --mamba-ssm-cache-dtype int8  # 8-bit state
 
 Each component is timed by wrapping its Python entry point with ``time.perf_counter``, so the
 numbers add up to the step time; the wrappers cost a few microseconds per call. Decode steps replayed
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no captured decode steps")
     parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS))
     parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16, amx)")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                        help="the recurrent state dtype (int8, fp8_e4m3: the coded kernels, mamba2_scan_coded)")
     a = parser.parse_args()
 
     from hybridserve.kernels import isa
@@ -52,7 +55,7 @@ def main() -> None:
     import hybridserve.engine.output_processor as output_processor
     from hybridserve.config import EngineConfig
     from hybridserve.engine.llm_engine import LLMEngine
-    from hybridserve.kernels import _abi, attention, pointwise, recurrent
+    from hybridserve.kernels import _abi, attention, pointwise, recurrent, recurrent_coded
     from hybridserve.layers import linear_w8, packed_linear
     from hybridserve.sampling_params import SamplingParams
 
@@ -61,7 +64,8 @@ def main() -> None:
                                     quantization=a.quantization,
                                     max_num_batched_tokens=2048, max_model_len=a.prompt_len + a.steps + 16,
                                     enable_progress_bar=False, cpu_kernels=a.cpu_kernels,
-                                    enforce_eager=a.enforce_eager, cpu_isa=a.cpu_isa))
+                                    enforce_eager=a.enforce_eager, cpu_isa=a.cpu_isa,
+                                    mamba_ssm_cache_dtype=a.mamba_ssm_cache_dtype))
     vocab = engine.hf_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True)
@@ -101,6 +105,7 @@ def main() -> None:
     time_linear(packed_linear.KernelLinear)
     time_linear(linear_w8.W8Linear)
     for module, names in ((recurrent, ("mamba2_scan", "causal_conv1d")), (attention, ("paged_attention", "kv_write")),
+                          (recurrent_coded, ("mamba2_scan",)),
                           (pointwise, ("rms_norm", "gated_rms_norm", "silu_mul", "gather_rows", "rotary"))):
         for name in names:
             timed(module, name, name)

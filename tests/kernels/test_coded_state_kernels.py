@@ -140,7 +140,8 @@ OFFSETS = [0, 1030]
 
 
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
-@pytest.mark.parametrize("N,P,G", [(128, 64, 2), (64, 32, 1), (48, 16, 1)])  # 48: no fused row step
+@pytest.mark.parametrize("N,P,G", [(128, 64, 2), (64, 32, 1), (64, 24, 1), (48, 16, 1)])  # 48: no fused row step;
+# 24 rows: a last block of fewer rows than a vector has lanes
 @pytest.mark.parametrize("act_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
 @pytest.mark.parametrize("offset", OFFSETS)

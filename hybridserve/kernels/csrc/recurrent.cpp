@@ -447,11 +447,13 @@ struct NextHead {
   int64_t head;
 };
 
-// The single-token step of one head on an 8-bit state, in place, one row at a time: the row's N codes (NV
-// vectors) are decoded with its scale and updated in float32 in registers, read by y and for their largest
-// magnitude; then the row's new scale, and the row encoded back from the registers with the seeded stochastic
-// rounding (state_codec.h: encode_vecs). Rows do not depend on one another, so they overlap in the core. The
-// codes and scales of the head this thread takes next (next: its pool slot, or negative for none) are
+// The single-token step of one head on an 8-bit state, in place, kNativeLanes rows at a time: each row's N codes
+// (NV vectors) are decoded with its scale and updated in float32 in registers, read by y and for their largest
+// magnitude, and kept in an L1 scratch; then the block's y sums and maxima (reduce_rows_add / _max: the rows
+// transposed, the same sums) and its new row scales and their reciprocals at once, in vectors (row_scales): the
+// per-row horizontal reductions, scalar divisions and roundings were about a third of a row's instructions; then
+// each row is encoded back from the scratch with the seeded stochastic rounding (state_codec.h: encode_vecs).
+// The codes and scales of the head this thread takes next (next: its pool slot, or negative for none) are
 // prefetched meanwhile, so the pass over the pool runs at memory speed.
 template <int KIND, int NV, typename AT>
 void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_t x_stride, const AT* Bm,
@@ -483,24 +485,37 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
   }
   const uint32_t base = cs.base(s);
   NoiseBytes noise;
-  for (int64_t q = 0; q < P; ++q) {
-    const float xv = to_f32(xt[q]);
-    const float xdt = xv * dtv;
-    uint8_t* row = codes + q * N;
-    if (next_codes != nullptr)
-      for (int64_t b = 0; b < N; b += 64) __builtin_prefetch(next_codes + q * N + b);
-    const float scale = scale_value(scales[q]);
-    vnf v[NV];
-    vnf acc{}, mx{};
-    for (int i = 0; i < NV; ++i) {
-      v[i] = decode_vec<KIND>(row + kNativeLanes * i, scale) * decay + xdt * bv[i];
-      acc += v[i] * cv[i];
-      mx = max_abs(mx, v[i]);
+  alignas(64) float block[kNativeLanes * N];  // the block's updated rows, float32
+  vnf acc[kNativeLanes], mx[kNativeLanes];  // each row's y products and largest magnitudes, lane by lane
+  alignas(64) float sums[kNativeLanes], amax[kNativeLanes], inv[kNativeLanes];
+  for (int64_t q0 = 0; q0 < P; q0 += kNativeLanes) {
+    const int rows = static_cast<int>(P - q0 < kNativeLanes ? P - q0 : kNativeLanes);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t q = q0 + r;
+      const float xdt = to_f32(xt[q]) * dtv;
+      const uint8_t* row = codes + q * N;
+      if (next_codes != nullptr)
+        for (int64_t b = 0; b < N; b += 64) __builtin_prefetch(next_codes + q * N + b);
+      const float scale = scale_value(scales[q]);
+      vnf* v = reinterpret_cast<vnf*>(block + r * N);
+      acc[r] = vnf{};
+      mx[r] = vnf{};
+      for (int i = 0; i < NV; ++i) {
+        const vnf u = decode_vec<KIND>(row + kNativeLanes * i, scale) * decay + xdt * bv[i];
+        v[i] = u;
+        acc[r] += u * cv[i];
+        mx[r] = max_abs(mx[r], u);
+      }
     }
-    yt[q] = reduce_add(acc) + d * xv;
-    float inv;
-    row_scale<KIND>(reduce_max(mx), scales + q, &inv);
-    encode_vecs<KIND, NV>(v, inv, noise.fill(base, static_cast<uint32_t>(cs.offset + (h * P + q) * N), N), row);
+    reduce_rows_add(acc, rows, sums);
+    reduce_rows_max(mx, rows, amax);
+    for (int r = 0; r < rows; ++r) yt[q0 + r] = sums[r] + d * to_f32(xt[q0 + r]);
+    row_scales<KIND>(amax, rows, scales + q0, inv);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t q = q0 + r;
+      encode_vecs<KIND, NV>(reinterpret_cast<const vnf*>(block + r * N), inv[r],
+                            noise.fill(base, static_cast<uint32_t>(cs.offset + (h * P + q) * N), N), codes + q * N);
+    }
   }
 }
 
