@@ -139,8 +139,6 @@ def _kernel_body(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tens
     declined before any state changed."""
     t, Hk, Hv, Dk, Dv = qkvz.shape[0], layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     conv = layer.conv1d
-    if isinstance(rec_states, CodedState):
-        return None  # 8-bit state: no kernel body yet; the plain body runs (counted as a decline)
     conv_w, A_log, dt_bias = prepared(
         layer, "_gated_delta_net_kernel_params", (conv.weight, layer.A_log, layer.dt_bias),
         lambda: (recurrent_kernels.tap_major(conv.weight), layer.A_log.detach().float().contiguous(),

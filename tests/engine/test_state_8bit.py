@@ -21,7 +21,7 @@ import torch
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.cache.state_codec import CodedState, rounding_key
-from hybridserve.kernels import fallbacks
+from hybridserve.kernels import fallbacks, recurrent_coded
 from tests.checkpoints import make
 from tests.engine.test_parity import NEW_TOKENS, prompts
 from tests.hf_reference import compare, hf_greedy
@@ -112,21 +112,33 @@ def test_forked_children_equal_the_single_request_bit_for_bit(ckpt_dir, state):
     assert released_everything(llm.engine)
 
 
-def test_the_same_seed_reproduces_and_keys_and_positions_reach_the_codes(ckpt_dir, monkeypatch):
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain-body", "kernel-body"])
+def test_the_same_seed_reproduces_and_keys_and_positions_reach_the_codes(ckpt_dir, monkeypatch, kernels):
+    """The plain body encodes through ``CodedState.write``, the kernel body passes the keys and positions to
+    ``recurrent_coded`` (every step through Python here: no captured replay)."""
     path = make(ckpt_dir, "qwen3_next")
     seen: list[tuple[list[int], list[int]]] = []
-    write = CodedState.write
+    if kernels:
+        rule = recurrent_coded.gated_delta_rule
 
-    def spy(self, idx, values, keys, positions):
-        seen.append((keys.tolist(), positions.tolist()))
-        write(self, idx, values, keys, positions)
+        def spy_rule(state, conv_out, ba, A_log, dt_bias, softplus, cu_seqlens, slots, keys, positions, *rest):
+            seen.append((keys.tolist(), positions.tolist()))
+            return rule(state, conv_out, ba, A_log, dt_bias, softplus, cu_seqlens, slots, keys, positions, *rest)
 
-    monkeypatch.setattr(CodedState, "write", spy)
+        monkeypatch.setattr(recurrent_coded, "gated_delta_rule", spy_rule)
+    else:
+        write = CodedState.write
+
+        def spy(self, idx, values, keys, positions):
+            seen.append((keys.tolist(), positions.tolist()))
+            write(self, idx, values, keys, positions)
+
+        monkeypatch.setattr(CodedState, "write", spy)
     seed = 2**40 + 5  # wider than the 32 bits the hash reads
     params = SamplingParams(temperature=0.9, max_tokens=8, seed=seed, logprobs=2)
     runs = []
     for _ in range(2):
-        llm = _llm(path, "int8")
+        llm = _llm(path, "int8", cpu_kernels=kernels, enforce_eager=kernels)
         seen.clear()  # (the start-up's capture attempt runs padded rows, key 0)
         runs.append(_outputs(llm.generate([{"prompt_token_ids": list(range(3, 30))}], params)))
     assert runs[0] == runs[1]
@@ -186,12 +198,14 @@ def test_cache_layout_and_plan_count_codes_and_scales_exactly(ckpt_dir, tmp_path
         assert plan[key] == layout[key], key
 
 
-def test_the_kernel_bodies_take_coded_state(ckpt_dir):
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("state", CODES)
+def test_the_kernel_bodies_take_coded_state(ckpt_dir, family, state):
     """With the CPU kernels on, every recurrent op of an 8-bit state model runs its kernel body on the codes in
-    place (``kernels/recurrent_coded.py``): no call is handed to the plain body."""
+    place (``kernels/recurrent_coded.py``), prefill and decode: no call is handed to the plain body."""
     fallbacks.reset()
-    llm = _llm(make(ckpt_dir, "bamba"), "int8", cpu_kernels=True)
-    llm.generate([{"prompt_token_ids": list(range(3, 20))}], GREEDY)
+    llm = _llm(make(ckpt_dir, family), state, cpu_kernels=True)
+    llm.generate([{"prompt_token_ids": list(range(3, 20))}, {"prompt_token_ids": list(range(5, 9))}], GREEDY)
     declined = {(op, reason) for (op, reason), n in fallbacks.counts().items() if n and "state codes" in reason}
     assert declined == set()
     fallbacks.reset()
