@@ -256,7 +256,7 @@ def test_linear_attention_coded_matches_codec(code, lens, offset):
     from hybridserve.ops.linear_attention import linear_attention_varlen_ref
 
     g = torch.Generator().manual_seed(8)
-    H, D, T = 3, 16, sum(lens)
+    H, D, T = 3, 20, sum(lens)  # rows of 20: a partial block of rows and a partial vector
     qkv = torch.randn(T, H * 3 * D, generator=g) * 0.5
     decay = torch.rand(H, generator=g) * 0.5
     cu_t, slots, keys, positions = _group(lens, [3, 0, 5, 1], keys=False)
@@ -280,7 +280,7 @@ def test_gated_delta_rule_coded_matches_codec(code, lens, offset):
     from hybridserve.ops.gated_delta import gated_delta_rule_varlen_ref
 
     g = torch.Generator().manual_seed(10)
-    Hk, Hv, Dk, Dv, T = 2, 4, 16, 32, sum(lens)
+    Hk, Hv, Dk, Dv, T = 2, 4, 24, 32, sum(lens)  # 24 rows: a last block of fewer rows than a vector has lanes
     conv = torch.randn(T, 2 * Hk * Dk + Hv * Dv, generator=g)
     ba = torch.randn(T, 2 * Hv, generator=g)
     A_log, dt_bias = torch.randn(Hv, generator=g) * 0.5, torch.randn(Hv, generator=g) * 0.5

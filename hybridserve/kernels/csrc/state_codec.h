@@ -340,6 +340,11 @@ template <int KIND> inline void row_scale(float amax, uint16_t* scale, float* in
 // row_scale for n <= kNativeLanes rows at once, in vectors (the same divisions and roundings, lane by lane):
 // amax[r] -> scales[r] (bfloat16 bits), inv[r] (all kNativeLanes entries written, 0 past n).
 template <int KIND> inline void row_scales(const float* amax, int n, uint16_t* scales, float* inv) {
+  if (n == 1) {  // one row: the scalar divisions
+    std::memset(inv, 0, kNativeLanes * sizeof(float));
+    row_scale<KIND>(amax[0], scales, inv);
+    return;
+  }
   alignas(64) float a[kNativeLanes] = {};
   std::memcpy(a, amax, n * sizeof(float));
   const vnf s = *reinterpret_cast<const vnf*>(a) / code_max(KIND);
@@ -397,26 +402,24 @@ template <int KIND, int NV> inline void encode_vecs(const vnf* v, float inv, con
   }
 }
 
-inline float row_amax(const float* x, int64_t n) {
+// The lane-wise largest magnitudes of x (n,): reduce_max of it is max|x| (the tail past the last whole vector
+// folded in, padded with zeros).
+inline vnf row_max_lanes(const float* x, int64_t n) {
   vnf m{};
   int64_t i = 0;
-  for (; i + kNativeLanes <= n; i += kNativeLanes) {
-    const vnf b = vabs(*reinterpret_cast<const vnf*>(x + i));
-    m = b > m ? b : m;
+  for (; i + kNativeLanes <= n; i += kNativeLanes) m = max_abs(m, *reinterpret_cast<const vnf*>(x + i));
+  if (i < n) {
+    alignas(64) float tail[kNativeLanes] = {};
+    std::memcpy(tail, x + i, (n - i) * sizeof(float));
+    m = max_abs(m, *reinterpret_cast<const vnf*>(tail));
   }
-  float r = reduce_max(m);
-  for (; i < n; ++i) {
-    const float b = x[i] < 0 ? -x[i] : x[i];
-    r = b > r ? b : r;
-  }
-  return r;
+  return m;
 }
 
-// x (n,) float32 -> n codes at c and the row scale (bfloat16 bits); element i of the row has flat index e0 + i.
+// x (n,) float32 -> n codes at c with the row's reciprocal scale inv (row_scale); element i of the row has flat
+// index e0 + i.
 template <int KIND>
-void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scale) {
-  float inv;
-  row_scale<KIND>(row_amax(x, n), scale, &inv);
+void encode_row_scaled(const float* x, int64_t n, float inv, uint32_t base, uint32_t e0, uint8_t* c) {
   NoiseBytes noise;
   for (int64_t start = 0; start < n; start += kNoiseChunk) {
     const int64_t len = n - start < kNoiseChunk ? n - start : kNoiseChunk;
@@ -437,6 +440,25 @@ void encode_row(const float* x, int64_t n, uint32_t base, uint32_t e0, uint8_t* 
       keep_rounded(v);
       encode_vec<KIND>(v, noise_vec(u + i), out);
       std::memcpy(cs + i, out, len - i);
+    }
+  }
+}
+
+// rows consecutive rows of n float32 values (x) -> their codes at c and row scales (bfloat16 bits); element i of
+// row r has flat index e0 + r n + i. The rows' maxima, scales and reciprocals are taken kNativeLanes rows at a
+// time (reduce_rows_max, row_scales), not one scalar division and rounding per row.
+template <int KIND>
+void encode_rows(const float* x, int64_t rows, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scales) {
+  vnf mx[kNativeLanes];
+  alignas(64) float amax[kNativeLanes], inv[kNativeLanes];
+  for (int64_t r0 = 0; r0 < rows; r0 += kNativeLanes) {
+    const int block = static_cast<int>(rows - r0 < kNativeLanes ? rows - r0 : kNativeLanes);
+    for (int r = 0; r < block; ++r) mx[r] = row_max_lanes(x + (r0 + r) * n, n);
+    reduce_rows_max(mx, block, amax);
+    row_scales<KIND>(amax, block, scales + r0, inv);
+    for (int r = 0; r < block; ++r) {
+      const int64_t row = r0 + r;
+      encode_row_scaled<KIND>(x + row * n, n, inv[r], base, e0 + static_cast<uint32_t>(row * n), c + row * n);
     }
   }
 }
@@ -493,9 +515,7 @@ template <int KIND> struct CodedRows {
   void store(int64_t s, int64_t off, int64_t rows, int64_t n, const float* in) const {
     uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
     uint16_t* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
-    const uint32_t base = cs.base(s);
-    for (int64_t r = 0; r < rows; ++r)
-      encode_row<KIND>(in + r * n, n, base, static_cast<uint32_t>(cs.offset + off + r * n), c + r * n, sc + r);
+    encode_rows<KIND>(in, rows, n, cs.base(s), static_cast<uint32_t>(cs.offset + off), c, sc);
   }
 };
 
