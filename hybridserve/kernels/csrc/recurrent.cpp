@@ -484,7 +484,7 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
     for (int64_t b = 0; b < P * static_cast<int64_t>(sizeof(uint16_t)); b += 64) __builtin_prefetch(next_scales + b);
   }
   const uint32_t base = cs.base(s);
-  NoiseBytes noise;
+  NoiseBytesOf<kNativeLanes * N> noise;  // the block's, hashed at once (its rows are consecutive elements)
   alignas(64) float block[kNativeLanes * N];  // the block's updated rows, float32
   vnf acc[kNativeLanes], mx[kNativeLanes];  // each row's y products and largest magnitudes, lane by lane
   alignas(64) float sums[kNativeLanes], amax[kNativeLanes], inv[kNativeLanes];
@@ -511,11 +511,9 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
     reduce_rows_max(mx, rows, amax);
     for (int r = 0; r < rows; ++r) yt[q0 + r] = sums[r] + d * to_f32(xt[q0 + r]);
     row_scales<KIND>(amax, rows, scales + q0, inv);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t q = q0 + r;
-      encode_vecs<KIND, NV>(reinterpret_cast<const vnf*>(block + r * N), inv[r],
-                            noise.fill(base, static_cast<uint32_t>(cs.offset + (h * P + q) * N), N), codes + q * N);
-    }
+    const uint8_t* u = noise.fill(base, static_cast<uint32_t>(cs.offset + (h * P + q0) * N), rows * N);
+    for (int r = 0; r < rows; ++r)
+      encode_vecs<KIND, NV>(reinterpret_cast<const vnf*>(block + r * N), inv[r], u + r * N, codes + (q0 + r) * N);
   }
 }
 

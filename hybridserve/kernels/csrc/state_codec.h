@@ -80,13 +80,12 @@ inline vnu32 lane_index() {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the noise bytes are read from the hash words' memory");
 
 constexpr int64_t kNoisePerHash = 4;     // elements whose noise one 32-bit hash gives (a byte each)
-constexpr int64_t kNoiseChunk = 16 * kNativeLanes > 256 ? 16 * kNativeLanes : 256;  // most one fill covers
 
 // The noise bytes of a run of consecutive elements: fill(base, e0, n) hashes the words e0 / 4 .. (e0 + n - 1)
-// / 4 and returns p with p[i] the byte of element e0 + i (n <= kNoiseChunk); the words are hashed a
+// / 4 and returns p with p[i] the byte of element e0 + i (n <= kElements); the words are hashed a
 // register-wide vector at a time, and a vector load past the n bytes stays inside the buffer.
-struct NoiseBytes {
-  alignas(64) uint32_t words[kNoiseChunk / kNoisePerHash + 3 * kNativeLanes];
+template <int64_t kElements> struct NoiseBytesOf {
+  alignas(64) uint32_t words[kElements / kNoisePerHash + 3 * kNativeLanes];
 
   const uint8_t* fill(uint32_t base, uint32_t e0, int64_t n) {
     const uint32_t w0 = e0 / kNoisePerHash;
@@ -236,7 +235,7 @@ inline void store_bytes(vni32 v, uint8_t* c) {  // v's lanes in [-128, 255]: the
 #endif
 }
 
-// The uniform numbers (byte + 0.5) / 256 of kNativeLanes noise bytes (NoiseBytes), exactly.
+// The uniform numbers (byte + 0.5) / 256 of kNativeLanes noise bytes (NoiseBytesOf), exactly.
 inline vnf noise_vec(const uint8_t* bytes) {
   return __builtin_convertvector(load_u8(bytes), vnf) * 0x1p-8f + 0x1p-9f;
 }
@@ -373,7 +372,7 @@ inline vnf max_abs(vnf m, vnf v) {
 }
 
 // NV register-wide vectors v of a row (N = NV * kNativeLanes values) -> their codes at c: v * inv rounded
-// (encode_vec) with the noise bytes u of the row's elements (NoiseBytes).
+// (encode_vec) with the noise bytes u of the row's elements (NoiseBytesOf).
 template <int KIND, int NV> inline void encode_vecs(const vnf* v, float inv, const uint8_t* u, uint8_t* c) {
 #if defined(__AVX512BW__) && !defined(HS_VECTOR_LANES)
   if constexpr (KIND == kCodeInt8 && NV % 4 == 0) {
@@ -416,49 +415,55 @@ inline vnf row_max_lanes(const float* x, int64_t n) {
   return m;
 }
 
-// x (n,) float32 -> n codes at c with the row's reciprocal scale inv (row_scale); element i of the row has flat
-// index e0 + i.
-template <int KIND>
-void encode_row_scaled(const float* x, int64_t n, float inv, uint32_t base, uint32_t e0, uint8_t* c) {
-  NoiseBytes noise;
-  for (int64_t start = 0; start < n; start += kNoiseChunk) {
-    const int64_t len = n - start < kNoiseChunk ? n - start : kNoiseChunk;
-    const uint8_t* u = noise.fill(base, e0 + static_cast<uint32_t>(start), len);
-    const float* xs = x + start;
-    uint8_t* cs = c + start;
-    int64_t i = 0;
-    for (; i + kNativeLanes <= len; i += kNativeLanes) {
-      vnf v = *reinterpret_cast<const vnf*>(xs + i) * inv;
-      keep_rounded(v);
-      encode_vec<KIND>(v, noise_vec(u + i), cs + i);
-    }
-    if (i < len) {
-      float tail[kNativeLanes] = {};
-      uint8_t out[kNativeLanes];
-      std::memcpy(tail, xs + i, (len - i) * sizeof(float));
-      vnf v = *reinterpret_cast<const vnf*>(tail) * inv;
-      keep_rounded(v);
-      encode_vec<KIND>(v, noise_vec(u + i), out);
-      std::memcpy(cs + i, out, len - i);
-    }
+// len float32 values at x -> codes at c: times inv, rounded with the noise bytes u of their elements
+// (NoiseBytesOf: fill).
+template <int KIND> void encode_run(const float* x, int64_t len, float inv, const uint8_t* u, uint8_t* c) {
+  int64_t i = 0;
+  for (; i + kNativeLanes <= len; i += kNativeLanes) {
+    vnf v = *reinterpret_cast<const vnf*>(x + i) * inv;
+    keep_rounded(v);
+    encode_vec<KIND>(v, noise_vec(u + i), c + i);
+  }
+  if (i < len) {
+    float tail[kNativeLanes] = {};
+    uint8_t out[kNativeLanes];
+    std::memcpy(tail, x + i, (len - i) * sizeof(float));
+    vnf v = *reinterpret_cast<const vnf*>(tail) * inv;
+    keep_rounded(v);
+    encode_vec<KIND>(v, noise_vec(u + i), out);
+    std::memcpy(c + i, out, len - i);
   }
 }
 
+// Elements whose noise encode_rows hashes at once (a block of rows up to this many elements).
+constexpr int64_t kBlockNoise = 4096;
+
 // rows consecutive rows of n float32 values (x) -> their codes at c and row scales (bfloat16 bits); element i of
 // row r has flat index e0 + r n + i. The rows' maxima, scales and reciprocals are taken kNativeLanes rows at a
-// time (reduce_rows_max, row_scales), not one scalar division and rounding per row.
+// time (reduce_rows_max, row_scales), and a block's noise hashed at once when it fits kBlockNoise, not one scalar
+// division, rounding and noise fill per row.
 template <int KIND>
 void encode_rows(const float* x, int64_t rows, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scales) {
   vnf mx[kNativeLanes];
   alignas(64) float amax[kNativeLanes], inv[kNativeLanes];
+  NoiseBytesOf<kBlockNoise> noise;
   for (int64_t r0 = 0; r0 < rows; r0 += kNativeLanes) {
     const int block = static_cast<int>(rows - r0 < kNativeLanes ? rows - r0 : kNativeLanes);
     for (int r = 0; r < block; ++r) mx[r] = row_max_lanes(x + (r0 + r) * n, n);
     reduce_rows_max(mx, block, amax);
     row_scales<KIND>(amax, block, scales + r0, inv);
+    if (block * n <= kBlockNoise) {
+      const uint8_t* u = noise.fill(base, e0 + static_cast<uint32_t>(r0 * n), block * n);
+      for (int r = 0; r < block; ++r) encode_run<KIND>(x + (r0 + r) * n, n, inv[r], u + r * n, c + (r0 + r) * n);
+      continue;
+    }
     for (int r = 0; r < block; ++r) {
       const int64_t row = r0 + r;
-      encode_row_scaled<KIND>(x + row * n, n, inv[r], base, e0 + static_cast<uint32_t>(row * n), c + row * n);
+      for (int64_t start = 0; start < n; start += kBlockNoise) {
+        const int64_t len = n - start < kBlockNoise ? n - start : kBlockNoise;
+        const uint8_t* u = noise.fill(base, e0 + static_cast<uint32_t>(row * n + start), len);
+        encode_run<KIND>(x + row * n + start, len, inv[r], u, c + row * n + start);
+      }
     }
   }
 }
