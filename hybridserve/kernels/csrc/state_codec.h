@@ -167,35 +167,23 @@ template <typename Op> inline void reduce_rows_tree(const vnf* v, float* out, Op
 }
 #endif
 
-// out[r] = reduce_add(v[r]) for r < n (n <= kNativeLanes).
-inline void reduce_rows_add(const vnf* v, int n, float* out) {
+// out[r] = reduce_max(v[r]) if Max, else reduce_add(v[r]), for r < n (n <= kNativeLanes).
+template <bool Max> inline void reduce_rows(const vnf* v, int n, float* out) {
 #if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(HS_VECTOR_LANES)
   if (n == kNativeLanes) {
 #if defined(__AVX512F__)
-    reduce_rows_tree(v, out, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+    reduce_rows_tree(v, out, [](__m512 a, __m512 b) { return Max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b); });
 #else
-    reduce_rows_tree(v, out, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); });
+    reduce_rows_tree(v, out, [](__m256 a, __m256 b) { return Max ? _mm256_max_ps(a, b) : _mm256_add_ps(a, b); });
 #endif
     return;
   }
 #endif
-  for (int r = 0; r < n; ++r) out[r] = reduce_add(v[r]);
+  for (int r = 0; r < n; ++r) out[r] = Max ? reduce_max(v[r]) : reduce_add(v[r]);
 }
 
-// out[r] = reduce_max(v[r]) for r < n (n <= kNativeLanes).
-inline void reduce_rows_max(const vnf* v, int n, float* out) {
-#if (defined(__AVX512F__) || defined(__AVX2__)) && !defined(HS_VECTOR_LANES)
-  if (n == kNativeLanes) {
-#if defined(__AVX512F__)
-    reduce_rows_tree(v, out, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
-#else
-    reduce_rows_tree(v, out, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); });
-#endif
-    return;
-  }
-#endif
-  for (int r = 0; r < n; ++r) out[r] = reduce_max(v[r]);
-}
+inline void reduce_rows_add(const vnf* v, int n, float* out) { reduce_rows<false>(v, n, out); }
+inline void reduce_rows_max(const vnf* v, int n, float* out) { reduce_rows<true>(v, n, out); }
 
 // kNativeLanes bytes widened to int32 lanes (sign- or zero-extended), and int32 lanes (in the byte range)
 // narrowed to bytes: explicit instructions, as GCC scalarizes these conversions of its vector types.
