@@ -5,8 +5,9 @@ on a quiet machine and beside a busy neighbour, interleaved.
     python benchmarks/shared_cores.py --model /tmp/bench-granite-100m
     python benchmarks/shared_cores.py --model DIR --configs bounded,bounded@1,spins=3000 --rounds 5
 
-A configuration is ``POLICY[@THREADS]``: a ``--cpu-wait-policy`` value (spin, bounded, passive, openmp,
-auto) or ``spins=N`` (``GOMP_SPINCOUNT=N``, to explore), and a thread count (default: every core). Each one
+A configuration is ``POLICY[@THREADS][+adaptive]``: a ``--cpu-wait-policy`` value (spin, bounded, passive,
+openmp, auto) or ``spins=N`` (``GOMP_SPINCOUNT=N``, to explore), a thread count (default: every core), and
+``+adaptive`` for ``--cpu-adaptive-threads`` (the count each step ran with is in the JSON). Each one
 runs in a fresh process, since the OpenMP runtime reads its wait policy when torch is imported: the child
 applies the policy as the ``hybridserve`` command does (``kernels/threads.py``) before importing torch,
 prefills ``--requests`` random prompts, steps until every request decodes, then alternates ``--steps``
@@ -63,15 +64,18 @@ def wait_for_quiet(threshold: float, limit: float, window: float = 3.0) -> float
             return load
 
 
-def parse_config(config: str) -> tuple[str, int | None]:
-    """``POLICY[@THREADS]`` -> (policy, threads or None for every core)."""
+def parse_config(config: str) -> tuple[str, int | None, bool]:
+    """``POLICY[@THREADS][+adaptive]`` -> (policy, threads or None for every core, adaptive threads)."""
+    config, plus, adaptive = config.partition("+")
+    if plus and adaptive != "adaptive":
+        raise ValueError(f"{config}+{adaptive}: the only suffix is +adaptive")
     policy, _, threads = config.partition("@")
-    return policy, int(threads) if threads else None
+    return policy, int(threads) if threads else None, bool(plus)
 
 
 def child(a: argparse.Namespace) -> None:
     """One configuration: apply its wait policy, then import torch, build the engine and time steps."""
-    policy, threads = parse_config(a.child)
+    policy, threads, adaptive = parse_config(a.child)
     from hybridserve.kernels import threads as cpu_threads
 
     if policy.startswith("spins="):
@@ -91,7 +95,7 @@ def child(a: argparse.Namespace) -> None:
     steps_needed = 8 + 2 * a.phases * a.steps
     engine = LLMEngine(EngineConfig(model=a.model, dtype=a.dtype, cache_memory="2GiB", max_num_seqs=a.requests,
                                     max_model_len=a.prompt_len + steps_needed + 16, enable_progress_bar=False,
-                                    cpu_threads=threads, cpu_wait_policy="auto"))
+                                    cpu_threads=threads, cpu_wait_policy="auto", cpu_adaptive_threads=adaptive))
     vocab = engine.hf_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=steps_needed, ignore_eos=True)
@@ -103,6 +107,7 @@ def child(a: argparse.Namespace) -> None:
         engine.step()
 
     others = {"quiet": [], "busy": []}  # cores' worth of CPU time the rest of the machine took in each phase
+    counts = {"quiet": [], "busy": []}  # the thread count each step ran with (it changes with +adaptive)
 
     def timed(n: int, phase: str, neighbours: tuple[int, ...] = ()) -> list[float]:
         out = []
@@ -112,6 +117,7 @@ def child(a: argparse.Namespace) -> None:
             t = time.perf_counter()
             engine.step()
             out.append(time.perf_counter() - t)
+            counts[phase].append(torch.get_num_threads())
         end = (time.perf_counter(), busy_cpu_seconds(), process_cpu_seconds(os.getpid()),
                sum(process_cpu_seconds(pid) for pid in neighbours))
         rest = (end[1] - start[1]) - (end[2] - start[2]) - (end[3] - start[3])
@@ -133,7 +139,8 @@ def child(a: argparse.Namespace) -> None:
         time.sleep(0.2)
     print(json.dumps({"config": a.child, "threads": torch.get_num_threads(), "wait_policy": applied.in_force,
                       "spin_count": applied.spin_count, "quiet_ms": [t * 1e3 for t in quiet],
-                      "busy_ms": [t * 1e3 for t in busy], "other_load": others}))
+                      "busy_ms": [t * 1e3 for t in busy], "other_load": others,
+                      "step_threads": counts}))
 
 
 def run_child(a: argparse.Namespace, config: str) -> dict:
@@ -152,7 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--configs", default="spin,openmp,bounded,passive,bounded@1",
-                        help="comma-separated POLICY[@THREADS] (see above)")
+                        help="comma-separated POLICY[@THREADS][+adaptive] (see above)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every configuration (rotated order)")
     parser.add_argument("--requests", type=int, default=32, help="sequences decoding in every step")
     parser.add_argument("--prompt-len", type=int, default=128)

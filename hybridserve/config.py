@@ -141,6 +141,8 @@ class EngineConfig:
     cpu_threads: int | None = None
     cpu_reserved_cores: int = 0
     cpu_wait_policy: str = "auto"
+    # fewer threads while other processes take the cores (kernels/thread_share.py); cpu_threads is the ceiling
+    cpu_adaptive_threads: bool = False
     quantization: str = "auto"
     # in-features per scale of quantization="int4" (None: DEFAULT_INT4_GROUP_SIZE; other quantizations take none)
     quantization_group_size: int | None = None
@@ -175,7 +177,7 @@ class EngineConfig:
             check_positive_int(name, getattr(self, name))
         check_cache_shape_options(self)
         for name in ("cpu_weight_prepack", "cpu_kernels", "enforce_eager", "enable_progress_bar",
-                     "enable_prefix_caching"):
+                     "enable_prefix_caching", "cpu_adaptive_threads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -187,6 +189,10 @@ class EngineConfig:
         self.grammar_limits()  # ValueError naming a bad limit
         if self.tensor_parallel_size > 1:
             check_tensor_parallel_options(self)
+            if self.cpu_adaptive_threads:
+                raise ValueError(f"cpu_adaptive_threads=True runs in one process; with tensor_parallel_size="
+                                 f"{self.tensor_parallel_size} the ranks would count each other as other processes "
+                                 f"(allowed: cpu_adaptive_threads=False, or tensor_parallel_size=1)")
         self.quantization_group_size = _check_group_size(self.quantization, self.quantization_group_size)
         if self.quantization in LOAD_QUANTIZATIONS and (not self.cpu_kernels or self.device == "cuda"):
             raise ValueError(f"quantization={self.quantization!r} runs on hybridserve's compiled CPU kernels: it needs "

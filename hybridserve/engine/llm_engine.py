@@ -27,6 +27,7 @@ from hybridserve.engine.seq_limit import fitted_max_num_seqs
 from hybridserve.engine.sequence import Sequence, SequenceStatus
 from hybridserve.engine.worker import Worker
 from hybridserve.generation_config import generation_eos_ids, load_generation_defaults, token_id_list
+from hybridserve.kernels.thread_share import ThreadShare
 from hybridserve.kernels.threads import setup_threads
 from hybridserve.layers.weight_bytes import weight_bytes
 from hybridserve.models.loader import load_hf_config
@@ -64,6 +65,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         # torch.set_num_threads, before tensor-parallel ranks split the count; logs the OpenMP wait policy in force
         self.thread_setup = setup_threads(config.cpu_threads, config.cpu_reserved_cores, config.cpu_wait_policy)
+        # fewer threads while other processes take the cores (kernels/thread_share.py); None when not asked for
+        self.thread_share = ThreadShare(self.thread_setup.threads) if config.cpu_adaptive_threads else None
         self.tp: Launch | None = None  # the tensor-parallel ranks (docs/tensor_parallel.md), None at size 1
         if config.tensor_parallel_size > 1:
             if self.device.type != "cpu":
@@ -236,6 +239,8 @@ class LLMEngine:
         ``MAX_STEP_FAILURES`` failed steps fails too, so a failure that needs a whole batch to appear
         still ends.
         """
+        if self.thread_share is not None and (threads := self.thread_share.poll()) is not None:
+            torch.set_num_threads(threads)
         plan = self.scheduler.schedule()
         touched: dict[str, None] = {}  # request ids, in order
         for seq in plan.idle:

@@ -93,7 +93,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-wait-policy", default="auto", choices=list(WAIT_POLICIES),
                         help="how idle OpenMP threads wait: spin (until work comes), bounded (spin briefly, then "
                              "sleep), passive (sleep at once), openmp (the runtime's default); auto is bounded, which "
-                             "degrades to a fair share when another process runs on the cores (docs/performance.md)")
+                             "stalls far less than spinning when another process runs on the cores "
+                             "(docs/performance.md; see also --cpu-adaptive-threads)")
+    parser.add_argument("--cpu-adaptive-threads", action="store_true",
+                        help="run fewer compute threads while other processes keep some of the cores busy, and return "
+                             "to --cpu-threads when they leave (docs/performance.md, \"Shared cores\")")
     parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                         help="weights: int8 quantizes every linear (MoE experts and the LM head too) per output "
                              "channel at load, run on the CPU kernels; int4 likewise to 4-bit codes with a float16 "
@@ -142,8 +146,8 @@ def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:
 ENGINE_FIELDS = ("dtype", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "max_model_len",
                  "max_num_seqs", "max_num_batched_tokens", "cache_memory", "block_size", "device", "seed",
                  "tokenizer", "cpu_weight_prepack", "cpu_kernels", "enforce_eager", "cpu_isa", "cpu_threads",
-                 "cpu_reserved_cores", "cpu_wait_policy", "quantization", "quantization_group_size",
-                 "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
+                 "cpu_reserved_cores", "cpu_wait_policy", "cpu_adaptive_threads", "quantization",
+                 "quantization_group_size", "enable_prefix_caching", "prefix_snapshot_interval", "speculative_config",
                  "tensor_parallel_size", "max_grammar_bytes", "max_grammar_compile_seconds", "grammar_cache_bytes",
                  "generation_config")
 

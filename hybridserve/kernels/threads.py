@@ -6,6 +6,8 @@ thread per physical core where ``/sys`` gives the topology), less the reserved o
 torch was already lowered to before the engine started (``torch.set_num_threads``, ``OMP_NUM_THREADS``)
 is kept. The engine applies it with ``torch.set_num_threads`` when it starts: torch's operators, oneDNN
 and hybridserve's compiled kernels share one OpenMP runtime (``kernels/build.py``), so they all follow it.
+With ``cpu_adaptive_threads`` that count is a ceiling: the engine lowers it between steps while other
+processes want some of the cores (``kernels/thread_share.py``).
 
 **Wait policy** (``cpu_wait_policy`` / ``--cpu-wait-policy``): what an OpenMP thread does when it waits
 at a barrier or for the next parallel region. Spinning answers in nanoseconds while every thread has a
