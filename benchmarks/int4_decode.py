@@ -15,6 +15,10 @@ right after the engines' one-stream runs of each round, so that llama.cpp's deco
 hybridserve sample the same minutes of a shared machine:
 
     python benchmarks/int4_decode.py --model DIR --gguf DIR/model-q4_k_m.gguf --llama-cpp LLAMA_BUILD --rounds 7
+
+``--interleave-steps`` runs each round's one-stream requests on all engines at once, one engine step at a time
+in turn (``interleaved_steps.py``), so that every engine's decode samples the same seconds; a round's rate is its
+decode steps over their summed time.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_cpp_runner
+from interleaved_steps import interleaved_steps
 
 
 def _engine(model: str, quantization: str, group: int | None, max_len: int, cpu_isa: str):
@@ -67,6 +72,9 @@ def main() -> None:
     parser.add_argument("--cpu-isa", default="auto", help="cap the ISA (auto, generic, avx2, avx512, avx512_bf16)")
     parser.add_argument("--gguf", default=None, help="also run an engine that loads this GGUF file")
     parser.add_argument("--llama-cpp", default=None, help="llama.cpp build folder: llama-bench on the --gguf file")
+    parser.add_argument("--interleave-steps", action="store_true",
+                        help="time the one-stream decodes with the engines' steps alternated one by one "
+                             "(interleaved_steps.py) instead of one whole request after another")
     a = parser.parse_args()
     if a.llama_cpp and not a.gguf:
         parser.error("--llama-cpp times llama.cpp on the --gguf file: give --gguf FILE")
@@ -95,9 +103,17 @@ def main() -> None:
     for r in range(a.rounds):
         row = {}
         order = list(engines.items()) if r % 2 == 0 else list(engines.items())[::-1]
-        for name, engine in order:
-            seconds, ttft = _generate(engine, prompt, a.output)
-            row[f"decode_{name}"] = (a.output - 1) / (seconds - ttft)
+        if a.interleave_steps:
+            from hybridserve.sampling_params import SamplingParams
+
+            params = SamplingParams(temperature=0, max_tokens=a.output, ignore_eos=True, detokenize=False)
+            steps = interleaved_steps(dict(order), [prompt], params, f"r{r}")
+            for name, times in steps.items():  # the first step is the prompt's prefill
+                row[f"decode_{name}"] = (len(times) - 1) / sum(times[1:])
+        else:
+            for name, engine in order:
+                seconds, ttft = _generate(engine, prompt, a.output)
+                row[f"decode_{name}"] = (a.output - 1) / (seconds - ttft)
         if a.llama_cpp:
             row["decode_llama_cpp"] = llama_cpp_runner.decode_rate(a.llama_cpp, a.gguf, a.output, a.threads)
         for name, engine in order:

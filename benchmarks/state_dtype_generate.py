@@ -4,15 +4,22 @@ the engines in turn, the order reversed every round (a shared machine's drift la
     python benchmarks/state_dtype_generate.py --model /path/to/checkpoint --dtypes bfloat16,int8 --rounds 4
 
 Prints generated tokens per second per round and dtype, and each round's ratio to the first dtype.
+``--interleave-steps`` runs a round's requests on all engines at once, one engine step at a time in turn
+(``interleaved_steps.py``): every dtype then samples the same seconds of a drifting shared host.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 from hybridserve import LLM, SamplingParams
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from interleaved_steps import interleaved_steps  # noqa: E402
 
 
 def main() -> None:
@@ -24,6 +31,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--interleave-steps", action="store_true", help="alternate the engines' steps one by one")
     args = ap.parse_args()
     names = args.dtypes.split(",")
     engines = {d: LLM(model=args.model, dtype=args.dtype, mamba_ssm_cache_dtype=d, seed=0) for d in names}
@@ -34,6 +42,13 @@ def main() -> None:
         llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     rates: dict[str, list[float]] = {d: [] for d in names}
     for r in range(args.rounds):
+        if args.interleave_steps:
+            order = names if r % 2 == 0 else names[::-1]
+            steps = interleaved_steps({d: engines[d].engine for d in order},
+                                      [p["prompt_token_ids"] for p in prompts], params, f"r{r}")
+            for d in names:
+                rates[d].append(args.seqs * args.max_tokens / sum(steps[d]))
+            continue
         for d in (names if r % 2 == 0 else names[::-1]):
             start = time.perf_counter()
             outputs = engines[d].generate(prompts, params)
