@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 from hybridserve.cache.kv_events import KVEvent
 from hybridserve.distributed.group import TensorParallelError
 from hybridserve.engine.llm_engine import LLMEngine
@@ -77,6 +79,8 @@ class EngineSnapshot:
     num_preemptions: int = 0
     prefix_cache: dict[str, int] = field(default_factory=dict)  # LLMEngine.prefix_cache_stats()
     spec_decode: dict | None = None  # LLMEngine.spec_decode_stats() (None: no speculative decoding)
+    cpu_threads: int = 0  # the engine thread's compute threads now
+    cpu_thread_changes: int = 0  # changes made by cpu_adaptive_threads (kernels/thread_share.py)
 
 
 @dataclass
@@ -347,6 +351,8 @@ class AsyncEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache=engine.prefix_cache_stats(),
             spec_decode=engine.spec_decode_stats(),
+            cpu_threads=torch.get_num_threads(),
+            cpu_thread_changes=engine.thread_share.changes if engine.thread_share is not None else 0,
         )
 
     def _call(self, fn, *args) -> None:

@@ -4,6 +4,7 @@ counters move by exactly what known requests did, an OpenMetrics scraper gets Op
 from __future__ import annotations
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +27,7 @@ TYPES = {"num_requests_running": "gauge", "num_requests_waiting": "gauge", "cach
          "prefix_cache_kv_beyond_snapshot_total": "counter", "prefix_cache_snapshots": "gauge",
          "prefix_cache_snapshot_bytes": "gauge", "prefix_cache_bytes": "gauge",
          "prefix_cache_evictions_total": "counter", "kernel_fallbacks_total": "counter",
+         "cpu_threads": "gauge", "cpu_thread_changes_total": "counter",
          "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram"}
 
 
@@ -113,6 +115,9 @@ def test_counters_move_by_exact_amounts(clients):
         count = value(after, hist + "_count", "alpha")
         assert value(after, hist + "_bucket", "alpha", le="+Inf") == count and delta(hist + "_sum") > 0
     assert value(after, "cache_usage_perc", "alpha") == 0
+    # the engine thread runs the count the engine set (inherited from this thread); fixed without adaptive threads
+    assert value(after, "cpu_threads", "alpha") == torch.get_num_threads()
+    assert value(after, "cpu_thread_changes_total", "alpha") == 0
     _, beta_after = scrape(beta)
 
     def engine_own(samples: dict) -> dict:  # kernel fallbacks are counted per process, not per engine

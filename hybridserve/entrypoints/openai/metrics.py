@@ -176,6 +176,10 @@ METRICS: tuple[Row, ...] = (
            _prefix_cache("cached_bytes")),
     Scalar("prefix_cache_evictions_total", "counter", "Cached pages and snapshots evicted.",
            _prefix_cache("evicted_pages", "evicted_snapshots")),
+    Scalar("cpu_threads", "gauge", "Compute threads the engine runs with now (lowered while other processes want "
+           "the cores, with --cpu-adaptive-threads).", lambda e: e.snapshot.cpu_threads),
+    Scalar("cpu_thread_changes_total", "counter", "Thread count changes made by --cpu-adaptive-threads.",
+           lambda e: e.snapshot.cpu_thread_changes),
     Labeled("kernel_fallbacks_total", "counter",
             "Calls a layer ran in plain PyTorch while its CPU kernels were on, by op and reason.",
             ("op", "reason"), lambda e: fallbacks.counts()),
