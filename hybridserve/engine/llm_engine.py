@@ -66,7 +66,8 @@ class LLMEngine:
         # torch.set_num_threads, before tensor-parallel ranks split the count; logs the OpenMP wait policy in force
         self.thread_setup = setup_threads(config.cpu_threads, config.cpu_reserved_cores, config.cpu_wait_policy)
         # fewer threads while other processes take the cores (kernels/thread_share.py); None when not asked for
-        self.thread_share = ThreadShare(self.thread_setup.threads) if config.cpu_adaptive_threads else None
+        self.thread_share = (ThreadShare(self.thread_setup.threads, self.thread_setup.cores)
+                             if config.cpu_adaptive_threads else None)
         self.tp: Launch | None = None  # the tensor-parallel ranks (docs/tensor_parallel.md), None at size 1
         if config.tensor_parallel_size > 1:
             if self.device.type != "cpu":

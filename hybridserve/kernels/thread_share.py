@@ -36,11 +36,12 @@ INTERVAL_S = 0.2
 TAKEN_SHARE = 0.6
 
 
-def threads_for(ceiling: int, others: float) -> int:
-    """The thread count for ``others`` cores taken by the rest of the machine (among this process's CPUs):
-    the free cores, but never fewer than half of ``ceiling`` (then all of it)."""
+def threads_for(ceiling: int, others: float, cores: int | None = None) -> int:
+    """The thread count for ``others`` cores taken by the rest of the machine among this process's ``cores``
+    (default ``ceiling``; more where some are reserved for the front end): the free cores up to ``ceiling``, but
+    never fewer than half of ``ceiling`` (then all of it)."""
     taken = math.floor(max(0.0, others) + 1.0 - TAKEN_SHARE)
-    free = ceiling - taken
+    free = min(ceiling, (ceiling if cores is None else cores) - taken)
     return free if free >= max(1, -(-ceiling // 2)) else ceiling
 
 
@@ -82,13 +83,15 @@ def own_times() -> tuple[float, float]:
 
 class ThreadShare:
     """Decides the thread count between steps. ``poll()`` returns a new count when it should change, else None.
+    ``ceiling``: the engine's thread count; ``cores``: the cores this process may use (the ceiling plus any left
+    to the front end); ``cpus``: the CPUs whose load counts (default: this process's affinity).
 
     ``read_stat``, ``own`` (:func:`own_times`) and ``clock`` are the sources (replaced in tests)."""
 
-    def __init__(self, ceiling: int, cpus: set[int] | None = None, *, read_stat: Callable[[], str] = _read_stat,
-                 own: Callable[[], tuple[float, float]] = own_times, clock: Callable[[], float] = time.monotonic,
-                 ticks_per_second: float | None = None) -> None:
-        self.ceiling = ceiling
+    def __init__(self, ceiling: int, cores: int | None = None, cpus: set[int] | None = None, *,
+                 read_stat: Callable[[], str] = _read_stat, own: Callable[[], tuple[float, float]] = own_times,
+                 clock: Callable[[], float] = time.monotonic, ticks_per_second: float | None = None) -> None:
+        self.ceiling, self.cores = ceiling, cores
         self.current = ceiling
         self.cpus = cpus if cpus is not None else set(os.sched_getaffinity(0))
         self._read_stat, self._own, self._clock = read_stat, own, clock
@@ -113,7 +116,7 @@ class ThreadShare:
         self._last = now
         ran_share = ran / (ran + waited) if ran > 0.0 else 1.0  # of the time our threads wanted a core
         self.others = max(0.0, (busy - ran) / wall) / ran_share
-        want = threads_for(self.ceiling, self.others)
+        want = threads_for(self.ceiling, self.others, self.cores)
         if want == self.current:
             return None
         logger.info("CPU threads %d -> %d: other processes wanted %.1f of this process's %d CPUs over the last %.2f s",

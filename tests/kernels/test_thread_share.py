@@ -26,6 +26,13 @@ def test_the_count_is_the_free_cores_down_to_half(ceiling, others, want):
     assert threads_for(ceiling, others) == want
 
 
+def test_a_core_left_to_the_front_end_absorbs_its_load():
+    """3 threads on 4 cores (one reserved): the front end's busy core is the reserved one, not one of ours."""
+    assert threads_for(3, 1.0, cores=4) == 3
+    assert threads_for(3, 2.0, cores=4) == 2
+    assert threads_for(3, 3.0, cores=4) == 3  # fewer than half left: every thread
+
+
 def _stat(ticks: dict[int, tuple[int, ...]]) -> str:
     """A /proc/stat text: the aggregate line, then per CPU: user nice system idle iowait irq softirq steal."""
     total = [sum(v[i] for v in ticks.values()) for i in range(8)]
@@ -59,7 +66,7 @@ class _Machine:
             self.busy[cpu] += round(cores * seconds * 100)
 
     def share(self, ceiling: int) -> ThreadShare:
-        return ThreadShare(ceiling, {0, 1}, clock=lambda: self.now, own=lambda: (self.ran, self.waited),
+        return ThreadShare(ceiling, 2, {0, 1}, clock=lambda: self.now, own=lambda: (self.ran, self.waited),
                            read_stat=lambda: _stat({c: (b, 0, 0, 0, 0, 0, 0, 0) for c, b in self.busy.items()}),
                            ticks_per_second=100)
 
