@@ -34,15 +34,16 @@ import subprocess
 import sys
 import time
 
+from hybridserve.kernels.thread_share import busy_ticks  # (no torch import: the child sets its wait policy first)
+
 NEIGHBOUR = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
 
 
 def busy_cpu_seconds() -> float:
     """CPU seconds the whole machine has spent busy (steal time included), from /proc/stat."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+        text = f.read()
+    return busy_ticks(set(range(os.cpu_count() or 1)), text) / os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu_seconds(pid: int) -> float:
