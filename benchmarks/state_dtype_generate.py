@@ -2,8 +2,10 @@
 the engines in turn, the order reversed every round (a shared machine's drift lands on both alike).
 
     python benchmarks/state_dtype_generate.py --model /path/to/checkpoint --dtypes bfloat16,int8 --rounds 4
+    python benchmarks/state_dtype_generate.py --model DIR --dtypes bfloat16:bfloat16,int8:bfloat16,int8:int8
 
-Prints generated tokens per second per round and dtype, and each round's ratio to the first dtype.
+Prints generated tokens per second per round and dtype, and each round's ratio to the first dtype. An entry
+``SSM:CONV`` sets that engine's ``--mamba-cache-dtype`` (the conv state) too, as ``hybridserve drift`` reads it.
 ``--interleave-steps`` runs a round's requests on all engines at once, one engine step at a time in turn
 (``interleaved_steps.py``): every dtype then samples the same seconds of a drifting shared host.
 """
@@ -17,6 +19,7 @@ import sys
 import time
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.evaluation.drift import run_dtypes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from interleaved_steps import interleaved_steps  # noqa: E402
@@ -25,7 +28,8 @@ from interleaved_steps import interleaved_steps  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--dtypes", default="bfloat16,int8", help="comma-separated --mamba-ssm-cache-dtype values")
+    ap.add_argument("--dtypes", default="bfloat16,int8",
+                    help="comma-separated --mamba-ssm-cache-dtype values (SSM:CONV sets the conv-state dtype too)")
     ap.add_argument("--dtype", default="bfloat16", help="the model dtype")
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -34,7 +38,7 @@ def main() -> None:
     ap.add_argument("--interleave-steps", action="store_true", help="alternate the engines' steps one by one")
     args = ap.parse_args()
     names = args.dtypes.split(",")
-    engines = {d: LLM(model=args.model, dtype=args.dtype, mamba_ssm_cache_dtype=d, seed=0) for d in names}
+    engines = {d: LLM(model=args.model, dtype=args.dtype, seed=0, **run_dtypes(d)) for d in names}
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(args.prompt_tokens)]}
                for i in range(args.seqs)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -60,6 +60,8 @@ KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 STATE_DTYPES: dict[str, torch.dtype] = dict(MODEL_DTYPES)
+#: what ``mamba_cache_dtype`` takes besides ``auto``: the float state dtypes and int8 (cache/conv_codec.py)
+CONV_STATE_DTYPES: dict[str, torch.dtype] = {**STATE_DTYPES, "int8": torch.int8}
 #: what ``mamba_ssm_cache_dtype`` takes: the float state dtypes and the code dtypes of 8-bit state
 TEMPORAL_STATE_DTYPES: dict[str, torch.dtype] = {**STATE_DTYPES, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 #: KV-cache dtypes stored scaled (value / scale), with the checkpoint's k/v scales where it has them
@@ -220,7 +222,7 @@ class EngineConfig:
         """Resolve every ``auto`` against the checkpoint's config (docs/dtypes.md)."""
         model = MODEL_DTYPES[self.dtype] if self.dtype != "auto" else checkpoint_dtype(hf_config)
         kv = model if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
-        conv = model if self.mamba_cache_dtype == "auto" else STATE_DTYPES[self.mamba_cache_dtype]
+        conv = model if self.mamba_cache_dtype == "auto" else CONV_STATE_DTYPES[self.mamba_cache_dtype]
         if self.mamba_ssm_cache_dtype != "auto":
             ssm = TEMPORAL_STATE_DTYPES[self.mamba_ssm_cache_dtype]
         else:

@@ -22,6 +22,10 @@ STATE_DTYPE_NAMES = MODEL_DTYPE_NAMES
 CODED_STATE_DTYPE_NAMES = ("int8", "fp8_e4m3")
 #: what ``mamba_ssm_cache_dtype`` takes: the float state dtypes and the 8-bit coded ones
 TEMPORAL_STATE_DTYPE_NAMES = (*STATE_DTYPE_NAMES, *CODED_STATE_DTYPE_NAMES)
+#: 8-bit conv state: int8 codes plus an int8 power-of-two exponent per channel (cache/conv_codec.py)
+CONV_CODED_DTYPE_NAMES = ("int8",)
+#: what ``mamba_cache_dtype`` takes besides ``auto``
+CONV_STATE_DTYPE_NAMES = (*STATE_DTYPE_NAMES, *CONV_CODED_DTYPE_NAMES)
 FP8_KV_DTYPE_NAMES = ("fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 #: weight quantization (config.py: EngineConfig.quantization; docs/quantization.md)
@@ -47,17 +51,15 @@ def canonical_option(option: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 def conv_state_dtype(value: Any) -> str:
     """``mamba_cache_dtype`` (conv states) as a canonical name; ValueError naming the value and the allowed ones,
-    and for an 8-bit value why it is refused."""
+    and for ``fp8_e4m3`` why it is refused."""
     name = DTYPE_ALIASES.get(value.lower(), value.lower()) if isinstance(value, str) else value
-    if name in CODED_STATE_DTYPE_NAMES:
+    if name in CODED_STATE_DTYPE_NAMES and name not in CONV_CODED_DTYPE_NAMES:
         raise ValueError(
-            f"mamba_cache_dtype={value!r} is not valid: conv states stay in a float dtype. A conv state row is the "
-            f"last kernel-1 inputs of one channel (3 values for kernel 4), so 8-bit codes plus a bfloat16 row scale "
-            f"take 5 bytes per channel against bfloat16's 6 (a sixth of the conv state saved for 8-bit rounding of "
-            f"every input); use --mamba-ssm-cache-dtype {name} for the recurrent "
-            f"state "
-            f"(allowed mamba_cache_dtype values: auto, {', '.join(STATE_DTYPE_NAMES)})")
-    return canonical_option("mamba_cache_dtype", value, ("auto", *STATE_DTYPE_NAMES))
+            f"mamba_cache_dtype={value!r} is not valid: an 8-bit conv state is int8 (codes and a power-of-two "
+            f"exponent per channel: docs/state_precision.md); use "
+            f"--mamba-ssm-cache-dtype {name} for the recurrent state "
+            f"(allowed mamba_cache_dtype values: auto, {', '.join(CONV_STATE_DTYPE_NAMES)})")
+    return canonical_option("mamba_cache_dtype", value, ("auto", *CONV_STATE_DTYPE_NAMES))
 
 
 # -- sizes and counts --

@@ -16,8 +16,9 @@ from tests.prefix_utils import released_everything
 @pytest.mark.parametrize("option,value,needle", [
     ("dtype", "float64", "float32, bfloat16, float16"),
     ("kv_cache_dtype", "int8", "fp8_e4m3"),
-    ("mamba_cache_dtype", "fp8_e4m3", "float32, bfloat16, float16"),
-    ("mamba_cache_dtype", "int8", "5 bytes per channel against bfloat16's 6"),  # 8-bit conv state: refused, why
+    ("mamba_cache_dtype", "fp8_e4m3", "float32, bfloat16, float16, int8"),  # 8-bit conv state is int8 only: why
+    ("mamba_cache_dtype", "fp8_e4m3", "an 8-bit conv state is int8"),
+    ("mamba_cache_dtype", "int4", "auto, float32, bfloat16, float16, int8"),
     ("mamba_ssm_cache_dtype", "int4", "int8, fp8_e4m3"),
     ("mamba_ssm_cache_dtype", "float8", "float32, bfloat16, float16"),
     ("device", "tpu", "auto, cpu, cuda"),
@@ -172,22 +173,28 @@ def test_eight_bit_temporal_state_is_an_option(ckpt_dir, value, dtype):
     path = make(ckpt_dir, "bamba")
     config = EngineConfig(model=path, mamba_ssm_cache_dtype=value)
     resolved = config.resolve_dtypes(AutoConfig.from_pretrained(path))
-    assert resolved.ssm_state == dtype and resolved.conv_state == torch.float32  # conv state stays a float
+    assert resolved.ssm_state == dtype and resolved.conv_state == torch.float32  # the conv state keeps its dtype
     assert resolved.as_names()["mamba_ssm_cache_dtype"] == config.mamba_ssm_cache_dtype
     assert config.fingerprint(resolved) != EngineConfig(model=path).fingerprint(
         EngineConfig(model=path).resolve_dtypes(AutoConfig.from_pretrained(path)))
     assert PlanConfig(mamba_ssm_cache_dtype=value).mamba_ssm_cache_dtype == config.mamba_ssm_cache_dtype
-    with pytest.raises(ValueError, match="conv states stay in a float dtype"):
-        PlanConfig(mamba_cache_dtype=value)
+    if value == "int8":  # an 8-bit conv state is int8 (codes and a power-of-two exponent per channel)
+        assert PlanConfig(mamba_cache_dtype=value).mamba_cache_dtype == "int8"
+        conv = EngineConfig(model=path, mamba_cache_dtype=value).resolve_dtypes(AutoConfig.from_pretrained(path))
+        assert conv.conv_state == torch.int8 and conv.ssm_state == torch.int8  # ssm "auto" follows the conv dtype
+    else:
+        with pytest.raises(ValueError, match="an 8-bit conv state is int8"):
+            PlanConfig(mamba_cache_dtype=value)
 
 
-def test_the_cli_refuses_8_bit_conv_state_with_the_reason(capsys):
+def test_the_cli_refuses_fp8_conv_state_with_the_reason(capsys):
     from hybridserve.entrypoints.cli import main
 
     with pytest.raises(SystemExit):
-        main(["plan", "--mamba-cache-dtype", "int8"])
+        main(["plan", "--mamba-cache-dtype", "fp8_e4m3"])
     err = capsys.readouterr().err
-    assert "--mamba-cache-dtype" in err and "5 bytes per channel" in err and "--mamba-ssm-cache-dtype int8" in err
+    assert "--mamba-cache-dtype" in err and "an 8-bit conv state is int8" in err
+    assert "--mamba-ssm-cache-dtype fp8_e4m3" in err
     with pytest.raises(SystemExit):
         main(["plan", "--mamba-cache-dtype", "float64"])
-    assert "allowed values: auto, float32, bfloat16, float16" in capsys.readouterr().err
+    assert "allowed values: auto, float32, bfloat16, float16, int8" in capsys.readouterr().err

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridserve.cache.dtypes import STATE_SCALE_DTYPE
 from hybridserve.cache.spec import DType, LayerCacheSpec, dtype_size
 
 ALIGN = 64
@@ -50,6 +49,7 @@ class TensorPlacement:
     dtype: DType  # a torch dtype (the engine) or its name (a plan)
     group: int = 0  # KV page group: 0 full attention, 1 sliding window (state tensors: 0)
     shard_offset: int = 0  # a state tensor's StateTensorSpec.shard_offset (tensor parallelism)
+    exponent_scales: bool = False  # a conv state's StateTensorSpec.exponent_scales (how its 8-bit codes are scaled)
 
     @property
     def nbytes(self) -> int:
@@ -116,11 +116,12 @@ def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
                 kv.append(p)
                 page_off[group] = align_up(page_off[group] + p.nbytes)
         for t in spec.state:
-            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype, shard_offset=t.shard_offset)
+            p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype, shard_offset=t.shard_offset,
+                                exponent_scales=t.exponent_scales)
             state.append(p)
             slot_off = align_up(slot_off + p.nbytes)
-            if t.coded:  # 8-bit codes: their row scales follow them in the slot
-                p = TensorPlacement(spec.index, t.scale_name, slot_off, t.scale_shape, STATE_SCALE_DTYPE)
+            if t.coded:  # 8-bit codes: their scales follow them in the slot
+                p = TensorPlacement(spec.index, t.scale_name, slot_off, t.scale_shape, t.scale_dtype)
                 state.append(p)
                 slot_off = align_up(slot_off + p.nbytes)
     return PoolLayout(block_size, max(page_off), slot_off, tuple(kv), tuple(state), window)

@@ -66,6 +66,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.cache.capacity import fits, pool_geometry
+from hybridserve.cache.conv_codec import CodedConvState
 from hybridserve.cache.dtypes import is_coded_state_dtype, torch_name
 from hybridserve.cache.handle_map import HandleMap
 from hybridserve.cache.id_set import IdSet
@@ -89,7 +90,8 @@ class LayerCache:
     k: torch.Tensor | None = None  # (num_pages, block_size, num_kv_heads, head_size)
     v: torch.Tensor | None = None
     latent: torch.Tensor | None = None  # MLA: (num_pages, block_size, 1, latent_size), in place of k and v
-    # name -> (num_slots, *shape), or a CodedState (its codes and row scales) for an 8-bit temporal state
+    # name -> (num_slots, *shape), or for 8-bit state a CodedState (codes and bfloat16 row scales, a temporal
+    # state) or a CodedConvState (codes and per-channel exponents, a conv state)
     state: dict[str, StateView] | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
@@ -164,7 +166,11 @@ class CachePool:
                 continue  # the row scales of 8-bit codes: inside the codes' CodedState
             view = views[p.layer, p.name]
             scale = views.get((p.layer, p.name + SCALE_SUFFIX)) if is_coded_state_dtype(p.dtype) else None
-            cache.state[p.name] = view if scale is None else CodedState(view, scale, p.layer, p.shard_offset)
+            if scale is None:
+                cache.state[p.name] = view
+            else:
+                coded = CodedConvState if p.exponent_scales else CodedState
+                cache.state[p.name] = coded(view, scale, p.layer, p.shard_offset)
 
     # ------------------------------------------------------------ boundaries
     def _state_top_slots(self, num_slots: int) -> int:

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 DType = Any
 #: the name of an 8-bit state tensor's row scales is its own name and this
 SCALE_SUFFIX = "_scale"
+#: the dtype of an 8-bit conv state's per-channel power-of-two exponents (cache/conv_codec.py)
+CONV_EXPONENT_DTYPE = "int8"
 #: the dtype of a stabilizer state (mLSTM's ``m``) beside 8-bit codes
 STABILIZER_BESIDE_CODES_DTYPE = "float32"
 
@@ -65,8 +67,10 @@ class StateTensorSpec:
     """One named recurrent-state tensor, shape per sequence.
 
     In an 8-bit dtype (``int8``, ``float8_e4m3fn``: :func:`~hybridserve.cache.dtypes.is_coded_state_dtype`) the
-    tensor is stored as codes of ``shape`` plus a bfloat16 scale per row, ``scale_shape = shape[:-1]``
-    (cache/state_codec.py); both live in the slot and ``nbytes`` counts both."""
+    tensor is stored as codes of ``shape`` plus a scale per row, ``scale_shape = shape[:-1]``: a bfloat16 scale
+    (a temporal state: cache/state_codec.py), or with ``exponent_scales`` an int8 power-of-two exponent (a conv
+    state ``(D, K-1)``, a row per channel: cache/conv_codec.py); both live in the slot and ``nbytes`` counts
+    both."""
 
     name: str
     shape: tuple[int, ...]
@@ -75,6 +79,9 @@ class StateTensorSpec:
     #: rank holds a contiguous slice of the first axis, its heads): 8-bit state numbers its rounding noise from it,
     #: so every rank rounds its elements as one rank would
     shard_offset: int = 0
+    #: a conv state: 8-bit codes take an int8 power-of-two exponent per row (cache/conv_codec.py), not a bfloat16
+    #: scale
+    exponent_scales: bool = False
 
     @property
     def coded(self) -> bool:
@@ -85,6 +92,11 @@ class StateTensorSpec:
     def scale_shape(self) -> tuple[int, ...]:
         """The shape of the row scales (one per row: every axis but the last)."""
         return tuple(self.shape[:-1])
+
+    @property
+    def scale_dtype(self) -> str:
+        """The dtype of the row scales: bfloat16, or int8 exponents (``exponent_scales``)."""
+        return CONV_EXPONENT_DTYPE if self.exponent_scales else STATE_SCALE_DTYPE
 
     @property
     def scale_name(self) -> str:
@@ -99,7 +111,7 @@ class StateTensorSpec:
     @property
     def scale_nbytes(self) -> int:
         """Bytes of the row scales (0 for a float tensor)."""
-        return math.prod(self.scale_shape) * dtype_size(STATE_SCALE_DTYPE) if self.coded else 0
+        return math.prod(self.scale_shape) * dtype_size(self.scale_dtype) if self.coded else 0
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +155,7 @@ class LayerCacheSpec:
             tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
                             "per": "sequence", "bytes": t.code_nbytes})
             if t.coded:  # the row scales of 8-bit codes, beside them in the slot
-                tensors.append({"name": t.scale_name, "shape": list(t.scale_shape), "dtype": STATE_SCALE_DTYPE,
+                tensors.append({"name": t.scale_name, "shape": list(t.scale_shape), "dtype": t.scale_dtype,
                                 "per": "sequence", "bytes": t.scale_nbytes, "scales": t.name})
         return {"index": self.index, "kind": self.kind, "tensors": tensors,
                 "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -182,7 +194,8 @@ class CacheDtypes:
         return cls(kv=resolved.kv_cache, conv=resolved.conv_state, temporal=resolved.ssm_state)
 
     def conv_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
-        return StateTensorSpec(name, tuple(shape), self.conv)
+        """A conv window ``(D, K-1)`` in the conv-state dtype (in 8 bits: an exponent per channel)."""
+        return StateTensorSpec(name, tuple(shape), self.conv, exponent_scales=True)
 
     def temporal_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
         return StateTensorSpec(name, tuple(shape), self.temporal)

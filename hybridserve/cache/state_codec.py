@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CODE_DTYPES", "CODE_MAX", "SCALE_DTYPE", "CodedState", "StateView", "code_dtype", "decode_rows",
-           "encode_rows", "hash32", "has_coded_state", "rounding_key", "row_keys", "scale_up", "uniform_noise"]
+from hybridserve.cache.conv_codec import CodedConvState
+
+__all__ = ["CODED_VIEWS", "CODE_DTYPES", "CODE_MAX", "SCALE_DTYPE", "CodedState", "StateView", "code_dtype",
+           "decode_rows", "encode_rows", "hash32", "has_coded_state", "rounding_key", "row_keys", "scale_up",
+           "uniform_noise"]
 
 #: option name -> the torch dtype of the codes
 CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -183,9 +186,12 @@ class CodedState:
 
 
 #: what the pool hands an op for one state tensor: a float view (slots, *shape), or the codes and scales of 8 bits
-StateView = torch.Tensor | CodedState
+#: (a temporal state's bfloat16 row scales, a conv state's per-channel exponents: cache/conv_codec.py)
+StateView = torch.Tensor | CodedState | CodedConvState
+#: the 8-bit views (``isinstance`` takes the tuple)
+CODED_VIEWS = (CodedState, CodedConvState)
 
 
 def has_coded_state(caches: dict) -> bool:
     """Whether any layer cache (``cache.pool.LayerCache``, by layer) holds an 8-bit state tensor."""
-    return any(isinstance(view, CodedState) for cache in caches.values() for view in (cache.state or {}).values())
+    return any(isinstance(view, CODED_VIEWS) for cache in caches.values() for view in (cache.state or {}).values())

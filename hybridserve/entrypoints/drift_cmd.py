@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     p.add_argument("--state-dtypes", default=DEFAULT_STATE_DTYPES, metavar="NAME[,NAME...]",
                    help="recurrent-state dtypes to compare with float32 state, comma-separated: any value "
-                        "--mamba-ssm-cache-dtype accepts (float32 again checks that runs repeat exactly)")
+                        "--mamba-ssm-cache-dtype accepts (float32 again checks that runs repeat exactly); SSM:CONV "
+                        "sets that run's conv-state dtype too (int8:int8; the reference keeps --mamba-cache-dtype, "
+                        "give --mamba-cache-dtype float32 for an all-float32 reference)")
     p.add_argument("--text", default=None, metavar="FILE",
                    help="UTF-8 text whose first --prompt-tokens tokens are the prompt (default: the shipped text)")
     p.add_argument("--prompt-tokens", type=int, default=520, help="prompt length in tokens (at least 2)")

@@ -8,6 +8,7 @@ from typing import Any
 from hybridserve.kernels.isa import CPU_ISA_CHOICES
 from hybridserve.kernels.threads import WAIT_POLICIES
 from hybridserve.options import (
+    CONV_STATE_DTYPE_NAMES,
     DEFAULT_GRAMMAR_CACHE_BYTES,
     DEFAULT_INT4_GROUP_SIZE,
     DEFAULT_MAX_GRAMMAR_BYTES,
@@ -18,7 +19,6 @@ from hybridserve.options import (
     KV_CACHE_DTYPE_NAMES,
     MODEL_DTYPE_NAMES,
     QUANTIZATIONS,
-    STATE_DTYPE_NAMES,
     TEMPORAL_STATE_DTYPE_NAMES,
     conv_state_dtype,
 )
@@ -44,7 +44,9 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *KV_CACHE_DTYPE_NAMES],
                         help="attention K/V cache (auto: the model dtype)")
     parser.add_argument("--mamba-cache-dtype", default="auto", type=_conv_state_dtype_arg, metavar="{auto,"
-                        + ",".join(STATE_DTYPE_NAMES) + "}", help="conv states (auto: the model dtype)")
+                        + ",".join(CONV_STATE_DTYPE_NAMES) + "}",
+                        help="conv states (auto: the model dtype; int8: codes and a power-of-two exponent per "
+                             "channel, docs/state_precision.md)")
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *TEMPORAL_STATE_DTYPE_NAMES],
                         help="recurrent (SSM / linear-attention / delta-net / mLSTM) states (auto: the checkpoint's "
                              "declared state dtype, else the conv-state dtype; int8 and fp8_e4m3: 8-bit codes and a "
@@ -52,7 +54,7 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _conv_state_dtype_arg(value: str) -> str:
-    """``--mamba-cache-dtype``'s value checked by the options module (its message says why 8 bits are refused)."""
+    """``--mamba-cache-dtype``'s value checked by the options module (its message says why fp8 is refused)."""
     try:
         return conv_state_dtype(value)
     except ValueError as exc:

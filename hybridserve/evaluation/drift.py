@@ -4,7 +4,8 @@ logprobs from float32 state, position by position.
 A reference engine with float32 state generates a greedy continuation of a prompt; then every engine, the
 reference included, scores the same sequence (prompt + continuation) teacher-forced, with prompt logprobs, so
 positions align. Each run is one engine built through the public API (``LLM``) with
-``mamba_ssm_cache_dtype`` set: any state dtype the engine accepts works here.
+``mamba_ssm_cache_dtype`` set: any state dtype the engine accepts works here; an entry ``SSM:CONV`` sets the
+run's conv-state dtype (``mamba_cache_dtype``) too.
 
 The state dtype only decides what is stored between steps (the kernels compute in float32), so the step size
 decides how often a state is rounded: with ``max_num_batched_tokens=1`` (the default here) the sequence is
@@ -66,9 +67,22 @@ class DriftSettings:
         return self.prompt_tokens + self.generate_tokens
 
 
+#: separates a run's recurrent-state dtype from its conv-state dtype in a --state-dtypes entry ("int8:int8")
+CONV_SEPARATOR = ":"
+
+
+def run_dtypes(name: str) -> dict[str, str]:
+    """The dtype options of one --state-dtypes entry: ``SSM`` sets ``mamba_ssm_cache_dtype``; ``SSM:CONV`` sets
+    ``mamba_cache_dtype`` (the conv state) too, for that run only (over the shared engine options; the float32
+    reference keeps theirs)."""
+    ssm, sep, conv = name.partition(CONV_SEPARATOR)
+    return {"mamba_ssm_cache_dtype": ssm, **({"mamba_cache_dtype": conv} if sep else {})}
+
+
 def check_state_dtypes(names: Sequence[str], engine_options: dict[str, Any]) -> list[str]:
     """``names`` as the engine spells them (aliases resolved), each checked by ``EngineConfig`` itself, so that
-    whatever ``mamba_ssm_cache_dtype`` accepts is accepted here; ValueError naming a bad or repeated one."""
+    whatever ``mamba_ssm_cache_dtype`` (and after a ``:``, ``mamba_cache_dtype``) accepts is accepted here;
+    ValueError naming a bad or repeated one."""
     from hybridserve.config import EngineConfig
 
     if not names:
@@ -76,11 +90,15 @@ def check_state_dtypes(names: Sequence[str], engine_options: dict[str, Any]) -> 
     EngineConfig(**engine_options)  # a bad engine option fails with its own message first
     canonical: list[str] = []
     for name in names:
+        dtypes = run_dtypes(name)
         try:
-            resolved = EngineConfig(**{**engine_options, "mamba_ssm_cache_dtype": name}).mamba_ssm_cache_dtype
+            config = EngineConfig(**{**engine_options, **dtypes})
         except ValueError as exc:
-            raise ValueError(f"--state-dtypes: {name!r} is not a recurrent-state dtype the engine accepts "
-                             f"({exc})") from None
+            raise ValueError(f"--state-dtypes: {name!r} is not a recurrent-state dtype the engine accepts, nor an "
+                             f"SSM{CONV_SEPARATOR}CONV pair of them ({exc})") from None
+        resolved = config.mamba_ssm_cache_dtype
+        if "mamba_cache_dtype" in dtypes:
+            resolved += CONV_SEPARATOR + config.mamba_cache_dtype
         if resolved in canonical:
             raise ValueError(f"--state-dtypes names {resolved!r} twice")
         canonical.append(resolved)
@@ -213,7 +231,7 @@ def measure_drift(model: str | None, state_dtypes: Sequence[str], prompt: str | 
     model_path = model or default_model_path()
 
     def engine(state_dtype: str) -> Any:
-        return LLM(model_path, mamba_ssm_cache_dtype=state_dtype, enable_progress_bar=False, **options)
+        return LLM(model_path, enable_progress_bar=False, **{**options, **run_dtypes(state_dtype)})
 
     llm = engine(REFERENCE_STATE_DTYPE)
     try:

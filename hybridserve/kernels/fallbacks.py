@@ -10,9 +10,7 @@ import logging
 import threading
 from collections import Counter
 
-import torch
-
-from hybridserve.cache.state_codec import CodedState
+from hybridserve.cache.state_codec import CODED_VIEWS, StateView
 
 logger = logging.getLogger(__name__)
 
@@ -20,14 +18,14 @@ _lock = threading.Lock()
 _counts: Counter[tuple[str, str]] = Counter()
 
 
-def describe(*tensors: torch.Tensor | CodedState | None) -> str:
+def describe(*tensors: StateView | None) -> str:
     """A short, low-cardinality reason from the inputs a kernel declined: their dtypes and whether
     each has contiguous rows (``bfloat16 strided``, say); an 8-bit state as ``int8 state codes``."""
     parts = []
     for t in tensors:
         if t is None:
             continue
-        if isinstance(t, CodedState):
+        if isinstance(t, CODED_VIEWS):
             parts.append(f"{str(t.dtype).removeprefix('torch.')} state codes")
             continue
         rows = t.dim() >= 1 and (t.stride(-1) == 1 or t.shape[-1] == 1)

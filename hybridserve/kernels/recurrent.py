@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from hybridserve.cache.conv_codec import CodedConvState
 from hybridserve.kernels import fallbacks, isa
 from hybridserve.kernels._abi import (
     DTYPE_CODES,
@@ -60,27 +61,43 @@ def tap_major(conv_weight: torch.Tensor) -> torch.Tensor:
     return conv_weight.detach().squeeze(1).t().float().contiguous()
 
 
-def conv_supported(conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+def conv_supported(conv_states: torch.Tensor | CodedConvState, weight_t: torch.Tensor, bias: torch.Tensor | None,
                    act_dtype: torch.dtype, activation: str | None) -> bool:
-    """Whether ``causal_conv1d`` takes this state pool view, weight, bias, activation dtype and activation
-    (the index tensors and input rows aside)."""
+    """Whether ``causal_conv1d`` takes this state pool view (float, or 8-bit codes: cache/conv_codec.py), weight,
+    bias, activation dtype and activation (the index tensors and input rows aside)."""
     if _library() is None or activation not in (None, "silu") or weight_t.dim() != 2:
         return False
     K, D = weight_t.shape
-    return (act_dtype in DTYPE_CODES and 1 <= K <= MAX_CONV_WIDTH and conv_states.dtype in DTYPE_CODES
-            and conv_states.device.type == "cpu" and tuple(conv_states.shape[1:]) == (D, K - 1)
-            and (K == 1 or (conv_states.stride(2) == 1 and conv_states.stride(1) == K - 1))
-            and weight_t.is_contiguous() and float_param_ok(weight_t) and float_param_ok(bias))
+    if not (act_dtype in DTYPE_CODES and 1 <= K <= MAX_CONV_WIDTH and weight_t.is_contiguous()
+            and float_param_ok(weight_t) and float_param_ok(bias)):
+        return False
+    if isinstance(conv_states, CodedConvState):
+        codes, scale = conv_states.codes, conv_states.scale
+        return (K >= 2 and codes.device.type == "cpu" and tuple(codes.shape[1:]) == (D, K - 1)
+                and codes.stride()[1:] == (K - 1, 1) and scale.stride(1) == 1)
+    return (conv_states.dtype in DTYPE_CODES and conv_states.device.type == "cpu"
+            and tuple(conv_states.shape[1:]) == (D, K - 1)
+            and (K == 1 or (conv_states.stride(2) == 1 and conv_states.stride(1) == K - 1)))
 
 
-def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-                  cu_seqlens: torch.Tensor, state_indices: torch.Tensor, activation: str | None,
-                  out: torch.Tensor | None = None) -> torch.Tensor | None:
+def conv_state_channels(conv_states: torch.Tensor | CodedConvState, start: int,
+                        end: int) -> torch.Tensor | CodedConvState:
+    """Channels ``start .. end - 1`` of a conv state pool view (slots, D, K-1): a slice of a float view, or of an
+    8-bit one's codes and exponents."""
+    if isinstance(conv_states, CodedConvState):
+        return conv_states.channels(start, end)
+    return conv_states[:, start:end]
+
+
+def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor | CodedConvState, weight_t: torch.Tensor,
+                  bias: torch.Tensor | None, cu_seqlens: torch.Tensor, state_indices: torch.Tensor,
+                  activation: str | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Varlen causal depthwise conv continuing each sequence's conv state (updated in place).
 
-    x: (T, D) packed tokens; conv_states: (num_slots, D, K-1) pool view; weight_t: (K, D) float32
-    contiguous (the conv weight transposed, tap-major); bias: (D,) float32 or None; cu_seqlens:
-    (S+1,) int64; state_indices: (S,) int64; out: (T, D) rows in x.dtype to write into, or None.
+    x: (T, D) packed tokens; conv_states: (num_slots, D, K-1) pool view, or the codes and scales of an 8-bit conv
+    state (cache/conv_codec.py: decoded and encoded in the kernel, code for code as the reference); weight_t: (K, D)
+    float32 contiguous (the conv weight transposed, tap-major); bias: (D,) float32 or None; cu_seqlens: (S+1,)
+    int64; state_indices: (S,) int64; out: (T, D) rows in x.dtype to write into, or None.
     Returns (T, D) in x.dtype (``out`` when given), or None when the kernel does not cover this call.
     """
     lib = _library()
@@ -88,11 +105,20 @@ def causal_conv1d(x: torch.Tensor, conv_states: torch.Tensor, weight_t: torch.Te
             or not index_ok(cu_seqlens) or not index_ok(state_indices)):
         return None
     K, D = weight_t.shape
-    act, st = DTYPE_CODES[x.dtype], DTYPE_CODES[conv_states.dtype]
+    act = DTYPE_CODES[x.dtype]
     if out is None:
         out = torch.empty(x.shape[0], D, dtype=x.dtype)  # (T, D)
     elif out.shape != (x.shape[0], D) or out.dtype != x.dtype or not rows_ok(out):
         return None
+    if isinstance(conv_states, CodedConvState):
+        codes, scale = conv_states.codes, conv_states.scale
+        check(lib.hs_causal_conv1d_coded(act, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
+                                         x.data_ptr(), x.stride(0), codes.data_ptr(), codes.stride(0),
+                                         scale.data_ptr(), scale.stride(0), weight_t.data_ptr(), ptr(bias),
+                                         int(activation == "silu"), out.data_ptr(), out.stride(0), D, K),
+              "hs_causal_conv1d_coded")
+        return out
+    st = DTYPE_CODES[conv_states.dtype]
     check(lib.hs_causal_conv1d(act, st, state_indices.numel(), cu_seqlens.data_ptr(), state_indices.data_ptr(),
                                x.data_ptr(), x.stride(0), conv_states.data_ptr(), conv_states.stride(0),
                                weight_t.data_ptr(), ptr(bias), int(activation == "silu"), out.data_ptr(),

@@ -1,8 +1,9 @@
 """The plain (PyTorch) bodies of the recurrent ops on 8-bit state: decode, run the float math, encode back.
 
-An 8-bit temporal state reaches an op as a :class:`~hybridserve.cache.state_codec.CodedState` (codes and
-bfloat16 row scales in the pool). The plain bodies were written for float views of the pool, read and
-written at ``group.state_indices``. :func:`float_states` gives them exactly that: the groups' slots of every
+An 8-bit state reaches an op as a :class:`~hybridserve.cache.state_codec.CodedState` (a temporal state: codes
+and bfloat16 row scales in the pool) or a :class:`~hybridserve.cache.conv_codec.CodedConvState` (a conv
+state). The plain bodies were written for float views of the pool, read and written at
+``group.state_indices``. :func:`float_states` gives them exactly that: the groups' slots of every
 state tensor gathered into float32 tensors of their own (a float state tensor's slots in its own dtype, so its
 roundings are the ones it gets in place), the groups re-pointed at rows ``0..B-1`` of those, and on leaving,
 every tensor written back to the pool's slots; the coded ones encoded with each sequence's rounding key
@@ -21,13 +22,13 @@ from typing import cast
 
 import torch
 
-from hybridserve.cache.state_codec import CodedState, StateView
+from hybridserve.cache.state_codec import CODED_VIEWS, StateView
 from hybridserve.forward_batch import ForwardBatch, SeqGroup
 
 
 def any_coded(*states: StateView | None) -> bool:
     """Whether any of the state views is 8-bit codes (a kernel body declines then, before touching state)."""
-    return any(isinstance(s, CodedState) for s in states)
+    return any(isinstance(s, CODED_VIEWS) for s in states)
 
 
 def _rounding_keys(group: SeqGroup) -> torch.Tensor:
@@ -59,12 +60,12 @@ def float_states(groups: Sequence[SeqGroup | None], states: Sequence[StateView]
         start += n
     real = idx >= 0  # (B,): a negative slot is a padded row of a captured step, read as zeros, written nowhere
     padded = not bool(real.all())
-    local = tuple(s.read(idx) if isinstance(s, CodedState) else _read_float(s, idx, real, padded) for s in states)
+    local = tuple(s.read(idx) if isinstance(s, CODED_VIEWS) else _read_float(s, idx, real, padded) for s in states)
     yield local_groups, local
     keys = torch.cat([_rounding_keys(g) for g in live])  # (B,)
     positions = torch.cat([g.seq_lens for g in live])  # (B,) tokens absorbed after the step
     for view, values in zip(states, local):
-        if isinstance(view, CodedState):
+        if isinstance(view, CODED_VIEWS):
             view.write(idx, values, keys, positions)
         elif padded:
             view.index_copy_(0, idx[real], values[real])

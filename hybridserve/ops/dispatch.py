@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from typing import TypeVar
 
-import torch
 from torch import nn
 
-from hybridserve.cache.state_codec import CodedState
+from hybridserve.cache.state_codec import StateView
 from hybridserve.kernels import fallbacks
 
 T = TypeVar("T")
@@ -50,7 +49,7 @@ def use_kernels(on: bool = True) -> Iterator[None]:
         _kernels.reset(token)
 
 
-def call(op: str, kernel: Callable[[], T | None], plain: Callable[[], T], *inputs: torch.Tensor | CodedState | None
+def call(op: str, kernel: Callable[[], T | None], plain: Callable[[], T], *inputs: StateView | None
          ) -> T:
     """``kernel()`` when the kernels are on and it takes the call, else ``plain()``; a decline (None or
     False from ``kernel``) is recorded under ``op`` with the ``inputs``' dtypes and layouts as the reason."""

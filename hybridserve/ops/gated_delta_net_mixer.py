@@ -24,7 +24,7 @@ from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.coded_plain import float_states_of_batch
+from hybridserve.ops.coded_plain import any_coded, float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.gated_delta import gated_delta_rule_update, gated_delta_rule_varlen
 from hybridserve.ops.prepared import prepared
@@ -83,7 +83,7 @@ def _split(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor):
 def _plain(layer: GatedDeltaNetWeights, qkvz: torch.Tensor, ba: torch.Tensor, batch: ForwardBatch,
            conv_states: torch.Tensor, rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
-    if not isinstance(rec_states, CodedState):  # float states: read and written in place
+    if not any_coded(conv_states, rec_states):  # float states: read and written in place
         return _plain_body(layer, qkvz, ba, batch, conv_states, rec_states, dtype)
     with float_states_of_batch(batch, (conv_states, rec_states)) as (local_batch, (conv_local, rec_local)):
         return _plain_body(layer, qkvz, ba, local_batch, conv_local, rec_local, dtype)

@@ -22,7 +22,7 @@ from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.coded_plain import float_states_of_batch
+from hybridserve.ops.coded_plain import any_coded, float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.kda import kda_update, kda_varlen
 from hybridserve.ops.prepared import prepared
@@ -75,7 +75,7 @@ def _plain(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            b: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch, conv_states: torch.Tensor,
            rec_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
-    if not isinstance(rec_states, CodedState):  # float states: read and written in place
+    if not any_coded(conv_states, rec_states):  # float states: read and written in place
         return _plain_body(layer, q, k, v, f, b, gate, batch, conv_states, rec_states, dtype)
     with float_states_of_batch(batch, (conv_states, rec_states)) as (local_batch, (conv_local, rec_local)):
         return _plain_body(layer, q, k, v, f, b, gate, local_batch, conv_local, rec_local, dtype)
@@ -140,7 +140,8 @@ def _kernel_body(layer: KdaWeights, q: torch.Tensor, k: torch.Tensor, v: torch.T
     (T, H D) in ``dtype``; None when declined before any state changed."""
     convs, A_log, dt_bias, norm_w = _kernel_params(layer)
     n = layer.qkv_dim
-    conv_parts = [conv_states[:, i * n:(i + 1) * n] for i in range(3)]  # (slots, H D, K-1) each
+    conv_parts = [recurrent_kernels.conv_state_channels(conv_states, i * n, (i + 1) * n)
+                  for i in range(3)]  # (slots, H D, K-1) each
     if not all(recurrent_kernels.conv_supported(st, w, None, dtype, layer.activation)
                for st, w in zip(conv_parts, convs)):
         return None

@@ -23,7 +23,7 @@ from hybridserve.kernels import gemm, recurrent_coded
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.coded_plain import float_states_of_batch
+from hybridserve.ops.coded_plain import any_coded, float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.prepared import prepared
 from hybridserve.ops.selective_scan import selective_scan_varlen, selective_state_update
@@ -65,7 +65,7 @@ def mamba1_mix(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch
 def _plain(layer: Mamba1Weights, xs: torch.Tensor, gate: torch.Tensor, batch: ForwardBatch,
            conv_states: torch.Tensor, ssm_states: StateView, dtype: torch.dtype) -> torch.Tensor:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
-    if not isinstance(ssm_states, CodedState):  # float states: read and written in place
+    if not any_coded(conv_states, ssm_states):  # float states: read and written in place
         return _plain_body(layer, xs, gate, batch, conv_states, ssm_states, dtype)
     with float_states_of_batch(batch, (conv_states, ssm_states)) as (local_batch, (conv_local, ssm_local)):
         return _plain_body(layer, xs, gate, local_batch, conv_local, ssm_local, dtype)

@@ -19,7 +19,7 @@ from hybridserve.forward_batch import SeqGroup
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.kernels import recurrent_coded
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hybridserve.ops.coded_plain import float_states
+from hybridserve.ops.coded_plain import any_coded, float_states
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.prepared import prepared
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
@@ -104,7 +104,7 @@ def _kernel_body(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch
 def _plain(layer: Mamba2Weights, g: SeqGroup, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor,
            conv_states: torch.Tensor, ssm_states: StateView, decode: bool, dt_limit: tuple[float, float]) -> bool:
     """The PyTorch body on float views of the states (8-bit ones decoded for the call: ops/coded_plain.py)."""
-    if not isinstance(ssm_states, CodedState):  # float states: read and written in place
+    if not any_coded(conv_states, ssm_states):  # float states: read and written in place
         return _plain_body(layer, g, xbc, dt, y, conv_states, ssm_states, decode, dt_limit)
     with float_states((g,), (conv_states, ssm_states)) as ((local_group,), (conv_local, ssm_local)):
         assert local_group is not None

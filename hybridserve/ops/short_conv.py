@@ -13,20 +13,31 @@ import torch
 from torch import nn
 
 from hybridserve.cache.slots import read_slots, write_slots
+from hybridserve.cache.state_codec import StateView
 from hybridserve.forward_batch import ForwardBatch
 from hybridserve.kernels import pointwise as pointwise_kernels
 from hybridserve.kernels import recurrent as recurrent_kernels
 from hybridserve.ops.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hybridserve.ops.coded_plain import any_coded, float_states_of_batch
 from hybridserve.ops.dispatch import call
 from hybridserve.ops.prepared import prepared
 
 
 def gated_short_conv(conv: nn.Conv1d, b: torch.Tensor, c: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
-                     conv_states: torch.Tensor) -> torch.Tensor:
+                     conv_states: StateView) -> torch.Tensor:
     """b, c, x: (T, D) -> ``c * conv(b * x)`` (T, D); conv: depthwise, weight (D, 1, K); conv_states:
-    (slots, D, K-1) pool view, the batch's slots read and written."""
+    (slots, D, K-1) pool view (or an 8-bit one: cache/conv_codec.py), the batch's slots read and written."""
     return call("short_conv", lambda: _kernel_body(conv, b, c, x, batch, conv_states),
-                lambda: _plain_body(conv, b, c, x, batch, conv_states), b, conv_states)
+                lambda: _plain(conv, b, c, x, batch, conv_states), b, conv_states)
+
+
+def _plain(conv: nn.Conv1d, b: torch.Tensor, c: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+           conv_states: StateView) -> torch.Tensor:
+    """The PyTorch body on a float view of the conv state (an 8-bit one decoded for the call: ops/coded_plain.py)."""
+    if not any_coded(conv_states):  # a float state: read and written in place
+        return _plain_body(conv, b, c, x, batch, conv_states)
+    with float_states_of_batch(batch, (conv_states,)) as (local_batch, (conv_local,)):
+        return _plain_body(conv, b, c, x, local_batch, conv_local)
 
 
 def _plain_body(conv: nn.Conv1d, b: torch.Tensor, c: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
@@ -49,7 +60,7 @@ def _plain_body(conv: nn.Conv1d, b: torch.Tensor, c: torch.Tensor, x: torch.Tens
 
 
 def _kernel_body(conv: nn.Conv1d, b: torch.Tensor, c: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
-                 conv_states: torch.Tensor) -> torch.Tensor | None:
+                 conv_states: StateView) -> torch.Tensor | None:
     """The CPU-kernel body, per sequence group; None when declined before any state changed."""
     bias = conv.bias
     weight_t, bias32 = prepared(conv, "_short_conv_kernel_params", (conv.weight, bias),

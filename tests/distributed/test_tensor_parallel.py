@@ -339,13 +339,15 @@ def test_torchrun_style_launch(ckpt_dir, tmp_path):
     assert f"tokens {expected[0].outputs[0].token_ids}" in outs[0]
 
 
-def test_tp2_with_8_bit_state_matches_tp1(ckpt_dir, family="bamba"):
+@pytest.mark.parametrize("conv", ["auto", "int8"])
+def test_tp2_with_8_bit_state_matches_tp1(ckpt_dir, conv, family="bamba"):
     """int8 temporal state on 2 ranks: each rank rounds its heads' codes as one rank does (the noise numbered
-    from its slice's start), and the prefix cache's snapshot copies (codes and scales) replay on rank 1."""
+    from its slice's start), and the prefix cache's snapshot copies (codes and scales) replay on rank 1; with an
+    int8 conv state too (a channel's codes and exponent depend on that channel alone)."""
     path = make(ckpt_dir, family)
     prompts = [list(range(3, 40))] + _prompts(2, longest=40)
     opts = dict(cache_memory="16MiB", max_num_batched_tokens=16, enable_progress_bar=False,
-                mamba_ssm_cache_dtype="int8")
+                mamba_ssm_cache_dtype="int8", mamba_cache_dtype=conv)
     tp1 = LLM(path, **opts)
     expected = _gen(tp1, prompts)
     turn2 = [prompts[0] + expected[0].outputs[0].token_ids + [5, 6]]
@@ -356,6 +358,7 @@ def test_tp2_with_8_bit_state_matches_tp1(ckpt_dir, family="bamba"):
         _assert_same(expected2, _gen(llm, turn2))
         assert llm.engine.prefix_cache_stats()["hits"] > 0
         assert llm.cache_layout()["mamba_ssm_cache_dtype"] == "int8"
+        assert llm.cache_layout()["mamba_cache_dtype"] == ("int8" if conv == "int8" else "float32")
         assert released_everything(llm.engine)
     finally:
         llm.engine.shutdown()

@@ -220,8 +220,23 @@ def test_a_model_without_temporal_state_shows_no_drift_and_says_why(ckpt_dir, ca
     assert "no temporal state" in caplog.text
 
 
+def test_an_entry_sets_the_conv_state_dtype_after_a_colon(ckpt_dir):
+    """``SSM:CONV`` runs with that conv-state dtype too; LFM2's short convolutions drift only through it."""
+    lfm2 = make(ckpt_dir, "lfm2")
+    prompt = [(7 * i) % 100 + 3 for i in range(16)]
+    report = measure_drift(lfm2, ["float32:int8", "bfloat16"], prompt,
+                           DriftSettings(prompt_tokens=16, generate_tokens=8, bucket=8), {"cache_memory": "32MiB"})
+    coded, plain = report["state_dtypes"]["float32:int8"], report["state_dtypes"]["bfloat16"]
+    assert coded["dtypes"]["mamba_cache_dtype"] == "int8" and coded["all"]["max"] > 0.0
+    assert plain["all"]["max"] == 0.0 and coded["state_bytes_per_sequence"] < report["reference"][
+        "state_bytes_per_sequence"]
+
+
 def test_state_dtype_names_are_the_engines_own():
     assert check_state_dtypes(["fp16", "BF16", "float32"], {}) == ["float16", "bfloat16", "float32"]
+    assert check_state_dtypes(["int8:int8", "bf16:BF16"], {}) == ["int8:int8", "bfloat16:bfloat16"]
+    with pytest.raises(ValueError, match="'int8:fp8'.*an 8-bit conv state is int8"):
+        check_state_dtypes(["int8:fp8"], {})
     with pytest.raises(ValueError, match="cache_memory"):  # another option's own error comes first
         check_state_dtypes(["bfloat16"], {"cache_memory": "lots"})
 

@@ -64,6 +64,10 @@ int hs_causal_conv1d(int act_dtype, int state_dtype, int64_t num_seqs, const int
                      const int64_t* slots, const void* x, int64_t x_stride, void* states, int64_t slot_stride,
                      const float* weight_t, const float* bias, int act_silu, void* out, int64_t out_stride,
                      int64_t D, int64_t K);
+int hs_causal_conv1d_coded(int act_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+                           const void* x, int64_t x_stride, void* codes, int64_t code_slot_stride, void* exponents,
+                           int64_t exponent_slot_stride, const float* weight_t, const float* bias, int act_silu,
+                           void* out, int64_t out_stride, int64_t D, int64_t K);
 int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                    const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
                    const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,

@@ -113,6 +113,84 @@ void conv4_step16(const AT* xt, AT* ot, ST* st, const float* weight_t, const flo
 }
 #endif
 
+// The tokens t0 .. t1 - 1 of one sequence through the conv for channels c0 .. c0 + nc - 1, the window win[k][c]
+// (the K-1 previous inputs, oldest first) moved along token by token: taps oldest first, the current token
+// last, then the bias, then the activation.
+template <int KT, typename AT>
+inline void conv_block_tokens(float (*win)[kConvBlock], int64_t t0, int64_t t1, const AT* x, int64_t x_stride,
+                              AT* out, int64_t out_stride, const float* weight_t, const float* bias, int act_silu,
+                              int64_t D, int64_t K_, int64_t c0, int64_t nc) {
+  const int64_t K = KT > 0 ? KT : K_;
+  const int64_t W = K - 1;
+  float xin[kConvBlock], acc[kConvBlock];
+  for (int64_t t = t0; t < t1; ++t) {
+    const AT* xt = x + t * x_stride + c0;
+    AT* ot = out + t * out_stride + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) {
+      xin[c] = to_f32(xt[c]);
+      acc[c] = 0.0f;
+    }
+    for (int64_t k = 0; k < W; ++k) {
+      const float* wk = weight_t + k * D + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) acc[c] += win[k][c] * wk[c];
+    }
+    const float* wl = weight_t + W * D + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) acc[c] += xin[c] * wl[c];
+    if (bias) {
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) acc[c] += bias[c0 + c];
+    }
+    for (int64_t k = 0; k + 1 < W; ++k) {
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) win[k][c] = win[k + 1][c];
+    }
+    if (W > 0) {
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) win[W - 1][c] = xin[c];
+    }
+    if (act_silu) {
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) acc[c] = silu(acc[c]);
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) ot[c] = from_f32<AT>(acc[c]);
+  }
+}
+
+// One sequence's tokens t0 .. t1 - 1 through channels c0 .. c0 + nc - 1, st its (nc, K-1) state rows in the
+// state dtype, read and written in place (one token of a width-4 conv: the vector path; else the token loop).
+template <int KT, typename AT, typename ST>
+inline void conv_block(ST* st, int64_t t0, int64_t t1, const AT* x, int64_t x_stride, AT* out, int64_t out_stride,
+                       const float* weight_t, const float* bias, int act_silu, int64_t D, int64_t K_, int64_t c0,
+                       int64_t nc) {
+  const int64_t K = KT > 0 ? KT : K_;
+  const int64_t W = K - 1;  // state width
+#if defined(__AVX512F__)
+  if constexpr (KT == 4) {
+    if (t1 - t0 == 1 && nc % 16 == 0) {  // one token: the vector path
+      static const Deinterleave3 perm;
+      for (int64_t c = 0; c < nc; c += 16)
+        conv4_step16(x + t0 * x_stride + c0, out + t0 * out_stride + c0, st, weight_t + c0,
+                     bias ? bias + c0 : nullptr, D, c, act_silu, perm);
+      return;
+    }
+  }
+#endif
+  float win[kMaxTaps][kConvBlock];  // win[k][c]: the K-1 previous inputs, oldest first
+  for (int64_t k = 0; k < W; ++k) {
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) win[k][c] = to_f32(st[c * W + k]);
+  }
+  conv_block_tokens<KT>(win, t0, t1, x, x_stride, out, out_stride, weight_t, bias, act_silu, D, K, c0, nc);
+  for (int64_t k = 0; k < W; ++k) {
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) st[c * W + k] = from_f32<ST>(win[k][c]);
+  }
+}
+
 // KT: the kernel width when it is a compile-time size (the tap loops then unroll and the strided state
 // accesses vectorize), 0 otherwise. weight_t is (K, D): tap-major, so a tap's weights are contiguous.
 template <int KT, typename AT, typename ST>
@@ -131,65 +209,172 @@ void causal_conv1d_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64
         zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], c0, nc);
         continue;
       }
-      ST* st = states + slots[s] * slot_stride + c0 * W;  // (nc, W) of this block
-#if defined(__AVX512F__)
-      if constexpr (KT == 4) {
-        if (cu_seqlens[s + 1] - cu_seqlens[s] == 1 && nc % 16 == 0) {  // one token: the vector path
-          static const Deinterleave3 perm;
-          const int64_t t = cu_seqlens[s];
-          for (int64_t c = 0; c < nc; c += 16)
-            conv4_step16(x + t * x_stride + c0, out + t * out_stride + c0, st, weight_t + c0,
-                         bias ? bias + c0 : nullptr, D, c, act_silu, perm);
-          continue;
-        }
-      }
-#endif
-      float win[kMaxTaps][kConvBlock];  // win[k][c]: the K-1 previous inputs, oldest first
-      for (int64_t k = 0; k < W; ++k) {
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) win[k][c] = to_f32(st[c * W + k]);
-      }
-      float xin[kConvBlock], acc[kConvBlock];
-      for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) {
-        const AT* xt = x + t * x_stride + c0;
-        AT* ot = out + t * out_stride + c0;
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) {
-          xin[c] = to_f32(xt[c]);
-          acc[c] = 0.0f;
-        }
-        for (int64_t k = 0; k < W; ++k) {  // taps oldest first, the current token last, then the bias
-          const float* wk = weight_t + k * D + c0;
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) acc[c] += win[k][c] * wk[c];
-        }
-        const float* wl = weight_t + W * D + c0;
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) acc[c] += xin[c] * wl[c];
-        if (bias) {
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) acc[c] += bias[c0 + c];
-        }
-        for (int64_t k = 0; k + 1 < W; ++k) {
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) win[k][c] = win[k + 1][c];
-        }
-        if (W > 0) {
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) win[W - 1][c] = xin[c];
-        }
-        if (act_silu) {
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) acc[c] = silu(acc[c]);
-        }
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) ot[c] = from_f32<AT>(acc[c]);
-      }
-      for (int64_t k = 0; k < W; ++k) {
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) st[c * W + k] = from_f32<ST>(win[k][c]);
-      }
+      conv_block<KT>(states + slots[s] * slot_stride + c0 * W, cu_seqlens[s], cu_seqlens[s + 1], x, x_stride, out,
+                     out_stride, weight_t, bias, act_silu, D, K, c0, nc);
     }
+  }
+}
+
+// 8-bit conv state (cache/conv_codec.py): int8 codes (D, K-1) and an int8 power-of-two exponent per channel, (D,),
+// per slot. A block of channels is decoded into float32 state rows, run by conv_block as a float32 state is, and
+// encoded back: per channel the smallest power of two 2^e with 127 * 2^e >= max|x| (max|x| / 127 with its mantissa
+// rounded up into the exponent; e = 0 for zeros), codes x * 2^-e rounded to nearest even. Decoding and the
+// scaling are exact, so a decoded state whose exponent stays encodes to the same codes.
+
+// The scale 2^e of a channel as float bits, and the exponent of the smallest power of two >= q >= 0 (0 for q = 0),
+// in integer operations on the float bits (branch-free, so that the channel loops below vectorize).
+inline float power_of_two_bits(int32_t e) {  // 2^e, e in [-126, 127]
+  return __builtin_bit_cast(float, static_cast<uint32_t>(e + 127) << 23);
+}
+
+inline int32_t power_of_two_exponent_bits(float q) {
+  const uint32_t b = __builtin_bit_cast(uint32_t, q);
+  const uint32_t up = (b & 0x007FFFFFu) ? (b & 0x7F800000u) + 0x00800000u : b;
+  return b == 0 ? 0 : static_cast<int32_t>(up >> 23) - 127;
+}
+
+#if defined(__AVX512F__)
+// Width-3 rows (kernel 4), 16 channels at a time: their 48 values interleaved (c, 3) in three vectors; lane j of
+// vector v is element 16 v + j, of channel (16 v + j) / 3. channel_of[v] spreads a vector of 16 per-channel values
+// over that order.
+struct Spread3 {
+  __m512i channel_of[3];
+  Spread3() {
+    alignas(64) int32_t a[16];
+    for (int v = 0; v < 3; ++v) {
+      for (int j = 0; j < 16; ++j) a[j] = (16 * v + j) / 3;
+      channel_of[v] = _mm512_load_si512(a);
+    }
+  }
+};
+
+inline __m512 power_of_two16(__m512i e) {  // 2^e per lane, e in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23));
+}
+
+inline void conv_decode_rows3x16(const int8_t* cd, const int8_t* ex, float* rows, const Spread3& spread) {
+  const __m512 scale = power_of_two16(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ex))));
+  for (int v = 0; v < 3; ++v) {
+    const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(cd + 16 * v))));
+    _mm512_storeu_ps(rows + 16 * v, _mm512_mul_ps(codes, _mm512_permutexvar_ps(spread.channel_of[v], scale)));
+  }
+}
+
+inline void conv_encode_rows3x16(const float* rows, int8_t* cd, int8_t* ex, const Spread3& spread,
+                                 const Deinterleave3& perm) {
+  const __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(rows)), v1 = _mm512_abs_ps(_mm512_loadu_ps(rows + 16)),
+               v2 = _mm512_abs_ps(_mm512_loadu_ps(rows + 32));
+  __m512 amax = _mm512_setzero_ps();
+  for (int k = 0; k < 3; ++k)  // tap k of the 16 channels
+    amax = _mm512_max_ps(amax, _mm512_mask_permutexvar_ps(_mm512_permutex2var_ps(v0, perm.lo[k], v1),
+                                                          perm.from_hi[k], perm.hi[k], v2));
+  const __m512i bits = _mm512_castps_si512(_mm512_div_ps(amax, _mm512_set1_ps(127.0f)));
+  const __mmask16 inexact = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x007FFFFF));
+  const __m512i up = _mm512_mask_add_epi32(bits, inexact, _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000)),
+                                           _mm512_set1_epi32(0x00800000));
+  const __mmask16 zero = _mm512_testn_epi32_mask(bits, bits);
+  const __m512i e = _mm512_maskz_sub_epi32(static_cast<__mmask16>(~zero), _mm512_srli_epi32(up, 23),
+                                           _mm512_set1_epi32(127));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(ex), _mm512_cvtepi32_epi8(e));
+  const __m512 inv = power_of_two16(_mm512_sub_epi32(_mm512_setzero_si512(), e));
+  for (int v = 0; v < 3; ++v) {
+    const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(rows + 16 * v),
+                                        _mm512_permutexvar_ps(spread.channel_of[v], inv));
+    const __m512 rounded = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(cd + 16 * v), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(rounded)));
+  }
+}
+#endif
+
+// codes (nc, W) int8 and exponents (nc,) -> rows (nc, W) float32 (16 channels at a time for kernel 4 on AVX-512).
+template <int KT>
+inline void conv_decode_rows(const int8_t* cd, const int8_t* ex, float* rows, int64_t nc, int64_t W_) {
+  const int64_t W = KT > 0 ? KT - 1 : W_;
+  int64_t c0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (KT == 4) {
+    static const Spread3 spread;
+    for (; c0 + 16 <= nc; c0 += 16) conv_decode_rows3x16(cd + c0 * 3, ex + c0, rows + c0 * 3, spread);
+  }
+#endif
+  for (int64_t c = c0; c < nc; ++c) {
+    const float scale = power_of_two_bits(ex[c]);
+    for (int64_t k = 0; k < W; ++k) rows[c * W + k] = static_cast<float>(cd[c * W + k]) * scale;
+  }
+}
+
+// rows (nc, W) float32 -> codes (nc, W) int8 and exponents (nc,): per channel the smallest power of two 2^e with
+// 127 * 2^e >= max|x|, codes x * 2^-e rounded to nearest even.
+template <int KT>
+inline void conv_encode_rows(const float* rows, int8_t* cd, int8_t* ex, int64_t nc, int64_t W_) {
+  const int64_t W = KT > 0 ? KT - 1 : W_;
+  int64_t c0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (KT == 4) {
+    static const Spread3 spread;
+    static const Deinterleave3 perm;
+    for (; c0 + 16 <= nc; c0 += 16) conv_encode_rows3x16(rows + c0 * 3, cd + c0 * 3, ex + c0, spread, perm);
+  }
+#endif
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: (v + kRound) - kRound is v rounded to nearest even, |v| < 2^22
+  for (int64_t c = c0; c < nc; ++c) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < W; ++k) {
+      const float a = __builtin_fabsf(rows[c * W + k]);
+      amax = a > amax ? a : amax;
+    }
+    const int32_t e = power_of_two_exponent_bits(amax / 127.0f);
+    const float inv = power_of_two_bits(-e);
+    ex[c] = static_cast<int8_t>(e);
+    for (int64_t k = 0; k < W; ++k) {  // |x| * 2^-e <= 127: no code clips
+      const float shifted = rows[c * W + k] * inv + kRound;  // (the product is exact: fused or not alike)
+      cd[c * W + k] = static_cast<int8_t>(static_cast<int32_t>(shifted - kRound));
+    }
+  }
+}
+
+template <int KT, typename AT>
+void causal_conv1d_coded_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, const AT* x,
+                              int64_t x_stride, int8_t* codes, int64_t code_slot_stride, int8_t* exponents,
+                              int64_t exponent_slot_stride, const float* weight_t, const float* bias, int act_silu,
+                              AT* out, int64_t out_stride, int64_t D, int64_t K_) {
+  const int64_t K = KT > 0 ? KT : K_;
+  const int64_t W = K - 1;
+  const int64_t blocks = (D + kConvBlock - 1) / kConvBlock;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t c0 = blk * kConvBlock;
+      const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
+      if (slots[s] < 0) {
+        zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], c0, nc);
+        continue;
+      }
+      int8_t* cd = codes + slots[s] * code_slot_stride + c0 * W;  // (nc, W)
+      int8_t* ex = exponents + slots[s] * exponent_slot_stride + c0;  // (nc,)
+      alignas(64) float rows[kConvBlock * (kMaxTaps - 1)];  // (nc, W) float32: the float path's state rows
+      conv_decode_rows<KT>(cd, ex, rows, nc, W);
+      conv_block<KT>(rows, cu_seqlens[s], cu_seqlens[s + 1], x, x_stride, out, out_stride, weight_t, bias,
+                     act_silu, D, K, c0, nc);
+      conv_encode_rows<KT>(rows, cd, ex, nc, W);
+    }
+  }
+}
+
+template <typename AT>
+void causal_conv1d_coded_any(int64_t num_seqs, const int64_t* cu, const int64_t* slots, const AT* x, int64_t xs,
+                             int8_t* codes, int64_t cs, int8_t* scales, int64_t ss, const float* w, const float* b,
+                             int silu_flag, AT* out, int64_t os, int64_t D, int64_t K) {
+  switch (K) {
+    case 2: causal_conv1d_coded_impl<2>(num_seqs, cu, slots, x, xs, codes, cs, scales, ss, w, b, silu_flag, out, os, D,
+                                        K); break;
+    case 3: causal_conv1d_coded_impl<3>(num_seqs, cu, slots, x, xs, codes, cs, scales, ss, w, b, silu_flag, out, os, D,
+                                        K); break;
+    case 4: causal_conv1d_coded_impl<4>(num_seqs, cu, slots, x, xs, codes, cs, scales, ss, w, b, silu_flag, out, os, D,
+                                        K); break;
+    default: causal_conv1d_coded_impl<0>(num_seqs, cu, slots, x, xs, codes, cs, scales, ss, w, b, silu_flag, out, os,
+                                         D, K);
   }
 }
 
@@ -1081,6 +1266,22 @@ int hs_causal_conv1d(int act_dtype, int state_dtype, int64_t num_seqs, const int
   });
 }
 
+// The same over 8-bit conv state: codes (D, K-1) int8 at codes + slots[s] * code_slot_stride, exponents (D,)
+// int8 at exponents + slots[s] * exponent_slot_stride (cache/conv_codec.py).
+int hs_causal_conv1d_coded(int act_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
+                           const void* x, int64_t x_stride, void* codes, int64_t code_slot_stride, void* exponents,
+                           int64_t exponent_slot_stride, const float* weight_t, const float* bias, int act_silu,
+                           void* out, int64_t out_stride, int64_t D, int64_t K) {
+  if (K < 2 || K > kMaxTaps) return 1;
+  return dispatch_dtype(act_dtype, [&](auto act) {
+    using AT = decltype(act);
+    causal_conv1d_coded_any<AT>(num_seqs, cu_seqlens, slots, static_cast<const AT*>(x), x_stride,
+                                static_cast<int8_t*>(codes), code_slot_stride, static_cast<int8_t*>(exponents),
+                                exponent_slot_stride, weight_t,
+                                bias, act_silu, static_cast<AT*>(out), out_stride, D, K);
+  });
+}
+
 // Mamba2 scan, varlen. x: (T, H*P) rows, B, C: (T, G*N) rows, dt: (T, H) rows, all act dtype with
 // their own row strides; states: slot s at states + slots[s] * slot_stride, (H, P, N) contiguous;
 // y: (T, H*P) float32 rows with stride y_stride, gets h_t . C_t + D * x_t.
@@ -1228,7 +1429,7 @@ int hs_mlstm_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_
 
 }  // extern "C"
 
-HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
+HS_REGISTRY(HS_KERNEL(hs_causal_conv1d) HS_KERNEL(hs_causal_conv1d_coded) HS_KERNEL(hs_mamba2_scan) HS_KERNEL(hs_mamba1_scan)
             HS_KERNEL(hs_linear_attention) HS_KERNEL(hs_gated_delta_rule) HS_KERNEL(hs_gdn_split)
             HS_KERNEL(hs_mlstm) HS_KERNEL(hs_kda) HS_KERNEL(hs_mamba2_scan_coded) HS_KERNEL(hs_mamba1_scan_coded)
             HS_KERNEL(hs_linear_attention_coded) HS_KERNEL(hs_gated_delta_rule_coded) HS_KERNEL(hs_kda_coded)
