@@ -50,6 +50,7 @@ class TensorPlacement:
     group: int = 0  # KV page group: 0 full attention, 1 sliding window (state tensors: 0)
     shard_offset: int = 0  # a state tensor's StateTensorSpec.shard_offset (tensor parallelism)
     exponent_scales: bool = False  # a conv state's StateTensorSpec.exponent_scales (how its 8-bit codes are scaled)
+    rounding: str = "stochastic"  # StateTensorSpec.rounding (how 8-bit codes of a temporal state are rounded)
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +118,7 @@ def compute_layout(specs: list[LayerCacheSpec], block_size: int) -> PoolLayout:
                 page_off[group] = align_up(page_off[group] + p.nbytes)
         for t in spec.state:
             p = TensorPlacement(spec.index, t.name, slot_off, t.shape, t.dtype, shard_offset=t.shard_offset,
-                                exponent_scales=t.exponent_scales)
+                                exponent_scales=t.exponent_scales, rounding=t.rounding)
             state.append(p)
             slot_off = align_up(slot_off + p.nbytes)
             if t.coded:  # 8-bit codes: their scales follow them in the slot

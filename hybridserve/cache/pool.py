@@ -168,9 +168,10 @@ class CachePool:
             scale = views.get((p.layer, p.name + SCALE_SUFFIX)) if is_coded_state_dtype(p.dtype) else None
             if scale is None:
                 cache.state[p.name] = view
+            elif p.exponent_scales:
+                cache.state[p.name] = CodedConvState(view, scale, p.layer, p.shard_offset)
             else:
-                coded = CodedConvState if p.exponent_scales else CodedState
-                cache.state[p.name] = coded(view, scale, p.layer, p.shard_offset)
+                cache.state[p.name] = CodedState(view, scale, p.layer, p.shard_offset, p.rounding == "stochastic")
 
     # ------------------------------------------------------------ boundaries
     def _state_top_slots(self, num_slots: int) -> int:

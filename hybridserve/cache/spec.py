@@ -28,6 +28,11 @@ DType = Any
 SCALE_SUFFIX = "_scale"
 #: the dtype of an 8-bit conv state's per-channel power-of-two exponents (cache/conv_codec.py)
 CONV_EXPONENT_DTYPE = "int8"
+#: the state kinds whose 8-bit codes round to nearest (the others round stochastically): measured, mean |Δlogprob|
+#: against float32 state over 520 + 520 tokens, int8 nearest over int8 stochastic: the gated delta net 0.62-0.87x
+#: (Qwen3-Next, Qwen3.5, OLMo-Hybrid), KDA 0.90x, mLSTM 0.72x; Mamba1 1.16-1.59x, Mamba2 1.14x on the trained
+#: default model (0.68-1.02x on tiny random ones), linear attention 1.38x (docs/state_precision.md, "Rounding")
+TEMPORAL_ROUNDING = {"gated_delta_net": "nearest", "kda": "nearest", "mlstm": "nearest"}
 #: the dtype of a stabilizer state (mLSTM's ``m``) beside 8-bit codes
 STABILIZER_BESIDE_CODES_DTYPE = "float32"
 
@@ -82,6 +87,9 @@ class StateTensorSpec:
     #: a conv state: 8-bit codes take an int8 power-of-two exponent per row (cache/conv_codec.py), not a bfloat16
     #: scale
     exponent_scales: bool = False
+    #: how 8-bit codes of a temporal state are rounded: ``"stochastic"`` (seeded noise) or ``"nearest"``, chosen per
+    #: state kind by measurement (:data:`TEMPORAL_ROUNDING`; docs/state_precision.md, "Rounding")
+    rounding: str = "stochastic"
 
     @property
     def coded(self) -> bool:
@@ -142,8 +150,9 @@ class LayerCacheSpec:
         """The ``layers`` entry of ``cache_layout()`` and of ``hybridserve plan --json``.
 
         K/V tensors are per token (``shape`` without the token axis, ``bytes`` per token); state
-        tensors are per sequence. An 8-bit state tensor is two entries: its codes, then its row scales
-        (``"<name>_scale"``: :data:`SCALE_SUFFIX`, bfloat16, with ``"scales": "<name>"``).
+        tensors are per sequence. An 8-bit state tensor is two entries: its codes (with ``"rounding"``:
+        ``"stochastic"`` or ``"nearest"``), then its scales (``"<name>_scale"``: :data:`SCALE_SUFFIX`, bfloat16, or
+        int8 exponents for a conv state, with ``"scales": "<name>"``).
         """
         tensors = []
         if self.attention is not None:
@@ -152,8 +161,11 @@ class LayerCacheSpec:
                 tensors.append({"name": name, "shape": [a.num_kv_heads, a.head_size], "dtype": dtype_name(a.dtype),
                                 "per": "token", "bytes": a.bytes_per_token // len(a.tensor_names)})
         for t in self.state:
-            tensors.append({"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                            "per": "sequence", "bytes": t.code_nbytes})
+            entry = {"name": t.name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "per": "sequence",
+                     "bytes": t.code_nbytes}
+            if t.coded:  # how its codes round: stochastic or nearest for a temporal state, nearest for a conv state
+                entry["rounding"] = "nearest" if t.exponent_scales else t.rounding
+            tensors.append(entry)
             if t.coded:  # the row scales of 8-bit codes, beside them in the slot
                 tensors.append({"name": t.scale_name, "shape": list(t.scale_shape), "dtype": t.scale_dtype,
                                 "per": "sequence", "bytes": t.scale_nbytes, "scales": t.name})
@@ -197,8 +209,11 @@ class CacheDtypes:
         """A conv window ``(D, K-1)`` in the conv-state dtype (in 8 bits: an exponent per channel)."""
         return StateTensorSpec(name, tuple(shape), self.conv, exponent_scales=True)
 
-    def temporal_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
-        return StateTensorSpec(name, tuple(shape), self.temporal)
+    def temporal_state(self, name: str, shape: tuple[int, ...], kind: str | None = None) -> StateTensorSpec:
+        """A recurrent state in the temporal dtype; ``kind`` (a :data:`TEMPORAL_ROUNDING` key, e.g. ``"mlstm"``)
+        picks how its 8-bit codes are rounded (stochastically when not named there)."""
+        rounding = TEMPORAL_ROUNDING.get(kind, "stochastic") if kind is not None else "stochastic"
+        return StateTensorSpec(name, tuple(shape), self.temporal, rounding=rounding)
 
     def stabilizer_state(self, name: str, shape: tuple[int, ...]) -> StateTensorSpec:
         """A temporal state in log space that rescales the others (mLSTM's running max ``m``): the temporal

@@ -24,9 +24,9 @@ import torch
 
 from hybridserve.cache.conv_codec import CodedConvState
 
-__all__ = ["CODED_VIEWS", "CODE_DTYPES", "CODE_MAX", "SCALE_DTYPE", "CodedState", "StateView", "code_dtype",
-           "decode_rows", "encode_rows", "hash32", "has_coded_state", "rounding_key", "row_keys", "scale_up",
-           "uniform_noise"]
+__all__ = ["CODED_VIEWS", "CODE_DTYPES", "CODE_MAX", "NEAREST_NOISE", "SCALE_DTYPE", "CodedState", "StateView",
+           "code_dtype", "decode_rows", "encode_rows", "hash32", "has_coded_state", "nearest_noise", "rounding_key",
+           "row_keys", "scale_up", "uniform_noise"]
 
 #: option name -> the torch dtype of the codes
 CODE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -36,6 +36,9 @@ CODE_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.bfloat16
 #: the elements that share one 32-bit noise hash (a byte each)
 NOISE_ELEMENTS_PER_HASH = 4
+#: the uniform number of every element of a state rounded to nearest: the noise byte 128, (128 + 0.5) / 256 (the
+#: noise's grid holds no 0.5: a code is floor(v + 0.502), so values 0.002 of a step below a tie round up too)
+NEAREST_NOISE = 128.5 / 256
 
 _MASK32 = 0xFFFFFFFF
 _FP8_E4M3_MIN_NORMAL_EXP = -6  # 2**-6, the smallest normal e4m3 magnitude
@@ -92,6 +95,11 @@ def uniform_noise(keys: torch.Tensor, positions: torch.Tensor, layer: int, shape
     return ((byte.to(torch.float32) + 0.5) * (1.0 / 256)).reshape(base.shape[0], *shape)
 
 
+def nearest_noise(shape: tuple[int, ...]) -> torch.Tensor:
+    """The noise of a state rounded to nearest: :data:`NEAREST_NOISE` everywhere, float32 ``shape``."""
+    return torch.full(shape, NEAREST_NOISE, dtype=torch.float32)
+
+
 def _round_int8(v: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
     r = torch.floor(v + noise) if noise is not None else torch.round(v)
     return r.clamp_(-127.0, 127.0).to(torch.int8)
@@ -145,15 +153,18 @@ class CodedState:
 
     codes: (slots, *shape) int8 or float8_e4m3fn; scale: (slots, *shape[:-1]) bfloat16; layer: the layer
     index the rounding hash takes; offset: the flat index of this tensor's first element in the whole tensor
-    (a tensor-parallel rank's slice of heads; 0 otherwise), the noise's element numbering starts there. Both
-    tensors are the pool's own storage: writing them writes the cache."""
+    (a tensor-parallel rank's slice of heads; 0 otherwise), the noise's element numbering starts there;
+    stochastic: False rounds to nearest (every element's noise :data:`NEAREST_NOISE`; the state kind's choice,
+    ``cache/spec.py: TEMPORAL_ROUNDING``). Both tensors are the pool's own storage: writing them writes the
+    cache."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int, offset: int = 0) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int, offset: int = 0,
+                 stochastic: bool = True) -> None:
         if codes.dtype not in CODE_MAX or scale.dtype != SCALE_DTYPE or codes.shape[:-1] != scale.shape:
             raise ValueError(f"8-bit state wants codes (slots, *rows, n) in {list(CODE_MAX)} and {SCALE_DTYPE} scales "
                              f"(slots, *rows); got {codes.dtype} {tuple(codes.shape)}, {scale.dtype} "
                              f"{tuple(scale.shape)}")
-        self.codes, self.scale, self.layer, self.offset = codes, scale, layer, offset
+        self.codes, self.scale, self.layer, self.offset, self.stochastic = codes, scale, layer, offset, stochastic
 
     @property
     def dtype(self) -> torch.dtype:
@@ -179,7 +190,8 @@ class CodedState:
         real = idx >= 0  # (B,): a negative slot (a padded row) is written nowhere
         if not bool(real.all()):
             idx, values, keys, positions = idx[real], values[real], keys[real], positions[real]
-        noise = uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]), self.offset)
+        noise = (uniform_noise(keys, positions, self.layer, tuple(values.shape[1:]), self.offset) if self.stochastic
+                 else nearest_noise(tuple(values.shape)))
         codes, scale = encode_rows(values, self.codes.dtype, noise)
         self.codes.view(torch.uint8).index_copy_(0, idx, codes.view(torch.uint8))
         self.scale.index_copy_(0, idx, scale)

@@ -64,10 +64,10 @@ def group_ok(state: object, shape: tuple[int, ...], act_dtype: torch.dtype, keys
 
 
 def _state_args(state: CodedState, keys: torch.Tensor | None, positions: torch.Tensor) -> tuple:
-    """codes, their slot stride, scales, theirs, keys (or None), positions, layer, the noise's element offset: the
-    kernels' state arguments."""
+    """codes, their slot stride, scales, theirs, keys (or None), positions, layer, the noise's element offset,
+    whether the rounding is stochastic (0: to nearest): the kernels' state arguments."""
     return (state.codes.data_ptr(), state.codes.stride(0), state.scale.data_ptr(), state.scale.stride(0), ptr(keys),
-            positions.data_ptr(), int(state.layer), int(state.offset))
+            positions.data_ptr(), int(state.layer), int(state.offset), int(state.stochastic))
 
 
 def mamba2_scan(state: CodedState, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -216,6 +216,7 @@ def mlstm(states: tuple[CodedState, CodedState, torch.Tensor], q: torch.Tensor, 
     act = q.dtype
     acts = (q, k, v, o, i, f, out)
     if (not coded_ok(C, (H, Dk, Dv)) or not coded_ok(n, (H, Dk)) or n.dtype != C.dtype or n.layer != C.layer
+            or n.stochastic != C.stochastic
             or not isinstance(m, torch.Tensor) or m.dtype not in DTYPE_CODES or m.device.type != "cpu"
             or tuple(m.shape[1:]) != (H,) or m.stride(1) != 1 or act not in DTYPE_CODES
             or not all(rows_ok(t) and t.dtype == act for t in acts)
@@ -230,7 +231,8 @@ def mlstm(states: tuple[CodedState, CodedState, torch.Tensor], q: torch.Tensor, 
                              state_indices.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                              v.data_ptr(), v.stride(0), o.data_ptr(), o.stride(0), i.data_ptr(), i.stride(0),
                              f.data_ptr(), f.stride(0), float(gate_cap) if gate_cap is not None else 0.0,
-                             *c_args[:4], *n_args[:4], *c_args[4:], n_args[7], DTYPE_CODES[m.dtype], m.data_ptr(),
+                             *c_args[:4], *n_args[:4], *c_args[4:8], n_args[7], c_args[8], DTYPE_CODES[m.dtype],
+                             m.data_ptr(),
                              m.stride(0), norm_weight.data_ptr(), ptr(norm_bias), float(norm_eps), float(eps),
                              out.data_ptr(), out.stride(0), H, Dk, Dv), "hs_mlstm_coded")
     return True

@@ -60,7 +60,7 @@ def gated_delta_net_spec(index: int, dtypes: CacheDtypes, *, num_k_heads: int, n
     conv_dim = gated_delta_net_conv_dim(num_k_heads, num_v_heads, head_k_dim, head_v_dim)
     return LayerCacheSpec(index, "gated_delta_net", state=(
         dtypes.conv_state("conv", (conv_dim, int(conv_kernel) - 1)),
-        dtypes.temporal_state("recurrent", (int(num_v_heads), int(head_k_dim), int(head_v_dim)))))
+        dtypes.temporal_state("recurrent", (int(num_v_heads), int(head_k_dim), int(head_v_dim)), "gated_delta_net")))
 
 
 def kda_spec(index: int, dtypes: CacheDtypes, *, num_heads: int, head_dim: int, conv_kernel: int) -> LayerCacheSpec:
@@ -68,7 +68,7 @@ def kda_spec(index: int, dtypes: CacheDtypes, *, num_heads: int, head_dim: int, 
     ``(heads, head_dim, head_dim)``."""
     return LayerCacheSpec(index, "kda", state=(
         dtypes.conv_state("conv", (3 * int(num_heads) * int(head_dim), int(conv_kernel) - 1)),
-        dtypes.temporal_state("recurrent", (int(num_heads), int(head_dim), int(head_dim)))))
+        dtypes.temporal_state("recurrent", (int(num_heads), int(head_dim), int(head_dim)), "kda")))
 
 
 def linear_attention_spec(index: int, dtypes: CacheDtypes, *, num_heads: int, head_dim: int) -> LayerCacheSpec:
@@ -81,6 +81,6 @@ def mlstm_spec(index: int, dtypes: CacheDtypes, *, num_heads: int, qk_head_dim: 
                v_head_dim: int) -> LayerCacheSpec:
     """mLSTM: C ``(heads, qk head, v head)``, n ``(heads, qk head)``, m ``(heads,)``."""
     heads, dk, dv = int(num_heads), int(qk_head_dim), int(v_head_dim)
-    return LayerCacheSpec(index, "mlstm", state=(dtypes.temporal_state("C", (heads, dk, dv)),
-                                                 dtypes.temporal_state("n", (heads, dk)),
+    return LayerCacheSpec(index, "mlstm", state=(dtypes.temporal_state("C", (heads, dk, dv), "mlstm"),
+                                                 dtypes.temporal_state("n", (heads, dk), "mlstm"),
                                                  dtypes.stabilizer_state("m", (heads,))))

@@ -144,6 +144,8 @@ def test_cache_layout_and_plan_count_conv_codes_and_scales_exactly(ckpt_dir, cap
                 assert t["shape"] == [view.codes.shape[1]]
             assert list(tensor.shape[1:]) == t["shape"]
             assert tensor[0].numel() * tensor.element_size() == t["bytes"]
+            if "scales" not in t:  # the codes say how they round: conv nearest, temporal by its kind
+                assert t["rounding"] == {"conv": "nearest", "ssm": "stochastic", "recurrent": "nearest"}[t["name"]]
     assert total == layout["state_bytes_per_sequence"] > 0
     args = ["plan", path, "--json", "--cache-memory=16MiB", "--mamba-cache-dtype=int8"]
     if FAMILIES[family]:

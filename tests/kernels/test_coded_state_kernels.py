@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from hybridserve.cache.state_codec import CodedState, decode_rows, encode_rows, uniform_noise
+from hybridserve.cache.state_codec import CodedState, decode_rows, encode_rows, nearest_noise, uniform_noise
 from hybridserve.kernels import recurrent, recurrent_coded
 from hybridserve.ops.ssd import mamba2_chunk_scan_varlen_ref
 from tests.kernels.helpers import assert_close_rel, assert_within_ulps, cu, needs_compiler
@@ -44,12 +44,12 @@ class CodedPool:
     of both kept to check that slots outside a call keep their bytes."""
 
     def __init__(self, num_slots: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int, spread: float = 1.0,
-                 offset: int = 0):
+                 offset: int = 0, stochastic: bool = True):
         g = torch.Generator().manual_seed(seed)
         values = torch.randn(num_slots, *shape, generator=g) * spread
         codes, scale = encode_rows(values, dtype, None)
-        self.shape, self.dtype, self.offset = shape, dtype, offset
-        self.state = CodedState(codes.clone(), scale.clone(), LAYER, offset)
+        self.shape, self.dtype, self.offset, self.stochastic = shape, dtype, offset, stochastic
+        self.state = CodedState(codes.clone(), scale.clone(), LAYER, offset, stochastic)
         self.codes_before, self.scale_before = codes, scale
 
     def decoded(self) -> torch.Tensor:
@@ -63,7 +63,8 @@ class CodedPool:
         boundary."""
         S = slots.numel()
         key_t = keys if keys is not None else torch.zeros(S, dtype=torch.int64)
-        noise = uniform_noise(key_t, positions, LAYER, self.shape, self.offset)
+        noise = (uniform_noise(key_t, positions, LAYER, self.shape, self.offset) if self.stochastic
+                 else nearest_noise((S, *self.shape)))
         ref_codes, ref_scale = encode_rows(new_state, self.dtype, noise)
         got_codes, got_scale = self.state.codes[slots], self.state.scale[slots]
         torch.testing.assert_close(got_scale, ref_scale, rtol=4 * 2.0 ** -24, atol=0.0, msg=f"{what}: scales")
@@ -129,6 +130,8 @@ def _group(lens, slots, keys=True):
 
 
 DECODE, MIXED = [1, 1, 1, 1], [1, 9, 1, 70]
+#: how the codes are rounded (cache/spec.py: TEMPORAL_ROUNDING picks one per state kind); every kernel takes both
+ROUNDINGS = pytest.mark.parametrize("stochastic", [True, False], ids=["stochastic", "nearest"])
 # where a tensor-parallel rank's slice starts in the whole state tensor (the noise's element numbering): 0, and a
 # start inside a 4-element noise word
 OFFSETS = [0, 1030]
@@ -192,6 +195,31 @@ def test_mamba2_scan_coded_keys_and_positions_seed_the_rounding():
     assert not torch.equal(base, run(torch.tensor([2, 2]), pos))
     assert not torch.equal(base, run(torch.tensor([1, 1]), torch.tensor([11, 11])))
     assert torch.equal(run(None, pos), run(torch.tensor([0, 0]), pos))
+
+
+@pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
+@pytest.mark.parametrize("code", CODES, ids=code_id)
+def test_mamba2_scan_coded_rounds_to_nearest_when_asked(code, lens):
+    """A state rounded to nearest (the fused decode row step and the prefill encoder alike) matches the codec
+    with the fixed noise, and its codes do not depend on the rounding keys or positions."""
+    H, P, N, G = 4, 32, 64, 1
+    g = torch.Generator().manual_seed(21)
+    T = sum(lens)
+    x, dt = torch.randn(T, H * P, generator=g), torch.randn(T, H, generator=g)
+    B, C = torch.randn(T, G * N, generator=g), torch.randn(T, G * N, generator=g)
+    A = -torch.rand(H, generator=g) - 0.1
+    cu_t, slots, keys, positions = _group(lens, [5, 0, 3, 8])
+    codes = []
+    for k, pos in ((keys, positions), (None, positions + 3)):
+        pool = CodedPool(9, (H, P, N), code, seed=22, stochastic=False)
+        assert recurrent_coded.mamba2_scan(pool.state, x, dt, A, B, C, None, None, True, NO_LIMIT, cu_t, slots, k,
+                                           pos, torch.zeros(T, H * P))
+        plain = pool.decoded()
+        assert recurrent.mamba2_scan(plain, x, dt, A, B, C, None, None, True, NO_LIMIT, cu_t, slots,
+                                     torch.zeros(T, H * P))
+        pool.check(slots, plain[slots], k, pos, "mamba2 codes, nearest")
+        codes.append(pool.state.codes.view(torch.uint8).clone())
+    assert torch.equal(codes[0], codes[1])
 
 
 def test_mamba2_scan_coded_declines_uncovered_calls():
@@ -276,7 +304,8 @@ def test_linear_attention_coded_matches_codec(code, lens, offset):
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
 @pytest.mark.parametrize("offset", OFFSETS)
-def test_gated_delta_rule_coded_matches_codec(code, lens, offset):
+@ROUNDINGS
+def test_gated_delta_rule_coded_matches_codec(code, lens, offset, stochastic):
     from hybridserve.ops.gated_delta import gated_delta_rule_varlen_ref
 
     g = torch.Generator().manual_seed(10)
@@ -285,7 +314,7 @@ def test_gated_delta_rule_coded_matches_codec(code, lens, offset):
     ba = torch.randn(T, 2 * Hv, generator=g)
     A_log, dt_bias = torch.randn(Hv, generator=g) * 0.5, torch.randn(Hv, generator=g) * 0.5
     cu_t, slots, keys, positions = _group(lens, [4, 0, 2, 5])
-    pool = CodedPool(6, (Hv, Dk, Dv), code, seed=11, offset=offset)
+    pool = CodedPool(6, (Hv, Dk, Dv), code, seed=11, offset=offset, stochastic=stochastic)
     out = torch.full((T, Hv * Dv), float("nan"))
     assert recurrent_coded.gated_delta_rule(pool.state, conv, ba, A_log, dt_bias, True, cu_t, slots, keys,
                                             positions, out, Hk)
@@ -307,7 +336,8 @@ def test_gated_delta_rule_coded_matches_codec(code, lens, offset):
 @pytest.mark.parametrize("lens", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
 @pytest.mark.parametrize("offset", OFFSETS)
-def test_kda_coded_matches_codec(code, lens, offset):
+@ROUNDINGS
+def test_kda_coded_matches_codec(code, lens, offset, stochastic):
     g = torch.Generator().manual_seed(12)
     H, Dk, Dv, T = 3, 16, 16, sum(lens)
     q, k, v, f = (torch.randn(T, H * Dk, generator=g) for _ in range(4))
@@ -315,7 +345,7 @@ def test_kda_coded_matches_codec(code, lens, offset):
     A_log, dt_bias = torch.randn(H, generator=g) * 0.5, torch.randn(H * Dk, generator=g)
     norm_w = torch.randn(Dv, generator=g)
     cu_t, slots, keys, positions = _group(lens, [4, 0, 2, 5])
-    pool = CodedPool(6, (H, Dk, Dv), code, seed=13, offset=offset)
+    pool = CodedPool(6, (H, Dk, Dv), code, seed=13, offset=offset, stochastic=stochastic)
     out = torch.full((T, H * Dv), float("nan"))
     assert recurrent_coded.kda(pool.state, q, k, v, f, b, A_log, dt_bias, True, cu_t, slots, keys, positions, out,
                                gate, norm_w, 1e-6)
@@ -335,7 +365,8 @@ def test_kda_coded_matches_codec(code, lens, offset):
 @pytest.mark.parametrize("m_dtype", [torch.float32, torch.bfloat16], ids=["m_f32", "m_bf16"])
 @pytest.mark.parametrize("code", CODES, ids=code_id)
 @pytest.mark.parametrize("offset", OFFSETS)
-def test_mlstm_coded_matches_codec(code, m_dtype, lens, offset):
+@ROUNDINGS
+def test_mlstm_coded_matches_codec(code, m_dtype, lens, offset, stochastic):
     g = torch.Generator().manual_seed(14)
     H, Dk, Dv, T = 2, 16, 32, sum(lens)
     q, k = (torch.randn(T, H * Dk, generator=g) for _ in range(2))
@@ -344,8 +375,8 @@ def test_mlstm_coded_matches_codec(code, m_dtype, lens, offset):
     norm_w, norm_b = torch.randn(H * Dv, generator=g), torch.randn(H * Dv, generator=g)
     cu_t, slots, keys, positions = _group(lens, [4, 0, 2, 5])
     # a rank's slices of C and n start at their own elements (H heads from head offset / 2 on, say)
-    C_pool = CodedPool(6, (H, Dk, Dv), code, seed=15, offset=offset * Dk * Dv)
-    n_pool = CodedPool(6, (H, Dk), code, seed=16, spread=3.0, offset=offset * Dk)
+    C_pool = CodedPool(6, (H, Dk, Dv), code, seed=15, offset=offset * Dk * Dv, stochastic=stochastic)
+    n_pool = CodedPool(6, (H, Dk), code, seed=16, spread=3.0, offset=offset * Dk, stochastic=stochastic)
     m = (torch.randn(6, H, generator=g) * 2).to(m_dtype)
     m_before = m.clone()
     out = torch.full((T, H * Dv), float("nan"))

@@ -104,44 +104,48 @@ int hs_kda(int act_dtype, int state_dtype, int64_t num_seqs, const int64_t* cu_s
 
 // ---- recurrent.cpp: the same over 8-bit (coded) state: codes (code_dtype 3 int8, 4 fp8 e4m3fn) and bfloat16
 // row scales, each with its slot stride, the rounding keys (or null) and positions of the sequences, the layer
-// index and the element offset the noise is numbered from (a tensor-parallel rank's slice; 0 otherwise)
+// index and the element offset the noise is numbered from (a tensor-parallel rank's slice; 0 otherwise), and
+// whether the codes are rounded stochastically (0: to nearest)
 int hs_mamba2_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                          const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
                          const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,
                          const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
                          void* codes, int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
-                         const int64_t* positions, int64_t layer, int64_t offset, float* y, int64_t y_stride,
-                         int64_t H, int64_t P, int64_t G, int64_t N);
+                         const int64_t* positions, int64_t layer, int64_t offset, int64_t stochastic, float* y,
+                         int64_t y_stride, int64_t H, int64_t P, int64_t G, int64_t N);
 int hs_mamba1_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                          const int64_t* slots, const void* x, int64_t xs, const void* dt, int64_t dts, const float* A,
                          const void* B, int64_t bs, const void* C, int64_t cs, const float* D, const void* z,
                          int64_t zs, const float* dt_bias, int dt_softplus, void* codes, int64_t code_stride,
                          uint16_t* scales, int64_t scale_stride, const int64_t* keys, const int64_t* positions,
-                         int64_t layer, int64_t offset, void* y, int64_t ys, int64_t Dm, int64_t N);
+                         int64_t layer, int64_t offset, int64_t stochastic, void* y, int64_t ys, int64_t Dm,
+                         int64_t N);
 int hs_linear_attention_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                               const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
                               int64_t head_stride, const float* decay, void* codes, int64_t code_stride, uint16_t* scales,
                               int64_t scale_stride, const int64_t* keys, const int64_t* positions, int64_t layer,
-                              int64_t offset, void* y, int64_t ys, int64_t H, int64_t Dk, int64_t Dv);
+                              int64_t offset, int64_t stochastic, void* y, int64_t ys, int64_t H, int64_t Dk,
+                              int64_t Dv);
 int hs_gated_delta_rule_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                               const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
                               const float* A_log, const float* dt_bias, int l2norm, float beta_scale, void* codes,
                               int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
-                              const int64_t* positions, int64_t layer, int64_t offset, void* out, int64_t os,
-                              int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+                              const int64_t* positions, int64_t layer, int64_t offset, int64_t stochastic, void* out,
+                              int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
 int hs_kda_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
                  const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* f,
                  int64_t fs, const void* b, int64_t bs, const float* A_log, const float* dt_bias, int l2norm,
                  void* codes, int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
-                 const int64_t* positions, int64_t layer, int64_t offset, const void* gate, int64_t gs,
-                 const float* norm_w, float norm_eps, void* out, int64_t os, int64_t H, int64_t Dk, int64_t Dv);
+                 const int64_t* positions, int64_t layer, int64_t offset, int64_t stochastic, const void* gate,
+                 int64_t gs, const float* norm_w, float norm_eps, void* out, int64_t os, int64_t H, int64_t Dk,
+                 int64_t Dv);
 int hs_mlstm_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots,
                    const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* o,
                    int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap,
                    void* c_codes, int64_t c_code_stride, uint16_t* c_scales, int64_t c_scale_stride, void* n_codes,
                    int64_t n_code_stride, uint16_t* n_scales, int64_t n_scale_stride, const int64_t* keys,
-                   const int64_t* positions, int64_t layer, int64_t c_offset, int64_t n_offset, int m_dtype,
-                   void* m_states, int64_t m_stride,
+                   const int64_t* positions, int64_t layer, int64_t c_offset, int64_t n_offset, int64_t stochastic,
+                   int m_dtype, void* m_states, int64_t m_stride,
                    const void* norm_w, const void* norm_b, float norm_eps, float eps, void* out, int64_t out_stride,
                    int64_t H, int64_t Dk, int64_t Dv);
 

@@ -669,7 +669,7 @@ void mamba2_step_head_coded(int64_t t, int64_t s, int64_t h, const AT* x, int64_
     for (int64_t b = 0; b < P * static_cast<int64_t>(sizeof(uint16_t)); b += 64) __builtin_prefetch(next_scales + b);
   }
   const uint32_t base = cs.base(s);
-  NoiseBytesOf<kNativeLanes * N> noise;  // the block's, hashed at once (its rows are consecutive elements)
+  NoiseBytesOf<kNativeLanes * N> noise(cs.stochastic);  // the block's, hashed at once (consecutive elements)
   alignas(64) float block[kNativeLanes * N];  // the block's updated rows, float32
   vnf acc[kNativeLanes], mx[kNativeLanes];  // each row's y products and largest magnitudes, lane by lane
   alignas(64) float sums[kNativeLanes], amax[kNativeLanes], inv[kNativeLanes];
@@ -1307,20 +1307,21 @@ int hs_mamba2_scan(int act_dtype, int state_dtype, int64_t num_seqs, const int64
 // place of a float state and its slot stride: codes (int8 or e4m3 bytes, code_dtype 3 or 4) with their slot
 // stride, the bfloat16 row scales (the state's shape less its last axis) with theirs, the sequences' rounding
 // keys (null: all 0) and positions (tokens absorbed after this call) and the layer index, which seed the
-// stochastic rounding. A decode head is updated row by row in place (Mamba2) or through a float32 scratch of
-// one head (the others); a prefill head's state is decoded once and its final state encoded once.
+// stochastic rounding, and whether the rounding is stochastic (0: to nearest, the state kind's choice). A
+// decode head is updated row by row in place (Mamba2) or through a float32 scratch of one head (the others); a
+// prefill head's state is decoded once and its final state encoded once.
 
 int hs_mamba2_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t* cu_seqlens,
                          const int64_t* slots, const void* x, int64_t x_stride, const void* B, int64_t b_stride,
                          const void* C, int64_t c_stride, const void* dt, int64_t dt_stride, const float* A,
                          const float* D, const float* dt_bias, int dt_softplus, int dt_clamp, float dt_lo, float dt_hi,
                          void* codes, int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
-                         const int64_t* positions, int64_t layer, int64_t offset, float* y, int64_t y_stride,
-                         int64_t H, int64_t P, int64_t G, int64_t N) {
+                         const int64_t* positions, int64_t layer, int64_t offset, int64_t stochastic, float* y,
+                         int64_t y_stride, int64_t H, int64_t P, int64_t G, int64_t N) {
   if (G < 1 || H % G != 0) return 1;
   const ScanParams p{A, D, dt_bias, dt_softplus, dt_clamp, dt_lo, dt_hi, H, P, G, N};
   const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions,
-                      layer, offset};
+                      layer, offset, stochastic != 0};
   return dispatch_act_coded(act_dtype, code_dtype, cs, [&](auto act, const auto& io) {
     using AT = decltype(act);
     mamba2_scan_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(x), x_stride, static_cast<const AT*>(B),
@@ -1334,10 +1335,11 @@ int hs_mamba1_scan_coded(int act_dtype, int code_dtype, int64_t num_seqs, const 
                          const void* B, int64_t bs, const void* C, int64_t cs, const float* D, const void* z,
                          int64_t zs, const float* dt_bias, int dt_softplus, void* codes, int64_t code_stride,
                          uint16_t* scales, int64_t scale_stride, const int64_t* keys, const int64_t* positions,
-                         int64_t layer, int64_t offset, void* y, int64_t ys, int64_t Dm, int64_t N) {
+                         int64_t layer, int64_t offset, int64_t stochastic, void* y, int64_t ys, int64_t Dm,
+                         int64_t N) {
   if (N < 1 || N > kMaxStateN) return 1;
   const CodedState st{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions,
-                      layer, offset};
+                      layer, offset, stochastic != 0};
   return dispatch_act_coded(act_dtype, code_dtype, st, [&](auto act, const auto& io) {
     using AT = decltype(act);
     mamba1_scan_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(x), xs, static_cast<const AT*>(dt), dts, A,
@@ -1350,9 +1352,10 @@ int hs_linear_attention_coded(int act_dtype, int code_dtype, int64_t num_seqs, c
                               const int64_t* slots, const void* q, const void* k, const void* v, int64_t row_stride,
                               int64_t head_stride, const float* decay, void* codes, int64_t code_stride, uint16_t* scales,
                               int64_t scale_stride, const int64_t* keys, const int64_t* positions, int64_t layer,
-                              int64_t offset, void* y, int64_t ys, int64_t H, int64_t Dk, int64_t Dv) {
+                              int64_t offset, int64_t stochastic, void* y, int64_t ys, int64_t H, int64_t Dk,
+                              int64_t Dv) {
   const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions,
-                      layer, offset};
+                      layer, offset, stochastic != 0};
   return dispatch_act_coded(act_dtype, code_dtype, cs, [&](auto act, const auto& io) {
     using AT = decltype(act);
     linear_attention_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), static_cast<const AT*>(k),
@@ -1365,11 +1368,11 @@ int hs_gated_delta_rule_coded(int act_dtype, int code_dtype, int64_t num_seqs, c
                               const int64_t* slots, const void* conv, int64_t cs, const void* ba, int64_t bas,
                               const float* A_log, const float* dt_bias, int l2norm, float beta_scale, void* codes,
                               int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
-                              const int64_t* positions, int64_t layer, int64_t offset, void* out, int64_t os,
-                              int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+                              const int64_t* positions, int64_t layer, int64_t offset, int64_t stochastic, void* out,
+                              int64_t os, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
   if (Hk < 1 || Hv % Hk != 0 || Dv > 1024) return 1;
   const CodedState st{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions,
-                      layer, offset};
+                      layer, offset, stochastic != 0};
   return dispatch_act_coded(act_dtype, code_dtype, st, [&](auto act, const auto& io) {
     using AT = decltype(act);
     gated_delta_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(conv), cs, static_cast<const AT*>(ba), bas,
@@ -1381,11 +1384,12 @@ int hs_kda_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_t*
                  const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* f,
                  int64_t fs, const void* b, int64_t bs, const float* A_log, const float* dt_bias, int l2norm,
                  void* codes, int64_t code_stride, uint16_t* scales, int64_t scale_stride, const int64_t* keys,
-                 const int64_t* positions, int64_t layer, int64_t offset, const void* gate, int64_t gs,
-                 const float* norm_w, float norm_eps, void* out, int64_t os, int64_t H, int64_t Dk, int64_t Dv) {
+                 const int64_t* positions, int64_t layer, int64_t offset, int64_t stochastic, const void* gate,
+                 int64_t gs, const float* norm_w, float norm_eps, void* out, int64_t os, int64_t H, int64_t Dk,
+                 int64_t Dv) {
   if (H < 1 || Dk < 1 || Dv < 1 || (gate != nullptr && norm_w == nullptr)) return 1;
   const CodedState cs{static_cast<uint8_t*>(codes), code_stride, scales, scale_stride, slots, keys, positions,
-                      layer, offset};
+                      layer, offset, stochastic != 0};
   return dispatch_act_coded(act_dtype, code_dtype, cs, [&](auto act, const auto& io) {
     using AT = decltype(act);
     kda_impl<AT>(num_seqs, cu_seqlens, static_cast<const AT*>(q), qs, static_cast<const AT*>(k), ks,
@@ -1402,15 +1406,16 @@ int hs_mlstm_coded(int act_dtype, int code_dtype, int64_t num_seqs, const int64_
                    int64_t os, const void* ig, int64_t igs, const void* fg, int64_t fgs, float gate_cap,
                    void* c_codes, int64_t c_code_stride, uint16_t* c_scales, int64_t c_scale_stride, void* n_codes,
                    int64_t n_code_stride, uint16_t* n_scales, int64_t n_scale_stride, const int64_t* keys,
-                   const int64_t* positions, int64_t layer, int64_t c_offset, int64_t n_offset, int m_dtype,
+                   const int64_t* positions, int64_t layer, int64_t c_offset, int64_t n_offset, int64_t stochastic,
+                   int m_dtype,
                    void* m_states, int64_t m_stride,
                    const void* norm_w, const void* norm_b, float norm_eps, float eps, void* out, int64_t out_stride,
                    int64_t H, int64_t Dk, int64_t Dv) {
   if (H < 1 || Dk < 1 || Dv < 1) return 1;
   const CodedState ccs{static_cast<uint8_t*>(c_codes), c_code_stride, c_scales, c_scale_stride, slots, keys,
-                       positions, layer, c_offset};
+                       positions, layer, c_offset, stochastic != 0};
   const CodedState ncs{static_cast<uint8_t*>(n_codes), n_code_stride, n_scales, n_scale_stride, slots, keys,
-                       positions, layer, n_offset};
+                       positions, layer, n_offset, stochastic != 0};
   int rc = 2;
   dispatch_dtype_pair(act_dtype, m_dtype, [&](auto act, auto mtag) {
     using AT = decltype(act);

@@ -80,14 +80,24 @@ inline vnu32 lane_index() {
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the noise bytes are read from the hash words' memory");
 
 constexpr int64_t kNoisePerHash = 4;     // elements whose noise one 32-bit hash gives (a byte each)
+// The noise byte of every element of a state rounded to nearest: u = (128 + 0.5) / 256 (cache/state_codec.py:
+// NEAREST_NOISE).
+constexpr uint8_t kNearestByte = 128;
 
 // The noise bytes of a run of consecutive elements: fill(base, e0, n) hashes the words e0 / 4 .. (e0 + n - 1)
 // / 4 and returns p with p[i] the byte of element e0 + i (n <= kElements); the words are hashed a
 // register-wide vector at a time, and a vector load past the n bytes stays inside the buffer.
 template <int64_t kElements> struct NoiseBytesOf {
   alignas(64) uint32_t words[kElements / kNoisePerHash + 3 * kNativeLanes];
+  bool stochastic;
+
+  // stochastic false: a state rounded to nearest, every element's byte kNearestByte (no hashing)
+  explicit NoiseBytesOf(bool stochastic_ = true) : stochastic(stochastic_) {
+    if (!stochastic) std::memset(words, kNearestByte, sizeof words);
+  }
 
   const uint8_t* fill(uint32_t base, uint32_t e0, int64_t n) {
+    if (!stochastic) return reinterpret_cast<const uint8_t*>(words);
     const uint32_t w0 = e0 / kNoisePerHash;
     const int64_t skip = e0 % kNoisePerHash;
     const int64_t count = (skip + n + kNoisePerHash - 1) / kNoisePerHash;
@@ -429,12 +439,13 @@ constexpr int64_t kBlockNoise = 4096;
 // rows consecutive rows of n float32 values (x) -> their codes at c and row scales (bfloat16 bits); element i of
 // row r has flat index e0 + r n + i. The rows' maxima, scales and reciprocals are taken kNativeLanes rows at a
 // time (reduce_rows_max, row_scales), and a block's noise hashed at once when it fits kBlockNoise, not one scalar
-// division, rounding and noise fill per row.
+// division, rounding and noise fill per row (stochastic false: rounded to nearest, no noise hashed).
 template <int KIND>
-void encode_rows(const float* x, int64_t rows, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scales) {
+void encode_rows(const float* x, int64_t rows, int64_t n, uint32_t base, uint32_t e0, uint8_t* c, uint16_t* scales,
+                 bool stochastic) {
   vnf mx[kNativeLanes];
   alignas(64) float amax[kNativeLanes], inv[kNativeLanes];
-  NoiseBytesOf<kBlockNoise> noise;
+  NoiseBytesOf<kBlockNoise> noise(stochastic);
   for (int64_t r0 = 0; r0 < rows; r0 += kNativeLanes) {
     const int block = static_cast<int>(rows - r0 < kNativeLanes ? rows - r0 : kNativeLanes);
     for (int r = 0; r < block; ++r) mx[r] = row_max_lanes(x + (r0 + r) * n, n);
@@ -469,6 +480,7 @@ struct CodedState {
   const int64_t* positions;
   int64_t layer;
   int64_t offset;  // the flat index of this tensor's first element in the whole tensor (a tensor-parallel slice)
+  bool stochastic;  // false: rounded to nearest (the state kind's choice, cache/spec.py: TEMPORAL_ROUNDING)
 
   uint32_t base(int64_t s) const { return noise_base(keys != nullptr ? keys[s] : 0, positions[s], layer); }
 };
@@ -508,7 +520,7 @@ template <int KIND> struct CodedRows {
   void store(int64_t s, int64_t off, int64_t rows, int64_t n, const float* in) const {
     uint8_t* c = cs.codes + cs.slots[s] * cs.code_stride + off;
     uint16_t* sc = cs.scales + cs.slots[s] * cs.scale_stride + off / n;
-    encode_rows<KIND>(in, rows, n, cs.base(s), static_cast<uint32_t>(cs.offset + off), c, sc);
+    encode_rows<KIND>(in, rows, n, cs.base(s), static_cast<uint32_t>(cs.offset + off), c, sc, cs.stochastic);
   }
 };
 
