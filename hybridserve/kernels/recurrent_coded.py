@@ -5,7 +5,8 @@ Each function is the counterpart of the one of the same name in ``kernels/recurr
 state a :class:`~hybridserve.cache.state_codec.CodedState` (int8 or float8 e4m3fn codes and float32 row
 scales in the pool) in place of a float view: the kernel decodes a row, updates it in float32 and encodes it
 back in place, code for code as ``cache/state_codec.py`` does (seeded stochastic rounding from the group's
-rounding keys, its positions, tokens absorbed after the call, and the layer index). A decode step works on
+rounding keys, its positions, tokens absorbed after the call, and the layer index; or to nearest, with no noise
+hashed, where the state's kind rounds so: ``CodedState.stochastic``). A decode step works on
 the codes row by row (Mamba2) or through a float32 scratch of one head (the others); a prefill chunk decodes
 each head's state once and encodes its final state once. Each declines (returns False, doing nothing) when
 the call is one the kernels do not cover; callers then take the PyTorch path.

@@ -118,6 +118,18 @@ def test_a_prefix_hit_gives_the_uncached_outputs_bit_for_bit(ckpt_dir, family):
     assert released_everything(chunked.engine)
 
 
+@pytest.mark.parametrize("family", ["bamba", "lfm2"])
+def test_forked_children_equal_the_single_request_bit_for_bit(ckpt_dir, family):
+    """``n > 1``: the children start from copies of the parent's slot (conv codes and exponents with it)."""
+    llm = _llm(make(ckpt_dir, family), family, max_num_batched_tokens=64, enable_prefix_caching=False)
+    ps = [[5, 9, 14, 3, 77, 21, 8, 40, 41, 42, 43, 17, 19, 23, 29, 31, 37, 11, 13], [60, 61, 62]]
+    params = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    single = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**params)))
+    forked = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(n=3, **params)))
+    assert forked == [single[0]] * 3 + [single[1]] * 3
+    assert released_everything(llm.engine)
+
+
 @pytest.mark.parametrize("family", ["bamba", "kimi_linear", "lfm2"])
 def test_cache_layout_and_plan_count_conv_codes_and_scales_exactly(ckpt_dir, capsys, family):
     from hybridserve.entrypoints.cli import main
