@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.cache.slots import read_decoded
+
 __all__ = ["CONV_CODE_DTYPE", "CONV_CODE_MAX", "CONV_EXPONENT_DTYPE", "CodedConvState", "decode_conv",
            "encode_conv", "power_of_two_exponent"]
 
@@ -95,10 +97,8 @@ class CodedConvState:
 
     def read(self, idx: torch.Tensor) -> torch.Tensor:
         """The slots idx (B,) int64 decoded -> a new float32 (B, D, K-1); zeros for a negative slot."""
-        padding = idx < 0  # (B,)
-        safe = idx.clamp(min=0) if bool(padding.any()) else idx
-        values = decode_conv(self.codes.index_select(0, safe), self.scale.index_select(0, safe))
-        return values.masked_fill_(padding.view(-1, 1, 1), 0.0) if safe is not idx else values
+        return read_decoded(idx, lambda slots: decode_conv(self.codes.index_select(0, slots),
+                                                           self.scale.index_select(0, slots)))
 
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor | None = None,
               positions: torch.Tensor | None = None) -> None:

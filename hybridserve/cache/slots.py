@@ -11,6 +11,8 @@ has no state, so it reads as zeros and its writes go nowhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -36,6 +38,16 @@ def read_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         values[padding] = 0.0
         return values
     return cache.index_select(0, idx).float()
+
+
+def read_decoded(idx: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``decode(slots)`` of idx (B,) int64 -> a new float32 (B, ...), zeros where idx is negative (``decode`` is
+    given slot 0 there): how an 8-bit state view reads a batch's slots."""
+    padding = idx < 0  # (B,)
+    if not bool(padding.any()):
+        return decode(idx)
+    values = decode(idx.clamp(min=0))
+    return values.masked_fill_(padding.view(-1, *([1] * (values.dim() - 1))), 0.0)
 
 
 def write_slots(cache: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.cache.conv_codec import CodedConvState
+from hybridserve.cache.slots import read_decoded
 
 __all__ = ["CODED_VIEWS", "CODE_DTYPES", "CODE_MAX", "NEAREST_NOISE", "SCALE_DTYPE", "CodedState", "StateView",
            "code_dtype", "decode_rows", "encode_rows", "hash32", "has_coded_state", "nearest_noise", "rounding_key",
@@ -177,12 +178,11 @@ class CodedState:
     def read(self, idx: torch.Tensor) -> torch.Tensor:
         """The slots idx (B,) int64 decoded -> a new float32 (B, *shape); zeros for a negative slot (a padded
         row of a captured step)."""
-        padding = idx < 0  # (B,)
-        safe = idx.clamp(min=0) if bool(padding.any()) else idx
-        codes = self.codes.view(torch.uint8).index_select(0, safe).view(self.codes.dtype)  # (torch's CPU index
-        # ops do not take float8: they gather the bytes)
-        values = decode_rows(codes, self.scale.index_select(0, safe))
-        return values.masked_fill_(padding.view(-1, *([1] * (values.dim() - 1))), 0.0) if safe is not idx else values
+        def decode(slots: torch.Tensor) -> torch.Tensor:  # (torch's CPU index ops do not take float8: the bytes)
+            codes = self.codes.view(torch.uint8).index_select(0, slots).view(self.codes.dtype)
+            return decode_rows(codes, self.scale.index_select(0, slots))
+
+        return read_decoded(idx, decode)
 
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Encode values (B, *shape) into the slots idx (B,) with the noise of rounding keys (B,) and

@@ -5,16 +5,14 @@
   runs it (prompts of mixed lengths, split prefills, queued requests).
 * The kernel bodies take the codes in place (no call handed to the plain body) and the decode step is replayed
   from its capture.
-* Exactness where it holds by construction: a prefix hit resumes from a snapshot (a copy of the slot's codes and
-  scales) and gives the outputs of an uncached run chunked at the same token, bit for bit; the plain body
-  (decode, encode around the PyTorch op) gives the kernel body's conv codes.
+* The plain body (decode, encode around the PyTorch op) gives the kernel body's greedy token. (Prefix hits and
+  forks with an 8-bit conv state, bit for bit: ``tests/engine/test_state_8bit.py``.)
 * ``cache_layout()`` and ``hybridserve plan --json`` count codes and scales to the byte.
 """
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -49,11 +47,6 @@ def _conv_views(llm: LLM) -> list[CodedConvState]:
             if isinstance(v, CodedConvState)]
 
 
-def _outputs(outs) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
-    return [(c.token_ids, [sorted((t, lp.logprob) for t, lp in e.items()) for e in c.logprobs])
-            for o in outs for c in o.outputs]
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_eight_bit_conv_state_matches_hf_under_the_near_tie_rule(ckpt_dir, family, record_property):
     path = make(ckpt_dir, family)
@@ -85,49 +78,24 @@ def test_the_kernel_bodies_take_coded_conv_state_and_decode_is_captured(ckpt_dir
 
 
 @pytest.mark.parametrize("family", ["granitemoehybrid", "qwen3_next", "kimi_linear", "lfm2"])
-def test_the_plain_body_writes_the_kernel_bodys_conv_codes(ckpt_dir, family):
-    """The same requests through the plain bodies (decode, PyTorch op, encode) and the kernel bodies leave
-    the same greedy tokens, and a conv state of zeros-then-one-prompt the same codes (prefill only: one
-    rounding of every input in both)."""
+def test_the_plain_and_kernel_bodies_store_the_same_conv_state(ckpt_dir, family):
+    """One prompt through the plain bodies (decode, PyTorch op, encode) and through the kernel bodies: the same
+    greedy token, and conv states that decode within one code step of each other channel by channel (the two
+    paths' float sums differ in their last bits, which can move a code across a rounding boundary)."""
     path = make(ckpt_dir, family)
-    got = {}
+    tokens, states = {}, {}
     for kernels in (False, True):
-        llm = _llm(path, family, cpu_kernels=kernels, enforce_eager=True)
+        llm = _llm(path, family, cpu_kernels=kernels, enforce_eager=True, enable_prefix_caching=False)
         out = llm.generate([{"prompt_token_ids": list(range(3, 40))}],
                            SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        got[kernels] = out[0].outputs[0].token_ids
+        tokens[kernels] = out[0].outputs[0].token_ids
+        slot = torch.tensor([0])  # the request's slot (the lowest free one), its bytes left as the request ended
+        states[kernels] = [(v.read(slot)[0], torch.pow(2.0, v.scale[0].float())) for v in _conv_views(llm)]
         assert released_everything(llm.engine)
-    assert got[False] == got[True]
-
-
-@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "lfm2"])
-def test_a_prefix_hit_gives_the_uncached_outputs_bit_for_bit(ckpt_dir, family):
-    """The later requests resume from the snapshot at the shared prefix (conv codes and scales copied); an
-    uncached engine whose chunk budget ends a chunk at the same token computes the very same bits."""
-    path = make(ckpt_dir, family)
-    shared = 37
-    rng = random.Random(7)
-    prefix = [rng.randrange(3, 120) for _ in range(shared)]
-    ps = [prefix + [rng.randrange(3, 120) for _ in range(rng.randrange(1, 20))] for _ in range(4)]
-    on = _llm(path, family, cache_memory="8MiB", max_num_batched_tokens=64)
-    got = [on.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in ps]
-    assert all(g.num_cached_tokens == shared for g in got[2:])
-    chunked = _llm(path, family, cache_memory="8MiB", max_num_batched_tokens=shared, enable_prefix_caching=False)
-    want = [chunked.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in ps[1:]]
-    assert _outputs(got[1:]) == _outputs(want)
-    assert released_everything(chunked.engine)
-
-
-@pytest.mark.parametrize("family", ["bamba", "lfm2"])
-def test_forked_children_equal_the_single_request_bit_for_bit(ckpt_dir, family):
-    """``n > 1``: the children start from copies of the parent's slot (conv codes and exponents with it)."""
-    llm = _llm(make(ckpt_dir, family), family, max_num_batched_tokens=64, enable_prefix_caching=False)
-    ps = [[5, 9, 14, 3, 77, 21, 8, 40, 41, 42, 43, 17, 19, 23, 29, 31, 37, 11, 13], [60, 61, 62]]
-    params = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    single = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**params)))
-    forked = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(n=3, **params)))
-    assert forked == [single[0]] * 3 + [single[1]] * 3
-    assert released_everything(llm.engine)
+    assert tokens[False] == tokens[True]
+    for (plain, step), (kernel, _) in zip(states[False], states[True]):
+        assert plain.abs().sum() > 0, "the request wrote the slot"
+        assert ((plain - kernel).abs() <= step[:, None] * 1.0001 + 1e-30).all()
 
 
 @pytest.mark.parametrize("family", ["bamba", "kimi_linear", "lfm2"])

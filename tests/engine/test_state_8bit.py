@@ -77,12 +77,14 @@ def test_eight_bit_state_matches_hf_under_the_near_tie_rule(ckpt_dir, family, st
     assert released_everything(llm.engine)
 
 
-@pytest.mark.parametrize("family,state", [("bamba", "int8"), ("bamba", "fp8_e4m3"), ("mamba", "int8"),
-                                          ("qwen3_next", "int8"), ("minimax", "fp8_e4m3"), ("kimi_linear", "int8"),
-                                          ("xlstm", "int8")])
-def test_a_prefix_hit_gives_the_uncached_outputs_bit_for_bit(ckpt_dir, family, state):
-    """The later requests resume from the snapshot at the shared prefix (its codes and scales copied); an
-    uncached engine whose chunk budget ends a chunk at the same token computes the very same bits."""
+@pytest.mark.parametrize("family,state,conv", [
+    ("bamba", "int8", "auto"), ("bamba", "fp8_e4m3", "auto"), ("mamba", "int8", "auto"), ("qwen3_next", "int8", "auto"),
+    ("minimax", "fp8_e4m3", "auto"), ("kimi_linear", "int8", "auto"), ("xlstm", "int8", "auto"),
+    ("bamba", "int8", "int8"), ("qwen3_next", "int8", "int8"), ("lfm2", "auto", "int8")])  # int8 conv state too
+def test_a_prefix_hit_gives_the_uncached_outputs_bit_for_bit(ckpt_dir, family, state, conv):
+    """The later requests resume from the snapshot at the shared prefix (its codes and scales copied, an 8-bit
+    conv state's codes and exponents with them); an uncached engine whose chunk budget ends a chunk at the same
+    token computes the very same bits."""
     import random
 
     path = make(ckpt_dir, family)
@@ -90,18 +92,21 @@ def test_a_prefix_hit_gives_the_uncached_outputs_bit_for_bit(ckpt_dir, family, s
     rng = random.Random(7)
     prefix = [rng.randrange(3, 120) for _ in range(shared)]
     ps = [prefix + [rng.randrange(3, 120) for _ in range(rng.randrange(1, 20))] for _ in range(4)]
-    on = _llm(path, state, cache_memory="8MiB", max_num_batched_tokens=64)
+    on = _llm(path, state, cache_memory="8MiB", max_num_batched_tokens=64, mamba_cache_dtype=conv)
     got = [on.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in ps]
     assert all(g.num_cached_tokens == shared for g in got[2:])
-    chunked = _llm(path, state, cache_memory="8MiB", max_num_batched_tokens=shared, enable_prefix_caching=False)
+    chunked = _llm(path, state, cache_memory="8MiB", max_num_batched_tokens=shared, enable_prefix_caching=False,
+                   mamba_cache_dtype=conv)
     want = [chunked.generate([{"prompt_token_ids": p}], GREEDY)[0] for p in ps[1:]]
     assert _outputs(got[1:]) == _outputs(want)
     assert released_everything(chunked.engine)
 
 
-@pytest.mark.parametrize("state", CODES)
-def test_forked_children_equal_the_single_request_bit_for_bit(ckpt_dir, state):
-    llm = _llm(make(ckpt_dir, "bamba"), state, max_num_batched_tokens=64, enable_prefix_caching=False)
+@pytest.mark.parametrize("state,conv", [("int8", "auto"), ("fp8_e4m3", "auto"), ("int8", "int8")])
+def test_forked_children_equal_the_single_request_bit_for_bit(ckpt_dir, state, conv):
+    """``n > 1``: the children start from copies of the parent's slot (an 8-bit conv state's exponents too)."""
+    llm = _llm(make(ckpt_dir, "bamba"), state, max_num_batched_tokens=64, enable_prefix_caching=False,
+               mamba_cache_dtype=conv)
     ps = [[5, 9, 14, 3, 77, 21, 8, 40, 41, 42, 43, 17, 19, 23, 29, 31, 37, 11, 13], [60, 61, 62]]
     params = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     single = _outputs(llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**params)))

@@ -191,6 +191,26 @@ inline void conv_block(ST* st, int64_t t0, int64_t t1, const AT* x, int64_t x_st
   }
 }
 
+// Calls fn(s, c0, nc) for every sequence s with a state slot and block of channels c0 .. c0 + nc - 1 (kConvBlock
+// channels, the last block fewer), the (sequence, block) pairs shared out among the threads; a padding row's
+// (negative slot) outputs are zeros and its fn is not called.
+template <typename AT, typename Fn>
+inline void for_each_conv_block(int64_t num_seqs, const int64_t* cu_seqlens, const int64_t* slots, AT* out,
+                                int64_t out_stride, int64_t D, const Fn& fn) {
+  const int64_t blocks = (D + kConvBlock - 1) / kConvBlock;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t c0 = blk * kConvBlock;
+      const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
+      if (slots[s] < 0)
+        zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], c0, nc);
+      else
+        fn(s, c0, nc);
+    }
+  }
+}
+
 // KT: the kernel width when it is a compile-time size (the tap loops then unroll and the strided state
 // accesses vectorize), 0 otherwise. weight_t is (K, D): tap-major, so a tap's weights are contiguous.
 template <int KT, typename AT, typename ST>
@@ -199,20 +219,10 @@ void causal_conv1d_impl(int64_t num_seqs, const int64_t* cu_seqlens, const int64
                         int act_silu, AT* out, int64_t out_stride, int64_t D, int64_t K_) {
   const int64_t K = KT > 0 ? KT : K_;
   const int64_t W = K - 1;  // state width
-  const int64_t blocks = (D + kConvBlock - 1) / kConvBlock;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t c0 = blk * kConvBlock;
-      const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
-      if (slots[s] < 0) {
-        zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], c0, nc);
-        continue;
-      }
-      conv_block<KT>(states + slots[s] * slot_stride + c0 * W, cu_seqlens[s], cu_seqlens[s + 1], x, x_stride, out,
-                     out_stride, weight_t, bias, act_silu, D, K, c0, nc);
-    }
-  }
+  for_each_conv_block(num_seqs, cu_seqlens, slots, out, out_stride, D, [&](int64_t s, int64_t c0, int64_t nc) {
+    conv_block<KT>(states + slots[s] * slot_stride + c0 * W, cu_seqlens[s], cu_seqlens[s + 1], x, x_stride, out,
+                   out_stride, weight_t, bias, act_silu, D, K, c0, nc);
+  });
 }
 
 // 8-bit conv state (cache/conv_codec.py): int8 codes (D, K-1) and an int8 power-of-two exponent per channel, (D,),
@@ -341,25 +351,15 @@ void causal_conv1d_coded_impl(int64_t num_seqs, const int64_t* cu_seqlens, const
                               AT* out, int64_t out_stride, int64_t D, int64_t K_) {
   const int64_t K = KT > 0 ? KT : K_;
   const int64_t W = K - 1;
-  const int64_t blocks = (D + kConvBlock - 1) / kConvBlock;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t c0 = blk * kConvBlock;
-      const int64_t nc = (D - c0) < kConvBlock ? (D - c0) : kConvBlock;
-      if (slots[s] < 0) {
-        zero_rows(out, out_stride, cu_seqlens[s], cu_seqlens[s + 1], c0, nc);
-        continue;
-      }
-      int8_t* cd = codes + slots[s] * code_slot_stride + c0 * W;  // (nc, W)
-      int8_t* ex = exponents + slots[s] * exponent_slot_stride + c0;  // (nc,)
-      alignas(64) float rows[kConvBlock * (kMaxTaps - 1)];  // (nc, W) float32: the float path's state rows
-      conv_decode_rows<KT>(cd, ex, rows, nc, W);
-      conv_block<KT>(rows, cu_seqlens[s], cu_seqlens[s + 1], x, x_stride, out, out_stride, weight_t, bias,
-                     act_silu, D, K, c0, nc);
-      conv_encode_rows<KT>(rows, cd, ex, nc, W);
-    }
-  }
+  for_each_conv_block(num_seqs, cu_seqlens, slots, out, out_stride, D, [&](int64_t s, int64_t c0, int64_t nc) {
+    int8_t* cd = codes + slots[s] * code_slot_stride + c0 * W;      // (nc, W)
+    int8_t* ex = exponents + slots[s] * exponent_slot_stride + c0;  // (nc,)
+    alignas(64) float rows[kConvBlock * (kMaxTaps - 1)];            // (nc, W) float32: the float path's state rows
+    conv_decode_rows<KT>(cd, ex, rows, nc, W);
+    conv_block<KT>(rows, cu_seqlens[s], cu_seqlens[s + 1], x, x_stride, out, out_stride, weight_t, bias, act_silu,
+                   D, K, c0, nc);
+    conv_encode_rows<KT>(rows, cd, ex, nc, W);
+  });
 }
 
 template <typename AT>
