@@ -21,8 +21,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.cache.conv_codec import CodedConvState
 from hybridserve.kernels import fallbacks
 from tests.checkpoints import make
-from tests.engine.test_parity import NEW_TOKENS, prompts
-from tests.hf_reference import compare, hf_greedy
+from tests.engine.test_state_8bit import assert_hf_parity
 from tests.prefix_utils import released_everything
 
 #: family -> whether it has a temporal state (then int8 too in these tests)
@@ -31,7 +30,6 @@ FAMILIES = {"mamba2": True, "bamba": True, "mamba": True, "falcon_mamba": True, 
             "qwen3_5": True, "qwen3_5_moe": True, "olmo_hybrid": True, "kimi_linear": True, "lfm2": False,
             "lfm2_moe": False, "lfm3": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
-_HF: dict[str, list] = {}
 
 
 def _llm(path: str, family: str, **options) -> LLM:
@@ -52,15 +50,7 @@ def test_eight_bit_conv_state_matches_hf_under_the_near_tie_rule(ckpt_dir, famil
     path = make(ckpt_dir, family)
     llm = _llm(path, family)
     assert _conv_views(llm), "the pool holds 8-bit conv codes"
-    ps = prompts(llm.engine.hf_config.vocab_size)[1::2]  # lengths 7, 33, 70
-    if path not in _HF:
-        _HF[path] = hf_greedy(path, ps, NEW_TOKENS)
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5, ignore_eos=True))
-    cmp = compare([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], _HF[path])
-    record_property("mean_abs_logprob_error", cmp.mean_abs_error)
-    assert cmp.compared_tokens >= len(ps) * NEW_TOKENS // 2, cmp.diverged_at
-    assert released_everything(llm.engine)
+    assert_hf_parity(llm, path, record_property)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -66,6 +66,12 @@ def test_eight_bit_state_matches_hf_under_the_near_tie_rule(ckpt_dir, family, st
     llm = _llm(path, state)
     layers = [c.state for c in llm.engine.pool.layer_caches.values() if c.state]
     assert any(isinstance(v, CodedState) for s in layers for v in s.values()), "the pool holds 8-bit codes"
+    assert_hf_parity(llm, path, record_property)
+
+
+def assert_hf_parity(llm: LLM, path: str, record_property) -> None:
+    """The parity run: 3 prompts (7, 33, 70 tokens) on ``llm`` against HF float32 on ``path`` under the near-tie
+    rule, at least half the tokens compared; records the mean |Δlogprob|."""
     ps = prompts(llm.engine.hf_config.vocab_size)[1::2]  # lengths 7, 33, 70
     if path not in _HF:
         _HF[path] = hf_greedy(path, ps, NEW_TOKENS)
