@@ -591,3 +591,20 @@ def test_int8_weights_with_speculation(ckpt_dir):
         for p in _prompts(3, seed=15):
             _assert_same(_generate(spec, [p], params), _generate(plain, [p], params))
         assert spec.engine.speculator.stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("conv", ["auto", "int8"])
+def test_8_bit_state_with_speculation(ckpt_dir, conv):
+    """int8 temporal state (and int8 conv state) under n-gram speculation: the verification slots and the rollback
+    copy codes, scales and exponents, and the greedy tokens are those without speculation. Not bit for bit: a
+    verification runs its tokens as a chunk, which rounds a stored state once where decode steps round it once a
+    token (so does a bf16 state: the exact comparisons above keep float32 state)."""
+    path = make(ckpt_dir, "bamba", dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = _opts(mamba_ssm_cache_dtype="int8", mamba_cache_dtype=conv)
+    plain, spec = LLM(path, **kw), LLM(path, speculative_config=ALWAYS, **kw)
+    for p in _prompts(5, seed=1):
+        got, want = _generate(spec, [p], params), _generate(plain, [p], params)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert spec.engine.speculator.stats.num_drafts > 0
+    assert released_everything(spec.engine)
