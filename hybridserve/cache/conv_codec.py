@@ -1,8 +1,9 @@
 """8-bit conv state: int8 codes in the conv state's own layout and a power-of-two exponent per channel.
 
 A conv state ``(D, K-1)`` holds the last K-1 inputs of each of D channels, oldest first. In ``int8``
-(``--mamba-cache-dtype int8``) it is two tensors in the slot: ``codes`` ``(D, K-1)`` int8 and ``exponent``
-``(D,)`` int8. Channel ``c``'s values are ``codes[c] * 2**exponent[c]``: the scale ``2**e`` is the smallest power
+(``--mamba-cache-dtype int8``) it is two tensors in the slot: ``codes`` ``(D, K-1)`` int8 and, named
+``conv_scale`` in the layout, ``exponent`` ``(D,)`` int8. Channel ``c``'s values are
+``codes[c] * 2**exponent[c]``: the scale ``2**e`` is the smallest power
 of two with ``127 * 2**e >= max|x|`` over the channel's K-1 values (``max|x| / 127`` in float32, its mantissa
 rounded up into the exponent), and a code is ``x * 2**-e`` rounded to the nearest integer (ties to even); a channel
 of zeros has exponent 0. Every step is exact but the rounding to integers.

@@ -39,6 +39,8 @@ ALTERNATIVES: tuple[tuple[str, dict[str, str]], ...] = (
     ("all auto", {}),
     ("fp32 state", {"mamba_ssm_cache_dtype": "float32"}),
     ("fp8 KV, fp32 state", {"kv_cache_dtype": "fp8_e4m3", "mamba_ssm_cache_dtype": "float32"}),
+    # the most sequences a pool holds: 8-bit temporal and conv state (docs/state_precision.md gives their drift)
+    ("int8 state", {"mamba_cache_dtype": "int8", "mamba_ssm_cache_dtype": "int8"}),
 )
 
 

@@ -111,12 +111,16 @@ def test_plan_human_output_and_alternatives(ckpt_dir, capsys):
     out = capsys.readouterr().out
     for text in ("Cached tensors per layer", "mamba2", "attention", "ssm", "conv", "state bytes per sequence",
                  "KV bytes per token", "attention block size", "max concurrent sequences", "all auto",
-                 "fp32 state", "fp8 KV"):
+                 "fp32 state", "fp8 KV", "int8 state"):
         assert text in out, text
     plan = _plan(capsys, path, 64 << 20, {"dtype": "bfloat16"})
     by_label = {a["label"]: a for a in plan["alternatives"]}
-    assert set(by_label) == {"all auto", "fp32 state", "fp8 KV, fp32 state"}
+    assert set(by_label) == {"all auto", "fp32 state", "fp8 KV, fp32 state", "int8 state"}
     auto, fp32, fp8 = by_label["all auto"], by_label["fp32 state"], by_label["fp8 KV, fp32 state"]
+    coded = by_label["int8 state"]
+    assert coded["mamba_cache_dtype"] == coded["mamba_ssm_cache_dtype"] == "int8"
+    assert coded["state_bytes_per_sequence"] * 3 < auto["state_bytes_per_sequence"]  # float32 state: 4x, less scales
+    assert coded["max_concurrent_sequences"] >= plan["max_concurrent_sequences"]
     assert auto["mamba_ssm_cache_dtype"] == "float32"  # the checkpoint is float32: auto follows it
     assert fp8["kv_cache_dtype"] == "fp8_e4m3" and fp8["kv_bytes_per_token"] * 4 == auto["kv_bytes_per_token"]
     assert fp32["state_bytes_per_sequence"] == auto["state_bytes_per_sequence"]
