@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.cache.state_codec import CodedState, rounding_key
+from hybridserve.cache.conv_codec import CodedConvState
+from hybridserve.cache.state_codec import CODED_VIEWS, CodedState, rounding_key
 from hybridserve.kernels import fallbacks, recurrent_coded
 from tests.checkpoints import make
 from tests.engine.test_parity import NEW_TOKENS, prompts
@@ -199,14 +200,19 @@ def test_a_preempted_request_keeps_its_greedy_tokens(ckpt_dir):
     assert released_everything(tight.engine)
 
 
-@pytest.mark.parametrize("family,state", [("bamba", "int8"), ("xlstm", "fp8_e4m3"), ("kimi_linear", "int8")])
-def test_cache_layout_and_plan_count_codes_and_scales_exactly(ckpt_dir, tmp_path, capsys, family, state):
+@pytest.mark.parametrize("family,state,conv", [
+    ("bamba", "int8", "auto"), ("xlstm", "fp8_e4m3", "auto"), ("kimi_linear", "int8", "auto"),
+    ("bamba", "int8", "int8"), ("kimi_linear", "int8", "int8"), ("lfm2", "int8", "int8")])  # int8 conv state too
+def test_cache_layout_and_plan_count_codes_and_scales_exactly(ckpt_dir, capsys, family, state, conv):
+    """Every coded tensor is two entries, its codes (with their rounding) and its scales (an 8-bit conv state's:
+    one int8 exponent per channel), each the bytes the pool holds; ``hybridserve plan --json`` says the same."""
     from hybridserve.entrypoints.cli import main
 
     path = make(ckpt_dir, family)
-    llm = _llm(path, state)
+    llm = _llm(path, state, mamba_cache_dtype=conv)
     layout = llm.cache_layout()
     assert layout["mamba_ssm_cache_dtype"] == state
+    assert layout["mamba_cache_dtype"] == ("int8" if conv == "int8" else "float32")
     total = 0
     for entry in layout["layers"]:
         real = llm.engine.pool.layer_caches[entry["index"]]
@@ -214,23 +220,27 @@ def test_cache_layout_and_plan_count_codes_and_scales_exactly(ckpt_dir, tmp_path
             if t["per"] != "sequence":
                 continue
             total += t["bytes"]
-            if "scales" in t:  # the row scales of the coded tensor named there
-                view = real.state[t["scales"]]
-                assert isinstance(view, CodedState) and t["name"] == t["scales"] + "_scale"
+            view = real.state[t.get("scales", t["name"])]
+            if "scales" in t:  # the scales of the coded tensor named there
+                assert isinstance(view, CODED_VIEWS) and t["name"] == t["scales"] + "_scale"
                 tensor = view.scale
+                if isinstance(view, CodedConvState):  # one int8 exponent per channel
+                    assert t["dtype"] == "int8" and t["shape"] == [view.codes.shape[1]]
             else:
-                view = real.state[t["name"]]
-                tensor = view.codes if isinstance(view, CodedState) else view
+                tensor = view.codes if isinstance(view, CODED_VIEWS) else view
+                if isinstance(view, CODED_VIEWS):  # the codes say how they round
+                    assert t["rounding"] == ("stochastic" if getattr(view, "stochastic", False) else "nearest")
             assert list(tensor.shape[1:]) == t["shape"] and str(tensor.dtype).removeprefix("torch.") in (
                 t["dtype"], {"fp8_e4m3": "float8_e4m3fn"}.get(t["dtype"]))
             assert tensor[0].numel() * tensor.element_size() == t["bytes"]
         assert sum(t["bytes"] for t in entry["tensors"] if t["per"] == "sequence") == entry["state_bytes_per_sequence"]
     assert total == layout["state_bytes_per_sequence"] > 0
     assert layout["slot_bytes"] - total < 64 * sum(len(e["tensors"]) for e in layout["layers"])  # alignment only
-    assert main(["plan", path, "--json", "--cache-memory=16MiB", f"--mamba-ssm-cache-dtype={state}"]) == 0
+    args = ["plan", path, "--json", "--cache-memory=16MiB", f"--mamba-ssm-cache-dtype={state}"]
+    assert main(args + ([f"--mamba-cache-dtype={conv}"] if conv != "auto" else [])) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["layers"] == layout["layers"]
-    for key in ("state_bytes_per_sequence", "slot_bytes", "page_bytes", "mamba_ssm_cache_dtype"):
+    for key in ("state_bytes_per_sequence", "slot_bytes", "page_bytes", "mamba_ssm_cache_dtype", "mamba_cache_dtype"):
         assert plan[key] == layout[key], key
 
 
