@@ -10,8 +10,9 @@ over all positions and over the generated half. Plain PyTorch bodies (``cpu_kern
 ``--variants`` names what is measured, each ``<state dtype>/<rounding>``: ``bfloat16/nearest`` (or another
 float dtype: torch's round-to-nearest-even), and for ``int8`` or ``fp8_e4m3`` a rounding scheme of
 ``state_rounding.py``, ``<base>[-weyl][-g<K>]``: ``stochastic`` (the engine's seeded stochastic rounding, run
-unpatched), ``nearest``, ``subtractive`` (subtractive dither), ``-weyl`` (noise low-discrepancy in time), ``-g<K>``
-(K 8-bit scales per row). Everything but the engine's own ``stochastic`` is patched in for the measurement only.
+unpatched, for every state kind: the engine itself rounds the delta rules and mLSTM to nearest), ``nearest``,
+``subtractive`` (subtractive dither), ``-weyl`` (noise low-discrepancy in time), ``-g<K>`` (K 8-bit scales per
+row). Everything but the engine's own ``stochastic`` is patched in for the measurement only.
 The default is today's five: bfloat16/nearest, int8 and fp8_e4m3 each stochastic and nearest.
 ``--keys`` runs each 8-bit variant once per rounding key (the request seed its noise is keyed on) and averages
 the figures over them (``mean_per_key`` in the JSON lists each); the default is key 0.
@@ -31,7 +32,8 @@ import platform
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -39,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import state_rounding  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.cache import spec  # noqa: E402
 from hybridserve.cache.state_codec import CODE_DTYPES  # noqa: E402
 
 TEMPORAL_FAMILIES = ["bamba", "mamba2", "mamba", "falcon_mamba", "jamba", "granitemoehybrid", "nemotron_h", "zamba2",
@@ -69,10 +72,24 @@ def parse_variant(name: str) -> tuple[str, state_rounding.Rounding]:
 
 
 def _patch(state_dtype: str, rounding: state_rounding.Rounding):
-    """The rounding patched in for an 8-bit state, none for float state or the engine's own stochastic."""
-    if state_dtype not in CODE_DTYPES or rounding == ENGINE_ROUNDING:
+    """The rounding patched in for an 8-bit state, none for float state; the engine's own stochastic rounding for
+    every state kind (the engine rounds some kinds to nearest: cache/spec.py, TEMPORAL_ROUNDING)."""
+    if state_dtype not in CODE_DTYPES:
         return nullcontext()
+    if rounding == ENGINE_ROUNDING:
+        return _every_kind_stochastic()
     return state_rounding.patched(rounding)
+
+
+@contextmanager
+def _every_kind_stochastic() -> Iterator[None]:
+    """Within the block, engines built round every 8-bit state kind stochastically."""
+    saved = dict(spec.TEMPORAL_ROUNDING)
+    spec.TEMPORAL_ROUNDING.clear()
+    try:
+        yield
+    finally:
+        spec.TEMPORAL_ROUNDING.update(saved)
 
 
 def _engine(path: str, state_dtype: str, **extra) -> LLM:
