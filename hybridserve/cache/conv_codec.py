@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.cache.slots import read_decoded
+from hybridserve.cache.slots import CodedSlots
 
 __all__ = ["CONV_CODE_DTYPE", "CONV_CODE_MAX", "CONV_EXPONENT_DTYPE", "CodedConvState", "decode_conv",
            "encode_conv", "power_of_two_exponent"]
@@ -68,13 +68,13 @@ def decode_conv(codes: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * _power_of_two(exponent)[..., None]
 
 
-class CodedConvState:
+class CodedConvState(CodedSlots):
     """The pool's view of one layer's 8-bit conv state, handed to the ops in place of a float view.
 
     codes: (slots, D, K-1) int8; scale: (slots, D) int8, each channel's exponent; both the pool's own storage.
-    The interface is :class:`~hybridserve.cache.state_codec.CodedState`'s (``read``, ``write``), so the plain
-    bodies' decode-and-encode wrapper (``ops/coded_plain.py``) takes either; rounding is to nearest, so ``write``
-    takes no rounding keys or positions into account."""
+    The interface is :class:`~hybridserve.cache.state_codec.CodedState`'s (``read``, ``write``; both are
+    ``cache/slots.py: CodedSlots``), so the plain bodies' decode-and-encode wrapper (``ops/coded_plain.py``)
+    takes either; rounding is to nearest, so ``write`` takes no rounding keys or positions into account."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, layer: int, offset: int = 0) -> None:
         if (codes.dtype != CONV_CODE_DTYPE or scale.dtype != CONV_EXPONENT_DTYPE or codes.dim() != 3
@@ -84,22 +84,13 @@ class CodedConvState:
                              f"{tuple(scale.shape)}")
         self.codes, self.scale, self.layer, self.offset = codes, scale, layer, offset
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.codes.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
     def channels(self, start: int, end: int) -> CodedConvState:
         """The view of channels ``start .. end - 1`` (a mixer's q, k or v part)."""
         return CodedConvState(self.codes[:, start:end], self.scale[:, start:end], self.layer, self.offset)
 
-    def read(self, idx: torch.Tensor) -> torch.Tensor:
-        """The slots idx (B,) int64 decoded -> a new float32 (B, D, K-1); zeros for a negative slot."""
-        return read_decoded(idx, lambda slots: decode_conv(self.codes.index_select(0, slots),
-                                                           self.scale.index_select(0, slots)))
+    def decode_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots (B,) int64, all >= 0, decoded -> a new float32 (B, D, K-1)."""
+        return decode_conv(self.codes.index_select(0, slots), self.scale.index_select(0, slots))
 
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor | None = None,
               positions: torch.Tensor | None = None) -> None:

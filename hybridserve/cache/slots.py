@@ -11,8 +11,6 @@ has no state, so it reads as zeros and its writes go nowhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
@@ -40,14 +38,34 @@ def read_slots(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, idx).float()
 
 
-def read_decoded(idx: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``decode(slots)`` of idx (B,) int64 -> a new float32 (B, ...), zeros where idx is negative (``decode`` is
-    given slot 0 there): how an 8-bit state view reads a batch's slots."""
-    padding = idx < 0  # (B,)
-    if not bool(padding.any()):
-        return decode(idx)
-    values = decode(idx.clamp(min=0))
-    return values.masked_fill_(padding.view(-1, *([1] * (values.dim() - 1))), 0.0)
+class CodedSlots:
+    """What the two 8-bit state views (``cache/state_codec.py: CodedState``, ``cache/conv_codec.py:
+    CodedConvState``) share: ``codes`` (slots, *shape) and ``scale`` in the pool, and reading a batch's slots
+    decoded (zeros for a padded row's negative slot) through the view's own ``decode_slots``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.codes.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def decode_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots (B,) int64, all >= 0, decoded -> a new float32 (B, *shape)."""
+        raise NotImplementedError
+
+    def read(self, idx: torch.Tensor) -> torch.Tensor:
+        """The slots idx (B,) int64 decoded -> a new float32 (B, *shape); zeros for a negative slot (a padded
+        row of a captured step)."""
+        padding = idx < 0  # (B,)
+        if not bool(padding.any()):
+            return self.decode_slots(idx)
+        values = self.decode_slots(idx.clamp(min=0))
+        return values.masked_fill_(padding.view(-1, *([1] * (values.dim() - 1))), 0.0)
 
 
 def write_slots(cache: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:

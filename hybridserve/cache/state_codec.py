@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.cache.conv_codec import CodedConvState
-from hybridserve.cache.slots import read_decoded
+from hybridserve.cache.slots import CodedSlots
 
 __all__ = ["CODED_VIEWS", "CODE_DTYPES", "CODE_MAX", "NEAREST_NOISE", "SCALE_DTYPE", "CodedState", "StateView",
            "code_dtype", "decode_rows", "encode_rows", "hash32", "has_coded_state", "nearest_noise", "rounding_key",
@@ -149,7 +149,7 @@ def decode_rows(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.to(torch.float32) * scale.to(torch.float32)[..., None]
 
 
-class CodedState:
+class CodedState(CodedSlots):
     """The pool's view of one layer's 8-bit temporal state tensor, handed to the ops in place of a float view.
 
     codes: (slots, *shape) int8 or float8_e4m3fn; scale: (slots, *shape[:-1]) bfloat16; layer: the layer
@@ -167,22 +167,11 @@ class CodedState:
                              f"{tuple(scale.shape)}")
         self.codes, self.scale, self.layer, self.offset, self.stochastic = codes, scale, layer, offset, stochastic
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.codes.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def read(self, idx: torch.Tensor) -> torch.Tensor:
-        """The slots idx (B,) int64 decoded -> a new float32 (B, *shape); zeros for a negative slot (a padded
-        row of a captured step)."""
-        def decode(slots: torch.Tensor) -> torch.Tensor:  # (torch's CPU index ops do not take float8: the bytes)
-            codes = self.codes.view(torch.uint8).index_select(0, slots).view(self.codes.dtype)
-            return decode_rows(codes, self.scale.index_select(0, slots))
-
-        return read_decoded(idx, decode)
+    def decode_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The slots (B,) int64, all >= 0, decoded -> a new float32 (B, *shape) (torch's CPU index ops do not
+        take float8: the codes' bytes are gathered)."""
+        codes = self.codes.view(torch.uint8).index_select(0, slots).view(self.codes.dtype)
+        return decode_rows(codes, self.scale.index_select(0, slots))
 
     def write(self, idx: torch.Tensor, values: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> None:
         """Encode values (B, *shape) into the slots idx (B,) with the noise of rounding keys (B,) and
