@@ -24,7 +24,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
     parser.add_argument("--int8", action="store_true", help="also time the int8 weight kernels (weight-only and W8A8)")
     parser.add_argument("--int4", type=int, default=0, metavar="GROUP",
-                        help="also time the 4-bit weight kernel, centred codes in groups of GROUP in-features")
+                        help="also time the 4-bit weight kernel, centred codes in groups of GROUP in-features with "
+                             "sub-scaled scales (as --quantization int4 makes them)")
+    parser.add_argument("--int4-f16", action="store_true",
+                        help="with --int4, also time the same codes with float16 scales (GGUF Q4_0's form)")
     parser.add_argument("--distinct", type=int, default=1,
                         help="cycle through this many distinct weights (enough to exceed the last-level cache: "
                              "each call reads its weight from memory, as a model's layers do)")
@@ -36,7 +39,7 @@ def main() -> None:
     import torch
 
     from hybridserve.kernels import gemm, isa, linear_w4, linear_w8
-    from hybridserve.layers.linear_w4 import quantize_w4_f16
+    from hybridserve.layers.linear_w4 import quantize_w4_f16, quantize_w4_sub
     from hybridserve.ops.linear_w8 import quantize_int8
 
     torch.set_num_threads(a.threads)
@@ -45,7 +48,9 @@ def main() -> None:
     w32s = [w.float() for w in ws]
     packs = [gemm.pack(w) for w in ws]
     packs8 = [linear_w8.pack(*quantize_int8(w, 0), 0) for w in ws] if a.int8 else []
-    packs4 = [linear_w4.pack(*quantize_w4_f16(w, a.int4), None, a.int4) for w in ws] if a.int4 else []
+    packs4 = [linear_w4.pack(c, s, None, a.int4, supers=(d, None))
+              for c, s, d in (quantize_w4_sub(w, a.int4) for w in ws)] if a.int4 else []
+    packs4_f16 = [linear_w4.pack(*quantize_w4_f16(w, a.int4), None, a.int4) for w in ws] if a.int4_f16 else []
     turn = [0]
 
     def nxt(items):  # the next of the distinct weights, in turn
@@ -83,8 +88,13 @@ def main() -> None:
             if a.int4:
                 def run4(lv=lv):
                     isa.set_cap(lv)
-                    linear_w4.linear(x, nxt(packs4), N, a.int4, False, None)
+                    linear_w4.linear(x, nxt(packs4), N, a.int4, False, None, sub_scaled=True)
                 out[f"int4 {lv}"] = run4
+            if a.int4 and a.int4_f16:
+                def run4_f16(lv=lv):
+                    isa.set_cap(lv)
+                    linear_w4.linear(x, nxt(packs4_f16), N, a.int4, False, None)
+                out[f"int4-f16 {lv}"] = run4_f16
         out["torch bf16"] = lambda: torch.nn.functional.linear(x, nxt(ws))
         x32 = x.float()
         out["torch f32"] = lambda: torch.nn.functional.linear(x32, nxt(w32s))

@@ -102,9 +102,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "to --cpu-threads when they leave (docs/performance.md, \"Shared cores\")")
     parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                         help="weights: int8 quantizes every linear (MoE experts and the LM head too) per output "
-                             "channel at load, run on the CPU kernels; int4 likewise to 4-bit codes with a float16 "
-                             "scale per group of in-features (--quantization-group-size); auto runs a checkpoint's "
-                             "own fp8 weights (quantization_config) as they are; none dequantizes those at load; "
+                             "channel at load, run on the CPU kernels; int4 likewise to 4-bit codes with a scale per "
+                             "group of in-features (--quantization-group-size; a uint8 times a float16 per 256); "
+                             "auto runs a checkpoint's own fp8 weights (quantization_config) as they are; none "
+                             "dequantizes those at load; "
                              "w8a8 is int8 with each linear's activations quantized to int8 per row too (AMX-INT8 "
                              "tiles where present; MoE experts stay weight-only): docs/quantization.md")
     parser.add_argument("--quantization-group-size", type=int, default=None, choices=list(INT4_GROUP_SIZES),

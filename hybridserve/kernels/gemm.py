@@ -124,7 +124,7 @@ def moe_experts(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, up_t
                 group: int = 0) -> torch.Tensor | None:
     """The experts of an MoE block over their packed weights (16/32-bit packs of x's dtype, or, with
     ``weight_format`` int8 or float8_e4m3fn, 8-bit ones of ``kernels/linear_w8.py`` with scales per
-    ``group``; uint4, centred 4-bit ones of ``kernels/linear_w4.py`` with a float16 scale per ``group``): each
+    ``group``; uint4, centred 4-bit ones of ``kernels/linear_w4.py`` with a sub-scaled scale per ``group``): each
     token's k experts (``index`` (T, k) int64, ``weight`` (T, k) float32 or x's dtype), ``up(x) -> act -> down``
     per expert, summed in float32 by weight and rounded to x's dtype, plus ``shared`` (T, H) when given (rounded again).
     ``up_table``/``down_table``: (E,) int64 addresses of each expert's packed ``gate_up``/``up`` and

@@ -124,7 +124,7 @@ def w4_variant(level: str | None = None) -> str:
 
     level = level or isa.level_in_force()
     vector = (f"4-bit codes dequantized in registers ({_vector_lanes(level)}), float32 sums per group times its "
-              "float16 scale; in-features and group multiples of 8")
+              "scale (float16, or uint8 times a float16 per 256 in-features); in-features and group multiples of 8")
     sums = _integer_sums(level)
     w4a8 = None if sums is None else (
         f"calls of up to {linear_w4.W4A8_MAX_ROWS} rows (decode), every activation dtype, on W4A8: activations "

@@ -104,7 +104,8 @@ class FusedExperts(nn.Module):
         """Hold the experts only in the CPU kernels' packed form, ``pack_weight(weight)`` each (a weight
         it declines keeps the whole block unpacked): 16/32-bit packs, or, with ``weight_format`` int8, 8-bit codes
         with scales per ``group`` in-features (0: per output channel), or uint4, 4-bit centred codes with a
-        float16 scale per ``group`` in-features. Returns how many experts' projections were packed."""
+        sub-scaled scale per ``group`` in-features (``kernels/linear_w4.py``). Returns how many experts'
+        projections were packed."""
         packed = {name: [pack_weight(getattr(self, name)[e].detach()) for e in range(self.num_experts)]
                   for name in self._projections()}
         if any(p is None for ps in packed.values() for p in ps):
@@ -121,11 +122,11 @@ class FusedExperts(nn.Module):
         """h (n, in) through projection ``name`` of expert e -> (n, out)."""
         if self.packed is None:
             return nn.functional.linear(h, getattr(self, name)[e])
-        if self.weight_format == linear_w4.INT4_FORMAT:  # 4-bit codes, centred, a float16 scale per group
+        if self.weight_format == linear_w4.INT4_FORMAT:  # 4-bit codes, centred, a sub-scaled scale per group
             packed, n_out = self.packed[name][e], self._out_features[name]
-            y = linear_w4.linear(h, packed, n_out, self.group, False, None)
+            y = linear_w4.linear(h, packed, n_out, self.group, False, None, sub_scaled=True)
             if y is None:
-                codes, scales, _ = linear_w4.unpack(packed, n_out, self._in_features[name], self.group, False)
+                codes, scales, _ = linear_w4.unpack(packed, n_out, self._in_features[name], self.group, False, True)
                 y = linear_w4_ref(h, codes, scales, None, self.group)
             return y
         if self.weight_format is not None:

@@ -16,7 +16,8 @@ grow (a tied LM head keeps the embedding's weight):
   ``EngineConfig.quantization="int8"`` (quantized here, per output channel) and a checkpoint's fp8 ones
   (``docs/quantization.md``).
 * :class:`~hybridserve.layers.linear_w4.W4Linear` for 4-bit weights: every linear with
-  ``EngineConfig.quantization="int4"`` (centred codes, a float16 scale per group of in-features), MoE experts
+  ``EngineConfig.quantization="int4"`` (centred codes, a scale per group of in-features kept as a uint8 sub-scale
+  of a float16 one per 256 in-features), MoE experts
   too; a linear whose in-features the 4-bit kernel does not take (not a multiple of 8) is made int8 instead.
 * :class:`PackedLinear` for the remaining bf16 layers (``EngineConfig.cpu_weight_prepack``), on CPUs
   where oneDNN's bf16 matmul runs natively (AVX-512 BW/VL/DQ, with the ISA in force allowing it):
@@ -33,7 +34,7 @@ from torch import nn
 
 from hybridserve.kernels import gemm, hugepages, isa, linear_w4, linear_w8
 from hybridserve.kernels.heap import release_free_heap
-from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_f16
+from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_sub
 from hybridserve.layers.linear_w8 import W8Linear
 from hybridserve.layers.moe import FusedExperts
 from hybridserve.ops.linear_w8 import quantize_int8
@@ -161,7 +162,7 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
     def quantized_size(w: torch.Tensor, four_bit: bool) -> tuple[torch.dtype, int]:
         if four_bit:
             w4_keys.add(_key(w))
-            return torch.uint8, linear_w4.packed_bytes(*w.shape, group, False)
+            return torch.uint8, linear_w4.packed_bytes(*w.shape, group, False, sub_scaled=True)
         return torch.uint8, linear_w8.packed_bytes(*w.shape, w8_group)
 
     head = getattr(getattr(model, "lm_head", None), "weight", None)
@@ -194,7 +195,8 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
         if slot is None:
             return None
         if slot.data_ptr() in w4_slots:
-            return linear_w4.pack(*quantize_w4_f16(weight, group), None, group, out=slot)
+            codes, scales, supers = quantize_w4_sub(weight, group)
+            return linear_w4.pack(codes, scales, None, group, out=slot, supers=(supers, None))
         if slot.dtype == torch.uint8:
             q, scales = quantize_int8(weight, w8_group)
             return linear_w8.pack(q, scales, w8_group, out=slot)
@@ -213,7 +215,7 @@ def pack_kernel_linear_layers(model: nn.Module, quantization: str = "none", grou
             _release_codes(lin, released)
             return layer
         if packed.data_ptr() in w4_slots:
-            return W4Linear(lin.in_features, lin.out_features, packed, group, False, lin.bias)
+            return W4Linear(lin.in_features, lin.out_features, packed, group, False, lin.bias, sub_scaled=True)
         if packed.dtype == torch.uint8:
             return W8Linear(lin, packed, torch.int8, w8_group, dynamic_activations=dynamic and w8_group == 0)
         return KernelLinear(lin, packed)

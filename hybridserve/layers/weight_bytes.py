@@ -32,7 +32,7 @@ def _address_and_bytes(t: torch.Tensor) -> tuple[int, int]:
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes per dtype of every parameter, buffer and packed weight, each tensor once (a tied weight and
     its packed copy are two). 8-bit packs count under their codes' dtype, with their float32 scales; 4-bit packs
-    under ``int4``, with their float16 scales; Q6_K packs under ``q6_k``."""
+    under ``int4``, with their scales; Q6_K packs under ``q6_k``."""
     seen: set[tuple[int, int]] = set()
     out: dict[str, int] = {}
 

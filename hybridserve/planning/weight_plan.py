@@ -3,11 +3,11 @@ bytes per stored dtype, and what ``--quantization int8`` and ``--quantization in
 
 The quantized figures are estimates by tensor names and shapes: every 2-D ``*.weight`` and 3-D stacked-expert
 tensor becomes int8 codes plus one float32 scale per output row (rows rounded up to the kernel's panels of
-16), or 4-bit codes (half a byte each, in-features rounded up to 8) plus a float16 scale per group of
-in-features (``kernels/linear_w4.py``; int8 where the in-features are not a multiple of 8, as the engine does),
-except embeddings and routers (kept in their dtype, as the engine keeps them) and 1-D tensors; a tied
-LM head gets a quantized copy beside its embedding. The engine's exact figures are ``LLM.cache_layout()
-["weight_bytes"]``.
+16), or 4-bit codes (half a byte each, in-features rounded up to 8) plus a uint8 sub-scale per group of
+in-features and a float16 super-scale per 256 (``kernels/linear_w4.py``; int8 where the in-features are not a
+multiple of 8, as the engine does), except embeddings and routers (kept in their dtype, as the engine keeps them)
+and 1-D tensors; a tied LM head gets a quantized copy beside its embedding. The engine's exact figures are
+``LLM.cache_layout()["weight_bytes"]``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ def _int4_bytes(shape: list[int], group: int) -> tuple[str, int]:
     for e in experts:
         n *= e
     padded = -(-rows // _PANEL) * _PANEL
-    return "int4", n * (padded * cols // 2 + padded * -(-cols // group) * 2)
+    gs = min(group, cols)
+    groups = -(-cols // gs)
+    per_super = 256 // gs if 256 % gs == 0 else 1  # groups of a super-block (SUPER_K in kernels/linear_w4.py)
+    return "int4", n * (padded * cols // 2 + padded * (groups + -(-groups // per_super) * 2))
 
 
 def weight_bytes(folder: str, tied_head: bool = False, int4_group: int = 32) -> dict[str, dict[str, int]] | None:

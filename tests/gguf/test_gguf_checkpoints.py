@@ -15,9 +15,7 @@ from hybridserve.kernels import isa, linear_w4, linear_w6k  # noqa: E402
 from hybridserve.layers.linear_w4 import W4Linear  # noqa: E402
 from hybridserve.layers.linear_w6k import W6KLinear  # noqa: E402
 from hybridserve.layers.linear_w8 import W8Linear  # noqa: E402
-from hybridserve.models.gguf.blocks import decode_q4_k  # noqa: E402
 from hybridserve.models.loader import load_hf_config  # noqa: E402
-from hybridserve.ops.linear_w4 import dequantize_w4  # noqa: E402
 from tests import checkpoints  # noqa: E402
 from tests.gguf.gguf_writer import GGUF_ARCH, write_gguf  # noqa: E402
 from tests.layers.test_int8_weights import compare_near_tie  # noqa: E402
@@ -88,8 +86,8 @@ def test_multi_token_prediction_layers_in_the_file_are_skipped(tmp_path, family)
 
 
 def _dequantized_twin(file: str, out: str) -> str:
-    """The same GGUF file with every block tensor replaced by gguf's own dequantization of it (F32); Q4_K's with
-    its sub-block scales and mins rounded to float16 first, as the 4-bit layer stores them (``docs/gguf.md``)."""
+    """The same GGUF file with every block tensor replaced by gguf's own dequantization of it (F32): every block
+    type the engine keeps coded holds its values exactly (Q4_K's scales and mins sub-scaled, ``docs/gguf.md``)."""
     r = gguf.GGUFReader(file)
     w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
     for key, field in r.fields.items():
@@ -103,11 +101,7 @@ def _dequantized_twin(file: str, out: str) -> str:
             w.add_key_value(key, value, kind)
     for t in r.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if t.tensor_type == gguf.GGMLQuantizationType.Q4_K:  # the 4-bit layer keeps d * sc and dmin * m in float16
-            codes, scales, mins = decode_q4_k(t.data)
-            data = dequantize_w4(codes, scales.half().float(), mins.half().float(), 32).numpy().reshape(shape)
-        else:
-            data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
         w.add_tensor(t.name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -135,6 +135,30 @@ def w4_operands(N: int, K: int, group: int, with_mins: bool, g: torch.Generator)
     return codes, scales, mins
 
 
+#: the two forms 4-bit scales and mins are packed in (kernels/linear_w4.py): float16, or uint8 sub-scales times a
+#: float16 super-scale per 256 in-features
+W4_SCALE_FORMS = ["f16", "sub"]
+
+
+def w4_form_operands(N: int, K: int, group: int, with_mins: bool, g: torch.Generator, form: str):
+    """:func:`w4_operands` in scale form ``form`` (:data:`W4_SCALE_FORMS`): codes, scales, mins and the ``supers``
+    to pack them with (None for float16; for "sub", float16 super-scales, and the scales and mins their products
+    with random sub-scales 0..255, 0 included)."""
+    from hybridserve.kernels import linear_w4
+
+    if form == "f16":
+        return (*w4_operands(N, K, group, with_mins, g), None)
+    G, S = linear_w4.num_groups(K, group), linear_w4.num_supers(K, group)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    d = ((torch.rand(N, S, generator=g) + 0.5) / (8 * K ** 0.5 * 128)).half().float()
+    scales = linear_w4.expand_supers(d, K, group) * torch.randint(0, 256, (N, G), generator=g).float()
+    if not with_mins:
+        return codes, scales, None, (d, None)
+    d_min = (-torch.rand(N, S, generator=g) / (K ** 0.5 * 128)).half().float()
+    mins = linear_w4.expand_supers(d_min, K, group) * torch.randint(0, 256, (N, G), generator=g).float()
+    return codes, scales, mins, (d, d_min)
+
+
 def random_experts(E: int, H: int, I: int, gated: bool, seed: int):
     """A bf16 FusedExperts block of E experts (hidden H, intermediate I; silu-gated or relu2) with N(0, 0.2)
     weights drawn after ``torch.manual_seed(seed)``."""

@@ -17,14 +17,16 @@ import pytest
 import torch
 
 from hybridserve.kernels import gemm, linear_w4
-from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_f16
+from hybridserve.layers.linear_w4 import INT4_FORMAT, quantize_w4_sub
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
 from tests.kernels.helpers import (
+    W4_SCALE_FORMS,
     assert_bits_equal,
     assert_within_ulps,
     coded_many_rows_path,
     needs_compiler,
     random_experts,
+    w4_form_operands,
     w4_operands,
 )
 
@@ -59,22 +61,25 @@ def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
     assert_within_ulps(y, ref, y.dtype, ulps=2, atol=2 * atol.float(), what=f"{what}: kernel vs reference")
 
 
+@pytest.mark.parametrize("form", W4_SCALE_FORMS)
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
 @pytest.mark.parametrize("group", [32, 64, 4096])
 @pytest.mark.parametrize("M", [1, 3, 7, 33])
-@pytest.mark.parametrize("N,K", [(16, 64), (40, 136), (129, 96)])
-def test_linear_w4_matches_the_reference(M, N, K, group, with_mins, act):
+@pytest.mark.parametrize("N,K", [(16, 64), (40, 136), (129, 96), (24, 520)])
+def test_linear_w4_matches_the_reference(M, N, K, group, with_mins, act, form):
+    """Every path (by rows) in both scale forms; K = 520 spans three super-blocks of sub-scales, the last short."""
     g = torch.Generator().manual_seed(M * 1000 + N + K + group)
-    codes, scales, mins = _operands(N, K, group, with_mins, g)
+    codes, scales, mins, supers = w4_form_operands(N, K, group, with_mins, g, form)
     x = torch.randn(M, K, generator=g).to(act)
     b = torch.randn(N, generator=g).to(act) if N != 129 else None
-    packed = linear_w4.pack(codes, scales, mins, group)
-    y = linear_w4.linear(x, packed, N, group, with_mins, b)
+    packed = linear_w4.pack(codes, scales, mins, group, supers=supers)
+    y = linear_w4.linear(x, packed, N, group, with_mins, b, sub_scaled=supers is not None)
     assert y is not None and y.shape == (M, N) and y.dtype == act
     _assert_within_bound(y, x, codes, scales, mins, group, b, "4-bit linear")
 
 
+@pytest.mark.parametrize("form", W4_SCALE_FORMS)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
 @pytest.mark.parametrize("M,N,K,group", [
     (16, 48, 64, 32),      # one 16-row group, an odd panel count
@@ -84,29 +89,31 @@ def test_linear_w4_matches_the_reference(M, N, K, group, with_mins, act):
     (300, 100, 1024, 32),  # several column blocks and row chunks: each block widened once per call (the next
                            # block's words while one computes), the copies read again by the later chunks
 ])
-def test_linear_w4_at_the_amx_tile_shape_classes(M, N, K, group, with_mins):
+def test_linear_w4_at_the_amx_tile_shape_classes(M, N, K, group, with_mins, form):
     """bf16 activations at shapes that take each branch of the AMX path at the amx level (row groups, tails,
     chunks), checked at every level this CPU runs against the reference."""
     g = torch.Generator().manual_seed(M + N + K)
-    codes, scales, mins = _operands(N, K, group, with_mins, g)
+    codes, scales, mins, supers = w4_form_operands(N, K, group, with_mins, g, form)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     b = torch.randn(N, generator=g).to(torch.bfloat16)
-    y = linear_w4.linear(x, linear_w4.pack(codes, scales, mins, group), N, group, with_mins, b)
+    y = linear_w4.linear(x, linear_w4.pack(codes, scales, mins, group, supers=supers), N, group, with_mins, b,
+                         sub_scaled=supers is not None)
     assert y is not None
     _assert_within_bound(y, x, codes, scales, mins, group, b, "4-bit linear")
 
 
+@pytest.mark.parametrize("form", W4_SCALE_FORMS)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
 @pytest.mark.parametrize("group", [32, 64])
-def test_identity_rows_give_each_weight_rounded_once_to_bf16(isa_level, group, with_mins):
+def test_identity_rows_give_each_weight_rounded_once_to_bf16(isa_level, group, with_mins, form):
     """A bf16 call of the identity's K rows (a many-row path at every level) gives W.T: each weight is c s + m
     rounded once to bf16, whether the path widens it to float32 or to bf16 (the AMX tiles, the bf16 dot products)
     before its one product (a zero weight's sum is +0: the expected zeros are made +0)."""
     g = torch.Generator().manual_seed(group + with_mins)
     N, K = 40, 136
-    codes, scales, mins = _operands(N, K, group, with_mins, g)
-    y = linear_w4.linear(torch.eye(K).to(torch.bfloat16), linear_w4.pack(codes, scales, mins, group), N, group,
-                         with_mins, None)
+    codes, scales, mins, supers = w4_form_operands(N, K, group, with_mins, g, form)
+    y = linear_w4.linear(torch.eye(K).to(torch.bfloat16), linear_w4.pack(codes, scales, mins, group, supers=supers),
+                         N, group, with_mins, None, sub_scaled=supers is not None)
     assert linear_w4.path(K) == coded_many_rows_path(linear_w4.W4_PATHS, isa_level, torch.bfloat16)
     expected = (dequantize_w4(codes, scales, mins, group) + 0.0).to(torch.bfloat16).T
     assert_bits_equal(y, expected, f"weights at {isa_level}")
@@ -151,7 +158,12 @@ def test_moe_experts_in_4_bits_match_the_expert_loop(T, gated):
     block = random_experts(E, H, I, gated, T)
     up_name = "gate_up_proj" if gated else "up_proj"
     weights = {name: getattr(block, name).detach().clone() for name in (up_name, "down_proj")}
-    assert block.pack(lambda w: linear_w4.pack(*quantize_w4_f16(w, group), None, group), INT4_FORMAT, group) == 2 * E
+
+    def pack(w: torch.Tensor) -> torch.Tensor:  # as the engine packs experts: sub-scaled
+        codes, scales, supers = quantize_w4_sub(w, group)
+        return linear_w4.pack(codes, scales, None, group, supers=(supers, None))
+
+    assert block.pack(pack, INT4_FORMAT, group) == 2 * E
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -165,7 +177,7 @@ def test_moe_experts_in_4_bits_match_the_expert_loop(T, gated):
     else:
         assert_bits_equal(got, expected, "4-bit moe experts")
     e = int(index[0, 0])  # one expert's up projection against the reference over its weight's 4-bit values
-    codes, scales = quantize_w4_f16(weights[up_name][e], group)
+    codes, scales, _ = quantize_w4_sub(weights[up_name][e], group)
     one = block._linear(x[:1], up_name, e)
     if linear_w4.path(1) == linear_w4.W4A8_PATH:
         assert_bits_equal(one, linear_w4a8_ref(x[:1], codes, scales, None, group), "one expert's W4A8 up projection")

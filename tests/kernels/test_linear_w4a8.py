@@ -14,7 +14,14 @@ import torch
 from hybridserve.kernels import isa, linear_w4, report
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4a8_ref, quantize_blocks_int8
 from hybridserve.ops.linear_w8 import quantize_rows_int8
-from tests.kernels.helpers import assert_bits_equal, coded_many_rows_path, needs_compiler, w4_operands
+from tests.kernels.helpers import (
+    W4_SCALE_FORMS,
+    assert_bits_equal,
+    coded_many_rows_path,
+    needs_compiler,
+    w4_form_operands,
+    w4_operands,
+)
 
 ACTS = [torch.bfloat16, torch.float16, torch.float32]
 IDS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -26,6 +33,7 @@ _operands = w4_operands
 
 @needs_compiler
 @pytest.mark.usefixtures("isa_level")
+@pytest.mark.parametrize("form", W4_SCALE_FORMS)
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
 @pytest.mark.parametrize("N,K,group", [
@@ -34,10 +42,12 @@ _operands = w4_operands
     (129, 1096, 32),   # 35 groups, the last of 8; 9 panels, the last of one column
     (33, 96, 4096),    # one group for the whole row
 ])
-def test_few_row_calls_are_the_w4a8_reference_bit_for_bit(isa_level, N, K, group, with_mins, act):
+def test_few_row_calls_are_the_w4a8_reference_bit_for_bit(isa_level, N, K, group, with_mins, act, form):
+    """Both scale forms: a sub-scaled group's scale (and min) is its float16 super-scale times its uint8 sub-scale,
+    exact in float32, so the reference over the unpacked values is the kernel's arithmetic step for step."""
     g = torch.Generator().manual_seed(N + K + group + 7 * with_mins)
-    codes, scales, mins = _operands(N, K, group, with_mins, g)
-    packed = linear_w4.pack(codes, scales, mins, group)
+    codes, scales, mins, supers = w4_form_operands(N, K, group, with_mins, g, form)
+    packed = linear_w4.pack(codes, scales, mins, group, supers=supers)
     wide = torch.randn(linear_w4.W4A8_MAX_ROWS, K + 24, generator=g) * 3
     wide[0, :K // 2] = 0  # a block of zeros (scale 1, codes 0)
     b = torch.randn(N, generator=g).to(act)
@@ -48,7 +58,7 @@ def test_few_row_calls_are_the_w4a8_reference_bit_for_bit(isa_level, N, K, group
         if not on_w4a8:
             continue  # the float32 vector path: tests/kernels/test_linear_w4_kernels.py
         for bias in (b, None):
-            y = linear_w4.linear(x, packed, N, group, with_mins, bias)
+            y = linear_w4.linear(x, packed, N, group, with_mins, bias, sub_scaled=supers is not None)
             assert y is not None and y.shape == (M, N) and y.dtype == act
             assert_bits_equal(y, linear_w4a8_ref(x, codes, scales, mins, group, bias),
                               f"W4A8, {M} rows, bias {bias is not None}")

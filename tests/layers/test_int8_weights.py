@@ -47,14 +47,15 @@ FAMILIES = ["mamba", "falcon_mamba", "jamba", "qwen3_next", "minimax", "lfm2", p
             "xlstm", pytest.param("kimi_linear", marks=ROUTING_FLIPS)]
 
 
-def _prompts(vocab: int) -> list[list[int]]:
+def _prompts(vocab: int, lengths: tuple[int, ...] = (5, 19)) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 19)]
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run(path: str, **options):
+def _run(path: str, prompt_lengths: tuple[int, ...] = (5, 19), **options):
     llm = LLM(path, cache_memory="16MiB", max_num_seqs=2, enable_progress_bar=False, dtype="bfloat16", **options)
-    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(llm.engine.hf_config.vocab_size)], PARAMS)
+    prompts = _prompts(llm.engine.hf_config.vocab_size, prompt_lengths)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     return llm, [o.outputs[0] for o in outs]
 
 

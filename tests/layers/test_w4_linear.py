@@ -1,6 +1,6 @@
 """W4Linear (``layers/linear_w4.py``): the constructor GGUF's 4-bit blocks and ``--quantization int4`` build
-through, its packing (codes exact, scales and mins rounded to float16), its refusals, and its forward against
-``linear_w4_ref`` whether the kernel takes the call or declines it."""
+through, its packing (codes exact; scales and mins rounded to float16, or sub-scaled exactly), its refusals, and its
+forward against ``linear_w4_ref`` whether the kernel takes the call or declines it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridserve.kernels import fallbacks
 from hybridserve.kernels import linear_w4 as kernel
-from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_f16
+from hybridserve.layers.linear_w4 import W4Linear, quantize_w4_f16, quantize_w4_sub
 from hybridserve.ops.linear_w4 import dequantize_w4, linear_w4_ref, linear_w4a8_ref
 from tests.kernels.helpers import on_w4a8
 
@@ -104,13 +104,77 @@ def test_quantize_w4_f16_picks_float16_scales_then_codes_against_them():
     assert (err <= bound).all()
 
 
+@pytest.mark.parametrize("with_mins", [False, True])
+@pytest.mark.parametrize("N,K,group", [(16, 512, 32), (37, 520, 64), (5, 96, 4096)])
+def test_sub_scaled_packing_keeps_scales_and_mins_exactly(N, K, group, with_mins):
+    """Scales and mins that are float16 super-scales (one per 256 in-features) times integers 0..255 come back
+    exactly, at 8 + 16 / 256 bits a group where float16 takes 16 (a group of all 96 in-features is its own
+    super-block)."""
+    g = torch.Generator().manual_seed(N + K)
+    S, G = kernel.num_supers(K, group), kernel.num_groups(K, group)
+    assert S == (-(-G // (256 // group)) if group <= 256 else G)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    d = (torch.rand(N, S, generator=g) / 100).half().float()
+    scales = kernel.expand_supers(d, K, group) * torch.randint(0, 256, (N, G), generator=g)
+    d_min = mins = None
+    if with_mins:
+        d_min = -(torch.rand(N, S, generator=g) / 100).half().float()
+        mins = kernel.expand_supers(d_min, K, group) * torch.randint(0, 256, (N, G), generator=g)
+    layer = W4Linear.from_codes(K, N, codes, scales, mins, group, None, supers=(d, d_min))
+    c, s, m = layer.unpacked()
+    assert torch.equal(c, codes) and torch.equal(s, scales)
+    assert (m is None and mins is None) or torch.equal(m, mins)
+    size = kernel.packed_bytes(N, K, group, with_mins, sub_scaled=True)
+    rows = -(-N // 16) * 16
+    assert layer.packed_weight.numel() == size == rows * (K // 2 + (1 + with_mins) * (G + 2 * S))
+    if kernel.groups_per_super(K, group) > 1:  # one group a super-block: 8 + 16 bits a group, more than float16
+        assert size < kernel.packed_bytes(N, K, group, with_mins)
+
+
+def test_sub_scaled_packing_refuses_scales_that_are_not_products():
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (8, 256), generator=g, dtype=torch.uint8)
+    d = torch.full((8, 1), 0.01).half().float()
+    scales = d * torch.randint(1, 256, (8, 8), generator=g)
+    bad = scales.clone()
+    bad[2, 5] = d[2, 0] * 3.5
+    with pytest.raises(ValueError, match=r"scales\[2, 5\] = .* times an integer 0..255"):
+        W4Linear.from_codes(256, 8, codes, bad, None, 32, supers=(d, None))
+    with pytest.raises(ValueError, match=r"times an integer 0..255"):
+        W4Linear.from_codes(256, 8, codes, d.expand(8, 8) * 256, None, 32, supers=(d, None))  # a sub-scale past 255
+    with pytest.raises(ValueError, match="must hold float16 values"):
+        W4Linear.from_codes(256, 8, codes, scales, None, 32, supers=(d + 1e-7, None))
+    with pytest.raises(ValueError, match=r"super-scales of the mins must be a float \(8, 1\)"):
+        W4Linear.from_codes(256, 8, codes, scales, -scales, 32, supers=(d, None))
+
+
+@pytest.mark.parametrize("magnitude", [0.02, 1e-4])
+def test_quantize_w4_sub_never_clips_and_stays_near_float16_scales(magnitude):
+    """Every weight within half a step of its group's grid (the sub-scale rounded up: no weight beyond +-7 steps),
+    tiny weights (float16 subnormal super-scales) included; the RMS error within 1% of float16 scales'."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(48, 520, generator=g) * magnitude
+    w[:, 256:288] *= 0.01  # a group far below its super-block's largest
+    w[3] = 0.0  # an all-zero row: scale 0, codes 8
+    codes, scales, supers = quantize_w4_sub(w, 32)
+    assert supers.shape == (48, 3) and torch.equal(supers, supers.half().float())
+    assert torch.equal(codes[3], torch.full((520,), 8, dtype=torch.uint8)) and (scales[3] == 0).all()
+    u = scales / kernel.expand_supers(supers, 520, 32).clamp(min=2.0 ** -30)
+    assert torch.equal(u, u.round()) and u.max() <= 255
+    err = (dequantize_w4(codes, scales, None, 32) - w).abs()
+    assert (err <= scales.repeat_interleave(32, dim=1)[:, :520] * 0.5 * (1 + 2.0 ** -8)).all()
+    c16, s16 = quantize_w4_f16(w, 32)
+    rms_sub, rms_f16 = err.pow(2).mean().sqrt(), (dequantize_w4(c16, s16, None, 32) - w).pow(2).mean().sqrt()
+    assert rms_sub <= 1.01 * rms_f16, (rms_sub, rms_f16)
+
+
 def test_from_weight_keeps_the_bias_and_approximates_the_weight():
     torch.manual_seed(0)
     lin = nn.Linear(128, 40)
     layer = W4Linear.from_weight(lin, 32)
     assert layer.bias is lin.bias
     codes, scales, mins = layer.unpacked()
-    assert mins is None
+    assert mins is None and layer.sub_scaled
     step = scales.repeat_interleave(32, dim=1)
     assert ((dequantize_w4(codes, scales, None, 32) - lin.weight.detach()).abs() <= step * 0.5 * (1 + 2.0 ** -8)).all()
     x = torch.randn(4, 128)

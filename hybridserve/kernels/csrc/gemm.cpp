@@ -595,8 +595,8 @@ int packed_linear(int64_t n, int64_t N, int64_t K, const T* x, const void* packe
   if (wfmt != kNativeWeights) {
     constexpr int code = std::is_same_v<T, BF16> ? kBF16 : std::is_same_v<T, float> ? kF32 : kF16;
     if (wfmt == kInt4Weights || wfmt == kInt4MinsWeights)
-      return hs_linear_w4(code, n, N, K, group, wfmt == kInt4MinsWeights, x, K, static_cast<const uint8_t*>(packed),
-                          nullptr, out, N);
+      return hs_linear_w4(code, n, N, K, group, wfmt == kInt4MinsWeights ? kW4Mins : kW4SubScaled, x, K,
+                          static_cast<const uint8_t*>(packed), nullptr, out, N);
     return hs_linear_w8(code, wfmt, n, N, K, group, x, K, static_cast<const uint8_t*>(packed), nullptr, out, N);
   }
   if constexpr (std::is_same_v<T, BF16>) {

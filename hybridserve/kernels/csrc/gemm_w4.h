@@ -5,7 +5,10 @@
 // A weight W (N, K) of codes c (0..15) with scales s and, optionally, mins m per group of `group` consecutive k
 // (W[n, k] = c s + m, or (c - 8) s without mins) is packed per panel of 16 output columns:
 //   [panels][K/8][16] uint32 words: word (k8, col) holds the codes of k = 8 k8 + j in bits 4j .. 4j + 3;
-//   [panels][G][16] float16 scales; with mins, [panels][G][16] float16 mins (pad columns 0).
+//   the scales: [panels][G][16] float16, or, sub-scaled (kW4SubScaled), [panels][S][16] float16 super-scales d,
+//   one per super-block of SG groups (kW4SuperK k), then [panels][G][16] uint8 sub-scales u: s = d u, exact in
+//   float32 (an 11-bit by 8-bit product);
+//   with mins (kW4Mins), the mins after the scales in the same form (pad columns 0).
 // K and the group are multiples of 8 (a group of K or more is one group), so a word never spans two groups.
 //
 // Five paths:
@@ -47,6 +50,78 @@ inline vf nibble(vu w) {
 
 inline vf load_halfs(const _Float16* p) { return widen_halfs(p); }
 
+// kLanes bytes 0..255 as float32 values.
+inline vf widen_bytes(const uint8_t* p) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes == 16) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    return reinterpret_cast<const vf&>(v);
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (kLanes == 8) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return reinterpret_cast<const vf&>(v);
+  }
+#endif
+  typedef uint8_t vb __attribute__((vector_size(kLanes)));
+  return __builtin_convertvector(load_vec<vb>(p), vf);
+}
+
+// Format bits of a packed weight (kernels/linear_w4.py: FORMAT_MINS, FORMAT_SUB_SCALED).
+constexpr int kW4Mins = 1;          // a min per group beside the scale
+constexpr int kW4SubScaled = 2;     // scales and mins as uint8 sub-scales times a float16 per super-block
+constexpr int64_t kW4SuperK = 256;  // in-features of a super-block (GGUF's Q4_K blocks)
+
+// The packed weight's parts, and the scale and min vectors of one panel's group.
+struct W4Layout {
+  int64_t K8, gs, G, panels, pe;  // words per column; k per group; groups; panels; words per panel
+  int64_t SG = 1, S = 0;          // sub-scaled: groups per super-block, super-blocks per column
+  const uint32_t* words;
+  const _Float16* scale_halfs;   // [panels][G][16], or sub-scaled the super-scales [panels][S][16]
+  const uint8_t* scale_bytes;    // sub-scaled: [panels][G][16] sub-scales; else null
+  const _Float16* min_halfs;     // the mins likewise; null without mins
+  const uint8_t* min_bytes;
+  W4Layout(int64_t N, int64_t K, int64_t group, int format, const uint8_t* packed) {
+    K8 = K / kW4Codes;
+    gs = group < K ? group : K;
+    G = (K + gs - 1) / gs;
+    panels = (N + kPanel - 1) / kPanel;
+    pe = K8 * kPanel;
+    const bool sub = (format & kW4SubScaled) != 0;
+    if (sub) {
+      SG = kW4SuperK % gs == 0 ? kW4SuperK / gs : 1;
+      S = (G + SG - 1) / SG;
+    }
+    words = reinterpret_cast<const uint32_t*>(packed);
+    const uint8_t* at = packed + panels * pe * 4;
+    const auto part = [&](const _Float16*& halfs, const uint8_t*& bytes) {
+      halfs = reinterpret_cast<const _Float16*>(at);
+      at += panels * (sub ? S : G) * kPanel * 2;
+      bytes = sub ? at : nullptr;
+      if (sub) at += panels * G * kPanel;
+    };
+    part(scale_halfs, scale_bytes);
+    min_halfs = nullptr, min_bytes = nullptr;
+    if (format & kW4Mins) part(min_halfs, min_bytes);
+  }
+  vf scale(int64_t p, int64_t g, int v) const { return value(scale_halfs, scale_bytes, p, g, v); }
+  vf min(int64_t p, int64_t g, int v) const { return value(min_halfs, min_bytes, p, g, v); }
+  // the first byte of a group's scales (or mins: `mins`), for a prefetch
+  const char* group_line(int64_t p, int64_t g, bool mins) const {
+    const uint8_t* b = mins ? min_bytes : scale_bytes;
+    if (b != nullptr) return reinterpret_cast<const char*>(b + (p * G + g) * kPanel);
+    return reinterpret_cast<const char*>((mins ? min_halfs : scale_halfs) + (p * G + g) * kPanel);
+  }
+
+ private:
+  vf value(const _Float16* halfs, const uint8_t* bytes, int64_t p, int64_t g, int v) const {
+    if (bytes == nullptr) return load_halfs(halfs + (p * G + g) * kPanel + v * kLanes);
+    return widen_bytes(bytes + (p * G + g) * kPanel + v * kLanes) *
+           load_halfs(halfs + (p * S + g / SG) * kPanel + v * kLanes);
+  }
+};
+
 // Registers: 2 x MR x NP x kVecs sums (the tile's and the group's), NP x kVecs words, a code and MR broadcasts.
 constexpr int w4_max_rows() { return kLanes == 16 ? 8 : 2; }
 constexpr int w4_panels(int MR) {
@@ -66,13 +141,14 @@ inline void w4_nibble_step(vf (&part)[MR][NV], const vu (&words)[NV], const floa
   if constexpr (J + 1 < kW4Codes) w4_nibble_step<MR, NV, J + 1>(part, words, xk, xs);
 }
 
-// out[r, n0 + c] for MR rows and NP panels. w: the first panel's words ([K8][16] each, pe words apart); sc, mn:
-// its scales and mins ([G][16] each, ps apart); xsum[r * G + g]: row r's sum of x over group g; gw: words a group.
+// out[r, n0 + c] for MR rows and NP panels from panel p0 of L; xsum[r * G + g]: row r's sum of x over group g;
+// gw: words a group.
 template <int MR, int NP, bool Mins, typename A>
-void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum, const uint32_t* w,
-            int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out, int64_t os,
-            int64_t n0, int64_t N) {
+void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum, const W4Layout& L,
+            int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
   constexpr int NV = NP * kVecs;
+  const uint32_t* w = L.words + p0 * L.pe;
+  const int64_t pe = L.pe;
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
@@ -93,9 +169,9 @@ void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, cons
     for (int p = 0; p < NP; ++p)
       for (int v = 0; v < kVecs; ++v) {
         const int j = p * kVecs + v;
-        const vf s = load_halfs(sc + p * ps + g * kPanel + v * kLanes);
+        const vf s = L.scale(p0 + p, g, v);
         if constexpr (Mins) {
-          const vf m = load_halfs(mn + p * ps + g * kPanel + v * kLanes);
+          const vf m = L.min(p0 + p, g, v);
           for (int r = 0; r < MR; ++r) acc[r][j] = acc[r][j] + part[r][j] * s + xsum[r * G + g] * m;
         } else {
           for (int r = 0; r < MR; ++r) acc[r][j] = acc[r][j] + (part[r][j] - 8.0f * xsum[r * G + g]) * s;
@@ -107,49 +183,27 @@ void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, cons
 
 template <int MR, int NP, bool Mins, typename A>
 void w4tile_any(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
-                const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias,
-                A* out, int64_t os, int64_t n0, int64_t N) {
+                const W4Layout& L, int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
   if constexpr (NP > 1) {
-    if (np < NP)
-      return w4tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+    if (np < NP) return w4tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xf, xs, xsum, L, p0, bias, out, os, n0, N);
   }
-  w4tile<MR, NP, Mins>(K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+  w4tile<MR, NP, Mins>(K8, gw, G, xf, xs, xsum, L, p0, bias, out, os, n0, N);
 }
 
 template <bool Mins, typename A, int MR>
 void w4rows(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
-            const uint32_t* w, int64_t pe, const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out,
-            int64_t os, int64_t n0, int64_t N) {
-  w4tile_any<MR, w4_panels(MR), Mins>(np, K8, gw, G, xf, xs, xsum, w, pe, sc, mn, ps, bias, out, os, n0, N);
+            const W4Layout& L, int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+  w4tile_any<MR, w4_panels(MR), Mins>(np, K8, gw, G, xf, xs, xsum, L, p0, bias, out, os, n0, N);
 }
 
 template <typename A>
-using W4RowsFn = void (*)(int, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const uint32_t*,
-                          int64_t, const _Float16*, const _Float16*, int64_t, const A*, A*, int64_t, int64_t, int64_t);
+using W4RowsFn = void (*)(int, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const W4Layout&,
+                          int64_t, const A*, A*, int64_t, int64_t, int64_t);
 
 template <bool Mins, typename A, int... R>
 constexpr auto w4rows_table(std::integer_sequence<int, R...>) {
   return std::array<W4RowsFn<A>, sizeof...(R)>{w4rows<Mins, A, R + 1>...};
 }
-
-// The packed weight's parts.
-struct W4Layout {
-  int64_t K8, gs, G, panels, pe, ps;  // words per column; k per group; groups; panels; words and halfs per panel
-  const uint32_t* words;
-  const _Float16* scales;
-  const _Float16* mins;  // null without mins
-  W4Layout(int64_t N, int64_t K, int64_t group, bool has_mins, const uint8_t* packed) {
-    K8 = K / kW4Codes;
-    gs = group < K ? group : K;
-    G = (K + gs - 1) / gs;
-    panels = (N + kPanel - 1) / kPanel;
-    pe = K8 * kPanel;
-    ps = G * kPanel;
-    words = reinterpret_cast<const uint32_t*>(packed);
-    scales = reinterpret_cast<const _Float16*>(packed + panels * pe * 4);
-    mins = has_mins ? scales + panels * ps : nullptr;
-  }
-};
 
 // The float32 vector path: out (M, N) = x (M, K) @ W.T + bias.
 template <bool Mins, typename A>
@@ -171,8 +225,7 @@ int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int
   const int64_t gw = L.gs / kW4Codes;
   for_row_tiles(M, N, K, K, kRows, L.panels, w4_panels(M >= kRows ? kRows : static_cast<int>(M)),
                 [&](int64_t p0, int np, int64_t m0, int mr) {
-                  table[mr - 1](np, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L.words + p0 * L.pe, L.pe,
-                                L.scales + p0 * L.ps, Mins ? L.mins + p0 * L.ps : nullptr, L.ps, bias, out + m0 * os,
+                  table[mr - 1](np, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L, p0, bias, out + m0 * os,
                                 os, p0 * kPanel, N);
                 });
   return 0;
@@ -194,9 +247,8 @@ struct W4FloatPanels {
     for (int j = 0; j < np; ++j)
       for (int64_t g = 0; g < L->G; ++g)
         for (int v = 0; v < kVecs; ++v) {
-          const int64_t at = (p0 + j) * L->ps + g * kPanel + v * kLanes;
-          const vf s = load_halfs(L->scales + at);
-          const vf m = L->mins != nullptr ? load_halfs(L->mins + at) : -8.0f * s;  // centred: (c - 8) s
+          const vf s = L->scale(p0 + j, g, v);
+          const vf m = L->min_halfs != nullptr ? L->min(p0 + j, g, v) : -8.0f * s;  // centred: (c - 8) s
           for (int64_t k8 = g * gw; k8 < std::min(L->K8, (g + 1) * gw); ++k8)
             w4_store_codes<0>(load_vec<vu>(L->words + (p0 + j) * L->pe + k8 * kPanel + v * kLanes), s, m,
                               dst + j * pe + k8 * kW4Codes * kPanel + v * kLanes);
@@ -231,9 +283,8 @@ struct W4Words {
     for (int64_t i = from; i < to; ++i) {
       const int64_t j = i / L->K8, k8 = i - j * L->K8, g = k8 / gw, key = j * L->G + g;
       if (key != cached) {
-        const int64_t at = (p + j) * L->ps + g * kPanel;
-        s = reinterpret_cast<__m512>(load_halfs(L->scales + at));
-        m = L->mins != nullptr ? reinterpret_cast<__m512>(load_halfs(L->mins + at)) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+        s = reinterpret_cast<__m512>(L->scale(p + j, g, 0));
+        m = L->min_halfs != nullptr ? reinterpret_cast<__m512>(L->min(p + j, g, 0)) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
         cached = key;
       }
       const vu words = load_vec<vu>(L->words + (p + j) * L->pe + k8 * kPanel);
@@ -254,12 +305,14 @@ struct W4Words {
 #include "gemm_w4a8.h"  // few-row calls on W4A8 (AVX-512 VNNI)
 
 template <typename A>
-int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const A* x, int64_t xs,
+int w4linear_any(int64_t M, int64_t N, int64_t K, int64_t group, int format, const A* x, int64_t xs,
                  const uint8_t* packed, const A* bias, A* out, int64_t os) {
-  if (M < 0 || N < 1 || K < kW4Codes || K % kW4Codes != 0 || group < 1 || (group < K && group % kW4Codes != 0))
+  if (M < 0 || N < 1 || K < kW4Codes || K % kW4Codes != 0 || group < 1 || (group < K && group % kW4Codes != 0) ||
+      format < 0 || format > (kW4Mins | kW4SubScaled))
     return 1;
   if (M == 0) return 0;
-  const W4Layout L(N, K, group, has_mins != 0, packed);
+  const W4Layout L(N, K, group, format, packed);
+  const bool has_mins = (format & kW4Mins) != 0;
 #if HS_HAVE_W4A8
   if (M <= kW4a8MaxRows)
     return has_mins ? w4a8_linear<true>(M, N, K, L, x, xs, bias, out, os)
@@ -298,17 +351,17 @@ int hs_w4_path(int act_dtype, int64_t rows) {
   return rows >= kWidenedRows ? 3 : 0;
 }
 
-int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,
+int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int format, const void* x,
                  int64_t xs, const uint8_t* packed, const void* bias, void* out, int64_t os) {
   switch (act_dtype) {
     case kF32:
-      return w4linear_any(M, N, K, group, has_mins, static_cast<const float*>(x), xs, packed,
+      return w4linear_any(M, N, K, group, format, static_cast<const float*>(x), xs, packed,
                           static_cast<const float*>(bias), static_cast<float*>(out), os);
     case kBF16:
-      return w4linear_any(M, N, K, group, has_mins, static_cast<const uint16_t*>(x), xs, packed,
+      return w4linear_any(M, N, K, group, format, static_cast<const uint16_t*>(x), xs, packed,
                           static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), os);
     case kF16:
-      return w4linear_any(M, N, K, group, has_mins, static_cast<const _Float16*>(x), xs, packed,
+      return w4linear_any(M, N, K, group, format, static_cast<const _Float16*>(x), xs, packed,
                           static_cast<const _Float16*>(bias), static_cast<_Float16*>(out), os);
     default:
       return 2;

@@ -102,14 +102,14 @@ constexpr int w4a8_panels(int MR) {
   return np < 1 ? 1 : (np > 8 ? 8 : np);
 }
 
-// out[r, n0 + c] for MR rows and NP panels: w, the first panel's words ([K8][16] each, pe words apart); sc, mn:
-// its scales and mins ([G][16] each, ps apart); gw: words a group.
+// out[r, n0 + c] for MR rows and NP panels from panel p0 of L; gw: words a group.
 template <int MR, int NP, bool Mins, typename A>
 __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs,
-                                                            const uint32_t* w, int64_t pe, const _Float16* sc,
-                                                            const _Float16* mn, int64_t ps, const A* bias, A* out,
+                                                            const W4Layout& L, int64_t p0, const A* bias, A* out,
                                                             int64_t os, int64_t n0, int64_t N) {
   const __m512i low = _mm512_set1_epi8(0x0f);
+  const uint32_t* w = L.words + p0 * L.pe;
+  const int64_t pe = L.pe;
   vf acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = vf{};
@@ -136,12 +136,12 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
       }
     }
     for (int p = 0; p < NP; ++p) {
-      _mm_prefetch(reinterpret_cast<const char*>(sc + p * ps + (g + kW4a8ScalesAhead) * kPanel), _MM_HINT_T0);
-      const vf s = load_halfs(sc + p * ps + g * kPanel);
+      _mm_prefetch(L.group_line(p0 + p, g + kW4a8ScalesAhead, false), _MM_HINT_T0);
+      const vf s = L.scale(p0 + p, g, 0);
       vf m{};
       if constexpr (Mins) {
-        _mm_prefetch(reinterpret_cast<const char*>(mn + p * ps + (g + kW4a8ScalesAhead) * kPanel), _MM_HINT_T0);
-        m = load_halfs(mn + p * ps + g * kPanel);
+        _mm_prefetch(L.group_line(p0 + p, g + kW4a8ScalesAhead, true), _MM_HINT_T0);
+        m = L.min(p0 + p, g, 0);
       }
       for (int r = 0; r < MR; ++r) {
         const float sx = xr.scales[r * xr.G + g];
@@ -173,25 +173,23 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
 #endif
 
 template <int MR, int NP, bool Mins, typename A>
-void w4a8_tile_any(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const uint32_t* w, int64_t pe,
-                   const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out, int64_t os, int64_t n0,
-                   int64_t N) {
+void w4a8_tile_any(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const W4Layout& L, int64_t p0,
+                   const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
   if constexpr (NP > 1) {
-    if (np < NP) return w4a8_tile_any<MR, NP - 1, Mins>(np, K8, gw, xr, xs, w, pe, sc, mn, ps, bias, out, os, n0, N);
+    if (np < NP) return w4a8_tile_any<MR, NP - 1, Mins>(np, K8, gw, xr, xs, L, p0, bias, out, os, n0, N);
   }
-  w4a8_tile<MR, NP, Mins>(K8, gw, xr, xs, w, pe, sc, mn, ps, bias, out, os, n0, N);
+  w4a8_tile<MR, NP, Mins>(K8, gw, xr, xs, L, p0, bias, out, os, n0, N);
 }
 
 template <bool Mins, typename A, int MR>
-void w4a8_rows(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const uint32_t* w, int64_t pe,
-               const _Float16* sc, const _Float16* mn, int64_t ps, const A* bias, A* out, int64_t os, int64_t n0,
-               int64_t N) {
-  w4a8_tile_any<MR, w4a8_panels(MR), Mins>(np, K8, gw, xr, xs, w, pe, sc, mn, ps, bias, out, os, n0, N);
+void w4a8_rows(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const W4Layout& L, int64_t p0,
+               const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+  w4a8_tile_any<MR, w4a8_panels(MR), Mins>(np, K8, gw, xr, xs, L, p0, bias, out, os, n0, N);
 }
 
 template <typename A>
-using W4a8RowsFn = void (*)(int, int64_t, int64_t, const W4a8Rows&, int64_t, const uint32_t*, int64_t,
-                            const _Float16*, const _Float16*, int64_t, const A*, A*, int64_t, int64_t, int64_t);
+using W4a8RowsFn = void (*)(int, int64_t, int64_t, const W4a8Rows&, int64_t, const W4Layout&, int64_t, const A*, A*,
+                            int64_t, int64_t, int64_t);
 
 template <bool Mins, typename A, int... R>
 constexpr auto w4a8_rows_table(std::integer_sequence<int, R...>) {
@@ -217,8 +215,7 @@ int w4a8_linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, 
                 w4a8_panels(M >= kW4a8TileRows ? kW4a8TileRows : static_cast<int>(M)),
                 [&](int64_t p0, int np, int64_t m0, int mr) {
                   const W4a8Rows tile{rows.codes + m0 * K, rows.scales + m0 * L.G, rows.sums + m0 * L.G, L.G};
-                  table[mr - 1](np, L.K8, gw, tile, K, L.words + p0 * L.pe, L.pe, L.scales + p0 * L.ps,
-                                Mins ? L.mins + p0 * L.ps : nullptr, L.ps, bias, out + m0 * os, os, p0 * kPanel, N);
+                  table[mr - 1](np, L.K8, gw, tile, K, L, p0, bias, out + m0 * os, os, p0 * kPanel, N);
                 });
   return 0;
 }

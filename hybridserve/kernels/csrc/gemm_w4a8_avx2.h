@@ -18,6 +18,20 @@ inline void w4a8_store_lane(float* out, float v) { *out = v; }
 inline void w4a8_store_lane(_Float16* out, float v) { *out = static_cast<_Float16>(v); }
 inline void w4a8_store_lane(uint16_t* out, float v) { *out = from_f32<BF16>(v).bits; }  // nearest even, as store_vec
 
+// The scales (or `mins`) of columns 8 v .. 8 v + 7 of panel p, group g, as float32 (an 8-lane build's vf is one
+// of them; a 16-lane build's is the whole panel).
+inline __m256 w4a8_lanes8(const W4Layout& L, int64_t p, int64_t g, int v, bool mins) {
+  if constexpr (kLanes == 8) {
+    const vf s = mins ? L.min(p, g, v) : L.scale(p, g, v);
+    return reinterpret_cast<const __m256&>(s);
+  } else {
+    const vf s = mins ? L.min(p, g, 0) : L.scale(p, g, 0);
+    alignas(64) float lanes[16];
+    __builtin_memcpy(lanes, &s, sizeof lanes);
+    return _mm256_load_ps(lanes + 8 * v);
+  }
+}
+
 // Columns [col, col + valid) of one output row: 8 float32 sums plus the bias, each rounded once to A.
 template <typename A>
 inline void w4a8_store8(A* row, __m256 sums, const A* bias, int64_t col, int valid) {
@@ -27,14 +41,13 @@ inline void w4a8_store8(A* row, __m256 sums, const A* bias, int64_t col, int val
     w4a8_store_lane(row + col + i, y[i] + (bias != nullptr ? widen_scalar(bias[col + i]) : 0.0f));
 }
 
-// out[r, n0 + c] for MR rows and one panel (NP = 1): w, the panel's words ([K8][16]); sc, mn: its scales and mins
-// ([G][16]); gw: words a group.
+// out[r, n0 + c] for MR rows and one panel (NP = 1), panel p0 of L; gw: words a group.
 template <int MR, int NP, bool Mins, typename A>
 __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs,
-                                                            const uint32_t* w, int64_t /*pe*/, const _Float16* sc,
-                                                            const _Float16* mn, int64_t /*ps*/, const A* bias, A* out,
+                                                            const W4Layout& L, int64_t p0, const A* bias, A* out,
                                                             int64_t os, int64_t n0, int64_t N) {
   static_assert(NP == 1, "the AVX2 tile takes one panel");
+  const uint32_t* w = L.words + p0 * L.pe;
   const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -67,10 +80,9 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
         for (int v = 0; v < 2; ++v) isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(part[r][v], ones));
     }
     for (int v = 0; v < 2; ++v) {
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * kPanel + 8 * v)));
+      const __m256 s = w4a8_lanes8(L, p0, g, v, false);
       __m256 m = _mm256_setzero_ps();
-      if constexpr (Mins)
-        m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + g * kPanel + 8 * v)));
+      if constexpr (Mins) m = w4a8_lanes8(L, p0, g, v, true);
       for (int r = 0; r < MR; ++r) {
         const __m256 sx = _mm256_set1_ps(xr.scales[r * xr.G + g]);
         const int32_t q = xr.sums[r * xr.G + g];

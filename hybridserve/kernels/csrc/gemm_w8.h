@@ -20,7 +20,8 @@
 
 namespace {
 
-// (4-bit ones, gemm_w4.h, only in the MoE experts' formats: centred codes, or codes with mins)
+// (4-bit ones, gemm_w4.h, only in the MoE experts' formats: centred codes with sub-scales (the experts
+// --quantization int4 makes), or codes with float16 scales and mins)
 enum WeightFormat : int { kNativeWeights = 0, kInt8Weights = 1, kFp8E4m3Weights = 2, kInt4Weights = 3,
                           kInt4MinsWeights = 4 };
 constexpr int64_t kW8DotRows = 4;  // rows from which avx512_bf16 runs bf16 activations on dot products

@@ -168,9 +168,10 @@ int hs_pack_w8(int64_t N, int64_t K, int64_t group, const uint8_t* q, int64_t qs
 int hs_linear_w8(int act_dtype, int wfmt, int64_t M, int64_t N, int64_t K, int64_t group, const void* x, int64_t xs,
                  const uint8_t* packed, const void* bias, void* out, int64_t os);
 
-// ---- gemm.cpp (gemm_w4.h): linears over 4-bit group-wise weights (float16 scales, optional float16 mins)
+// ---- gemm.cpp (gemm_w4.h): linears over 4-bit group-wise weights (format: bit 0 mins, bit 1 uint8 sub-scales
+// times a float16 per super-block; otherwise float16 scales and mins)
 int hs_w4_path(int act_dtype, int64_t rows);
-int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int has_mins, const void* x,
+int hs_linear_w4(int act_dtype, int64_t M, int64_t N, int64_t K, int64_t group, int format, const void* x,
                  int64_t xs, const uint8_t* packed, const void* bias, void* out, int64_t os);
 
 // ---- gemm.cpp (gemm_w6k.h): linears over GGUF Q6_K weights (6-bit codes, int8 sub-scales, float16 d)

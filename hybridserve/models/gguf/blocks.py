@@ -125,9 +125,10 @@ def q4_k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def decode_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K rows -> codes (N, K) uint8 0..15, scales (N, K / 32) float32 (d * sc) and mins (N, K / 32)
-    float32 (-(dmin * m))."""
+def decode_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """Q4_K rows -> codes (N, K) uint8 0..15, scales (N, K / 32) float32 (d * sc), mins (N, K / 32) float32
+    (-(dmin * m)), and the super-blocks' d and -dmin (N, K / 256) float32 (float16 values): every scale and min
+    is its super-block's value times a 6-bit integer."""
     b, rows = _blocks(raw, FORMATS["Q4_K"])
     n = b.shape[0]
     d, dmin = _fp16(b[:, :2]), _fp16(b[:, 2:4])
@@ -138,7 +139,8 @@ def decode_q4_k(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     scales = d[:, None] * sc.astype(np.float32)
     mins = -(dmin[:, None] * m.astype(np.float32))
     return (torch.from_numpy(codes.reshape(rows, -1).copy()), torch.from_numpy(scales.reshape(rows, -1).copy()),
-            torch.from_numpy(mins.reshape(rows, -1).copy()))
+            torch.from_numpy(mins.reshape(rows, -1).copy()), torch.from_numpy(d.reshape(rows, -1).copy()),
+            torch.from_numpy((-dmin).reshape(rows, -1).copy()))
 
 
 DECODERS = {"Q8_0": decode_q8_0, "Q6_K": decode_q6_k_parts, "Q5_0": decode_q5_0, "Q4_0": decode_q4_0,

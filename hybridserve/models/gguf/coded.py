@@ -20,8 +20,9 @@ class CodedWeight:
     for G groups of ``group`` in-features. ``bits`` 8: int8 codes, ``W = codes * scale``
     (``ops/linear_w8.py``); 4: codes 0..15, ``W = codes * scale + min`` or, without mins, ``(codes - 8) * scale``
     (``ops/linear_w4.py``); 6 (Q6_K): codes 0..63, ``scales`` the int8 sub-scales (N, K / 16) and
-    ``super_scales`` the float16 d (N, K / 256), ``W = (d * sc) * (codes - 32)`` (``ops/linear_w6k.py``).
-    ``source`` names the GGUF type it came from."""
+    ``super_scales`` the float16 d (N, K / 256), ``W = (d * sc) * (codes - 32)`` (``ops/linear_w6k.py``). 4-bit
+    from Q4_K also has ``super_scales`` and ``super_mins`` (N, K / 256), float16 values of which each scale and min
+    is an integer multiple (``kernels/linear_w4.py``, sub-scaled). ``source`` names the GGUF type it came from."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -30,6 +31,7 @@ class CodedWeight:
     bits: int
     source: str
     super_scales: torch.Tensor | None = None
+    super_mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -57,8 +59,9 @@ class CodedWeight:
         """The output channels ``index`` selects (row-wise quantization makes this exact)."""
         mins = None if self.mins is None else self.mins[index].contiguous()
         sup = None if self.super_scales is None else self.super_scales[index].contiguous()
+        sup_mins = None if self.super_mins is None else self.super_mins[index].contiguous()
         return replace(self, codes=self.codes[index].contiguous(), scales=self.scales[index].contiguous(),
-                       mins=mins, super_scales=sup)
+                       mins=mins, super_scales=sup, super_mins=sup_mins)
 
     def matches(self, other: CodedWeight) -> bool:
         """Whether ``other`` is of the same format, so their rows can be stacked into one weight."""
@@ -73,5 +76,6 @@ def cat_rows(parts: list[CodedWeight]) -> CodedWeight:
         raise ValueError("cat_rows takes weights of one format")
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])  # type: ignore[misc]
     sup = None if first.super_scales is None else torch.cat([p.super_scales for p in parts])  # type: ignore[misc]
+    sup_mins = None if first.super_mins is None else torch.cat([p.super_mins for p in parts])  # type: ignore[misc]
     return replace(first, codes=torch.cat([p.codes for p in parts]), scales=torch.cat([p.scales for p in parts]),
-                   mins=mins, super_scales=sup)
+                   mins=mins, super_scales=sup, super_mins=sup_mins)

@@ -64,7 +64,7 @@ def install_coded(owner: Any, attr: str, parent: nn.Module, child: str, weight: 
     """Put a coded weight into the ``nn.Linear`` ``owner`` (``parent.<child>``): 8-bit as int8 codes with
     ``weight_scale`` and ``weight_group`` (packed later for the 8-bit kernel, ``layers/packed_linear.py``), 4-bit
     by replacing the layer with a :class:`~hybridserve.layers.linear_w4.W4Linear` (the 4-bit kernel's packed
-    layout; its scales and mins in float16: Q4_0's are float16 already, Q4_K's ``d * sc`` products are rounded),
+    layout: Q4_0's float16 scales as they are, Q4_K's scales and mins sub-scaled, both exactly),
     Q6_K by replacing it with a :class:`~hybridserve.layers.linear_w6k.W6KLinear` (its values exactly)."""
     bias = None if owner.bias is None else owner.bias.data
     if weight.bits == 6:
@@ -76,7 +76,9 @@ def install_coded(owner: Any, attr: str, parent: nn.Module, child: str, weight: 
         setattr(owner, attr, nn.Parameter(weight.codes.to(device), requires_grad=False))  # int8: no gradient
         owner.weight_scale, owner.weight_group = weight.scales.to(device), weight.group
         return
+    supers = None if weight.super_scales is None else (
+        weight.super_scales.to(device), None if weight.super_mins is None else weight.super_mins.to(device))
     layer = W4Linear.from_codes(owner.in_features, owner.out_features, weight.codes.to(device),
                                 weight.scales.to(device), None if weight.mins is None else weight.mins.to(device),
-                                weight.group, bias)
+                                weight.group, bias, supers=supers)
     setattr(parent, child, layer)

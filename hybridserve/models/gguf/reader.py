@@ -100,7 +100,9 @@ def coded_weight(kind: str, decoded: tuple[Any, ...]) -> CodedWeight:
     fmt = FORMATS[kind]
     if fmt.bits == 6:  # Q6_K: codes, sub-scales, super-scales
         return CodedWeight(decoded[0], decoded[1], None, fmt.group, fmt.bits, kind, decoded[2])
-    mins = decoded[2] if len(decoded) == 3 else None
+    mins = decoded[2] if len(decoded) >= 3 else None
+    if len(decoded) == 5:  # Q4_K: codes, scales, mins and the super-blocks' scales of both
+        return CodedWeight(decoded[0], decoded[1], mins, fmt.group, fmt.bits, kind, decoded[3], decoded[4])
     return CodedWeight(decoded[0], decoded[1], mins, fmt.group, fmt.bits, kind)
 
 
