@@ -87,6 +87,28 @@ def test_w4_linear_runs_the_decoded_weight():
         assert torch.allclose(layer(x), x @ w.dequantize().T, atol=1e-5)
 
 
+def test_q4_k_in_the_4_bit_layer_is_exact_and_sub_scaled():
+    """Q4_K's d * sc scales and -(dmin * m) mins pack sub-scaled (the float16 d and -dmin per 256, the 6-bit sc and
+    m as bytes): the layer holds the decoded weight exactly, in fewer bytes than float16 scales and mins, and its
+    rows (a permutation, slices stacked again) keep their super-scales."""
+    from hybridserve.kernels import linear_w4
+    from hybridserve.layers.linear_w4 import W4Linear
+    from hybridserve.models.gguf.load import install_coded
+    from hybridserve.ops.linear_w4 import dequantize_w4
+
+    w = coded("Q4_K", random_blocks("Q4_K", rows=6, cols=512, seed=8))
+    assert w.super_scales is not None and w.super_mins is not None and w.super_scales.shape == (6, 2)
+    parent = torch.nn.Sequential(torch.nn.Linear(512, 6, bias=False))
+    install_coded(parent[0], "weight", parent, "0", w, torch.device("cpu"))
+    layer = parent[0]
+    assert isinstance(layer, W4Linear) and layer.sub_scaled and layer.has_mins
+    assert torch.equal(dequantize_w4(*layer.unpacked(), w.group), w.dequantize())
+    assert layer.packed_weight.numel() < linear_w4.packed_bytes(6, 512, 32, True)
+    order = torch.tensor([5, 0, 3, 1, 2, 4])
+    both = cat_rows([w.rows(order[:3]), w.rows(order[3:])])
+    assert torch.equal(both.super_mins, w.super_mins[order]) and torch.equal(both.dequantize(), w.dequantize()[order])
+
+
 def test_q6_k_rows_and_cat_rows_keep_values():
     """A Q6_K weight's rows (a permutation, slices stacked again) keep their codes, sub-scales and d together."""
     w = coded("Q6_K", random_blocks("Q6_K", rows=4, cols=512, seed=4))
