@@ -11,12 +11,13 @@ Q6_K      256 6-bit codes, an int8 scale per 16, fp16 d    Q6_K (ops/linear_w6k.
 Q5_0      32 5-bit codes, an fp16 scale d                  8-bit: int8 codes q - 16, scale d (group 32)
 Q4_0      32 4-bit codes, an fp16 scale d                  4-bit centred: codes q, scale d, no mins (group 32)
 Q4_K      256 4-bit codes, 6-bit scale and min per 32,     4-bit with mins: codes q, scale d * sc,
-          fp16 d and dmin                                  min -(dmin * m) (group 32)
+          fp16 d and dmin                                  min -(dmin * m) (group 32), with d and -dmin
 ========  ==============================================  ===================================================
 
 The products d * sc and dmin * m are exact in float32 (an fp16 times a 6- or 8-bit integer), so
 ``codes * scale + min`` (``ops/linear_w4.py``), ``codes * scale`` (``ops/linear_w8.py``) and
-``(d * sc) * (q - 32)`` (``ops/linear_w6k.py``) round as gguf does.
+``(d * sc) * (q - 32)`` (``ops/linear_w6k.py``) round as gguf does; Q4_K's d and -dmin per 256 let the 4-bit
+layer keep its scales and mins sub-scaled, exactly (``kernels/linear_w4.py``).
 """
 
 from __future__ import annotations
