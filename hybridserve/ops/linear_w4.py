@@ -3,8 +3,8 @@
 A weight (N, K) in 4 bits is ``codes`` (N, K) uint8 holding 0..15, ``scales`` (N, G) float32 and ``mins``
 (N, G) float32 or None, for G groups of ``group`` consecutive in-features (the last group may be short). An
 element's value is ``codes * scale + min`` of its group; without mins the codes are centred: ``(codes - 8) * scale``.
-``--quantization int4`` makes centred codes at load; GGUF's Q4_0 (centred) and Q4_K (scale and min per
-32-element sub-block) blocks map onto the same format exactly.
+``--quantization int4`` makes centred codes at load (``layers/linear_w4.py: quantize_w4_sub``); GGUF's Q4_0
+(centred) and Q4_K (scale and min per 32-element sub-block) blocks map onto the same format exactly.
 
 :func:`linear_w4a8_ref` is the W4A8 product of the few-row kernel path (``kernels/csrc/gemm_w4a8.h``): the
 activations quantized to int8 per block of the weight's group, the sums exact in integers.
@@ -16,7 +16,7 @@ import torch
 
 from hybridserve.ops.linear_w8 import quantize_rows_int8
 
-__all__ = ["CODE_CENTRE", "dequantize_w4", "linear_w4_ref", "linear_w4a8_ref", "quantize_blocks_int8", "quantize_w4"]
+__all__ = ["CODE_CENTRE", "dequantize_w4", "linear_w4_ref", "linear_w4a8_ref", "quantize_blocks_int8"]
 
 #: the code of zero without mins
 CODE_CENTRE = 8
@@ -34,18 +34,6 @@ def dequantize_w4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor 
     if mins is None:
         return (c - CODE_CENTRE) * _expand(scales.float(), group, K)
     return c * _expand(scales.float(), group, K) + _expand(mins.float(), group, K)
-
-
-def quantize_w4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight (N, K) float -> centred codes (N, K) uint8 and scales (N, G) float32: per group
-    ``scale = max|w| / 7`` (1 for a group of zeros), ``code = clamp(round(w / scale), -8, 7) + 8``."""
-    N, K = weight.shape
-    G = -(-K // group)
-    w = torch.nn.functional.pad(weight.float(), (0, G * group - K)).view(N, G, group)
-    amax = w.abs().amax(dim=-1)  # (N, G)
-    scales = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
-    q = torch.round(w / scales[..., None]).clamp_(-8, 7) + CODE_CENTRE
-    return q.view(N, G * group)[:, :K].to(torch.uint8), scales
 
 
 def linear_w4_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int,
