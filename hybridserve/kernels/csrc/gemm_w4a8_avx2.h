@@ -18,17 +18,20 @@ inline void w4a8_store_lane(float* out, float v) { *out = v; }
 inline void w4a8_store_lane(_Float16* out, float v) { *out = static_cast<_Float16>(v); }
 inline void w4a8_store_lane(uint16_t* out, float v) { *out = from_f32<BF16>(v).bits; }  // nearest even, as store_vec
 
-// The scales (or `mins`) of columns 8 v .. 8 v + 7 of panel p, group g, as float32 (an 8-lane build's vf is one
-// of them; a 16-lane build's is the whole panel).
-inline __m256 w4a8_lanes8(const W4Layout& L, int64_t p, int64_t g, int v, bool mins) {
+// The scales (or `mins`) of panel p, group g, as float32: columns 0-7 in half[0], 8-15 in half[1] (an 8-lane build
+// reads each half as one vf; a 16-lane build reads the panel once and splits it).
+inline void w4a8_halves(const W4Layout& L, int64_t p, int64_t g, bool mins, __m256 (&half)[2]) {
   if constexpr (kLanes == 8) {
-    const vf s = mins ? L.min(p, g, v) : L.scale(p, g, v);
-    return reinterpret_cast<const __m256&>(s);
+    for (int v = 0; v < 2; ++v) {
+      const vf s = mins ? L.min(p, g, v) : L.scale(p, g, v);
+      half[v] = reinterpret_cast<const __m256&>(s);
+    }
   } else {
     const vf s = mins ? L.min(p, g, 0) : L.scale(p, g, 0);
     alignas(64) float lanes[16];
     __builtin_memcpy(lanes, &s, sizeof lanes);
-    return _mm256_load_ps(lanes + 8 * v);
+    half[0] = _mm256_load_ps(lanes);
+    half[1] = _mm256_load_ps(lanes + 8);
   }
 }
 
@@ -79,17 +82,18 @@ __attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t 
       for (int r = 0; r < MR; ++r)
         for (int v = 0; v < 2; ++v) isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(part[r][v], ones));
     }
+    __m256 scale[2], min[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    w4a8_halves(L, p0, g, false, scale);
+    if constexpr (Mins) w4a8_halves(L, p0, g, true, min);
     for (int v = 0; v < 2; ++v) {
-      const __m256 s = w4a8_lanes8(L, p0, g, v, false);
-      __m256 m = _mm256_setzero_ps();
-      if constexpr (Mins) m = w4a8_lanes8(L, p0, g, v, true);
+      const __m256 s = scale[v];
       for (int r = 0; r < MR; ++r) {
         const __m256 sx = _mm256_set1_ps(xr.scales[r * xr.G + g]);
         const int32_t q = xr.sums[r * xr.G + g];
         __m256 val;
         if constexpr (Mins) {
           val = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][v]), s),
-                              _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(q)), m));
+                              _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(q)), min[v]));
         } else {
           val = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r][v], _mm256_set1_epi32(8 * q))), s);
         }
