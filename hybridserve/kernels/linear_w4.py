@@ -4,9 +4,11 @@ A weight in the format of ``ops/linear_w4.py`` (codes (N, K) 0..15, scales (N, G
 of ``group`` in-features) is packed once (:func:`pack`, plain PyTorch) into one uint8 buffer of
 :func:`packed_bytes`, per panel of 16 output columns:
 
-* the codes as 32-bit words ``[ceil(K / 8)][16]``: word (k8, c) holds the codes of k = 8 k8 .. 8 k8 + 7 of
-  column c, k = 8 k8 + j in bits 4j .. 4j + 3 (columns past N and k past K hold code 8);
-* then the scales, then (with mins) the mins (pad columns 0), in one of two forms:
+* the codes as 32-bit words: word (k8, c) holds the codes of k = 8 k8 .. 8 k8 + 7 of column c, k = 8 k8 + j in
+  bits 4j .. 4j + 3 (columns past N and k past K hold code 8); in blocks of :data:`BLOCK_PANELS` panels (the last
+  may hold fewer), group after group, panel after panel: ``[blocks][G][block's panels][group's 8-k steps][16]``,
+  so a tile that sums a block's groups panel after panel reads its words as one sequential stream;
+* then, per panel ``[panels]...``, the scales, then (with mins) the mins (pad columns 0), in one of two forms:
 
   - **float16** ``[G][16]``, rounded to nearest (ties to even) when packed: GGUF's Q4_0 scales are float16
     already, so nothing is lost there; a value beyond float16's range is refused (:func:`pack` raises);
@@ -25,6 +27,8 @@ None when the call is one the kernel does not cover (K not a multiple of 8, a gr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from hybridserve.kernels._abi import DTYPE_CODES, check
@@ -32,6 +36,7 @@ from hybridserve.kernels.gemm import LINEAR_DTYPES, PANEL, _library, linear_oper
 from hybridserve.ops.linear_w4 import CODE_CENTRE
 
 CODES_PER_WORD = 8  # 4-bit codes per 32-bit word of a packed panel
+BLOCK_PANELS = 8  # panels whose words interleave per 8-k step (kW4BlockPanels in csrc/gemm_w4.h)
 #: the dtype that names 4-bit codes where a weight format is a dtype (MoE experts' ``weight_format``)
 INT4_FORMAT: torch.dtype = torch.uint4  # type: ignore[attr-defined]
 AMX_ROWS = 16  # rows from which bf16 calls run on the AMX tiles at the amx level (kW4AmxRows in csrc/gemm_w4.h)
@@ -47,7 +52,7 @@ FLOAT16_MAX = float(torch.finfo(torch.float16).max)
 SUPER_K = 256  # in-features of a super-block of sub-scaled scales (kW4SuperK in csrc/gemm_w4.h)
 SUB_SCALE_MAX = 255  # the largest uint8 sub-scale
 FORMAT_MINS, FORMAT_SUB_SCALED = 1, 2  # bits of the format the kernel takes (kW4Mins, kW4SubScaled)
-_PACK_PANELS = 256  # panels packed at a time (4096 rows)
+_PACK_PANELS = 256  # panels packed at a time (4096 rows; a multiple of BLOCK_PANELS)
 
 
 def num_groups(in_features: int, group: int) -> int:
@@ -164,7 +169,7 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, g
     panels = -(-N // PANEL)
     rows, words = panels * PANEL, -(-K // CODES_PER_WORD)
     code_bytes = rows * words * 4
-    dest = packed[:code_bytes].view(torch.int32).view(panels, words, PANEL)
+    flat = packed[:code_bytes].view(torch.int32)
     shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
     for p0 in range(0, panels, _PACK_PANELS):  # a slice of panels at a time: the int64 words stay small
         p1 = min(panels, p0 + _PACK_PANELS)
@@ -173,7 +178,9 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, g
         padded[:max(0, min(N, r1) - r0), :K] = codes[r0:min(N, r1)]
         w = (padded.view(r1 - r0, words, CODES_PER_WORD) << shifts).sum(-1)  # (rows, words), < 2^32
         w = torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32)
-        dest[p0:p1].copy_(w.view(p1 - p0, PANEL, words).transpose(1, 2))
+        for b0, wb, at in _blocks(p0, p1, panels, words):
+            block = w.view(p1 - p0, PANEL, words)[b0 - p0:b0 - p0 + wb].transpose(1, 2)  # (wb, words, 16)
+            flat[at:at + block.numel()].copy_(_group_major(block, _group_words(K, group)))
     offset = code_bytes
     for halfs, subs in parts:
         n = halfs.shape[1]
@@ -190,6 +197,36 @@ def pack(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, g
     return packed
 
 
+def _group_words(in_features: int, group: int) -> int:
+    """8-k steps (words) of a group in the packed order: the kernel's groups where it covers the weight, else one
+    group of all the in-features."""
+    words = -(-in_features // CODES_PER_WORD)
+    return group // CODES_PER_WORD if covers(in_features, group) and group < in_features else words
+
+
+def _blocks(p0: int, p1: int, panels: int, words: int) -> Iterator[tuple[int, int, int]]:
+    """Per block of :data:`BLOCK_PANELS` panels starting in [p0, p1) (p0 a multiple of it): its first panel, its
+    panels and the int32 offset of its words."""
+    for b0 in range(p0, p1, BLOCK_PANELS):
+        yield b0, min(BLOCK_PANELS, panels - b0), b0 * words * PANEL
+
+
+def _group_major(block: torch.Tensor, gw: int) -> torch.Tensor:
+    """A block's words (panels, words, 16) in the packed order, flat: group after group, each group's words
+    panel after panel (the last group may be short)."""
+    wb, words, _ = block.shape
+    full = words // gw * gw
+    head = block[:, :full].reshape(wb, words // gw, gw, PANEL).transpose(0, 1).reshape(-1)
+    return torch.cat([head, block[:, full:].reshape(-1)])
+
+
+def _from_group_major(flat: torch.Tensor, wb: int, words: int, gw: int) -> torch.Tensor:
+    """The inverse of :func:`_group_major`: (wb, words, 16)."""
+    full = words // gw * gw
+    head = flat[:wb * full * PANEL].view(full // gw, wb, gw, PANEL).transpose(0, 1).reshape(wb, full, PANEL)
+    return torch.cat([head, flat[wb * full * PANEL:].view(wb, words - full, PANEL)], dim=1)
+
+
 def unpack(packed: torch.Tensor, out_features: int, in_features: int, group: int, has_mins: bool,
            sub_scaled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The codes (N, K) uint8, scales (N, G) float32 and mins (N, G) float32 or None a buffer from :func:`pack`
@@ -198,7 +235,12 @@ def unpack(packed: torch.Tensor, out_features: int, in_features: int, group: int
     panels = -(-N // PANEL)
     rows, words, G = panels * PANEL, -(-K // CODES_PER_WORD), num_groups(K, group)
     code_bytes = rows * words * 4
-    w = packed[:code_bytes].view(torch.int32).view(panels, words, PANEL).transpose(1, 2).reshape(rows, words)
+    flat = packed[:code_bytes].view(torch.int32)
+    w = torch.empty(panels, PANEL, words, dtype=torch.int32)
+    for b0, wb, at in _blocks(0, panels, panels, words):
+        w[b0:b0 + wb] = _from_group_major(flat[at:at + wb * words * PANEL], wb, words,
+                                          _group_words(K, group)).transpose(1, 2)
+    w = w.view(rows, words)
     shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * 4
     codes = ((w.to(torch.int64)[..., None] >> shifts) & 15).reshape(rows, words * CODES_PER_WORD)[:N, :K]
     parts = []

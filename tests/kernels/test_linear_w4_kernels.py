@@ -61,6 +61,29 @@ def _assert_within_bound(y, x, codes, scales, mins, group, b, what):
     assert_within_ulps(y, ref, y.dtype, ulps=2, atol=2 * atol.float(), what=f"{what}: kernel vs reference")
 
 
+def test_words_are_packed_in_blocks_of_8_panels_group_by_group():
+    """The packed words, derived here from the format's description: word (k8, c) of panel p holds the codes of
+    k = 8 k8 .. 8 k8 + 7 of column 16 p + c in bits 4j; a block of 8 panels (the last one of 7 here) keeps its
+    words group after group, each group's panel after panel: [blocks][G][block's panels][group's steps][16]."""
+    N, K, group = 360, 40, 16  # 23 panels: blocks of 8, 8 and 7; groups of 2, 2 and 1 steps
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    packed = linear_w4.pack(codes, torch.ones(N, 3), None, group)
+    words, panels, gw = K // 8, -(-N // 16), group // 8
+    got = packed[:panels * 16 * words * 4].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for n in (0, 15, 16, 127, 128, 130, 255, 256, 300, 359):
+        p, c = divmod(n, 16)
+        first = p - p % linear_w4.BLOCK_PANELS
+        width = min(linear_w4.BLOCK_PANELS, panels - first)
+        for k8 in range(words):
+            g0 = k8 // gw * gw
+            steps = min(gw, words - g0)
+            want = sum(int(codes[n, 8 * k8 + j]) << (4 * j) for j in range(8))
+            at = (first * words + g0 * width + (p - first) * steps + k8 - g0) * 16 + c
+            assert int(got[at]) == want, f"column {n}, step {k8}: word at {at}"
+    assert torch.equal(linear_w4.unpack(packed, N, K, group, False)[0], codes)
+
+
 @pytest.mark.parametrize("form", W4_SCALE_FORMS)
 @pytest.mark.parametrize("act", ACTS, ids=IDS.get)
 @pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
@@ -117,6 +140,21 @@ def test_identity_rows_give_each_weight_rounded_once_to_bf16(isa_level, group, w
     assert linear_w4.path(K) == coded_many_rows_path(linear_w4.W4_PATHS, isa_level, torch.bfloat16)
     expected = (dequantize_w4(codes, scales, mins, group) + 0.0).to(torch.bfloat16).T
     assert_bits_equal(y, expected, f"weights at {isa_level}")
+
+
+@pytest.mark.parametrize("with_mins", [False, True], ids=["centred", "mins"])
+def test_tiles_over_several_blocks_of_panels(with_mins):
+    """23 panels, whose words interleave in blocks of 8, 8 and 7: every path's tiles, whether they take a whole
+    block, part of one or the short last one, within the bound (W4A8: the reference's bits)."""
+    N, K, group = 360, 256, 32
+    g = torch.Generator().manual_seed(11 + with_mins)
+    codes, scales, mins, supers = w4_form_operands(N, K, group, with_mins, g, "sub")
+    packed = linear_w4.pack(codes, scales, mins, group, supers=supers)
+    for M in (1, 2, 3, 4, 5, 8, 15, 16, 33):
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        y = linear_w4.linear(x, packed, N, group, with_mins, None, sub_scaled=True)
+        assert y is not None and y.shape == (M, N)
+        _assert_within_bound(y, x, codes, scales, mins, group, None, f"{M} rows over 3 blocks")
 
 
 def test_calls_the_kernel_does_not_cover_are_declined():

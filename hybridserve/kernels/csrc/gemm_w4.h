@@ -4,7 +4,10 @@
 //
 // A weight W (N, K) of codes c (0..15) with scales s and, optionally, mins m per group of `group` consecutive k
 // (W[n, k] = c s + m, or (c - 8) s without mins) is packed per panel of 16 output columns:
-//   [panels][K/8][16] uint32 words: word (k8, col) holds the codes of k = 8 k8 + j in bits 4j .. 4j + 3;
+//   uint32 words: word (k8, col) holds the codes of k = 8 k8 + j in bits 4j .. 4j + 3; in blocks of
+//   kW4BlockPanels panels (the last may hold fewer), group after group, panel after panel,
+//   [blocks][G][block's panels][group's 8-k steps][16], so a tile of a block's panels that sums a group panel after
+//   panel reads the block as one sequential stream (W4Layout::group_words);
 //   the scales: [panels][G][16] float16, or, sub-scaled (kW4SubScaled), [panels][S][16] float16 super-scales d,
 //   one per super-block of SG groups (kW4SuperK k), then [panels][G][16] uint8 sub-scales u: s = d u, exact in
 //   float32 (an 11-bit by 8-bit product);
@@ -72,10 +75,14 @@ inline vf widen_bytes(const uint8_t* p) {
 constexpr int kW4Mins = 1;          // a min per group beside the scale
 constexpr int kW4SubScaled = 2;     // scales and mins as uint8 sub-scales times a float16 per super-block
 constexpr int64_t kW4SuperK = 256;  // in-features of a super-block (GGUF's Q4_K blocks)
+// Panels whose words interleave group by group (kernels/linear_w4.py: BLOCK_PANELS). A tile of a block then reads
+// one sequential stream, which memory serves faster than 8 streams a panel apart.
+constexpr int64_t kW4BlockPanels = 8;
+constexpr int64_t kW4AheadLines = 32;  // lines ahead in the block's stream a tile requests
 
 // The packed weight's parts, and the scale and min vectors of one panel's group.
 struct W4Layout {
-  int64_t K8, gs, G, panels, pe;  // words per column; k per group; groups; panels; words per panel
+  int64_t K8, gs, gw, G, panels, pe;  // words per column; k and words per group; groups; panels; words per panel
   int64_t SG = 1, S = 0;          // sub-scaled: groups per super-block, super-blocks per column
   const uint32_t* words;
   const _Float16* scale_halfs;   // [panels][G][16], or sub-scaled the super-scales [panels][S][16]
@@ -85,6 +92,7 @@ struct W4Layout {
   W4Layout(int64_t N, int64_t K, int64_t group, int format, const uint8_t* packed) {
     K8 = K / kW4Codes;
     gs = group < K ? group : K;
+    gw = gs / kW4Codes;
     G = (K + gs - 1) / gs;
     panels = (N + kPanel - 1) / kPanel;
     pe = K8 * kPanel;
@@ -105,6 +113,12 @@ struct W4Layout {
     min_halfs = nullptr, min_bytes = nullptr;
     if (format & kW4Mins) part(min_halfs, min_bytes);
   }
+  // panel p's words of group g: the group's 8-k steps from g gw on, kPanel words each, one after another
+  const uint32_t* group_words(int64_t p, int64_t g) const {
+    const int64_t b0 = p - p % kW4BlockPanels, wb = std::min<int64_t>(kW4BlockPanels, panels - b0);
+    const int64_t w0 = g * gw, n = std::min(gw, K8 - w0);
+    return words + b0 * pe + (w0 * wb + (p - b0) * n) * kPanel;
+  }
   vf scale(int64_t p, int64_t g, int v) const { return value(scale_halfs, scale_bytes, p, g, v); }
   vf min(int64_t p, int64_t g, int v) const { return value(min_halfs, min_bytes, p, g, v); }
   // the first byte of a group's scales (or mins: `mins`), for a prefetch
@@ -121,6 +135,16 @@ struct W4Layout {
            load_halfs(halfs + (p * S + g / SG) * kPanel + v * kLanes);
   }
 };
+
+// f(p, n) for the panels [p0, p0 + np) cut where a block ends: a tile's panels lie in one block.
+template <typename F>
+inline void w4_block_split(int64_t p0, int np, const F& f) {
+  for (int64_t p = p0, end = p0 + np; p < end;) {
+    const int64_t e = std::min(end, p - p % kW4BlockPanels + kW4BlockPanels);
+    f(p, static_cast<int>(e - p));
+    p = e;
+  }
+}
 
 // Registers: 2 x MR x NP x kVecs sums (the tile's and the group's), NP x kVecs words, a code and MR broadcasts.
 constexpr int w4_max_rows() { return kLanes == 16 ? 8 : 2; }
@@ -141,14 +165,12 @@ inline void w4_nibble_step(vf (&part)[MR][NV], const vu (&words)[NV], const floa
   if constexpr (J + 1 < kW4Codes) w4_nibble_step<MR, NV, J + 1>(part, words, xk, xs);
 }
 
-// out[r, n0 + c] for MR rows and NP panels from panel p0 of L; xsum[r * G + g]: row r's sum of x over group g;
-// gw: words a group.
+// out[r, n0 + c] for MR rows and NP panels of one block from panel p0 of L; xsum[r * G + g]: row r's sum of x over
+// group g; gw: words a group.
 template <int MR, int NP, bool Mins, typename A>
 void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum, const W4Layout& L,
             int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
   constexpr int NV = NP * kVecs;
-  const uint32_t* w = L.words + p0 * L.pe;
-  const int64_t pe = L.pe;
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
@@ -157,11 +179,13 @@ void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, cons
     vf part[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NV; ++j) part[r][j] = vf{};
+    const uint32_t* w[NP];
+    for (int p = 0; p < NP; ++p) w[p] = L.group_words(p0 + p, g);
     for (int64_t k8 = w0; k8 < w1; ++k8) {
       vu words[NV];
       for (int p = 0; p < NP; ++p) {
-        const uint32_t* row = w + p * pe + k8 * kPanel;
-        __builtin_prefetch(row + 8 * kPanel, 0, 3);  // 8 lines ahead in this panel, all levels (gemm_w8.h: w8tile)
+        const uint32_t* row = w[p] + (k8 - w0) * kPanel;
+        __builtin_prefetch(row + kW4AheadLines * kPanel, 0, 3);  // further on in the block, all levels
         for (int v = 0; v < kVecs; ++v) words[p * kVecs + v] = load_vec<vu>(row + v * kLanes);
       }
       w4_nibble_step<MR, NV, 0>(part, words, xf + k8 * kW4Codes, xs);
@@ -225,8 +249,10 @@ int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int
   const int64_t gw = L.gs / kW4Codes;
   for_row_tiles(M, N, K, K, kRows, L.panels, w4_panels(M >= kRows ? kRows : static_cast<int>(M)),
                 [&](int64_t p0, int np, int64_t m0, int mr) {
-                  table[mr - 1](np, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L, p0, bias, out + m0 * os,
-                                os, p0 * kPanel, N);
+                  w4_block_split(p0, np, [&](int64_t p, int n) {
+                    table[mr - 1](n, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L, p, bias, out + m0 * os, os,
+                                  p * kPanel, N);
+                  });
                 });
   return 0;
 }
@@ -245,14 +271,16 @@ struct W4FloatPanels {
   void operator()(int64_t p0, int np, float* dst) const {
     const int64_t gw = L->gs / kW4Codes, pe = L->K8 * kW4Codes * kPanel;
     for (int j = 0; j < np; ++j)
-      for (int64_t g = 0; g < L->G; ++g)
+      for (int64_t g = 0; g < L->G; ++g) {
+        const uint32_t* w = L->group_words(p0 + j, g);
         for (int v = 0; v < kVecs; ++v) {
           const vf s = L->scale(p0 + j, g, v);
           const vf m = L->min_halfs != nullptr ? L->min(p0 + j, g, v) : -8.0f * s;  // centred: (c - 8) s
           for (int64_t k8 = g * gw; k8 < std::min(L->K8, (g + 1) * gw); ++k8)
-            w4_store_codes<0>(load_vec<vu>(L->words + (p0 + j) * L->pe + k8 * kPanel + v * kLanes), s, m,
+            w4_store_codes<0>(load_vec<vu>(w + (k8 - g * gw) * kPanel + v * kLanes), s, m,
                               dst + j * pe + k8 * kW4Codes * kPanel + v * kLanes);
         }
+      }
   }
 };
 
@@ -274,20 +302,24 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
 struct W4Words {
   const W4Layout* L;
   int64_t units() const { return L->K8; }
+  // where panel p's share of the words begins, for a prefetch: panels [p, p + n) of a block span as many words as
+  // they hold, interleaved with the block's other panels'
   const char* bytes(int64_t p) const { return reinterpret_cast<const char*>(L->words + p * L->pe); }
   // words [from, to) of the panels from p on (panel j's word k8 is j * K8 + k8) into dst (panel j at j * 8 K8 x 16)
   void widen(int64_t p, int64_t from, int64_t to, uint16_t* dst) const {
-    const int64_t gw = L->gs / kW4Codes, pe = L->K8 * kW4Codes * kPanel;
-    int64_t cached = -1;  // the (panel, group) whose scale and min vectors are loaded
+    if (from >= to) return;
+    const int64_t pe = L->K8 * kW4Codes * kPanel;
+    int64_t j = from / L->K8, k8 = from - j * L->K8, g = k8 / L->gw, in = k8 - g * L->gw;  // in: step in the group
+    const uint32_t* w = nullptr;  // panel p + j's words of group g
     __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
+    const auto enter = [&] {  // a new (panel, group): its words, scale and min
+      w = L->group_words(p + j, g);
+      s = reinterpret_cast<__m512>(L->scale(p + j, g, 0));
+      m = L->min_halfs != nullptr ? reinterpret_cast<__m512>(L->min(p + j, g, 0)) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
+    };
+    enter();
     for (int64_t i = from; i < to; ++i) {
-      const int64_t j = i / L->K8, k8 = i - j * L->K8, g = k8 / gw, key = j * L->G + g;
-      if (key != cached) {
-        s = reinterpret_cast<__m512>(L->scale(p + j, g, 0));
-        m = L->min_halfs != nullptr ? reinterpret_cast<__m512>(L->min(p + j, g, 0)) : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
-        cached = key;
-      }
-      const vu words = load_vec<vu>(L->words + (p + j) * L->pe + k8 * kPanel);
+      const vu words = load_vec<vu>(w + in * kPanel);
       uint16_t* d = dst + j * pe + k8 * 4 * 2 * kPanel;  // 4 k-pairs of 16 columns
       const auto pair = [&](auto even, auto odd, int n) {
         _mm512_storeu_si512(d + n * 2 * kPanel, bf16_pairs(_mm512_fmadd_ps(reinterpret_cast<__m512>(even), s, m),
@@ -297,6 +329,14 @@ struct W4Words {
       pair(nibble<2>(words), nibble<3>(words), 1);
       pair(nibble<4>(words), nibble<5>(words), 2);
       pair(nibble<6>(words), nibble<7>(words), 3);
+      if (i + 1 == to) break;
+      if (++k8 == L->K8) {
+        ++j, k8 = 0, g = 0, in = 0;
+        enter();
+      } else if (++in == L->gw) {
+        ++g, in = 0;
+        enter();
+      }
     }
   }
 };

@@ -85,6 +85,11 @@ void w4a8_quantize_row(int64_t K, int64_t gs, const A* x, int8_t* codes, float* 
   }
 }
 
+// One output as A, rounded once (bf16: nearest even, as store_vec).
+inline void w4a8_store_lane(float* out, float v) { *out = v; }
+inline void w4a8_store_lane(_Float16* out, float v) { *out = static_cast<_Float16>(v); }
+inline void w4a8_store_lane(uint16_t* out, float v) { *out = from_f32<BF16>(v).bits; }  // nearest even, as store_vec
+
 #if HS_HAVE_W4A8_VNNI
 // rows of a tile: 8 rows read the weights once (tiles of 4 ran 0.84-0.87x as fast at 8 rows, weights from memory)
 constexpr int kW4a8TileRows = 8;
@@ -95,101 +100,111 @@ constexpr int kW4a8TileRows = 8;
 // one process; the same bits).
 constexpr int64_t kW4a8ScalesAhead = 4;
 
-// Panels of a tile of MR rows: 2 x MR x NP sums (the float32 total and the group's int32) and the two nibble
-// vectors of a panel in the registers, the activation quads as memory broadcasts.
-constexpr int w4a8_panels(int MR) {
-  const int np = 26 / (2 * MR);
-  return np < 1 ? 1 : (np > 8 ? 8 : np);
-}
-
-// out[r, n0 + c] for MR rows and NP panels from panel p0 of L; gw: words a group.
-template <int MR, int NP, bool Mins, typename A>
-__attribute__((optimize("fp-contract=off"))) void w4a8_tile(int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs,
-                                                            const W4Layout& L, int64_t p0, const A* bias, A* out,
-                                                            int64_t os, int64_t n0, int64_t N) {
+// One group of MR rows over one panel p: its n 8-k steps from w (kPanel words each; GW > 0: n == GW, the steps
+// unrolled), the group's first step w0: the exact int32 sums, then per row acc += v * s (acc: [MR][kW4BlockPanels]
+// [16] float32 from panel p's).
+// Inlined into w4a8_tile, whose flags it then takes (so the tile carries the same fp-contract=off).
+template <int MR, bool Mins, int GW>
+__attribute__((optimize("fp-contract=off"), always_inline)) inline void w4a8_panel(
+    const uint32_t* w, int64_t n, int64_t w0, int64_t g, const W4a8Rows& xr, int64_t xs, const W4Layout& L, int64_t p,
+    float* acc) {
   const __m512i low = _mm512_set1_epi8(0x0f);
-  const uint32_t* w = L.words + p0 * L.pe;
-  const int64_t pe = L.pe;
-  vf acc[MR][NP];
+  const int64_t steps = GW > 0 ? GW : n;
+  // one or two rows: four int32 sums a row (steps even and odd, codes even and odd), added at the end, so the
+  // dependency chains are short (one chain a row ran one-row calls from cache 0.7x as fast); more rows give
+  // independent chains of their own
+  constexpr int C = MR <= 2 ? 4 : 1;
+  __m512i part[MR][4];
   for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) acc[r][p] = vf{};
-  for (int64_t g = 0; g < xr.G; ++g) {
-    const int64_t w0 = g * gw, w1 = std::min(K8, w0 + gw);
-    __m512i isum[MR][NP];
-    for (int r = 0; r < MR; ++r)
-      for (int p = 0; p < NP; ++p) isum[r][p] = _mm512_setzero_si512();
-    for (int64_t k8 = w0; k8 < w1; ++k8) {
-      for (int p = 0; p < NP; ++p) {
-        const uint32_t* row = w + p * pe + k8 * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(row + 8 * kPanel), _MM_HINT_T0);
-        const __m512i words = _mm512_loadu_si512(row);
-        const __m512i even = _mm512_and_si512(words, low);                       // c0, c2, c4, c6
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(words, 4), low);  // c1, c3, c5, c7
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* q = xr.codes + r * xs + k8 * 8;
-          int32_t qe, qo;
-          __builtin_memcpy(&qe, q, 4);
-          __builtin_memcpy(&qo, q + 4, 4);
-          isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], even, _mm512_set1_epi32(qe));
-          isum[r][p] = _mm512_dpbusd_epi32(isum[r][p], odd, _mm512_set1_epi32(qo));
-        }
-      }
-    }
-    for (int p = 0; p < NP; ++p) {
-      _mm_prefetch(L.group_line(p0 + p, g + kW4a8ScalesAhead, false), _MM_HINT_T0);
-      const vf s = L.scale(p0 + p, g, 0);
-      vf m{};
-      if constexpr (Mins) {
-        _mm_prefetch(L.group_line(p0 + p, g + kW4a8ScalesAhead, true), _MM_HINT_T0);
-        m = L.min(p0 + p, g, 0);
-      }
-      for (int r = 0; r < MR; ++r) {
-        const float sx = xr.scales[r * xr.G + g];
-        const int32_t q = xr.sums[r * xr.G + g];
-        vf v;
-        if constexpr (Mins) {
-          v = __builtin_convertvector(reinterpret_cast<vi32>(isum[r][p]), vf) * s + static_cast<float>(q) * m;
-        } else {
-          const vi32 centred = reinterpret_cast<vi32>(isum[r][p]) - 8 * q;
-          v = __builtin_convertvector(centred, vf) * s;
-        }
-        acc[r][p] = acc[r][p] + v * sx;
-      }
+    for (int c = 0; c < C; ++c) part[r][c] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < steps; ++i) {
+    const uint32_t* row = w + i * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(row + kW4AheadLines * kPanel), _MM_HINT_T0);
+    const __m512i words = _mm512_loadu_si512(row);
+    const __m512i even = _mm512_and_si512(words, low);                       // c0, c2, c4, c6
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(words, 4), low);  // c1, c3, c5, c7
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* q = xr.codes + r * xs + (w0 + i) * 8;
+      int32_t qe, qo;
+      __builtin_memcpy(&qe, q, 4);
+      __builtin_memcpy(&qo, q + 4, 4);
+      const int ce = C == 4 ? 2 * static_cast<int>(i & 1) : 0, co = C == 4 ? ce + 1 : 0;
+      part[r][ce] = _mm512_dpbusd_epi32(part[r][ce], even, _mm512_set1_epi32(qe));
+      part[r][co] = _mm512_dpbusd_epi32(part[r][co], odd, _mm512_set1_epi32(qo));
     }
   }
-  for (int p = 0; p < NP; ++p) {
-    const int64_t col = n0 + p * kPanel;
-    const int valid = static_cast<int>(N - col < kPanel ? N - col : kPanel);
-    if (valid <= 0) break;
-    vf b = vf{};
-    if (bias != nullptr)
-      for (int i = 0; i < valid; ++i) b[i] = widen_scalar(bias[col + i]);
-    for (int r = 0; r < MR; ++r) store_vec(out + r * os + col, acc[r][p] + b, valid);
+  __m512i isum[MR];
+  for (int r = 0; r < MR; ++r) {
+    isum[r] = part[r][0];
+    if constexpr (C == 4)
+      isum[r] = _mm512_add_epi32(_mm512_add_epi32(part[r][0], part[r][1]), _mm512_add_epi32(part[r][2], part[r][3]));
+  }
+  _mm_prefetch(L.group_line(p, g + kW4a8ScalesAhead, false), _MM_HINT_T0);
+  const vf s = L.scale(p, g, 0);
+  vf m{};
+  if constexpr (Mins) {
+    _mm_prefetch(L.group_line(p, g + kW4a8ScalesAhead, true), _MM_HINT_T0);
+    m = L.min(p, g, 0);
+  }
+  for (int r = 0; r < MR; ++r) {
+    const float sx = xr.scales[r * xr.G + g];
+    const int32_t q = xr.sums[r * xr.G + g];
+    vf v;
+    if constexpr (Mins) {
+      v = __builtin_convertvector(reinterpret_cast<vi32>(isum[r]), vf) * s + static_cast<float>(q) * m;
+    } else {
+      const vi32 centred = reinterpret_cast<vi32>(isum[r]) - 8 * q;
+      v = __builtin_convertvector(centred, vf) * s;
+    }
+    float* a = acc + r * kW4BlockPanels * kPanel;
+    store_vec(a, load_vec<vf>(a) + v * sx, kPanel);
   }
 }
 
 #else
-#include "gemm_w4a8_avx2.h"  // w4a8_tile on AVX2 integer vectors
+#include "gemm_w4a8_avx2.h"  // w4a8_panel on AVX2 integer vectors
 #endif
 
-template <int MR, int NP, bool Mins, typename A>
-void w4a8_tile_any(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const W4Layout& L, int64_t p0,
-                   const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
-  if constexpr (NP > 1) {
-    if (np < NP) return w4a8_tile_any<MR, NP - 1, Mins>(np, K8, gw, xr, xs, L, p0, bias, out, os, n0, N);
+// out[r, n0 + c] for MR rows and the nb panels of one block from panel p0 of L: group after group, panel after
+// panel, the order of the block's words (one stream); GW > 0: the groups of GW steps unrolled (a short last group
+// is not).
+template <int MR, bool Mins, int GW, typename A>
+__attribute__((optimize("fp-contract=off"))) void w4a8_tile(int nb, const W4a8Rows& xr, int64_t xs, const W4Layout& L,
+                                                            int64_t p0, const A* bias, A* out, int64_t os, int64_t n0,
+                                                            int64_t N) {
+  alignas(64) float acc[MR][kW4BlockPanels][kPanel] = {};
+  for (int64_t g = 0; g < xr.G; ++g) {
+    const int64_t w0 = g * L.gw, n = std::min(L.gw, L.K8 - w0);
+    const uint32_t* w = L.group_words(p0, g);  // the block's panels' words of group g, n steps each
+    if (GW > 0 && n == GW) {
+      for (int j = 0; j < nb; ++j)
+        w4a8_panel<MR, Mins, GW>(w + j * GW * kPanel, GW, w0, g, xr, xs, L, p0 + j, &acc[0][j][0]);
+    } else {
+      for (int j = 0; j < nb; ++j)
+        w4a8_panel<MR, Mins, 0>(w + j * n * kPanel, n, w0, g, xr, xs, L, p0 + j, &acc[0][j][0]);
+    }
   }
-  w4a8_tile<MR, NP, Mins>(K8, gw, xr, xs, L, p0, bias, out, os, n0, N);
+  for (int j = 0; j < nb; ++j) {
+    const int64_t col = n0 + j * kPanel;
+    const int valid = static_cast<int>(N - col < kPanel ? N - col : kPanel);
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < valid; ++i)
+        w4a8_store_lane(out + r * os + col + i,
+                        acc[r][j][i] + (bias != nullptr ? widen_scalar(bias[col + i]) : 0.0f));
+  }
 }
 
 template <bool Mins, typename A, int MR>
-void w4a8_rows(int np, int64_t K8, int64_t gw, const W4a8Rows& xr, int64_t xs, const W4Layout& L, int64_t p0,
-               const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
-  w4a8_tile_any<MR, w4a8_panels(MR), Mins>(np, K8, gw, xr, xs, L, p0, bias, out, os, n0, N);
+void w4a8_rows(int nb, const W4a8Rows& xr, int64_t xs, const W4Layout& L, int64_t p0, const A* bias, A* out,
+               int64_t os, int64_t n0, int64_t N) {
+  if (L.gw == 4) return w4a8_tile<MR, Mins, 4>(nb, xr, xs, L, p0, bias, out, os, n0, N);  // groups of 32
+  if (L.gw == 8) return w4a8_tile<MR, Mins, 8>(nb, xr, xs, L, p0, bias, out, os, n0, N);  // groups of 64
+  w4a8_tile<MR, Mins, 0>(nb, xr, xs, L, p0, bias, out, os, n0, N);
 }
 
 template <typename A>
-using W4a8RowsFn = void (*)(int, int64_t, int64_t, const W4a8Rows&, int64_t, const W4Layout&, int64_t, const A*, A*,
-                            int64_t, int64_t, int64_t);
+using W4a8RowsFn = void (*)(int, const W4a8Rows&, int64_t, const W4Layout&, int64_t, const A*, A*, int64_t, int64_t,
+                            int64_t);
 
 template <bool Mins, typename A, int... R>
 constexpr auto w4a8_rows_table(std::integer_sequence<int, R...>) {
@@ -210,12 +225,11 @@ int w4a8_linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, 
   // (the thread_local vectors are this thread's: their addresses, taken here, are what the region's threads read)
   const W4a8Rows rows{codes.data(), scales.data(), sums.data(), L.G};
   static constexpr auto table = w4a8_rows_table<Mins, A>(std::make_integer_sequence<int, kW4a8TileRows>{});
-  const int64_t gw = L.gs / kW4Codes;
-  for_row_tiles(M, N, K, K / 4, kW4a8TileRows, L.panels,
-                w4a8_panels(M >= kW4a8TileRows ? kW4a8TileRows : static_cast<int>(M)),
-                [&](int64_t p0, int np, int64_t m0, int mr) {
+  // a tile a block (the groups are blocks)
+  for_row_tiles(M, N, K, K / 4, kW4a8TileRows, L.panels, kW4BlockPanels,
+                [&](int64_t p0, int nb, int64_t m0, int mr) {
                   const W4a8Rows tile{rows.codes + m0 * K, rows.scales + m0 * L.G, rows.sums + m0 * L.G, L.G};
-                  table[mr - 1](np, L.K8, gw, tile, K, L, p0, bias, out + m0 * os, os, p0 * kPanel, N);
+                  table[mr - 1](nb, tile, K, L, p0, bias, out + m0 * os, os, p0 * kPanel, N);
                 });
   return 0;
 }
