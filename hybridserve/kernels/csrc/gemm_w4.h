@@ -166,16 +166,17 @@ inline void w4_nibble_step(vf (&part)[MR][NV], const vu (&words)[NV], const floa
 }
 
 // out[r, n0 + c] for MR rows and NP panels of one block from panel p0 of L; xsum[r * G + g]: row r's sum of x over
-// group g; gw: words a group.
+// group g.
 template <int MR, int NP, bool Mins, typename A>
-void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum, const W4Layout& L,
-            int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+void w4tile(const float* xf, int64_t xs, const float* xsum, const W4Layout& L, int64_t p0, const A* bias, A* out,
+            int64_t os, int64_t n0, int64_t N) {
   constexpr int NV = NP * kVecs;
+  const int64_t G = L.G;
   vf acc[MR][NV];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = vf{};
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t w0 = g * gw, w1 = std::min(K8, w0 + gw);
+    const int64_t w0 = g * L.gw, w1 = std::min(L.K8, w0 + L.gw);
     vf part[MR][NV];
     for (int r = 0; r < MR; ++r)
       for (int j = 0; j < NV; ++j) part[r][j] = vf{};
@@ -206,23 +207,23 @@ void w4tile(int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, cons
 }
 
 template <int MR, int NP, bool Mins, typename A>
-void w4tile_any(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
-                const W4Layout& L, int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
+void w4tile_any(int np, const float* xf, int64_t xs, const float* xsum, const W4Layout& L, int64_t p0, const A* bias,
+                A* out, int64_t os, int64_t n0, int64_t N) {
   if constexpr (NP > 1) {
-    if (np < NP) return w4tile_any<MR, NP - 1, Mins>(np, K8, gw, G, xf, xs, xsum, L, p0, bias, out, os, n0, N);
+    if (np < NP) return w4tile_any<MR, NP - 1, Mins>(np, xf, xs, xsum, L, p0, bias, out, os, n0, N);
   }
-  w4tile<MR, NP, Mins>(K8, gw, G, xf, xs, xsum, L, p0, bias, out, os, n0, N);
+  w4tile<MR, NP, Mins>(xf, xs, xsum, L, p0, bias, out, os, n0, N);
 }
 
 template <bool Mins, typename A, int MR>
-void w4rows(int np, int64_t K8, int64_t gw, int64_t G, const float* xf, int64_t xs, const float* xsum,
-            const W4Layout& L, int64_t p0, const A* bias, A* out, int64_t os, int64_t n0, int64_t N) {
-  w4tile_any<MR, w4_panels(MR), Mins>(np, K8, gw, G, xf, xs, xsum, L, p0, bias, out, os, n0, N);
+void w4rows(int np, const float* xf, int64_t xs, const float* xsum, const W4Layout& L, int64_t p0, const A* bias,
+            A* out, int64_t os, int64_t n0, int64_t N) {
+  w4tile_any<MR, w4_panels(MR), Mins>(np, xf, xs, xsum, L, p0, bias, out, os, n0, N);
 }
 
 template <typename A>
-using W4RowsFn = void (*)(int, int64_t, int64_t, int64_t, const float*, int64_t, const float*, const W4Layout&,
-                          int64_t, const A*, A*, int64_t, int64_t, int64_t);
+using W4RowsFn = void (*)(int, const float*, int64_t, const float*, const W4Layout&, int64_t, const A*, A*, int64_t,
+                          int64_t, int64_t);
 
 template <bool Mins, typename A, int... R>
 constexpr auto w4rows_table(std::integer_sequence<int, R...>) {
@@ -246,12 +247,10 @@ int w4linear(int64_t M, int64_t N, int64_t K, const W4Layout& L, const A* x, int
   const float* xsum = sums.data();
   constexpr int kRows = w4_max_rows();
   static constexpr auto table = w4rows_table<Mins, A>(std::make_integer_sequence<int, kRows>{});
-  const int64_t gw = L.gs / kW4Codes;
   for_row_tiles(M, N, K, K, kRows, L.panels, w4_panels(M >= kRows ? kRows : static_cast<int>(M)),
                 [&](int64_t p0, int np, int64_t m0, int mr) {
                   w4_block_split(p0, np, [&](int64_t p, int n) {
-                    table[mr - 1](n, L.K8, gw, L.G, xf + m0 * fs, fs, xsum + m0 * L.G, L, p, bias, out + m0 * os, os,
-                                  p * kPanel, N);
+                    table[mr - 1](n, xf + m0 * fs, fs, xsum + m0 * L.G, L, p, bias, out + m0 * os, os, p * kPanel, N);
                   });
                 });
   return 0;
@@ -269,7 +268,7 @@ inline void w4_store_codes(vu words, vf s, vf m, float* d) {
 struct W4FloatPanels {
   const W4Layout* L;
   void operator()(int64_t p0, int np, float* dst) const {
-    const int64_t gw = L->gs / kW4Codes, pe = L->K8 * kW4Codes * kPanel;
+    const int64_t gw = L->gw, pe = L->K8 * kW4Codes * kPanel;
     for (int j = 0; j < np; ++j)
       for (int64_t g = 0; g < L->G; ++g) {
         const uint32_t* w = L->group_words(p0 + j, g);

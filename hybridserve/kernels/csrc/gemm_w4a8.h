@@ -114,7 +114,7 @@ __attribute__((optimize("fp-contract=off"), always_inline)) inline void w4a8_pan
   // dependency chains are short (one chain a row ran one-row calls from cache 0.7x as fast); more rows give
   // independent chains of their own
   constexpr int C = MR <= 2 ? 4 : 1;
-  __m512i part[MR][4];
+  __m512i part[MR][C];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < C; ++c) part[r][c] = _mm512_setzero_si512();
   for (int64_t i = 0; i < steps; ++i) {
